@@ -1,0 +1,5 @@
+"""``python -m autoshard``."""
+
+from autoshard.cli import main
+
+main()

@@ -1,0 +1,395 @@
+"""Module statistics of a model and the FSDP wrap / checkpointing policies they suggest.
+
+Everything here works on the meta device: parameters are counted from shapes, never touched.
+The block-finding rule, in order:
+
+1. Hugging Face models name their block classes in ``_no_split_modules``; use those.
+2. Otherwise take the repeated (2+ instances) composite class with the largest instances that
+   still carries a real share of the parameters, then descend while a repeated composite class
+   nested inside it has at least twice as many instances and carries most of its parameters
+   (so ``T5Stack`` x2 gives way to ``T5Block`` x24, but ``Block`` does not give way to
+   ``Linear``). Other repeated composite classes beside the chosen ones with a real share join
+   them (the guide's ``{TransformerEncoderLayer, TransformerDecoderLayer}``).
+3. With no repeated block the proposal is a size-based policy, or no wrapping for small models.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+
+from torch import nn
+
+from autoshard.models import ClassStat, ModelProfile, ModuleStat, TiedGroup
+from autoshard.target import BuiltModel, TargetSpec, build_target
+
+# The seed guide: "avoid splitting small layers that have a few thousand parameters because
+# communication overhead would dominate". A unit smaller than this is flagged.
+SMALL_UNIT_PARAMS = 100_000
+# A repeated class must carry at least this share of all parameters to be called a block (low,
+# because in small token models the embedding and head dominate: the guide's demo Transformer
+# keeps 7% of its parameters in its encoder and decoder layers).
+MIN_BLOCK_SHARE = 0.02
+# Descend from a chosen block to a finer repeated class only when the finer one covers nearly
+# all of it (T5Stack -> T5Block), not when it is one part of it (DecoderLayer -> attention).
+DESCEND_COVERAGE = 0.9
+# A sibling block class joins the chosen one when its instances are at least this large
+# relative to the chosen instances (encoder layers beside decoder layers).
+SIBLING_SIZE = 0.25
+# A root unit holding more than this share (and more than one block) is reported.
+LARGE_ROOT_SHARE = 0.15
+# Containers group modules but are never FSDP units of their own.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
+# Below this, a model with no repeated block is one FSDP unit; above, it is wrapped by size.
+SIZE_WRAP_MIN_TOTAL = 10_000_000
+MODULE_ROWS = 40  # rows of the module tree kept in the profile
+
+
+def class_path(cls: type) -> str:
+    """``module.QualName`` of a class, the form FSDP policies and YAML class paths use."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def analyze_target(target: TargetSpec) -> tuple[ModelProfile, BuiltModel]:
+    """Build ``target`` on the meta device and analyse it."""
+    start = time.perf_counter()
+    built = build_target(target)
+    profile = analyze_model(
+        built.model, target=str(target), built_on=built.built_on, extra_warnings=built.warnings
+    )
+    return profile.model_copy(update={"seconds": time.perf_counter() - start}), built
+
+
+def analyze_model(
+    model: nn.Module,
+    *,
+    target: str = "",
+    built_on: str = "meta",
+    extra_warnings: Iterable[str] = (),
+) -> ModelProfile:
+    """Count parameters per module and class, find the blocks, propose policies."""
+    start = time.perf_counter()
+    tied = _find_tied(model)
+    params_of = _unique_params_per_module(model)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    dtypes = Counter({str(p.dtype).removeprefix("torch."): 0 for p in model.parameters()})
+    for p in model.parameters():
+        dtypes[str(p.dtype).removeprefix("torch.")] += p.numel()
+
+    classes = _class_stats(model, params_of, total)
+    no_split = tuple(getattr(model, "_no_split_modules", None) or ())
+    blocks, block_reason = _find_blocks(model, classes, params_of, total, no_split)
+    block_set = set(blocks)
+    block_modules = [m for m in model.modules() if class_path(type(m)) in block_set]
+    in_blocks = _union_size(block_modules)
+    block_params = max((params_of[id(m)][1] for m in block_modules), default=0)
+
+    warnings = list(extra_warnings)
+    wrap_min: int | None = None
+    if blocks:
+        wrap_policy = blocks
+        wrap_reason = block_reason
+        ckpt_policy = blocks
+        ckpt_reason = (
+            "checkpoint the same blocks, as the guide recommends: each recomputes its own "
+            "activations in backward; the estimator decides whether that memory is needed"
+        )
+        root_params = total - in_blocks
+    else:
+        wrap_policy = ()
+        ckpt_policy = ()
+        ckpt_reason = "no repeated block to checkpoint; checkpointing the whole model saves little"
+        root_params = total
+        if total >= SIZE_WRAP_MIN_TOTAL:
+            wrap_min = max(SMALL_UNIT_PARAMS, total // 8)
+            wrap_reason = (
+                f"no repeated block: wrap by size (min_num_params={wrap_min:,}), so units are "
+                "large enough that communication does not dominate"
+            )
+        else:
+            wrap_reason = (
+                f"no repeated block and only {total:,} parameters: one FSDP unit (no wrapping)"
+            )
+    largest_unit = max(block_params, root_params)
+
+    if blocks and block_params < SMALL_UNIT_PARAMS:
+        warnings.append(
+            f"wrapped units hold only {block_params:,} parameters each (< {SMALL_UNIT_PARAMS:,}): "
+            "communication overhead will dominate; wrap a larger enclosing class"
+        )
+    if blocks and root_params > max(block_params, LARGE_ROOT_SHARE * total):
+        owners = _root_owners(model, block_set, params_of)
+        warnings.append(
+            f"the root unit keeps {root_params:,} parameters ({root_params / total:.0%}) outside "
+            f"the wrapped blocks ({owners}); they are gathered whole for every step"
+            + (" and tied weights must stay together" if tied else "")
+        )
+    for group in tied:
+        warnings.append(
+            f"tied parameters {', '.join(group.names)} ({group.numel:,}) are one tensor: "
+            "they stay in one FSDP unit"
+        )
+
+    vocab, hidden = _largest_embedding(model)
+    return ModelProfile(
+        target=target or type(model).__name__,
+        model_class=class_path(type(model)),
+        total_params=total,
+        trainable_params=trainable,
+        param_bytes=param_bytes,
+        buffer_bytes=buffer_bytes,
+        param_dtype=dtypes.most_common(1)[0][0] if dtypes else "float32",
+        built_on="cpu" if built_on != "meta" else "meta",
+        classes=tuple(classes),
+        modules=tuple(_module_rows(model, params_of)),
+        tied=tuple(tied),
+        no_split_modules=no_split,
+        block_classes=blocks,
+        block_count=len(block_modules),
+        block_params=block_params,
+        wrap_policy=wrap_policy,
+        wrap_min_params=wrap_min,
+        wrap_reason=wrap_reason,
+        checkpoint_policy=ckpt_policy,
+        checkpoint_reason=ckpt_reason,
+        root_unit_params=root_params,
+        largest_unit_params=largest_unit,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        warnings=tuple(warnings),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _find_tied(model: nn.Module) -> list[TiedGroup]:
+    names: dict[int, list[str]] = defaultdict(list)
+    numel: dict[int, int] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names[id(p)].append(name)
+        numel[id(p)] = p.numel()
+    return [TiedGroup(names=tuple(n), numel=numel[k]) for k, n in names.items() if len(n) > 1]
+
+
+def _unique_params_per_module(model: nn.Module) -> dict[int, tuple[set[int], int]]:
+    """For each module (by id): the ids of the parameters under it and their unique count.
+
+    Computed bottom-up once, so a 70B model with thousands of modules takes milliseconds.
+    """
+    out: dict[int, tuple[set[int], int]] = {}
+    sizes: dict[int, int] = {}
+
+    def visit(module: nn.Module) -> set[int]:
+        key = id(module)
+        if key in out:
+            return out[key][0]
+        ids: set[int] = set()
+        for p in module.parameters(recurse=False):
+            ids.add(id(p))
+            sizes[id(p)] = p.numel()
+        for child in module.children():
+            ids |= visit(child)
+        out[key] = (ids, sum(sizes[i] for i in ids))
+        return ids
+
+    visit(model)
+    return out
+
+
+def _union_size(modules: Iterable[nn.Module]) -> int:
+    seen: dict[int, int] = {}
+    for m in modules:
+        for p in m.parameters():
+            seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+
+def _class_stats(
+    model: nn.Module, params_of: dict[int, tuple[set[int], int]], total: int
+) -> list[ClassStat]:
+    instances: dict[type, list[nn.Module]] = defaultdict(list)
+    for m in model.modules():
+        instances[type(m)].append(m)
+    stats = []
+    for cls, mods in instances.items():
+        union = _union_size(mods)
+        if union == 0:
+            continue
+        stats.append(
+            ClassStat(
+                class_path=class_path(cls),
+                name=cls.__name__,
+                count=len(mods),
+                params_each=max(params_of[id(m)][1] for m in mods),
+                params_total=union,
+                share=union / total if total else 0.0,
+            )
+        )
+    stats.sort(key=lambda s: (-s.params_total, s.count))
+    return stats
+
+
+def _is_composite(cls_stat: ClassStat, model: nn.Module) -> bool:
+    for m in model.modules():
+        if class_path(type(m)) == cls_stat.class_path:
+            return any(True for _ in m.children())
+    return False
+
+
+def _find_blocks(
+    model: nn.Module,
+    classes: list[ClassStat],
+    params_of: dict[int, tuple[set[int], int]],
+    total: int,
+    no_split: tuple[str, ...],
+) -> tuple[tuple[str, ...], str]:
+    by_name = {c.name: c for c in classes}
+    if no_split:
+        found = [by_name[n] for n in no_split if n in by_name]
+        if found:
+            names = ", ".join(f"{c.name} x{c.count}" for c in found)
+            share = _union_size(
+                m for m in model.modules() if type(m).__name__ in {c.name for c in found}
+            )
+            return tuple(c.class_path for c in found), (
+                f"the model's _no_split_modules names its blocks ({names}); they hold "
+                f"{share / total:.0%} of the parameters"
+            )
+
+    container_paths = {class_path(c) for c in _CONTAINERS}
+    repeated = [
+        c
+        for c in classes
+        if c.count >= 2
+        and c.class_path not in container_paths
+        and c.class_path != class_path(type(model))
+        and _is_composite(c, model)
+    ]
+    # A model built only of repeated leaves (a stack of equal Linear layers) has them as its
+    # blocks; leaves of different shapes (an input and an output projection) are no block.
+    if not repeated:
+        repeated = [
+            c
+            for c in classes
+            if c.count >= 2
+            and c.class_path not in container_paths
+            and c.share >= 0.5
+            and c.params_total == c.count * c.params_each
+        ]
+    eligible = [c for c in repeated if c.share >= MIN_BLOCK_SHARE]
+    if not eligible:
+        return (), ""
+    chosen = max(eligible, key=lambda c: (c.params_each, c.share))
+    # Descend to a finer repeated class nested in the chosen one when it carries most of it.
+    while True:
+        finer = [
+            c
+            for c in eligible
+            if c.count >= 2 * chosen.count
+            and _params_inside(model, c.class_path, chosen.class_path)
+            >= DESCEND_COVERAGE * chosen.params_total
+        ]
+        if not finer:
+            break
+        chosen = max(finer, key=lambda c: (c.params_each, c.share))
+    picked = [chosen]
+    for c in eligible:
+        if (
+            c is chosen
+            or c.params_each < SIBLING_SIZE * chosen.params_each
+            or any(
+                _nested_in(model, c.class_path, p.class_path)
+                or _nested_in(model, p.class_path, c.class_path)
+                for p in picked
+            )
+        ):
+            continue
+        picked.append(c)
+    covered = _union_size(
+        m for m in model.modules() if class_path(type(m)) in {p.class_path for p in picked}
+    )
+    names = ", ".join(f"{c.name} x{c.count} ({c.params_each:,} params each)" for c in picked)
+    return tuple(p.class_path for p in picked), (
+        f"repeated blocks {names} hold {covered / total:.0%} of the parameters: one FSDP unit "
+        "per block gathers one block at a time"
+    )
+
+
+def _params_inside(model: nn.Module, inner: str, outer: str) -> int:
+    """Unique parameters of the ``inner``-class instances that lie inside ``outer`` instances."""
+    return _union_size(
+        sub
+        for m in model.modules()
+        if class_path(type(m)) == outer
+        for sub in m.modules()
+        if sub is not m and class_path(type(sub)) == inner
+    )
+
+
+def _nested_in(model: nn.Module, inner: str, outer: str) -> bool:
+    """Whether some instance of class ``inner`` lies inside an instance of class ``outer``."""
+    return any(
+        class_path(type(sub)) == inner
+        for m in model.modules()
+        if class_path(type(m)) == outer
+        for sub in m.modules()
+        if sub is not m
+    )
+
+
+def _root_owners(
+    model: nn.Module, block_set: set[str], params_of: dict[int, tuple[set[int], int]]
+) -> str:
+    """Name the largest direct children that are not blocks (what stays in the root unit)."""
+    rows: list[tuple[int, str]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}{name}"
+            if class_path(type(child)) in block_set:
+                continue
+            if isinstance(child, _CONTAINERS) or any(
+                class_path(type(m)) in block_set for m in child.modules()
+            ):
+                visit(full + ".", child)
+                continue
+            if params_of[id(child)][1]:
+                rows.append((params_of[id(child)][1], full))
+        own = sum(p.numel() for p in module.parameters(recurse=False))
+        if own:
+            rows.append((own, prefix.rstrip(".") or "<root>"))
+
+    visit("", model)
+    rows.sort(reverse=True)
+    return ", ".join(f"{n} {c:,}" for c, n in rows[:4])
+
+
+def _module_rows(model: nn.Module, params_of: dict[int, tuple[set[int], int]]) -> list[ModuleStat]:
+    rows: list[ModuleStat] = []
+    for name, module in model.named_modules():
+        depth = 0 if not name else name.count(".") + 1
+        if depth > 2:
+            continue
+        rows.append(
+            ModuleStat(
+                name=name,
+                class_path=class_path(type(module)),
+                depth=depth,
+                params=params_of[id(module)][1],
+                own_params=sum(p.numel() for p in module.parameters(recurse=False)),
+            )
+        )
+        if len(rows) >= MODULE_ROWS:
+            break
+    return rows
+
+
+def _largest_embedding(model: nn.Module) -> tuple[int | None, int | None]:
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        return None, None
+    biggest = max(embeddings, key=lambda m: m.num_embeddings * m.embedding_dim)
+    return biggest.num_embeddings, biggest.embedding_dim

@@ -1,0 +1,37 @@
+"""autoshard's exceptions.
+
+Every error a user can cause is an :class:`AutoshardError` subclass whose message is one line
+that says what is wrong and how to fix it. The CLI prints that line and exits 1; tracebacks are
+shown only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+
+class AutoshardError(Exception):
+    """Root of every user-facing autoshard error."""
+
+
+class TargetError(AutoshardError):
+    """The model target (``file.py:callable`` or ``package.module:callable``) cannot be used."""
+
+
+class ModelError(AutoshardError):
+    """The model was built but cannot be analysed (no parameters, not a module, ...)."""
+
+
+class ConfigError(AutoshardError):
+    """A flag or argument has a value autoshard cannot use (bad size, bad precision, ...)."""
+
+
+class ResultError(AutoshardError):
+    """A result file or directory (from ``tune`` or ``estimate``) is missing or unreadable."""
+
+
+class MissingDependencyError(AutoshardError):
+    """An optional dependency is needed for this feature and is not installed."""
+
+    def __init__(self, package: str, feature: str, extra: str | None = None) -> None:
+        install = f"pip install 'autoshard[{extra}]'" if extra else f"pip install {package}"
+        super().__init__(f"{feature} needs {package}, which is not installed: run `{install}`")
+        self.package = package

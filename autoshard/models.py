@@ -1,0 +1,366 @@
+"""The data autoshard passes between its stages, as immutable pydantic models.
+
+``analyze`` makes a :class:`ModelProfile`; ``estimate`` turns a :class:`Candidate` into a
+:class:`MemoryEstimate`; a trial turns it into a :class:`TrialResult`; ``search`` ends with a
+:class:`Recommendation`, which ``emit`` and ``report`` turn into strategies, YAML and reports.
+Every model here is JSON-serialisable, so results survive a crash and can be exported later.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --------------------------------------------------------------------------------------------
+# The search space
+# --------------------------------------------------------------------------------------------
+
+
+class Engine(str, Enum):
+    """Which FSDP implementation runs the model."""
+
+    FSDP1 = "fsdp1"  # FullyShardedDataParallel, what Lightning's FSDPStrategy runs
+    FSDP2 = "fsdp2"  # fully_shard, Lightning's ModelParallelStrategy, torchtitan
+
+
+class Sharding(str, Enum):
+    """FSDP sharding strategy, by the names of ``torch.distributed.fsdp.ShardingStrategy``."""
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+
+
+class Precision(str, Enum):
+    """Lightning's precision names (the Trainer's ``precision=`` argument)."""
+
+    FP32 = "32-true"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "16-mixed"
+    BF16_TRUE = "bf16-true"
+
+
+class Checkpointing(str, Enum):
+    """Which wrapped blocks recompute their activations in backward."""
+
+    NONE = "none"
+    ALL = "all"  # every block of the checkpoint classes
+    EVERY_K = "every_k"  # every k-th block (``Candidate.checkpoint_every``)
+
+
+class Optimizer(str, Enum):
+    ADAMW = "adamw"
+    ADAM = "adam"
+    SGD = "sgd"
+
+
+class OptimizerImpl(str, Enum):
+    """torch optimizer implementation; foreach adds a transient the size of the shard x4."""
+
+    FOREACH = "foreach"
+    FUSED = "fused"
+    FOR_LOOP = "for_loop"
+
+
+class BackwardPrefetch(str, Enum):
+    BACKWARD_PRE = "BACKWARD_PRE"
+    BACKWARD_POST = "BACKWARD_POST"
+    NONE = "NONE"
+
+
+class Candidate(_Frozen):
+    """One FSDP configuration: a point of the search space."""
+
+    engine: Engine = Field(Engine.FSDP1, description="FSDP implementation that runs it.")
+    wrap_classes: tuple[str, ...] = Field(
+        (),
+        description="Fully qualified class paths wrapped as FSDP units (empty: whole model).",
+    )
+    min_num_params: int | None = Field(
+        None, description="Size-based wrapping threshold, used when wrap_classes is empty."
+    )
+    checkpointing: Checkpointing = Field(Checkpointing.NONE, description="Which blocks recompute.")
+    checkpoint_every: int = Field(
+        1, ge=1, description="With checkpointing=every_k: checkpoint one block in k."
+    )
+    checkpoint_classes: tuple[str, ...] = Field(
+        (), description="Class paths eligible for activation checkpointing (usually the blocks)."
+    )
+    sharding: Sharding = Field(Sharding.FULL_SHARD, description="Sharding strategy.")
+    hybrid_mesh: tuple[int, int] | None = Field(
+        None,
+        description="(replicate, shard) device-mesh shape for HYBRID_SHARD; None otherwise.",
+    )
+    cpu_offload: bool = Field(False, description="Offload parameters (and grads) to host memory.")
+    precision: Precision = Field(Precision.BF16_MIXED, description="Lightning precision name.")
+    reduce_dtype_fp32: bool = Field(
+        True, description="Reduce gradients in fp32 under mixed precision (Lightning's default)."
+    )
+    limit_all_gathers: bool = Field(True, description="FSDP1 rate limiter on all-gathers.")
+    forward_prefetch: bool = Field(False, description="Prefetch the next unit in forward.")
+    backward_prefetch: BackwardPrefetch = Field(
+        BackwardPrefetch.BACKWARD_PRE, description="FSDP1 backward prefetch policy."
+    )
+    optimizer: Optimizer = Field(Optimizer.ADAMW, description="Optimizer whose state is held.")
+    optimizer_impl: OptimizerImpl = Field(
+        OptimizerImpl.FOREACH, description="foreach / fused / for-loop implementation."
+    )
+    micro_batch_size: int = Field(1, ge=1, description="Samples per rank per step.")
+
+    @model_validator(mode="after")
+    def _check(self) -> Candidate:
+        if self.sharding is Sharding.HYBRID_SHARD and self.hybrid_mesh is None:
+            raise ValueError("HYBRID_SHARD needs hybrid_mesh=(replicate, shard)")
+        if self.sharding is not Sharding.HYBRID_SHARD and self.hybrid_mesh is not None:
+            raise ValueError("hybrid_mesh is only meaningful with HYBRID_SHARD")
+        if self.checkpointing is not Checkpointing.NONE and not self.checkpoint_classes:
+            raise ValueError("activation checkpointing needs checkpoint_classes")
+        return self
+
+    def label(self) -> str:
+        """A short human label, stable across runs (used in tables and as a trial key)."""
+        parts = [self.engine.value, self.sharding.value]
+        if self.hybrid_mesh:
+            parts[-1] += f"{self.hybrid_mesh[0]}x{self.hybrid_mesh[1]}"
+        parts.append(self.precision.value)
+        if self.checkpointing is Checkpointing.ALL:
+            parts.append("ckpt")
+        elif self.checkpointing is Checkpointing.EVERY_K:
+            parts.append(f"ckpt/{self.checkpoint_every}")
+        if self.cpu_offload:
+            parts.append("offload")
+        if not self.wrap_classes:
+            parts.append(f"wrap>={self.min_num_params}" if self.min_num_params else "nowrap")
+        if self.optimizer_impl is not OptimizerImpl.FOREACH:
+            parts.append(self.optimizer_impl.value)
+        parts.append(f"mbs{self.micro_batch_size}")
+        return " ".join(parts)
+
+    def key(self) -> str:
+        """A canonical JSON key identifying this candidate (for resuming studies)."""
+        return self.model_dump_json()
+
+
+# --------------------------------------------------------------------------------------------
+# Hardware and workload
+# --------------------------------------------------------------------------------------------
+
+
+class Hardware(_Frozen):
+    """The machines to plan for (not necessarily the ones at hand)."""
+
+    gpus_per_node: int = Field(1, ge=1, description="GPUs per node.")
+    nodes: int = Field(1, ge=1, description="Number of nodes.")
+    gpu_memory: int = Field(..., gt=0, description="Memory of one GPU in bytes.")
+    host_memory: int | None = Field(
+        None, description="Host memory per node in bytes (None: not checked)."
+    )
+    margin: float = Field(
+        0.05, ge=0, lt=1, description="Fraction of GPU memory kept free as a safety margin."
+    )
+    bf16_supported: bool = Field(True, description="Whether the GPUs compute in bf16.")
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def usable_gpu_memory(self) -> int:
+        return int(self.gpu_memory * (1 - self.margin))
+
+
+class WorkloadSpec(_Frozen):
+    """The shape of one training step, as far as memory and throughput are concerned."""
+
+    micro_batch_size: int = Field(1, ge=1, description="Samples per rank per step.")
+    seq_len: int | None = Field(None, description="Tokens per sample for token models.")
+    vocab_size: int | None = Field(None, description="Vocabulary size, when the model has one.")
+    input_shape: tuple[int, ...] | None = Field(
+        None, description="Shape of one sample of a non-token input (e.g. (3, 224, 224))."
+    )
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        return self.seq_len
+
+
+# --------------------------------------------------------------------------------------------
+# Analysis
+# --------------------------------------------------------------------------------------------
+
+
+class ClassStat(_Frozen):
+    """Parameter statistics of one module class."""
+
+    class_path: str = Field(..., description="module.QualName of the class.")
+    name: str = Field(..., description="Short class name.")
+    count: int = Field(..., description="Instances in the model.")
+    params_each: int = Field(
+        ..., description="Parameters of one instance, sub-modules included (largest instance)."
+    )
+    params_total: int = Field(
+        ..., description="Unique parameters under all instances (nested instances counted once)."
+    )
+    share: float = Field(..., description="params_total / total parameters of the model.")
+
+
+class ModuleStat(_Frozen):
+    """Parameter statistics of one named module (the top levels of the tree)."""
+
+    name: str = Field(..., description="Dotted module name ('' is the root).")
+    class_path: str
+    depth: int
+    params: int = Field(..., description="Unique parameters under this module.")
+    own_params: int = Field(..., description="Parameters directly on this module.")
+
+
+class TiedGroup(_Frozen):
+    """Parameters that are one tensor under several names; they must stay in one FSDP unit."""
+
+    names: tuple[str, ...]
+    numel: int
+
+
+class ModelProfile(_Frozen):
+    """What the analyzer found in a model, and the policies it proposes."""
+
+    target: str = Field(..., description="What was analysed (target string or class name).")
+    model_class: str = Field(..., description="Class path of the root module.")
+    total_params: int = Field(..., description="Unique parameters (tied ones once).")
+    trainable_params: int
+    param_bytes: int = Field(..., description="Bytes of the parameters in their built dtype.")
+    buffer_bytes: int = Field(0, description="Bytes of registered buffers.")
+    param_dtype: str = Field("float32", description="Most common parameter dtype.")
+    built_on: Literal["meta", "cpu"] = Field(
+        "meta", description="Device the model was built on for analysis."
+    )
+    classes: tuple[ClassStat, ...] = Field((), description="Per-class statistics, largest first.")
+    modules: tuple[ModuleStat, ...] = Field((), description="The first levels of the module tree.")
+    tied: tuple[TiedGroup, ...] = ()
+    no_split_modules: tuple[str, ...] = Field(
+        (), description="Hugging Face `_no_split_modules` of the model, when it has them."
+    )
+    block_classes: tuple[str, ...] = Field(
+        (), description="Class paths of the repeated blocks (the usual wrap unit)."
+    )
+    block_count: int = Field(0, description="Number of repeated blocks.")
+    block_params: int = Field(0, description="Parameters of the largest block.")
+    wrap_policy: tuple[str, ...] = Field((), description="Proposed auto_wrap_policy classes.")
+    wrap_min_params: int | None = Field(
+        None, description="Size-based wrapping threshold, proposed when there is no block class."
+    )
+    wrap_reason: str = ""
+    checkpoint_policy: tuple[str, ...] = Field(
+        (), description="Proposed activation_checkpointing_policy classes."
+    )
+    checkpoint_reason: str = ""
+    root_unit_params: int = Field(
+        0, description="Parameters left in the root unit under the proposed wrap policy."
+    )
+    largest_unit_params: int = Field(0, description="Largest FSDP unit under the proposal.")
+    vocab_size: int | None = Field(None, description="Embedding rows, when the model has one.")
+    hidden_size: int | None = Field(None, description="Embedding width, when the model has one.")
+    warnings: tuple[str, ...] = Field((), description="What the guide warns against, found here.")
+    seconds: float = Field(0.0, description="Time the analysis took.")
+
+
+# --------------------------------------------------------------------------------------------
+# Estimates, trials, recommendation
+# --------------------------------------------------------------------------------------------
+
+
+class MemoryBreakdown(_Frozen):
+    """Per-rank GPU bytes at the peak, by kind. The terms add up to the peak."""
+
+    sharded_params: int = 0
+    unsharded_params: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    comm_buffers: int = 0
+    activations: int = 0
+    temporaries: int = 0
+    buffers: int = 0
+    allowance: int = Field(
+        0, description="CUDA context, NCCL, allocator slack: what a CPU simulation cannot see."
+    )
+
+    @property
+    def total(self) -> int:
+        return sum(int(v) for v in self.model_dump().values())
+
+
+class MemoryEstimate(_Frozen):
+    """Predicted per-rank memory of one candidate on one hardware target."""
+
+    candidate: Candidate
+    method: Literal["analytic", "simulated"]
+    gpu_peak: int = Field(..., description="Predicted peak GPU bytes per rank.")
+    host_peak: int = Field(0, description="Predicted host bytes per node.")
+    breakdown: MemoryBreakdown
+    fits: bool
+    headroom: int = Field(..., description="usable GPU memory minus gpu_peak (negative: OOM).")
+    reason: str = Field("", description="Why it does not fit, when it does not.")
+
+
+class TrialStatus(str, Enum):
+    OK = "ok"
+    OOM = "oom"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+    PRUNED = "pruned"  # never launched: the estimate says it does not fit
+
+
+class TrialResult(_Frozen):
+    """What one short real FSDP run measured."""
+
+    candidate: Candidate
+    status: TrialStatus
+    device: str = Field("cpu", description="'cuda' or 'cpu' (gloo).")
+    world_size: int = 1
+    step_time: float | None = Field(None, description="Median seconds per timed step.")
+    step_times: tuple[float, ...] = ()
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    peak_allocated: tuple[int, ...] = Field((), description="Per-rank peak allocated bytes.")
+    peak_reserved: tuple[int, ...] = Field((), description="Per-rank peak reserved bytes.")
+    error: str | None = None
+    duration: float = Field(0.0, description="Wall seconds of the whole trial.")
+    started_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+
+    @property
+    def max_allocated(self) -> int | None:
+        return max(self.peak_allocated) if self.peak_allocated else None
+
+
+class Scored(_Frozen):
+    """A candidate with what is known about it: its estimate and, when tried, its trial."""
+
+    candidate: Candidate
+    estimate: MemoryEstimate | None = None
+    trial: TrialResult | None = None
+
+
+class Recommendation(_Frozen):
+    """autoshard's answer: the chosen configuration, its evidence, and the alternatives."""
+
+    profile: ModelProfile
+    hardware: Hardware
+    workload: WorkloadSpec
+    chosen: Scored
+    runners_up: tuple[Scored, ...] = ()
+    ruled_out: tuple[Scored, ...] = ()
+    basis: Literal["estimate", "trials"] = Field(
+        "estimate", description="Whether the choice rests on estimates alone or on trials."
+    )
+    reasons: tuple[str, ...] = Field((), description="Why each chosen setting, one line each.")
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    versions: dict[str, str] = Field(default_factory=dict, description="autoshard, torch, ...")

@@ -1,0 +1,90 @@
+"""Rich terminal rendering of a :class:`~autoshard.models.ModelProfile` (``autoshard analyze``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from rich.console import Console
+from rich.table import Table
+
+from autoshard._units import format_bytes, format_count
+from autoshard.models import ModelProfile
+
+CLASS_ROWS = 12
+
+
+def _short(path: str) -> str:
+    return path.rpartition(".")[2]
+
+
+def print_profile(profile: ModelProfile, console: Console | None = None) -> None:
+    """Print what the analyzer found and proposes, for people."""
+    console = console or Console()
+    console.print(
+        f"[bold]{profile.target}[/]  {_short(profile.model_class)}: "
+        f"[bold]{format_count(profile.total_params)}[/] parameters "
+        f"({profile.total_params:,}; {format_bytes(profile.param_bytes)} in {profile.param_dtype}"
+        f"), built on {profile.built_on} in {profile.seconds:.2f} s",
+        highlight=False,
+    )
+
+    classes = Table(title="Parameters per module class", title_justify="left")
+    classes.add_column("class")
+    classes.add_column("count", justify="right")
+    classes.add_column("params each", justify="right")
+    classes.add_column("params total", justify="right")
+    classes.add_column("share", justify="right")
+    blocks = set(profile.block_classes)
+    names = Counter(c.name for c in profile.classes)
+    for c in profile.classes[:CLASS_ROWS]:
+        # Two classes of the same short name (a demo Transformer around nn.Transformer) are told
+        # apart by their full path.
+        name = c.class_path if names[c.name] > 1 else c.name
+        name = f"[bold green]{name}[/] (block)" if c.class_path in blocks else name
+        classes.add_row(
+            name,
+            str(c.count),
+            format_count(c.params_each),
+            format_count(c.params_total),
+            f"{c.share:.1%}",
+        )
+    if len(profile.classes) > CLASS_ROWS:
+        classes.caption = f"{len(profile.classes) - CLASS_ROWS} smaller classes not shown"
+    console.print(classes)
+
+    tree = Table(title="Module tree (two levels)", title_justify="left")
+    tree.add_column("module")
+    tree.add_column("class")
+    tree.add_column("params", justify="right")
+    for m in profile.modules:
+        if m.depth > 2 or (m.depth == 2 and m.params == 0):
+            continue
+        tree.add_row(
+            "  " * m.depth + (m.name or "<root>"), _short(m.class_path), format_count(m.params)
+        )
+    console.print(tree)
+
+    proposal = Table(title="Proposed FSDP policies", title_justify="left", show_header=False)
+    proposal.add_column(style="bold")
+    proposal.add_column(overflow="fold")
+    wrap = ", ".join(profile.wrap_policy) or (
+        f"size-based, min_num_params={profile.wrap_min_params:,}"
+        if profile.wrap_min_params
+        else "none (one unit)"
+    )
+    proposal.add_row("auto_wrap_policy", f"{{{wrap}}}" if profile.wrap_policy else wrap)
+    proposal.add_row("", f"[dim]{profile.wrap_reason}[/]")
+    ckpt = ", ".join(profile.checkpoint_policy) or "none"
+    proposal.add_row(
+        "activation_checkpointing_policy", f"{{{ckpt}}}" if profile.checkpoint_policy else ckpt
+    )
+    proposal.add_row("", f"[dim]{profile.checkpoint_reason}[/]")
+    proposal.add_row(
+        "root unit",
+        f"{format_count(profile.root_unit_params)} params "
+        f"({profile.root_unit_params / max(profile.total_params, 1):.1%}); largest unit "
+        f"{format_count(profile.largest_unit_params)}",
+    )
+    console.print(proposal)
+    for warning in profile.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)

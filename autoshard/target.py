@@ -1,0 +1,251 @@
+"""Resolve a model target (``path/to/file.py:callable`` or ``package.module:callable``).
+
+The callable takes keyword arguments only (given on the command line as ``--arg key=value``)
+and returns an ``nn.Module``, or a ``(module, batch)`` tuple where ``batch`` is an example input
+for one training step. It is called under the meta device so that a 70B model costs no memory;
+a factory that cannot be built on meta falls back to the CPU with a warning.
+
+Every failure is a :class:`~autoshard.errors.TargetError` with one line saying what is wrong.
+The resolved :class:`TargetSpec` is plain data, so trial workers in other processes rebuild the
+same model from it.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import sys
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from autoshard.errors import ModelError, TargetError
+
+
+class TargetSpec(BaseModel):
+    """A target string and the keyword arguments for its callable: enough to rebuild it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    spec: str = Field(..., description="'path/to/file.py:callable' or 'package.module:callable'.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Arguments of the callable.")
+
+    def __str__(self) -> str:
+        args = " ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        return f"{self.spec} {args}".strip()
+
+
+@dataclass
+class BuiltModel:
+    """A model built from a target, with what came with it."""
+
+    model: nn.Module
+    batch: Any | None = None
+    built_on: str = "meta"
+    warnings: list[str] = field(default_factory=list)
+
+
+class BuildFallbackWarning(UserWarning):
+    """The model could not be built on the meta device and was built on the CPU instead."""
+
+
+def parse_kwargs(items: Sequence[str]) -> dict[str, Any]:
+    """Parse ``["n_layer=48", "name=gpt"]`` into ``{"n_layer": 48, "name": "gpt"}``.
+
+    Values are Python literals when they parse as one (numbers, booleans, tuples, None) and
+    strings otherwise, so ``--arg dtype=bfloat16`` needs no quotes.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise TargetError(f"--arg {item!r}: write it as key=value, e.g. --arg n_layer=48")
+        try:
+            out[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[key] = raw
+    return out
+
+
+def load_callable(spec: str) -> Callable[..., Any]:
+    """Import the callable named by ``spec``; raise :class:`TargetError` with one line if not."""
+    path_part, sep, attr = spec.rpartition(":")
+    if not sep or not path_part or not attr:
+        raise TargetError(
+            f"target {spec!r} must be path/to/file.py:callable or package.module:callable"
+        )
+    module = _import_file(path_part) if _looks_like_path(path_part) else _import_module(path_part)
+    if not hasattr(module, attr):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        hint = f" (callables there: {', '.join(public[:8])})" if public else ""
+        raise TargetError(f"{path_part} has no callable named {attr!r}{hint}")
+    obj = getattr(module, attr)
+    if not callable(obj):
+        raise TargetError(f"{spec} is a {type(obj).__name__}, not a callable that builds a model")
+    return obj
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.endswith(".py") or "/" in text or "\\" in text
+
+
+def _import_file(path_text: str) -> Any:
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise TargetError(f"model file not found: {path_text}")
+    path = path.resolve()
+    # The file's stem is its module name and its folder goes on sys.path, so the class paths
+    # autoshard emits (``gpt.Block``) import in the user's training script run from there, and
+    # the file's sibling imports work as when the user runs it.
+    name = path.stem
+    existing = sys.modules.get(name)
+    if existing is not None and getattr(existing, "__file__", None) == str(path):
+        return existing
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise TargetError(f"cannot import {path_text} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        sys.modules.pop(name, None)
+        raise TargetError(f"syntax error in {path_text} line {exc.lineno}: {exc.msg}") from exc
+    except Exception as exc:
+        sys.modules.pop(name, None)
+        raise TargetError(f"importing {path_text} failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def _import_module(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and name.startswith(exc.name):
+            raise TargetError(
+                f"module {name!r} not found; give a file path (model.py:build) or an importable "
+                "module"
+            ) from exc
+        raise TargetError(f"importing {name} failed: ModuleNotFoundError: {exc}") from exc
+    except SyntaxError as exc:
+        raise TargetError(f"syntax error in {exc.filename} line {exc.lineno}: {exc.msg}") from exc
+    except Exception as exc:
+        raise TargetError(f"importing {name} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def build_model(
+    factory: Callable[..., Any],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    device: str | torch.device = "meta",
+    name: str | None = None,
+) -> BuiltModel:
+    """Call ``factory(**kwargs)`` under ``device`` and check that it gave a model.
+
+    On the meta device no memory is used; when the factory cannot run there (it reads tensor
+    values, say) it is built again on the CPU with a :class:`BuildFallbackWarning`.
+    """
+    kwargs = dict(kwargs or {})
+    label: str = name or str(getattr(factory, "__name__", repr(factory)))
+    built_on = str(torch.device(device).type)
+    notes: list[str] = []
+    try:
+        result = _call_under(factory, kwargs, device, label)
+    except _FactoryRaised as first:
+        if built_on != "meta":
+            raise TargetError(first.message) from first.__cause__
+        try:
+            result = _call_under(factory, kwargs, "cpu", label)
+        except _FactoryRaised as second:
+            raise TargetError(second.message) from second.__cause__
+        built_on = "cpu"
+        note = (
+            f"{label} could not be built on the meta device ({first.short}); built it on the "
+            "CPU instead, which takes real memory. Make the factory meta-safe (no reads of "
+            "tensor values while building) to analyse large models without memory."
+        )
+        warnings.warn(note, BuildFallbackWarning, stacklevel=2)
+        notes.append(note)
+    model, batch = _split_result(result, label)
+    _configure_model_hook(model, built_on, label)
+    if next(model.parameters(), None) is None:
+        raise ModelError(
+            f"{label} returned a {type(model).__name__} with no parameters; there is nothing "
+            "to shard (does it create its layers in a hook that was not called?)"
+        )
+    if batch is None:
+        batch = getattr(model, "example_input_array", None)
+    return BuiltModel(model=model, batch=batch, built_on=built_on, warnings=notes)
+
+
+class _FactoryRaised(Exception):
+    def __init__(self, label: str, exc: BaseException) -> None:
+        self.short = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        self.message = f"{label} raised {self.short}"
+        super().__init__(self.message)
+
+
+def _call_under(
+    factory: Callable[..., Any], kwargs: dict[str, Any], device: str | torch.device, label: str
+) -> Any:
+    try:
+        with torch.device(device):
+            return factory(**kwargs)
+    except TypeError as exc:
+        # A wrong keyword is the user's typo, not a meta-device problem: say it at once.
+        if "unexpected keyword argument" in str(exc) or "missing" in str(exc):
+            raise TargetError(f"{label}: {exc}") from exc
+        raise _FactoryRaised(label, exc) from exc
+    except Exception as exc:
+        raise _FactoryRaised(label, exc) from exc
+
+
+def _split_result(result: Any, label: str) -> tuple[nn.Module, Any | None]:
+    if isinstance(result, nn.Module):
+        return result, None
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
+        return result[0], result[1]
+    raise TargetError(
+        f"{label} returned {type(result).__name__}; it must return a torch.nn.Module "
+        "or a (module, example_batch) tuple"
+    )
+
+
+def _configure_model_hook(model: nn.Module, device: str, label: str) -> None:
+    """Run a LightningModule's ``configure_model`` hook, where it creates the layers."""
+    hook = getattr(model, "configure_model", None)
+    if hook is None or not callable(hook):
+        return
+    try:
+        with torch.device(device):
+            hook()
+    except Exception as exc:
+        raise TargetError(
+            f"{label}.configure_model() raised {type(exc).__name__}: {exc}".splitlines()[0]
+        ) from exc
+
+
+def resolve(spec: str | TargetSpec, kwargs: Mapping[str, Any] | None = None) -> TargetSpec:
+    """Check that ``spec`` names an importable callable and return it as a :class:`TargetSpec`."""
+    target = (
+        spec if isinstance(spec, TargetSpec) else TargetSpec(spec=spec, kwargs=dict(kwargs or {}))
+    )
+    load_callable(target.spec)
+    return target
+
+
+def build_target(target: TargetSpec, *, device: str | torch.device = "meta") -> BuiltModel:
+    """Import and build the model of ``target`` under ``device``."""
+    factory = load_callable(target.spec)
+    return build_model(factory, target.kwargs, device=device, name=target.spec.rpartition(":")[2])

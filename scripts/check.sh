@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Run the whole test suite (slow multi-process tests included), then ruff and mypy.
+# Pass pytest arguments through, e.g. `scripts/check.sh -m "not slow"` for a quick local run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PWD/.venv/bin:$PATH"
+python -m pytest "$@"
+ruff check .
+ruff format --check .
+mypy

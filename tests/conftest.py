@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autoshard.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TARGETS = Path(__file__).resolve().parent / "targets"
+
+
+@pytest.fixture
+def cli():
+    """Invoke the autoshard CLI in-process; returns (exit_code, stdout, stderr)."""
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        result = runner.invoke(app, [str(a) for a in args])
+        return result.exit_code, result.stdout, result.stderr
+
+    return invoke
+
+
+@pytest.fixture(autouse=True)
+def _forget_target_modules():
+    """Target files are imported under their stem; forget them so tests do not leak modules."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None) or ""
+        if path.startswith(str(TARGETS)) or path.startswith(str(EXAMPLES)):
+            del sys.modules[name]

@@ -1,0 +1,175 @@
+"""The analyzer on the examples, tied weights, models with no repeated blocks, HF-style hints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from autoshard.analyze import SMALL_UNIT_PARAMS, analyze_model, analyze_target
+from autoshard.models import ModelProfile
+from autoshard.target import TargetSpec
+
+from .conftest import EXAMPLES
+
+GPT = f"{EXAMPLES}/gpt.py:build"
+
+
+def gpt_params(n_layer: int, d: int, vocab: int, seq: int) -> tuple[int, int, int]:
+    """Hand count of examples/gpt.py's GELU variant: (total, per block, outside blocks)."""
+    attn = d * d + d * 2 * d + d * d  # q, kv, o projections, no bias
+    mlp = d * 4 * d + 4 * d + 4 * d * d + d  # up + bias, down + bias
+    norms = 2 * 2 * d
+    block = attn + mlp + norms
+    outside = vocab * d + seq * d + 2 * d + d * vocab  # tok_emb, pos_emb, final norm, lm_head
+    return n_layer * block + outside, block, outside
+
+
+def test_gpt_tiny_counts_and_blocks() -> None:
+    profile, _ = analyze_target(TargetSpec(spec=GPT, kwargs={"size": "tiny"}))
+    total, block, outside = gpt_params(4, 128, 4096, 256)
+    assert profile.total_params == total
+    assert profile.block_classes == ("gpt.Block",)
+    assert profile.block_count == 4 and profile.block_params == block
+    assert profile.wrap_policy == profile.checkpoint_policy == ("gpt.Block",)
+    assert profile.root_unit_params == outside
+    assert profile.vocab_size == 4096 and profile.hidden_size == 128
+    assert profile.built_on == "meta"
+    # The root keeps more than a block (embedding + head): reported with its size.
+    assert any(f"root unit keeps {outside:,}" in w for w in profile.warnings)
+    stats = {c.name: c for c in profile.classes}
+    assert stats["Block"].count == 4 and stats["Block"].params_total == 4 * block
+    assert stats["Linear"].count == 4 * 5 + 1  # q, kv, o, up, down per block + lm_head
+
+
+def test_per_module_counts_add_up() -> None:
+    profile, _ = analyze_target(TargetSpec(spec=GPT, kwargs={"size": "tiny"}))
+    rows = {m.name: m for m in profile.modules}
+    assert rows[""].params == profile.total_params
+    top = [m for m in profile.modules if m.depth == 1]
+    assert sum(m.params for m in top) + rows[""].own_params == profile.total_params
+
+
+def test_tied_weights_counted_once_and_reported() -> None:
+    untied, _ = analyze_target(TargetSpec(spec=GPT, kwargs={"size": "tiny"}))
+    tied, _ = analyze_target(TargetSpec(spec=GPT, kwargs={"size": "tiny", "tie_embeddings": True}))
+    assert untied.total_params - tied.total_params == 4096 * 128
+    assert len(tied.tied) == 1
+    assert set(tied.tied[0].names) == {"tok_emb.weight", "lm_head.weight"}
+    assert tied.tied[0].numel == 4096 * 128
+    assert any("tied parameters" in w for w in tied.warnings)
+
+
+def test_small_model_without_repeated_blocks_is_one_unit() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    profile = analyze_model(model)
+    assert profile.block_classes == ()
+    assert profile.wrap_policy == () and profile.wrap_min_params is None
+    assert profile.root_unit_params == profile.total_params == 16 * 32 + 32 + 32 * 8 + 8
+    assert "one FSDP unit" in profile.wrap_reason
+
+
+def test_large_model_without_repeated_blocks_is_wrapped_by_size() -> None:
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.Linear(4096, 4096)
+            self.head = nn.Conv1d(4096, 1024, 3)
+
+    with torch.device("meta"):
+        model = Wide()
+    profile = analyze_model(model)
+    assert profile.block_classes == ()
+    assert profile.wrap_min_params is not None
+    assert SMALL_UNIT_PARAMS <= profile.wrap_min_params < profile.total_params
+    assert "wrap by size" in profile.wrap_reason
+
+
+def test_nested_repeats_pick_the_block_not_the_stack() -> None:
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.Linear(256, 256)
+            self.ff = nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 256))
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(6))
+
+    class EncDec(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder, self.decoder = Stack(), Stack()
+
+    profile = analyze_model(EncDec())
+    assert [p.rpartition(".")[2] for p in profile.block_classes] == ["Layer"]
+    assert profile.block_count == 12
+
+
+def test_no_split_modules_wins() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(64, 64)
+            self.b = nn.Linear(64, 64)
+
+    class Pretrained(nn.Module):
+        _no_split_modules = ["Block"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(1000, 64)
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    profile = analyze_model(Pretrained())
+    assert profile.no_split_modules == ("Block",)
+    assert [p.rpartition(".")[2] for p in profile.block_classes] == ["Block"]
+    assert "_no_split_modules" in profile.wrap_reason
+    # 8,320-parameter blocks: the guide's "few thousand parameters" warning fires.
+    assert any("communication overhead" in w for w in profile.warnings)
+
+
+def test_lightning_demo_transformer_blocks_are_the_guides_policy() -> None:
+    pytest.importorskip("lightning")
+    profile, _ = analyze_target(
+        TargetSpec(spec=f"{EXAMPLES}/lightning_transformer.py:build", kwargs={"nlayers": 4})
+    )
+    assert set(profile.block_classes) == {
+        "torch.nn.modules.transformer.TransformerEncoderLayer",
+        "torch.nn.modules.transformer.TransformerDecoderLayer",
+    }
+    assert profile.block_count == 8
+
+
+def test_70b_analyses_on_meta_with_exact_count() -> None:
+    profile, built = analyze_target(TargetSpec(spec=GPT, kwargs={"size": "70b"}))
+    d, ffn, layers, vocab, kv = 8192, 28672, 80, 32000, 8 * 128
+    block = d * d * 2 + d * 2 * kv + 3 * d * ffn + 2 * d
+    assert profile.total_params == layers * block + 2 * vocab * d + d
+    assert profile.block_count == 80
+    assert all(p.is_meta for p in built.model.parameters())
+    assert not profile.warnings  # the root (embedding + head) is smaller than one block
+
+
+def test_json_output_round_trips(cli) -> None:
+    code, out, _ = cli("analyze", GPT, "--arg", "size=tiny", "--json")
+    assert code == 0
+    profile = ModelProfile.model_validate(json.loads(out))
+    assert profile.block_classes == ("gpt.Block",)
+
+
+def test_table_output_names_the_proposal(cli) -> None:
+    code, out, _ = cli("analyze", GPT, "--arg", "size=tiny")
+    assert code == 0
+    assert "auto_wrap_policy" in out and "gpt.Block" in out
+    assert "root unit keeps" in out
+
+
+def test_stack_of_equal_leaves_is_wrapped_per_layer() -> None:
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+    profile = analyze_model(model)
+    assert profile.block_classes == ("torch.nn.modules.linear.Linear",)
+    assert profile.block_count == 8 and profile.root_unit_params == 0

@@ -1,0 +1,134 @@
+"""Resolving model targets: every bad target is one line and exit 1, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from autoshard.errors import ModelError, TargetError
+from autoshard.target import (
+    BuildFallbackWarning,
+    TargetSpec,
+    build_target,
+    parse_kwargs,
+)
+
+from .conftest import EXAMPLES, TARGETS
+
+BAD = TARGETS / "bad_targets.py"
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (f"{TARGETS}/does_not_exist.py:build", "model file not found"),
+        (f"{TARGETS}/syntax_error.py:build", "syntax error in"),
+        (f"{BAD}:missing", "has no callable named 'missing'"),
+        (f"{BAD}:NOT_CALLABLE", "is a int, not a callable"),
+        (f"{BAD}:raises", "raises raised ValueError: boom: n_layer must be positive"),
+        (f"{BAD}:returns_int", "returned int; it must return a torch.nn.Module"),
+        (f"{BAD}:no_params", "no parameters"),
+        (f"{BAD}", "must be path/to/file.py:callable"),
+        ("no_such_package.models:build", "module 'no_such_package.models' not found"),
+    ],
+)
+def test_bad_target_is_one_line_and_exit_1(cli, target: str, message: str) -> None:
+    code, out, err = cli("analyze", target)
+    assert code == 1
+    assert message in err
+    assert "Traceback" not in err + out
+    # one line (rich may soft-wrap long lines; the message itself has no newline)
+    assert err.strip().startswith("error:")
+    assert err.strip().count("error:") == 1
+
+
+def test_syntax_error_names_the_line(cli) -> None:
+    code, _, err = cli("analyze", f"{TARGETS}/syntax_error.py:build")
+    assert code == 1 and "line 3" in err
+
+
+def test_missing_callable_lists_the_ones_there(cli) -> None:
+    _, _, err = cli("analyze", f"{BAD}:missing")
+    assert "raises" in err and "returns_int" in err
+
+
+def test_unknown_keyword_is_reported_not_retried_on_cpu(cli) -> None:
+    code, _, err = cli("analyze", f"{EXAMPLES}/gpt.py:build", "--arg", "n_layers=2")
+    assert code == 1
+    assert "n_layers" in err
+
+
+def test_bad_arg_syntax(cli) -> None:
+    code, _, err = cli("analyze", f"{EXAMPLES}/gpt.py:build", "--arg", "size")
+    assert code == 1 and "key=value" in err
+
+
+def test_debug_shows_the_traceback() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "autoshard", "analyze", f"{BAD}:raises", "--debug"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "boom" in proc.stderr
+
+
+def test_real_process_prints_one_line_without_debug() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "autoshard", "analyze", f"{BAD}:raises"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("error:")
+
+
+def test_parse_kwargs_reads_literals_and_strings() -> None:
+    assert parse_kwargs(["n_layer=48", "size=70b", "tie=True", "shape=(3, 4)", "x=None"]) == {
+        "n_layer": 48,
+        "size": "70b",
+        "tie": True,
+        "shape": (3, 4),
+        "x": None,
+    }
+
+
+def test_build_on_meta_uses_no_memory() -> None:
+    built = build_target(TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "7b"}))
+    assert built.built_on == "meta"
+    assert all(p.is_meta for p in built.model.parameters())
+
+
+def test_factory_that_reads_values_falls_back_to_cpu_with_a_warning() -> None:
+    with pytest.warns(BuildFallbackWarning, match="could not be built on the meta device"):
+        built = build_target(TargetSpec(spec=f"{BAD}:needs_values"))
+    assert built.built_on == "cpu"
+    assert not any(p.is_meta for p in built.model.parameters())
+
+
+def test_factory_may_return_model_and_batch() -> None:
+    built = build_target(TargetSpec(spec=f"{BAD}:with_batch", kwargs={"n": 3}))
+    assert isinstance(built.model, nn.Linear)
+    assert isinstance(built.batch, torch.Tensor) and built.batch.shape == (2, 3)
+
+
+def test_package_module_target() -> None:
+    # "package.module:callable" form, on a module of torch itself that builds a module.
+    built = build_target(
+        TargetSpec(spec="torch.nn:Linear", kwargs={"in_features": 4, "out_features": 2})
+    )
+    assert isinstance(built.model, nn.Linear)
+
+
+def test_errors_are_autoshard_errors() -> None:
+    with pytest.raises(TargetError):
+        build_target(TargetSpec(spec=f"{BAD}:raises"))
+    with pytest.raises(ModelError):
+        build_target(TargetSpec(spec=f"{BAD}:no_params"))
