@@ -43,7 +43,7 @@ LARGE_ROOT_SHARE = 0.15
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
 # Below this, a model with no repeated block is one FSDP unit; above, it is wrapped by size.
 SIZE_WRAP_MIN_TOTAL = 10_000_000
-MODULE_ROWS = 40  # rows of the module tree kept in the profile
+MODULE_ROWS = 2000  # rows of the module tree (two levels) kept in the profile
 
 
 def class_path(cls: type) -> str:

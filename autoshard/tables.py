@@ -17,6 +17,42 @@ def _short(path: str) -> str:
     return path.rpartition(".")[2]
 
 
+def _collapse_runs(profile: ModelProfile) -> list[tuple[str, str, str]]:
+    """Rows of the module tree, with runs of equal siblings (``blocks.0`` .. ``blocks.31``)
+    folded into one row, so a 32-layer model reads as one line per kind of layer."""
+    rows: list[tuple[str, str, str]] = []
+    shown = [m for m in profile.modules if not (m.depth == 2 and m.params == 0)]
+    i = 0
+    while i < len(shown):
+        m = shown[i]
+        parent = m.name.rpartition(".")[0]
+        j = i
+        while (
+            j + 1 < len(shown)
+            and shown[j + 1].depth == m.depth
+            and shown[j + 1].name.rpartition(".")[0] == parent
+            and shown[j + 1].class_path == m.class_path
+            and shown[j + 1].params == m.params
+        ):
+            j += 1
+        indent = "  " * m.depth
+        if j > i:
+            last = shown[j].name.rpartition(".")[2]
+            rows.append(
+                (
+                    f"{indent}{m.name} .. {last}",
+                    f"{_short(m.class_path)} x{j - i + 1}",
+                    f"{format_count(m.params)} each",
+                )
+            )
+        else:
+            rows.append(
+                (indent + (m.name or "<root>"), _short(m.class_path), format_count(m.params))
+            )
+        i = j + 1
+    return rows
+
+
 def print_profile(profile: ModelProfile, console: Console | None = None) -> None:
     """Print what the analyzer found and proposes, for people."""
     console = console or Console()
@@ -56,12 +92,8 @@ def print_profile(profile: ModelProfile, console: Console | None = None) -> None
     tree.add_column("module")
     tree.add_column("class")
     tree.add_column("params", justify="right")
-    for m in profile.modules:
-        if m.depth > 2 or (m.depth == 2 and m.params == 0):
-            continue
-        tree.add_row(
-            "  " * m.depth + (m.name or "<root>"), _short(m.class_path), format_count(m.params)
-        )
+    for name, cls, params in _collapse_runs(profile):
+        tree.add_row(name, cls, params)
     console.print(tree)
 
     proposal = Table(title="Proposed FSDP policies", title_justify="left", show_header=False)
