@@ -19,7 +19,9 @@ if [ ! -x .venv/bin/python ]; then
   fi
 fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-  .venv/bin/python -m pip install --quiet "${AUTOSHARD_TORCH:-torch==2.13.0}"
+  # Unquoted on purpose: AUTOSHARD_TORCH may carry pip options (an --index-url).
+  # shellcheck disable=SC2086
+  .venv/bin/python -m pip install --quiet ${AUTOSHARD_TORCH:-torch==2.13.0}
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[lightning,hf,dev]"
 echo "setup: $(.venv/bin/python -c 'import torch, autoshard; print("autoshard", autoshard.__version__, "torch", torch.__version__)')"
