@@ -1,0 +1,275 @@
+"""The driver side of trials: a worker group started once and fed one trial after another.
+
+The group is ``python -m torch.distributed.run`` running :mod:`autoshard.runner` on every rank:
+NCCL on the visible GPUs, or gloo with CPU processes where there is none. Launching a group costs
+seconds (about 5 s for 2 gloo processes on a 2-core machine, more with CUDA and NCCL), so it is
+started once per study and kept. Requests and results are small JSON files in a control folder
+that rank 0 reads and writes.
+
+What can go wrong, and what happens:
+- an OOM (or a CPU memory cap passed) on any rank: every rank records it, memory is released,
+  the same group takes the next trial;
+- a rank crashes (the launcher exits): the trial is recorded as ``error`` with the end of the
+  workers' log, and the next trial starts a fresh group;
+- a hang (no result within ``trial_timeout``): the whole process group is killed, the trial is
+  recorded as ``timeout``, and the next trial starts a fresh group.
+A failed trial is a result, never an exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from autoshard.models import Candidate, TrialResult, TrialStatus, WorkloadSpec
+from autoshard.target import TargetSpec
+
+LOG_TAIL_CHARS = 2000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def default_nproc() -> tuple[int, str]:
+    """Processes per node and the device they use: every visible GPU, or 2 CPU processes."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return torch.cuda.device_count(), "cuda"
+    return 2, "cpu"
+
+
+class WorkerGroup:
+    """A persistent group of trial workers. Use as a context manager."""
+
+    def __init__(
+        self,
+        target: TargetSpec,
+        *,
+        log_dir: Path,
+        nproc: int | None = None,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        rdzv_endpoint: str | None = None,
+        trial_timeout: float = 300.0,
+        start_timeout: float = 180.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.target = target
+        self.log_dir = Path(log_dir)
+        self.nproc, self.device = (nproc, default_nproc()[1]) if nproc else default_nproc()
+        self.nnodes, self.node_rank = nnodes, node_rank
+        self.rdzv_endpoint = rdzv_endpoint
+        self.trial_timeout, self.start_timeout = trial_timeout, start_timeout
+        self.env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.control: Path | None = None
+        self.log_path: Path | None = None
+        self.launches = 0
+        self._n = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+    def command(self) -> list[str]:
+        """The launcher command line of this node."""
+        assert self.control is not None
+        rdzv = (
+            [f"--rdzv-endpoint={self.rdzv_endpoint}", "--rdzv-backend=c10d", "--rdzv-id=autoshard"]
+            if self.rdzv_endpoint
+            else [f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-backend=c10d"]
+        )
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={self.nnodes}",
+            f"--node-rank={self.node_rank}",
+            f"--nproc-per-node={self.nproc}",
+            *rdzv,
+            "--max-restarts=0",
+            "--monitor-interval=0.5",
+            "-m",
+            "autoshard.runner",
+            "--control",
+            str(self.control),
+        ]
+
+    def start(self) -> None:
+        """Launch the group (a fresh control folder and log per launch)."""
+        self.close()
+        self.launches += 1
+        launch = f"group-{self.launches}-{uuid.uuid4().hex[:6]}"
+        self.control = self.log_dir / launch
+        self.control.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.log_dir / f"{launch}.log"
+        self._n = 0
+        env = {**os.environ, **self.env}
+        # Workers import the target's files from the caller's folder, as the caller did.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+        env.setdefault("OMP_NUM_THREADS", "1" if self.device == "cpu" else "4")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own process group: killed as one
+            )
+
+    def close(self) -> None:
+        """Ask the workers to stop; kill them if they do not."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None and self.control is not None:
+            self._write_request({"stop": True})
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=15)
+        self._kill()
+
+    def _kill(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def serve(self) -> int:
+        """Run this node's workers until the driving node stops them (nodes other than 0)."""
+        self.start()
+        assert self.proc is not None
+        return self.proc.wait()
+
+    # -- trials --------------------------------------------------------------------------------
+
+    def run(
+        self,
+        candidate: Candidate,
+        workload: WorkloadSpec,
+        *,
+        warmup: int = 2,
+        steps: int = 3,
+        memory_cap: int | None = None,
+        target: TargetSpec | None = None,
+    ) -> TrialResult:
+        """Run one trial; a failure of any kind comes back as a TrialResult, never raised."""
+        started = time.monotonic()
+        if not self.alive():
+            self.start()
+        request = {
+            "n": self._n,
+            "candidate": candidate.model_dump(mode="json"),
+            "target": (target or self.target).model_dump(mode="json"),
+            "seq_len": workload.seq_len,
+            "warmup": warmup,
+            "steps": steps,
+            "memory_cap": memory_cap,
+        }
+        self._write_request(request)
+        result_path = self._control() / f"result-{self._n}.json"
+        self._n += 1
+        deadline = started + self.trial_timeout + (self.start_timeout if self._n == 1 else 0)
+        while not result_path.exists():
+            if not self.alive():
+                return self._failed(candidate, TrialStatus.ERROR, started, "workers exited")
+            if time.monotonic() > deadline:
+                self._kill()
+                return self._failed(
+                    candidate,
+                    TrialStatus.TIMEOUT,
+                    started,
+                    f"no result within {self.trial_timeout:.0f} s; the worker group was killed",
+                )
+            time.sleep(0.05)
+        data = json.loads(result_path.read_text())
+        return self._result(candidate, data, time.monotonic() - started)
+
+    def _control(self) -> Path:
+        assert self.control is not None
+        return self.control
+
+    def _write_request(self, request: dict[str, Any]) -> None:
+        n = request.get("n", self._n)
+        path = self._control() / f"request-{n}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(request))
+        os.replace(tmp, path)
+
+    def log_tail(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        text = self.log_path.read_bytes()[-LOG_TAIL_CHARS * 4 :].decode(errors="replace")
+        return text[-LOG_TAIL_CHARS:]
+
+    def _failed(
+        self, candidate: Candidate, status: TrialStatus, started: float, why: str
+    ) -> TrialResult:
+        self._kill()
+        tail = self.log_tail()
+        detail = _last_error_line(tail)
+        return TrialResult(
+            candidate=candidate,
+            status=status,
+            device=self.device,
+            world_size=self.world_size,
+            error=f"{why}: {detail}" if detail else why,
+            duration=time.monotonic() - started,
+        )
+
+    def _result(self, candidate: Candidate, data: dict[str, Any], duration: float) -> TrialResult:
+        status = TrialStatus(data["status"])
+        return TrialResult(
+            candidate=candidate,
+            status=status,
+            device=self.device,
+            world_size=data.get("world_size", self.world_size),
+            step_time=data.get("step_time"),
+            step_times=tuple(data.get("step_times") or ()),
+            samples_per_s=data.get("samples_per_s"),
+            tokens_per_s=data.get("tokens_per_s"),
+            peak_allocated=tuple(data.get("peak_allocated") or ()),
+            peak_reserved=tuple(data.get("peak_reserved") or ()),
+            error=data.get("error"),
+            duration=duration,
+        )
+
+
+def _last_error_line(log: str) -> str:
+    """The most telling line of a worker log: the last exception or signal message."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if ("Error" in line or "Signal" in line or "exitcode" in line) and len(line) < 400:
+            return line
+    return lines[-1][:300] if lines else ""

@@ -1,0 +1,269 @@
+"""The one place where a :class:`~autoshard.models.Candidate` becomes FSDP.
+
+Trials, the emitted FSDP1 kwargs and the emitted FSDP2 plan all come from here, so what autoshard
+measured and what it hands the user cannot disagree.
+
+FSDP1 is set up exactly as Lightning's ``FSDPStrategy`` does it (lightning 2.6,
+``lightning/fabric/strategies/fsdp.py``): ``use_orig_params=True``; ``MixedPrecision`` with
+param, reduce and buffer dtypes all equal to the precision's dtype (Lightning's
+``FSDPPrecision.mixed_precision_config``: it reduces in bf16 under ``bf16-mixed``);
+``CPUOffload(offload_params=...)``; a set of classes becomes ``ModuleWrapPolicy``; activation
+checkpointing is applied after wrapping with ``apply_activation_checkpointing``.
+
+FSDP2 follows torchtitan: checkpoint the blocks, ``fully_shard`` each block, then the root;
+``reshard_after_forward=False`` for SHARD_GRAD_OP; HYBRID_SHARD and NO_SHARD on a 2-D
+(replicate, shard) mesh; gradients reduced in fp32 under mixed precision.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard.errors import ConfigError
+from autoshard.models import (
+    BackwardPrefetch,
+    Candidate,
+    Checkpointing,
+    Engine,
+    Optimizer,
+    OptimizerImpl,
+    Precision,
+    Sharding,
+)
+
+_DTYPES = {
+    Precision.FP32: torch.float32,
+    Precision.BF16_MIXED: torch.bfloat16,
+    Precision.FP16_MIXED: torch.float16,
+    Precision.BF16_TRUE: torch.bfloat16,
+}
+
+
+def compute_dtype(precision: Precision) -> torch.dtype:
+    """The dtype the forward and backward compute in."""
+    return _DTYPES[precision]
+
+
+def resolve_classes(paths: Iterable[str]) -> set[type[nn.Module]]:
+    """Import ``module.QualName`` class paths; a path that does not import is a ConfigError."""
+    classes: set[type[nn.Module]] = set()
+    for path in paths:
+        module_name, _, qualname = path.rpartition(".")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ConfigError(
+                f"cannot import class {path!r} ({type(exc).__name__}: {exc}); is the model's "
+                "module importable here (run from the folder of the model file)?"
+            ) from exc
+        if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
+            raise ConfigError(f"{path!r} is not an nn.Module class")
+        classes.add(obj)
+    return classes
+
+
+def wrap_classes_of(model: nn.Module, paths: Iterable[str]) -> set[type[nn.Module]]:
+    """The classes named by ``paths``, looked up among the model's own modules first.
+
+    A model loaded from a file or a saved object may not be importable by path in this process,
+    but its module classes are right there; fall back to importing for what is not found.
+    """
+    wanted = set(paths)
+    found = {
+        type(m) for m in model.modules() if f"{type(m).__module__}.{type(m).__qualname__}" in wanted
+    }
+    missing = wanted - {f"{c.__module__}.{c.__qualname__}" for c in found}
+    return found | (resolve_classes(missing) if missing else set())
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP1
+# ---------------------------------------------------------------------------------------------
+
+
+def fsdp1_kwargs(
+    candidate: Candidate,
+    *,
+    device: torch.device | None = None,
+    classes: set[type[nn.Module]] | None = None,
+    device_mesh: Any | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments for ``FullyShardedDataParallel``, as Lightning's FSDPStrategy passes
+    them. ``classes`` are the wrap classes (resolved from ``candidate.wrap_classes`` when None)."""
+    from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+
+    if candidate.engine is not Engine.FSDP1:
+        raise ConfigError("fsdp1_kwargs needs an fsdp1 candidate")
+    dtype = compute_dtype(candidate.precision)
+    kwargs: dict[str, Any] = {
+        "sharding_strategy": ShardingStrategy[candidate.sharding.value],
+        "cpu_offload": CPUOffload(offload_params=candidate.cpu_offload),
+        "mixed_precision": MixedPrecision(
+            param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype
+        ),
+        "use_orig_params": True,
+        "limit_all_gathers": candidate.limit_all_gathers,
+        "forward_prefetch": candidate.forward_prefetch,
+        "backward_prefetch": (
+            None
+            if candidate.backward_prefetch is BackwardPrefetch.NONE
+            else TorchBackwardPrefetch[candidate.backward_prefetch.value]
+        ),
+    }
+    if candidate.wrap_classes:
+        wrap = classes if classes is not None else resolve_classes(candidate.wrap_classes)
+        kwargs["auto_wrap_policy"] = ModuleWrapPolicy(wrap)
+    elif candidate.min_num_params:
+        kwargs["auto_wrap_policy"] = partial(
+            size_based_auto_wrap_policy, min_num_params=candidate.min_num_params
+        )
+    if device is not None:
+        kwargs["device_id"] = device
+    if device_mesh is not None:
+        kwargs["device_mesh"] = device_mesh
+    return kwargs
+
+
+def apply_fsdp1(
+    model: nn.Module,
+    candidate: Candidate,
+    device: torch.device,
+    *,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """Wrap ``model`` with FSDP1 and checkpoint its blocks, in Lightning's order."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    classes = wrap_classes_of(model, candidate.wrap_classes) if candidate.wrap_classes else None
+    mesh = hybrid_mesh(candidate, device) if candidate.sharding is Sharding.HYBRID_SHARD else None
+    kwargs = fsdp1_kwargs(candidate, device=device, classes=classes, device_mesh=mesh)
+    if param_init_fn is not None:
+        kwargs["param_init_fn"] = param_init_fn
+    wrapped = FullyShardedDataParallel(model, **kwargs)
+    apply_checkpointing(wrapped, candidate)
+    return wrapped
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2
+# ---------------------------------------------------------------------------------------------
+
+
+def hybrid_mesh(candidate: Candidate, device: torch.device) -> Any:
+    """The (replicate, shard) device mesh of a HYBRID_SHARD candidate."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert candidate.hybrid_mesh is not None
+    return init_device_mesh(
+        device.type, tuple(candidate.hybrid_mesh), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def fsdp2_mesh(candidate: Candidate, device: torch.device, world_size: int) -> Any:
+    """The device mesh FSDP2 shards over: 1-D for FULL_SHARD / SHARD_GRAD_OP; 2-D
+    (replicate, shard) for HYBRID_SHARD, and (world, 1) for NO_SHARD (pure replication)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("replicate", "shard")
+    if candidate.sharding is Sharding.HYBRID_SHARD:
+        return hybrid_mesh(candidate, device)
+    if candidate.sharding is Sharding.NO_SHARD:
+        return init_device_mesh(device.type, (world_size, 1), mesh_dim_names=names)
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+
+
+def fsdp2_kwargs(candidate: Candidate, mesh: Any, *, pin_memory: bool) -> dict[str, Any]:
+    """Keyword arguments for ``fully_shard`` (the same for every unit)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": candidate.sharding is not Sharding.SHARD_GRAD_OP,
+    }
+    if candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute_dtype(candidate.precision),
+            reduce_dtype=torch.float32 if candidate.reduce_dtype_fp32 else None,
+        )
+    if candidate.cpu_offload:
+        # pin_memory needs CUDA; on a CPU-only build pinning fails (design notes).
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
+    return kwargs
+
+
+def apply_fsdp2(model: nn.Module, candidate: Candidate, mesh: Any) -> nn.Module:
+    """Checkpoint the blocks, then ``fully_shard`` each wrap unit and the root, in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    if candidate.engine is not Engine.FSDP2:
+        raise ConfigError("apply_fsdp2 needs an fsdp2 candidate")
+    apply_checkpointing(model, candidate)
+    kwargs = fsdp2_kwargs(candidate, mesh, pin_memory=torch.cuda.is_available())
+    classes = wrap_classes_of(model, candidate.wrap_classes) if candidate.wrap_classes else set()
+    for module in list(model.modules()):
+        target = _unwrap_checkpoint(module)
+        if module is not model and isinstance(target, tuple(classes)) and module is target:
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _unwrap_checkpoint(module: nn.Module) -> nn.Module:
+    inner = getattr(module, "_checkpoint_wrapped_module", None)
+    return inner if isinstance(inner, nn.Module) else module
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation checkpointing and the optimizer
+# ---------------------------------------------------------------------------------------------
+
+
+def apply_checkpointing(model: nn.Module, candidate: Candidate) -> None:
+    """Wrap every (or every k-th) block of ``candidate.checkpoint_classes`` with non-reentrant
+    activation checkpointing, in place."""
+    if candidate.checkpointing is Checkpointing.NONE:
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    classes = tuple(wrap_classes_of(model, candidate.checkpoint_classes))
+    blocks = [m for m in model.modules() if isinstance(m, classes)]
+    every = candidate.checkpoint_every if candidate.checkpointing is Checkpointing.EVERY_K else 1
+    chosen = {id(m) for i, m in enumerate(blocks) if i % every == 0}
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in chosen
+    )
+
+
+def make_optimizer(
+    params: Iterable[nn.Parameter], candidate: Candidate, *, lr: float = 1e-4
+) -> torch.optim.Optimizer:
+    """The candidate's optimizer over ``params`` with its foreach / fused / for-loop choice."""
+    impl: dict[str, Any] = {
+        OptimizerImpl.FOREACH: {"foreach": True},
+        OptimizerImpl.FUSED: {"fused": True},
+        OptimizerImpl.FOR_LOOP: {"foreach": False},
+    }[candidate.optimizer_impl]
+    match candidate.optimizer:
+        case Optimizer.ADAMW:
+            return torch.optim.AdamW(params, lr=lr, **impl)
+        case Optimizer.ADAM:
+            return torch.optim.Adam(params, lr=lr, **impl)
+        case Optimizer.SGD:
+            if candidate.optimizer_impl is OptimizerImpl.FUSED:
+                return torch.optim.SGD(params, lr=lr, momentum=0.9, fused=True)
+            return torch.optim.SGD(params, lr=lr, momentum=0.9, **impl)
+        case _:
+            raise ConfigError(f"unknown optimizer {candidate.optimizer!r}")
