@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 
-from autoshard.errors import AutoshardError
+from autoshard._units import parse_size
+from autoshard.errors import AutoshardError, ConfigError
 
 app = typer.Typer(
     name="autoshard",
@@ -94,6 +97,135 @@ def analyze(
             print_profile(profile, console)
 
     _run(work, debug)
+
+
+@app.command()
+def tune(
+    target: TargetArg,
+    arg: ArgOpt = None,
+    gpus: Annotated[
+        int | None,
+        typer.Option(help="GPUs per node (default: the visible GPUs; 2 CPU processes without)."),
+    ] = None,
+    nodes: Annotated[int, typer.Option(help="Nodes to plan for.")] = 1,
+    gpu_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="Memory of one GPU, e.g. 80GiB (default: the visible GPU's). Without a GPU it "
+            "plans for this size and caps each CPU worker's measured memory at it."
+        ),
+    ] = None,
+    batch_size: Annotated[
+        str, typer.Option(help="Micro-batch sizes to try per rank, e.g. 1 or 1,2,4.")
+    ] = "1",
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sample (token models).")] = None,
+    engine: Annotated[str, typer.Option(help="fsdp1 (Lightning FSDPStrategy) or fsdp2.")] = "fsdp1",
+    precision: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Pin the precision (repeatable): 32-true, bf16-mixed, 16-mixed, bf16-true."
+        ),
+    ] = None,
+    trials: Annotated[int, typer.Option(help="Most real trials to launch.")] = 12,
+    trial_timeout: Annotated[
+        float, typer.Option(help="Seconds before a trial counts as hung.")
+    ] = 300.0,
+    warmup: Annotated[int, typer.Option(help="Untimed steps per trial.")] = 2,
+    steps: Annotated[int, typer.Option(help="Timed steps per trial.")] = 3,
+    storage: Annotated[
+        str | None, typer.Option(help="optuna storage URL (default: SQLite in --out).")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("autoshard-out"),
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Run short real FSDP trials and recommend the fastest configuration that fits."""
+    from autoshard.models import Engine, Hardware, Precision, WorkloadSpec
+    from autoshard.progress import StudyProgress, print_recommendation
+    from autoshard.search import TuneOptions
+    from autoshard.search import tune as run_study
+    from autoshard.target import parse_kwargs, resolve
+
+    def work() -> None:
+        import torch
+
+        spec = resolve(target, parse_kwargs(arg or []))
+        sizes = _parse_sizes(batch_size)
+        engine_value = _choice(engine, Engine, "--engine")
+        precisions = tuple(_choice(p, Precision, "--precision") for p in precision or [])
+        has_gpu = torch.cuda.is_available()
+        nproc = gpus or (torch.cuda.device_count() if has_gpu else 2)
+        if gpu_memory is not None:
+            memory = parse_size(gpu_memory, flag="--gpu-memory")
+        elif has_gpu:
+            memory = torch.cuda.get_device_properties(0).total_memory
+        else:
+            raise ConfigError(
+                "no GPU here: trials run on 2 CPU processes with gloo; give --gpu-memory "
+                "(e.g. --gpu-memory 80GiB) for the GPUs to plan for"
+            )
+        hardware = Hardware(
+            gpus_per_node=nproc,
+            nodes=nodes,
+            gpu_memory=memory,
+            bf16_supported=not has_gpu or torch.cuda.is_bf16_supported(),
+        )
+        workload = WorkloadSpec(micro_batch_size=sizes[0], seq_len=seq_len)
+        if not has_gpu and not as_json:
+            err_console.print(
+                f"[dim]no GPU: trials run on {nproc} CPU processes (gloo); memory is planned "
+                f"for {hardware.world_size} x {gpu_memory} GPUs[/]",
+                highlight=False,
+            )
+        if nodes > 1:
+            raise ConfigError(
+                "--nodes > 1 plans for several nodes but trials run on this node only; run "
+                "`autoshard estimate` to plan for a cluster"
+            )
+        options = TuneOptions(
+            out_dir=out,
+            storage=storage,
+            n_trials=trials,
+            engine=engine_value,
+            precisions=precisions or None,
+            micro_batch_sizes=sizes,
+            nproc=nproc,
+            trial_timeout=trial_timeout,
+            warmup=warmup,
+            steps=steps,
+        )
+        progress_console = err_console if as_json else console
+        with StudyProgress(progress_console, total=trials) as progress:
+            options.on_event = progress
+            rec = run_study(spec, hardware, workload, options)
+        if as_json:
+            sys.stdout.write(rec.model_dump_json(indent=2) + "\n")
+        else:
+            print_recommendation(rec, console)
+            console.print(f"[dim]wrote {out}/recommendation.json and {out}/trials.jsonl[/]")
+
+    _run(work, debug)
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--batch-size {text!r}: give positive integers, e.g. 1 or 1,2,4")
+    return sizes
+
+
+E = TypeVar("E", bound=Enum)
+
+
+def _choice(value: str, enum: type[E], flag: str) -> E:
+    try:
+        return enum(value)
+    except ValueError:
+        allowed = ", ".join(str(m.value) for m in enum)
+        raise ConfigError(f"{flag} {value!r}: choose one of {allowed}") from None
 
 
 # --- commands: add new ones above this line ---

@@ -1,0 +1,334 @@
+"""Analytic per-rank memory of an FSDP candidate: pure arithmetic after one activation profile.
+
+Activations come from the model itself, not a rule of thumb: :func:`profile_activations` runs
+one forward on fake CPU tensors (shapes only, no memory) under ``saved_tensors_hooks`` and counts
+the bytes autograd saves for backward, inside each block and outside them, plus each block's
+input (all that checkpointing keeps). Saved bytes are linear in batch x sequence with SDPA, so
+one profile at micro-batch 1 scales to every candidate.
+
+The per-rank peak is the sum of (see ``../shared/design.md``, "Memory"):
+- sharded parameters, gradients and optimizer states: ``P x bytes / shard_size``;
+- the unsharded working set: the unit being computed and the prefetched next one (2 x largest
+  unit in the compute dtype), the root unit (kept unsharded after forward), or the whole model
+  for SHARD_GRAD_OP (no reshard after forward);
+- communication buffers: the reduce-scatter input of one unit in the reduce dtype;
+- activations saved for backward, by the checkpointing choice;
+- temporaries: logits gradient and its cast, one block's activation gradients, and the foreach
+  optimizer's transient copy of the shard;
+- buffers, and an allowance for what a CPU cannot see (CUDA context, NCCL, allocator slack).
+The sum is a conservative peak: these terms are all alive at the start of backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autoshard.models import (
+    Candidate,
+    Checkpointing,
+    Engine,
+    Hardware,
+    MemoryBreakdown,
+    MemoryEstimate,
+    ModelProfile,
+    Optimizer,
+    OptimizerImpl,
+    Precision,
+    Sharding,
+    WorkloadSpec,
+)
+from autoshard.sharding import compute_dtype
+from autoshard.step import find_vocab_size, forward, move_to
+
+# What a CPU cannot see on a GPU: the CUDA context and cuBLAS workspace (about 0.5-1 GiB on
+# recent GPUs), NCCL's buffers, and the caching allocator's reserved-over-allocated slack.
+# Uncalibrated until a GPU run measures it (benchmarks/results/), so stated as an allowance.
+CUDA_CONTEXT_BYTES = 1 * 1024**3
+ALLOCATOR_SLACK = 0.05
+
+
+class ActivationProfile(BaseModel):
+    """Bytes saved for backward per sample, in fp32, measured on fake tensors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seq_len: int | None = Field(None, description="Sequence length the profile was taken at.")
+    block_bytes: tuple[int, ...] = Field((), description="Saved inside each block, per sample.")
+    block_input_bytes: tuple[int, ...] = Field((), description="Each block's input, per sample.")
+    other_bytes: int = Field(0, description="Saved outside the blocks (embedding, head, loss).")
+    measured: bool = Field(True, description="False when the fake forward failed (estimated).")
+    note: str = ""
+
+
+@contextlib.contextmanager
+def _block_hooks(
+    model: nn.Module, block_types: tuple[type, ...], stack: list[int]
+) -> Iterator[list[int]]:
+    inputs: list[int] = []
+    handles = []
+    blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
+    for index, block in enumerate(blocks):
+
+        def pre(_m: nn.Module, args: Any, index: int = index) -> None:
+            stack.append(index)
+            first = args[0] if args else None
+            if isinstance(first, torch.Tensor):
+                inputs.append(first.numel() * first.element_size())
+
+        def post(_m: nn.Module, _args: Any, _out: Any) -> None:
+            stack.pop()
+
+        handles.append(block.register_forward_pre_hook(pre))
+        handles.append(block.register_forward_hook(post))
+    try:
+        yield inputs
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def profile_activations(
+    model: nn.Module,
+    profile: ModelProfile,
+    workload: WorkloadSpec,
+    batch: Any | None = None,
+) -> ActivationProfile:
+    """Count what one forward at micro-batch 1 saves for backward, on fake tensors."""
+    from autoshard.sharding import wrap_classes_of
+
+    seq = workload.seq_len
+    try:
+        if any(not p.is_meta for p in model.parameters()):
+            raise ValueError("profile_activations needs a model built on the meta device")
+        # Fake CPU tensors, not meta ones: on meta, SDPA takes the math path and saves the
+        # seq x seq attention matrix; fake CPU tensors dispatch to the flash kernel, as on a GPU.
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        model = copy.deepcopy(model)  # a meta copy costs nothing
+        block_types = tuple(wrap_classes_of(model, profile.checkpoint_policy))
+        cpu = torch.device("cpu")
+        with fake:
+            model.to_empty(device=cpu)
+            if batch is not None:
+                batch = _first_sample(move_to(batch, cpu))
+            else:
+                vocab = find_vocab_size(model)
+                if vocab is None or seq is None:
+                    raise ValueError("no example batch and no sequence length")
+                batch = torch.zeros(1, seq, dtype=torch.long)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        seen: set[int] = set()
+        stack: list[int] = []
+        n_blocks = sum(1 for m in model.modules() if block_types and isinstance(m, block_types))
+        per_block = [0] * n_blocks
+        other = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal other
+            key = t.untyped_storage()._cdata
+            if key in params or key in seen:
+                return t
+            seen.add(key)
+            nbytes = t.untyped_storage().nbytes()
+            if stack:
+                per_block[stack[-1]] += nbytes
+            else:
+                other += nbytes
+            return t
+
+        with fake, _block_hooks(model, block_types, stack) as inputs:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = forward(model, batch)
+            logits = getattr(out, "logits", out)
+            if isinstance(logits, torch.Tensor) and logits.requires_grad:
+                # the loss saves the log-probabilities of the logits (fp32)
+                other += logits.numel() * 4
+        return ActivationProfile(
+            seq_len=seq,
+            block_bytes=tuple(per_block),
+            block_input_bytes=tuple(inputs[:n_blocks]),
+            other_bytes=other,
+        )
+    except Exception as exc:  # a model whose forward cannot run on meta: fall back, say so
+        return _rule_of_thumb(profile, workload, f"{type(exc).__name__}: {exc}".splitlines()[0])
+
+
+def _first_sample(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[:1] if batch.dim() else batch
+    if isinstance(batch, dict):
+        return {k: _first_sample(v) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(_first_sample(v) for v in batch)
+    return batch
+
+
+def _rule_of_thumb(profile: ModelProfile, workload: WorkloadSpec, why: str) -> ActivationProfile:
+    """Transformer activations per block (Korthikanti et al.: ~34 x seq x hidden bytes in 16
+    bits, so ~68 in fp32), when the forward cannot be traced on meta."""
+    seq = workload.seq_len or 1
+    hidden = profile.hidden_size or int(math.sqrt(max(profile.block_params, 1) / 12)) or 1
+    n = max(profile.block_count, 1)
+    return ActivationProfile(
+        seq_len=workload.seq_len,
+        block_bytes=tuple([68 * seq * hidden] * n),
+        block_input_bytes=tuple([4 * seq * hidden] * n),
+        other_bytes=4 * seq * (profile.vocab_size or hidden) * 2,
+        measured=False,
+        note=f"the forward did not run on fake tensors ({why}); activations estimated",
+    )
+
+
+def _bytes(precision: Precision) -> tuple[int, int]:
+    """(bytes of stored parameters, bytes of the compute dtype)."""
+    stored = 2 if precision is Precision.BF16_TRUE else 4
+    return stored, compute_dtype(precision).itemsize
+
+
+def shard_size(candidate: Candidate, hardware: Hardware) -> int:
+    match candidate.sharding:
+        case Sharding.NO_SHARD:
+            return 1
+        case Sharding.HYBRID_SHARD:
+            assert candidate.hybrid_mesh is not None
+            return candidate.hybrid_mesh[1]
+        case Sharding.FULL_SHARD | Sharding.SHARD_GRAD_OP:
+            return hardware.world_size
+        case _:
+            raise ValueError(f"unknown sharding {candidate.sharding!r}")
+
+
+def activation_bytes(
+    candidate: Candidate, acts: ActivationProfile, compute_bytes: int
+) -> tuple[int, int]:
+    """(saved activations, recompute transient) for the candidate's micro-batch, in bytes."""
+    scale = candidate.micro_batch_size * compute_bytes / 4
+    blocks, inputs = acts.block_bytes, acts.block_input_bytes
+    largest = max(blocks, default=0)
+    match candidate.checkpointing:
+        case Checkpointing.NONE:
+            saved = sum(blocks)
+            recompute = 0
+        case Checkpointing.ALL | Checkpointing.EVERY_K:
+            every = (
+                candidate.checkpoint_every
+                if candidate.checkpointing is Checkpointing.EVERY_K
+                else 1
+            )
+            saved = sum(
+                (inputs[i] if i < len(inputs) else 0) if i % every == 0 else b
+                for i, b in enumerate(blocks)
+            )
+            recompute = largest  # one block's activations are rebuilt at a time in backward
+        case _:
+            raise ValueError(f"unknown checkpointing {candidate.checkpointing!r}")
+    return int((saved + acts.other_bytes) * scale), int(recompute * scale)
+
+
+def estimate_memory(
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    *,
+    activations: ActivationProfile | None = None,
+) -> MemoryEstimate:
+    """Predict the per-rank GPU peak and per-node host memory of ``candidate``."""
+    acts = activations or _rule_of_thumb(profile, workload, "no activation profile given")
+    stored, cb = _bytes(candidate.precision)
+    params = profile.total_params
+    shard = shard_size(candidate, hardware)
+    unit = max(profile.block_params, 1) if profile.wrap_policy else params
+    root = profile.root_unit_params if profile.wrap_policy else params
+    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+
+    sharded = params * stored // shard
+    grads = params * stored // shard
+    states = {Optimizer.ADAMW: 2, Optimizer.ADAM: 2, Optimizer.SGD: 1}[candidate.optimizer]
+    optimizer = states * params * stored // shard
+
+    if candidate.sharding is Sharding.SHARD_GRAD_OP:
+        unsharded = params * cb  # kept gathered from forward to backward
+    elif candidate.sharding is Sharding.NO_SHARD:
+        unsharded = 2 * unit * cb if mixed else 0  # low-precision copies of the current units
+    else:
+        unsharded = (2 * unit + root) * cb  # current + prefetched unit, and the root
+    # Lightning's FSDP1 reduces in the compute dtype; FSDP2 here reduces in fp32 when mixed.
+    fp32_reduce = mixed and candidate.engine is Engine.FSDP2 and candidate.reduce_dtype_fp32
+    reduce_bytes = 4 if fp32_reduce else cb
+    comm = unit * reduce_bytes + (unit * cb if shard > 1 else 0)  # reduce-scatter in, grad out
+
+    saved, recompute = activation_bytes(candidate, acts, cb)
+    scale = candidate.micro_batch_size * cb / 4
+    block_grad = int(max(acts.block_bytes, default=0) * scale)
+    logits = 0
+    if profile.vocab_size and workload.seq_len:
+        logits = candidate.micro_batch_size * workload.seq_len * profile.vocab_size * (4 + cb)
+    foreach = (
+        params * stored // shard
+        if candidate.optimizer_impl is OptimizerImpl.FOREACH
+        and candidate.optimizer is not Optimizer.SGD
+        else 0
+    )
+    temporaries = recompute + max(block_grad + logits, foreach)
+
+    host = 0
+    if candidate.cpu_offload:
+        # parameters, gradients and optimizer state live in host memory; the GPU keeps the
+        # working set only
+        host = (sharded + grads + optimizer) * hardware.gpus_per_node
+        sharded = grads = optimizer = 0
+        temporaries = recompute + block_grad + logits
+
+    breakdown = MemoryBreakdown(
+        sharded_params=sharded,
+        unsharded_params=unsharded,
+        gradients=grads,
+        optimizer=optimizer,
+        comm_buffers=comm,
+        activations=saved,
+        temporaries=temporaries,
+        buffers=profile.buffer_bytes,
+    )
+    subtotal = breakdown.total
+    allowance = CUDA_CONTEXT_BYTES + int(subtotal * ALLOCATOR_SLACK)
+    breakdown = breakdown.model_copy(update={"allowance": allowance})
+    peak = breakdown.total
+    usable = hardware.usable_gpu_memory
+    reasons = []
+    if peak > usable:
+        reasons.append(f"needs {peak / 2**30:.1f} GiB per GPU, {usable / 2**30:.1f} GiB usable")
+    if hardware.host_memory is not None and host > hardware.host_memory:
+        reasons.append(f"needs {host / 2**30:.1f} GiB of host memory per node")
+    return MemoryEstimate(
+        candidate=candidate,
+        method="analytic",
+        gpu_peak=peak,
+        host_peak=host,
+        breakdown=breakdown,
+        fits=not reasons,
+        headroom=usable - peak,
+        reason="; ".join(reasons),
+    )
+
+
+def estimate_all(
+    profile: ModelProfile,
+    candidates: Sequence[Candidate],
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    *,
+    activations: ActivationProfile | None = None,
+) -> list[MemoryEstimate]:
+    """Estimate every candidate (milliseconds each)."""
+    return [
+        estimate_memory(profile, c, hardware, workload, activations=activations) for c in candidates
+    ]

@@ -1,0 +1,159 @@
+"""Rich progress of a tuning study: a live table of trials on a terminal, plain lines elsewhere,
+and the final recommendation."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from autoshard._units import format_bytes
+from autoshard.models import Recommendation, Scored, TrialResult, TrialStatus
+
+_STYLE = {
+    TrialStatus.OK: "green",
+    TrialStatus.OOM: "yellow",
+    TrialStatus.ERROR: "red",
+    TrialStatus.TIMEOUT: "red",
+    TrialStatus.PRUNED: "dim",
+}
+
+
+def _rate(t: TrialResult) -> str:
+    if t.tokens_per_s:
+        return f"{t.tokens_per_s:,.0f} tok/s"
+    return f"{t.samples_per_s:,.1f} samples/s" if t.samples_per_s else ""
+
+
+def _row(s: Scored, best: float) -> list[str]:
+    t = s.trial
+    est = format_bytes(s.estimate.gpu_peak) if s.estimate else ""
+    if t is None:
+        return [s.candidate.label(), "[cyan]running[/]", "", "", est, ""]
+    rate = t.tokens_per_s or t.samples_per_s or 0.0
+    mark = " [bold]★[/]" if t.status is TrialStatus.OK and rate >= best else ""
+    measured = format_bytes(t.max_allocated) if t.max_allocated is not None else ""
+    detail = _rate(t) + mark if t.status is TrialStatus.OK else (t.error or "")[:70]
+    return [
+        s.candidate.label(),
+        f"[{_STYLE[t.status]}]{t.status.value}[/]",
+        f"{t.step_time:.3f} s" if t.step_time else "",
+        measured,
+        est,
+        detail,
+    ]
+
+
+class StudyProgress:
+    """Receives search events (``on_event``) and shows them."""
+
+    def __init__(self, console: Console, total: int) -> None:
+        self.console = console
+        self.rows: dict[str, Scored] = {}
+        self.best = 0.0
+        self.live: Live | None = None
+        self.bar = Progress(
+            TextColumn("trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+        )
+        self.task = self.bar.add_task("trials", total=total)
+
+    def __enter__(self) -> StudyProgress:
+        if self.console.is_terminal:
+            self.live = Live(self._render(), console=self.console, refresh_per_second=4)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live is not None:
+            self.live.update(self._render())
+            self.live.__exit__(None, None, None)
+
+    def __call__(self, kind: str, scored: Scored) -> None:
+        self.rows[scored.candidate.label()] = scored
+        t = scored.trial
+        if t is not None and t.status is TrialStatus.OK:
+            self.best = max(self.best, t.tokens_per_s or t.samples_per_s or 0.0)
+        if kind == "done" and t is not None and t.status is not TrialStatus.PRUNED:
+            self.bar.advance(self.task)
+        if self.live is not None:
+            self.live.update(self._render())
+        elif kind in ("done", "resumed") and t is not None and t.status is not TrialStatus.PRUNED:
+            cells = _row(scored, self.best)
+            prefix = "resumed " if kind == "resumed" else ""
+            self.console.print(
+                f"{prefix}trial: " + "  ".join(c for c in cells if c), highlight=False
+            )
+
+    def _table(self) -> Table:
+        table = Table(title="Trials", title_justify="left")
+        for name in ("configuration", "status", "step", "measured peak", "estimate", ""):
+            table.add_column(name, overflow="fold")
+        for s in self.rows.values():
+            if s.trial is None or s.trial.status is not TrialStatus.PRUNED:
+                table.add_row(*_row(s, self.best))
+        pruned = sum(
+            1 for s in self.rows.values() if s.trial and s.trial.status is TrialStatus.PRUNED
+        )
+        if pruned:
+            table.caption = f"{pruned} candidates predicted not to fit were not launched"
+        return table
+
+    def _render(self) -> Group:
+        return Group(self.bar, self._table())
+
+
+def print_recommendation(rec: Recommendation, console: Console) -> None:
+    """The chosen configuration, why, the runners-up, and what was ruled out."""
+    c = rec.chosen.candidate
+    t = rec.chosen.trial
+    table = Table(title="Recommendation", title_justify="left", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    table.add_row("engine", c.engine.value)
+    table.add_row("auto_wrap_policy", ", ".join(c.wrap_classes) or "none")
+    table.add_row(
+        "activation checkpointing",
+        c.checkpointing.value
+        + (f" (every {c.checkpoint_every})" if c.checkpointing.value == "every_k" else ""),
+    )
+    table.add_row(
+        "sharding_strategy", c.sharding.value + (f" {c.hybrid_mesh}" if c.hybrid_mesh else "")
+    )
+    table.add_row("cpu_offload", str(c.cpu_offload))
+    table.add_row("precision", c.precision.value)
+    table.add_row("micro-batch size", str(c.micro_batch_size))
+    if t is not None and t.step_time:
+        table.add_row(
+            "measured",
+            f"{t.step_time:.3f} s/step, {_rate(t)}, peak {format_bytes(t.max_allocated or 0)}"
+            f" per rank ({t.device}, {t.world_size} ranks)",
+        )
+    if rec.chosen.estimate:
+        e = rec.chosen.estimate
+        table.add_row(
+            "estimate",
+            f"{format_bytes(e.gpu_peak)} per GPU on {rec.hardware.world_size} x "
+            f"{format_bytes(rec.hardware.gpu_memory)} (headroom {format_bytes(e.headroom)})",
+        )
+    console.print(table)
+    for line in rec.reasons:
+        console.print(f"  • {line}", highlight=False)
+    if rec.runners_up:
+        console.print(
+            "Runners-up: "
+            + "; ".join(
+                f"{s.candidate.label()} ({_rate(s.trial)})" for s in rec.runners_up if s.trial
+            ),
+            highlight=False,
+        )
+    failed = [s for s in rec.ruled_out if s.trial and s.trial.status is not TrialStatus.PRUNED]
+    pruned = len(rec.ruled_out) - len(failed)
+    for s in failed:
+        assert s.trial is not None
+        console.print(
+            f"  ruled out {s.candidate.label()}: {s.trial.status.value}: {s.trial.error}",
+            highlight=False,
+        )
+    if pruned:
+        console.print(f"  {pruned} candidates predicted not to fit were never launched")

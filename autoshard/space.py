@@ -1,0 +1,89 @@
+"""The search space: every FSDP configuration worth considering for a model on some hardware.
+
+Dimensions that change memory are enumerated (sharding, activation checkpointing, CPU offload,
+precision, micro-batch size); knobs that only trade a little speed (prefetch, all-gather limits)
+keep Lightning's defaults. The space stays product-sized: tens of candidates, which the estimator
+scores in milliseconds and the search tries in a handful of trials.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autoshard.models import (
+    Candidate,
+    Checkpointing,
+    Engine,
+    Hardware,
+    ModelProfile,
+    Precision,
+    Sharding,
+    WorkloadSpec,
+)
+
+
+def default_precisions(hardware: Hardware) -> tuple[Precision, ...]:
+    """bf16 mixed precision where the GPUs have bf16, fp16 mixed where not, and full fp32."""
+    low = Precision.BF16_MIXED if hardware.bf16_supported else Precision.FP16_MIXED
+    return (low, Precision.FP32)
+
+
+def shardings_for(hardware: Hardware) -> list[tuple[Sharding, tuple[int, int] | None]]:
+    """Sharding strategies that make sense for the world: HYBRID_SHARD across several nodes,
+    sharding within a node and replicating across nodes."""
+    options: list[tuple[Sharding, tuple[int, int] | None]] = [
+        (Sharding.FULL_SHARD, None),
+        (Sharding.SHARD_GRAD_OP, None),
+    ]
+    if hardware.world_size > 1:
+        options.append((Sharding.NO_SHARD, None))
+    if hardware.nodes > 1:
+        options.append((Sharding.HYBRID_SHARD, (hardware.nodes, hardware.gpus_per_node)))
+    return options
+
+
+def enumerate_candidates(
+    profile: ModelProfile,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    *,
+    engine: Engine = Engine.FSDP1,
+    precisions: Sequence[Precision] | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    offload: bool | None = None,
+) -> list[Candidate]:
+    """All candidates for ``profile`` on ``hardware``: the analyzer's wrap policy with every
+    sharding strategy, checkpointing none / every 2nd block / every block, CPU offload (with
+    FULL_SHARD only: it is the last resort) and each precision and micro-batch size."""
+    blocks = profile.checkpoint_policy
+    checkpointing: list[tuple[Checkpointing, int]] = [(Checkpointing.NONE, 1)]
+    if blocks:
+        if profile.block_count >= 4:
+            checkpointing.append((Checkpointing.EVERY_K, 2))
+        checkpointing.append((Checkpointing.ALL, 1))
+    offloads = [False, True] if offload is None else [offload]
+    sizes = tuple(micro_batch_sizes or (workload.micro_batch_size,))
+    out: list[Candidate] = []
+    for precision in precisions or default_precisions(hardware):
+        for sharding, mesh in shardings_for(hardware):
+            for ckpt, every in checkpointing:
+                for off in offloads:
+                    if off and sharding is not Sharding.FULL_SHARD:
+                        continue
+                    for mbs in sizes:
+                        out.append(
+                            Candidate(
+                                engine=engine,
+                                wrap_classes=profile.wrap_policy,
+                                min_num_params=profile.wrap_min_params,
+                                checkpointing=ckpt,
+                                checkpoint_every=every,
+                                checkpoint_classes=blocks if ckpt is not Checkpointing.NONE else (),
+                                sharding=sharding,
+                                hybrid_mesh=mesh,
+                                cpu_offload=off,
+                                precision=precision,
+                                micro_batch_size=mbs,
+                            )
+                        )
+    return out
