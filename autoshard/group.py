@@ -261,6 +261,7 @@ class WorkerGroup:
             tokens_per_s=data.get("tokens_per_s"),
             peak_allocated=tuple(data.get("peak_allocated") or ()),
             peak_reserved=tuple(data.get("peak_reserved") or ()),
+            losses=tuple(data.get("losses") or ()),
             error=data.get("error"),
             duration=duration,
         )

@@ -332,6 +332,7 @@ class TrialResult(_Frozen):
     tokens_per_s: float | None = None
     peak_allocated: tuple[int, ...] = Field((), description="Per-rank peak allocated bytes.")
     peak_reserved: tuple[int, ...] = Field((), description="Per-rank peak reserved bytes.")
+    losses: tuple[float, ...] = Field((), description="Rank 0's loss at every step, in order.")
     error: str | None = None
     duration: float = Field(0.0, description="Wall seconds of the whole trial.")
     started_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))

@@ -87,11 +87,13 @@ def build_sharded(
     """Build the target's model on this rank and apply the candidate to it."""
     built = build_target(target, device="meta")
     param_bytes = sum(p.numel() * p.element_size() for p in built.model.parameters())
-    model = built.model
     real = param_bytes <= REAL_BUILD_MAX_BYTES
     if real:
         torch.manual_seed(0)
-        model = build_target(target, device="cpu").model
+        built = build_target(target, device="cpu")
+    model, batch = built.model, built.batch
+    if batch is not None and not real:
+        batch = None  # a batch built on meta holds no data: synthesise one instead
     if candidate.precision is Precision.BF16_TRUE:
         model = model.to(torch.bfloat16)
     if candidate.engine is Engine.FSDP1:
@@ -106,7 +108,7 @@ def build_sharded(
                 init_states(module, device)
         elif device.type != "cpu":
             model.to(device)
-    return model, built.batch
+    return model, batch
 
 
 def run_trial(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -154,6 +156,8 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
     loss_fn = find_loss_fn(sys.modules.get(load_callable(target.spec).__module__))
     autocast = _autocast(candidate, device)
 
+    losses: list[torch.Tensor] = []
+
     def step() -> None:
         with autocast:
             output = forward(model, batch)
@@ -161,6 +165,7 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())  # read after timing: .item() would synchronise
 
     for _ in range(max(1, request["warmup"])):
         step()
@@ -184,6 +189,7 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
         "reserved": int(reserved),
         "samples": batch_samples(batch),
         "tokens": batch_tokens(batch),
+        "losses": [float(v) for v in losses],
     }
 
 
@@ -287,6 +293,7 @@ def summarize(request: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict[s
         tokens_per_s=(tokens * world / median) if tokens else None,
         peak_allocated=[r["allocated"] for r in per_rank],
         peak_reserved=[r["reserved"] for r in per_rank],
+        losses=per_rank[0]["losses"],
     )
     return result
 

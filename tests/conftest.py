@@ -35,3 +35,10 @@ def _forget_target_modules():
         path = getattr(module, "__file__", None) or ""
         if path.startswith(str(TARGETS)) or path.startswith(str(EXAMPLES)):
             del sys.modules[name]
+
+
+@pytest.fixture
+def examples_gpt_tiny():
+    from autoshard.target import TargetSpec
+
+    return TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny"})

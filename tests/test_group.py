@@ -1,0 +1,108 @@
+"""The persistent worker group: real torchrun + gloo processes on the CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from autoshard.group import WorkerGroup
+from autoshard.models import Candidate, TrialStatus, WorkloadSpec
+from autoshard.target import TargetSpec
+
+from .conftest import TARGETS
+
+pytestmark = pytest.mark.slow
+
+FAULTY = f"{TARGETS}/faulty.py:build"
+LINEAR = "torch.nn.modules.linear.Linear"
+
+
+def candidate(**kw) -> Candidate:
+    return Candidate(wrap_classes=(LINEAR,), precision="32-true", **kw)
+
+
+def test_group_survives_oom_crash_and_hang(tmp_path) -> None:
+    ok = TargetSpec(spec=FAULTY)
+    batch = WorkloadSpec()
+    group = WorkerGroup(
+        ok, log_dir=tmp_path, nproc=2, trial_timeout=60, env={"OMP_NUM_THREADS": "1"}
+    )
+    with group:
+        first = group.run(candidate(), batch, target=_with_batch(ok))
+        assert first.status is TrialStatus.OK, first.error
+        launcher = group.proc.pid
+
+        # A memory cap below what the trial needs: an OOM on every rank, the group survives.
+        capped = group.run(candidate(), batch, memory_cap=1, target=_with_batch(ok))
+        assert capped.status is TrialStatus.OOM
+        assert "memory cap" in (capped.error or "")
+        again = group.run(candidate(sharding="SHARD_GRAD_OP"), batch, target=_with_batch(ok))
+        assert again.status is TrialStatus.OK and group.proc.pid == launcher
+        assert group.launches == 1
+
+        # One rank dies: the trial is an error naming the exit, the next trial relaunches.
+        crashed = group.run(candidate(), batch, target=_with_batch(ok, mode="crash"))
+        assert crashed.status is TrialStatus.ERROR
+        assert "exit" in (crashed.error or "").lower()
+        after_crash = group.run(candidate(), batch, target=_with_batch(ok))
+        assert after_crash.status is TrialStatus.OK
+        assert group.launches == 2
+
+        # A hang past the timeout: the group is killed, the trial is a timeout, work goes on.
+        group.trial_timeout = 6
+        hung = group.run(candidate(), batch, target=_with_batch(ok, mode="hang"))
+        assert hung.status is TrialStatus.TIMEOUT
+        assert not group.alive()
+        group.trial_timeout = 60
+        last = group.run(candidate(), batch, target=_with_batch(ok))
+        assert last.status is TrialStatus.OK
+        assert group.launches == 3
+
+
+def _with_batch(target: TargetSpec, **kwargs) -> TargetSpec:
+    return TargetSpec(spec="tests.targets.faulty_batch:build", kwargs={**target.kwargs, **kwargs})
+
+
+SHARDINGS = [
+    dict(engine="fsdp1", sharding="FULL_SHARD"),
+    dict(engine="fsdp1", sharding="SHARD_GRAD_OP", checkpointing="all"),
+    dict(engine="fsdp1", sharding="NO_SHARD", precision="bf16-mixed"),
+    dict(engine="fsdp1", sharding="HYBRID_SHARD", hybrid_mesh=(1, 2)),
+    dict(engine="fsdp2", sharding="FULL_SHARD", precision="bf16-mixed"),
+    dict(engine="fsdp2", sharding="SHARD_GRAD_OP", checkpointing="every_k", checkpoint_every=2),
+    dict(engine="fsdp2", sharding="NO_SHARD"),
+    dict(engine="fsdp2", sharding="FULL_SHARD", cpu_offload=True),
+    dict(engine="fsdp2", sharding="HYBRID_SHARD", hybrid_mesh=(1, 2)),
+]
+
+
+def test_every_strategy_trains_on_gloo(tmp_path, examples_gpt_tiny) -> None:
+    """Each engine and sharding strategy runs forward, backward and optimizer steps for real,
+    in one group, and the loss of the example GPT goes down."""
+    group = WorkerGroup(examples_gpt_tiny, log_dir=tmp_path, nproc=2, trial_timeout=120)
+    with group:
+        for kw in SHARDINGS:
+            kw = {"precision": "32-true", **kw}
+            if kw.get("checkpointing"):
+                kw["checkpoint_classes"] = ("gpt.Block",)
+            c = Candidate(wrap_classes=("gpt.Block",), **kw)
+            r = group.run(c, WorkloadSpec(seq_len=32), warmup=2, steps=3)
+            assert r.status is TrialStatus.OK, (c.label(), r.error)
+            assert len(r.losses) == 5 and all(math.isfinite(v) for v in r.losses)
+            assert r.losses[-1] < r.losses[0], (c.label(), r.losses)
+            assert r.tokens_per_s and r.tokens_per_s > 0
+            assert len(r.peak_allocated) == 2 and min(r.peak_allocated) > 0
+    assert group.launches == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_trial_reports_allocator_peaks(tmp_path, examples_gpt_tiny) -> None:
+    with WorkerGroup(examples_gpt_tiny, log_dir=tmp_path, trial_timeout=300) as group:
+        r = group.run(
+            Candidate(wrap_classes=("gpt.Block",), precision="bf16-mixed"), WorkloadSpec(seq_len=128)
+        )
+    assert r.status is TrialStatus.OK and r.device == "cuda"
+    assert all(res >= alloc > 0 for alloc, res in zip(r.peak_allocated, r.peak_reserved, strict=True))
