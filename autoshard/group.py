@@ -134,6 +134,7 @@ class WorkerGroup:
         env = {**os.environ, **self.env}
         # Workers import the target's files from the caller's folder, as the caller did.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+        env["AUTOSHARD_DRIVER_PID"] = str(os.getpid())  # workers stop when the driver dies
         env.setdefault("OMP_NUM_THREADS", "1" if self.device == "cpu" else "4")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(

@@ -299,10 +299,25 @@ def summarize(request: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict[s
 
 
 def wait_for_request(control: Path, n: int) -> dict[str, Any]:
+    """The driver's next request; a stop request if the driver died (killed, Ctrl-C), so that
+    no orphaned workers are left behind."""
     path = control / f"request-{n}.json"
+    driver = int(os.environ.get("AUTOSHARD_DRIVER_PID", "0"))
     while not path.exists():
+        if driver and not _alive(driver):
+            return {"stop": True}
         time.sleep(POLL_SECONDS)
     return dict(json.loads(path.read_text()))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def write_json_atomically(path: Path, data: Any) -> None:

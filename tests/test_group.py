@@ -102,7 +102,10 @@ def test_every_strategy_trains_on_gloo(tmp_path, examples_gpt_tiny) -> None:
 def test_cuda_trial_reports_allocator_peaks(tmp_path, examples_gpt_tiny) -> None:
     with WorkerGroup(examples_gpt_tiny, log_dir=tmp_path, trial_timeout=300) as group:
         r = group.run(
-            Candidate(wrap_classes=("gpt.Block",), precision="bf16-mixed"), WorkloadSpec(seq_len=128)
+            Candidate(wrap_classes=("gpt.Block",), precision="bf16-mixed"),
+            WorkloadSpec(seq_len=128),
         )
     assert r.status is TrialStatus.OK and r.device == "cuda"
-    assert all(res >= alloc > 0 for alloc, res in zip(r.peak_allocated, r.peak_reserved, strict=True))
+    assert all(
+        res >= alloc > 0 for alloc, res in zip(r.peak_allocated, r.peak_reserved, strict=True)
+    )

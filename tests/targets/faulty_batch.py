@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tests.targets.faulty import autoshard_loss, build as build_model
+from tests.targets.faulty import autoshard_loss
+from tests.targets.faulty import build as build_model
 
 __all__ = ["autoshard_loss", "build"]
 

@@ -1,0 +1,127 @@
+"""The analytic estimator: terms computable by hand, monotonicity, activation profiling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autoshard.analyze import analyze_model
+from autoshard.estimate import (
+    CUDA_CONTEXT_BYTES,
+    estimate_all,
+    estimate_memory,
+    profile_activations,
+)
+from autoshard.models import Candidate, Hardware, WorkloadSpec
+from autoshard.space import enumerate_candidates
+from autoshard.target import TargetSpec, build_target
+
+from .conftest import EXAMPLES
+
+GIB = 1024**3
+
+
+class Stack(nn.Module):
+    def __init__(self, width: int = 256, depth: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+@pytest.fixture
+def stack():
+    with torch.device("meta"):
+        model = Stack()
+    return model, analyze_model(model)
+
+
+def test_sharded_terms_by_hand(stack) -> None:
+    _, profile = stack
+    params = 8 * 256 * 256
+    hw = Hardware(gpus_per_node=4, gpu_memory=80 * GIB)
+    c = Candidate(wrap_classes=profile.wrap_policy, precision="32-true", optimizer_impl="fused")
+    e = estimate_memory(profile, c, hw, WorkloadSpec())
+    b = e.breakdown
+    assert b.sharded_params == params * 4 // 4
+    assert b.gradients == params * 4 // 4
+    assert b.optimizer == 2 * params * 4 // 4  # AdamW: two fp32 states, sharded
+    unit = 256 * 256
+    assert b.unsharded_params == (2 * unit + 0) * 4  # current + prefetched unit, empty root
+    assert b.allowance >= CUDA_CONTEXT_BYTES
+    assert e.gpu_peak == b.total and e.fits and e.headroom == hw.usable_gpu_memory - e.gpu_peak
+
+
+def test_more_ranks_never_raise_sharded_terms(stack) -> None:
+    _, profile = stack
+    c = Candidate(wrap_classes=profile.wrap_policy)
+    previous = None
+    for gpus in (1, 2, 4, 8, 64, 1024):
+        b = estimate_memory(
+            profile, c, Hardware(gpus_per_node=gpus, gpu_memory=GIB), WorkloadSpec()
+        ).breakdown
+        terms = (b.sharded_params, b.gradients, b.optimizer)
+        if previous is not None:
+            assert all(now <= before for now, before in zip(terms, previous, strict=True))
+        previous = terms
+
+
+def test_no_shard_keeps_everything_and_offload_moves_it_to_host(stack) -> None:
+    _, profile = stack
+    hw = Hardware(gpus_per_node=8, gpu_memory=GIB)
+    full = estimate_memory(profile, Candidate(wrap_classes=profile.wrap_policy), hw, WorkloadSpec())
+    none = estimate_memory(
+        profile,
+        Candidate(wrap_classes=profile.wrap_policy, sharding="NO_SHARD"),
+        hw,
+        WorkloadSpec(),
+    )
+    assert none.breakdown.sharded_params == 8 * full.breakdown.sharded_params
+    off = estimate_memory(
+        profile, Candidate(wrap_classes=profile.wrap_policy, cpu_offload=True), hw, WorkloadSpec()
+    )
+    assert off.breakdown.sharded_params == off.breakdown.optimizer == 0
+    assert off.host_peak == 8 * (full.breakdown.sharded_params * 4)  # params+grads+2 states
+    assert off.gpu_peak < full.gpu_peak
+
+
+def test_activation_profile_is_linear_in_sequence_and_checkpointing_keeps_inputs() -> None:
+    target = TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny"})
+    built = build_target(target)
+    profile = analyze_model(built.model)
+    short = profile_activations(built.model, profile, WorkloadSpec(seq_len=64))
+    long = profile_activations(built.model, profile, WorkloadSpec(seq_len=128))
+    assert short.measured and len(short.block_bytes) == 4
+    assert sum(long.block_bytes) == 2 * sum(short.block_bytes)  # no seq x seq attention matrix
+    assert long.block_input_bytes[0] == 128 * 128 * 4  # one [1, T, d] fp32 tensor
+    assert all(p.is_meta for p in built.model.parameters())  # the caller's model is untouched
+
+    hw = Hardware(gpus_per_node=2, gpu_memory=80 * GIB)
+    base = Candidate(wrap_classes=profile.wrap_policy, precision="32-true")
+    ckpt = base.model_copy(
+        update={"checkpointing": "all", "checkpoint_classes": profile.wrap_policy}
+    )
+    w = WorkloadSpec(seq_len=128)
+    plain = estimate_memory(profile, base, hw, w, activations=long).breakdown.activations
+    saved = estimate_memory(profile, ckpt, hw, w, activations=long).breakdown.activations
+    assert plain - saved == sum(long.block_bytes) - sum(long.block_input_bytes)
+    double = estimate_memory(
+        profile, base.model_copy(update={"micro_batch_size": 2}), hw, w, activations=long
+    ).breakdown.activations
+    assert double == 2 * plain
+
+
+def test_too_small_gpu_does_not_fit_and_says_why() -> None:
+    target = TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "7b"})
+    built = build_target(target)
+    profile = analyze_model(built.model)
+    w = WorkloadSpec(seq_len=4096)
+    acts = profile_activations(built.model, profile, w)
+    hw = Hardware(gpus_per_node=8, gpu_memory=24 * GIB)
+    estimates = estimate_all(profile, enumerate_candidates(profile, hw, w), hw, w, activations=acts)
+    no_shard = [e for e in estimates if e.candidate.sharding.value == "NO_SHARD"]
+    assert no_shard and not any(e.fits for e in no_shard)  # 7B x 16 bytes cannot fit 24 GiB
+    assert all("GiB per GPU" in e.reason for e in no_shard)
+    assert any(e.fits for e in estimates)  # FULL_SHARD with checkpointing does

@@ -1,0 +1,145 @@
+"""The tuning study end to end: real gloo trials, pruning by estimate, resume after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from autoshard.analyze import analyze_target
+from autoshard.estimate import estimate_all, profile_activations
+from autoshard.models import Engine, Hardware, Precision, TrialStatus, WorkloadSpec
+from autoshard.search import TuneOptions, dominated_by, tune
+from autoshard.space import enumerate_candidates
+
+from .conftest import EXAMPLES, ROOT
+
+GIB = 1024**3
+
+
+def read_trials(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_study_prunes_by_estimate_and_picks_the_fastest_measured(tmp_path, examples_gpt_tiny):
+    workload = WorkloadSpec(seq_len=32)
+    profile, built = analyze_target(examples_gpt_tiny)
+    acts = profile_activations(built.model, profile, workload)
+    probe = Hardware(gpus_per_node=2, gpu_memory=80 * GIB)
+    cands = enumerate_candidates(profile, probe, workload, precisions=(Precision.FP32,))
+    estimates = estimate_all(profile, cands, probe, workload, activations=acts)
+    # A GPU just big enough for the three smallest candidates without offload (FSDP1's CPU
+    # offload cannot run on a CPU-only torch): the others must be pruned, never launched.
+    peaks = sorted(e.gpu_peak for e in estimates if not e.candidate.cpu_offload)
+    memory = int((peaks[2] + 1) / 0.95) + 1
+    hardware = Hardware(gpus_per_node=2, gpu_memory=memory)
+    options = TuneOptions(
+        out_dir=tmp_path, n_trials=3, precisions=(Precision.FP32,), nproc=2, memory_cap=4 * GIB
+    )
+    rec = tune(examples_gpt_tiny, hardware, workload, options)
+
+    trials = read_trials(tmp_path / "trials.jsonl")
+    pruned = [t for t in trials if t["status"] == "pruned"]
+    ok = [t for t in trials if t["status"] == "ok"]
+    assert pruned and all("GiB per GPU" in t["error"] for t in pruned)
+    assert 1 <= len(ok) <= 3
+    best = max(ok, key=lambda t: t["tokens_per_s"])
+    assert rec.basis == "trials"
+    assert rec.chosen.trial is not None and rec.chosen.trial.tokens_per_s == best["tokens_per_s"]
+    assert rec.chosen.estimate is not None and rec.chosen.estimate.fits
+    assert {s.candidate.label() for s in rec.ruled_out} >= {json_label(t) for t in pruned}
+    assert json.loads((tmp_path / "recommendation.json").read_text())["basis"] == "trials"
+    # Pruned candidates were never launched: one worker group for the whole study.
+    assert len(list((tmp_path / "workers").glob("group-*.log"))) == 1
+
+    # The same study again: everything is finished, nothing is launched or rerun.
+    again = tune(examples_gpt_tiny, hardware, workload, options)
+    assert again.chosen.candidate == rec.chosen.candidate
+    assert len(read_trials(tmp_path / "trials.jsonl")) == len(trials)
+    assert len(list((tmp_path / "workers").glob("group-*.log"))) == 1
+
+
+def json_label(trial: dict) -> str:
+    from autoshard.models import Candidate
+
+    return Candidate.model_validate(trial["candidate"]).label()
+
+
+@pytest.mark.slow
+def test_killed_study_resumes_without_rerunning(tmp_path) -> None:
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "autoshard", "tune", f"{EXAMPLES}/gpt.py:build",
+        "--arg", "size=tiny", "--seq-len", "32", "--gpu-memory", "4GiB", "--precision", "32-true",
+        "--trials", "3", "--out", str(out), "--steps", "2", "--warmup", "1",
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = out / "trials.jsonl"
+    deadline = time.monotonic() + 240
+    while not (log.exists() and any(t["status"] == "ok" for t in read_trials(log))):
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        assert time.monotonic() < deadline, "no trial finished in time"
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)  # no chance to clean up, as with `kill -9` or a crash
+    proc.wait()
+    before = read_trials(log)
+
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    after = read_trials(log)
+    launched = [json_label(t) for t in after if t["status"] != "pruned"]
+    assert len(launched) == len(set(launched)) == 3  # nothing ran twice
+    assert after[: len(before)] == before  # the first run's records are kept as they were
+    # The killed run's workers stopped by themselves once the driver was gone.
+    time.sleep(2)
+    leftover = subprocess.run(
+        ["pgrep", "-f", f"autoshard.runner --control {out}"], capture_output=True, text=True
+    )
+    assert leftover.stdout.strip() == ""
+
+
+def test_dominance_rules() -> None:
+    from autoshard.models import Candidate, TrialResult
+
+    fast = Candidate(precision="32-true")
+    ckpt = fast.model_copy(update={"checkpointing": "all", "checkpoint_classes": ("x.B",)})
+    ran = TrialResult(candidate=fast, status=TrialStatus.OK)
+    assert dominated_by(ckpt, [ran]) is ran  # more recompute cannot be faster
+    assert dominated_by(fast, [TrialResult(candidate=ckpt, status=TrialStatus.OK)]) is None
+    oom = TrialResult(
+        candidate=ckpt.model_copy(update={"micro_batch_size": 2}), status=TrialStatus.OOM
+    )
+    assert dominated_by(fast.model_copy(update={"micro_batch_size": 4}), [oom]) is oom
+    assert dominated_by(fast.model_copy(update={"micro_batch_size": 1}), [oom]) is None
+    other = fast.model_copy(
+        update={"engine": Engine.FSDP2, "checkpointing": "all", "checkpoint_classes": ("x.B",)}
+    )
+    assert dominated_by(other, [ran]) is None
+
+
+def test_tune_cli_bad_input_is_one_line(cli) -> None:
+    gpt = f"{EXAMPLES}/gpt.py:build"
+    for args, message in [
+        (["--gpu-memory", "lots"], "cannot read 'lots' as a size"),
+        (["--gpu-memory", "1GiB", "--batch-size", "0"], "--batch-size '0'"),
+        (["--gpu-memory", "1GiB", "--engine", "deepspeed"], "choose one of fsdp1, fsdp2"),
+        (["--gpu-memory", "1GiB", "--precision", "fp8"], "--precision 'fp8'"),
+    ]:
+        code, out, err = cli("tune", gpt, "--arg", "size=tiny", *args)
+        assert code == 1, (args, out, err)
+        assert message in err and "Traceback" not in err
+
+
+def test_tune_cli_without_gpu_asks_for_gpu_memory(cli) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: its memory is the default")
+    code, _, err = cli("tune", f"{EXAMPLES}/gpt.py:build")
+    assert code == 1 and "--gpu-memory" in err
