@@ -100,6 +100,74 @@ def analyze(
 
 
 @app.command()
+def estimate(
+    target: TargetArg,
+    arg: ArgOpt = None,
+    gpus: Annotated[int, typer.Option(help="GPUs per node.")] = 8,
+    nodes: Annotated[int, typer.Option(help="Nodes.")] = 1,
+    gpu_memory: Annotated[str, typer.Option(help="Memory of one GPU, e.g. 80GiB.")] = "80GiB",
+    host_memory: Annotated[
+        str | None, typer.Option(help="Host memory per node, checked for CPU offload.")
+    ] = None,
+    batch_size: Annotated[
+        str, typer.Option(help="Micro-batch sizes per rank, e.g. 1 or 1,2,4.")
+    ] = "1",
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sample (token models).")] = None,
+    engine: Annotated[str, typer.Option(help="fsdp1 or fsdp2.")] = "fsdp1",
+    precision: Annotated[
+        list[str] | None, typer.Option(help="Pin the precision (repeatable).")
+    ] = None,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Predict the per-GPU and host memory of every FSDP candidate on any cluster."""
+    from autoshard.analyze import analyze_target
+    from autoshard.estimate import estimate_all, profile_activations
+    from autoshard.models import Engine, Hardware, Precision, WorkloadSpec
+    from autoshard.space import enumerate_candidates, rank_candidates
+    from autoshard.tables import print_estimates
+    from autoshard.target import TargetSpec, parse_kwargs
+
+    def work() -> None:
+        sizes = _parse_sizes(batch_size)
+        hardware = Hardware(
+            gpus_per_node=gpus,
+            nodes=nodes,
+            gpu_memory=parse_size(gpu_memory, flag="--gpu-memory"),
+            host_memory=parse_size(host_memory, flag="--host-memory") if host_memory else None,
+        )
+        workload = WorkloadSpec(micro_batch_size=sizes[0], seq_len=seq_len)
+        profile, built = analyze_target(TargetSpec(spec=target, kwargs=parse_kwargs(arg or [])))
+        acts = profile_activations(built.model, profile, workload, batch=built.batch)
+        candidates = enumerate_candidates(
+            profile,
+            hardware,
+            workload,
+            engine=_choice(engine, Engine, "--engine"),
+            precisions=tuple(_choice(p, Precision, "--precision") for p in precision or []) or None,
+            micro_batch_sizes=sizes,
+        )
+        ranked = rank_candidates(
+            estimate_all(profile, candidates, hardware, workload, activations=acts)
+        )
+        if as_json:
+            _print_json(
+                {
+                    "hardware": hardware.model_dump(mode="json"),
+                    "workload": workload.model_dump(mode="json"),
+                    "activations": acts.model_dump(mode="json"),
+                    "estimates": [e.model_dump(mode="json") for e in ranked],
+                }
+            )
+            return
+        if not acts.measured:
+            err_console.print(f"[yellow]warning:[/] {acts.note}", highlight=False)
+        print_estimates(ranked, hardware, console)
+
+    _run(work, debug)
+
+
+@app.command()
 def tune(
     target: TargetArg,
     arg: ArgOpt = None,

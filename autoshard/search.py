@@ -44,42 +44,17 @@ from autoshard.models import (
     Precision,
     Recommendation,
     Scored,
-    Sharding,
     TrialResult,
     TrialStatus,
     WorkloadSpec,
 )
-from autoshard.space import enumerate_candidates
+from autoshard.space import enumerate_candidates, rank_candidates
 from autoshard.target import TargetSpec
 
 RESULT_ATTR = "autoshard_result"
 DEFAULT_TRIALS = 12
 
-# Expected relative step time of each choice (lower is faster), from the Lightning FSDP guide's
-# recipe and common measurements; used only to order trials, never to choose.
-_SHARDING_COST = {
-    Sharding.NO_SHARD: 1.0,
-    Sharding.SHARD_GRAD_OP: 1.05,
-    Sharding.HYBRID_SHARD: 1.1,
-    Sharding.FULL_SHARD: 1.15,
-}
 _CKPT_LEVEL = {Checkpointing.NONE: 0, Checkpointing.EVERY_K: 1, Checkpointing.ALL: 2}
-
-
-def expected_cost(candidate: Candidate) -> float:
-    """Expected time per sample, relative: the ordering heuristic of the search."""
-    cost = _SHARDING_COST[candidate.sharding]
-    cost *= {0: 1.0, 1: 1.15, 2: 1.33}[_CKPT_LEVEL[candidate.checkpointing]]
-    cost *= 3.0 if candidate.cpu_offload else 1.0
-    cost *= 2.0 if candidate.precision is Precision.FP32 else 1.0
-    return cost / candidate.micro_batch_size**0.3
-
-
-def rank_candidates(estimates: Sequence[MemoryEstimate]) -> list[MemoryEstimate]:
-    """Fitting candidates first, fastest expected first; then the rest by overshoot."""
-    fits = sorted((e for e in estimates if e.fits), key=lambda e: expected_cost(e.candidate))
-    rest = sorted((e for e in estimates if not e.fits), key=lambda e: -e.headroom)
-    return fits + rest
 
 
 def dominated_by(candidate: Candidate, done: Sequence[TrialResult]) -> TrialResult | None:
@@ -131,6 +106,7 @@ class TuneOptions:
     warmup: int = 2
     steps: int = 3
     memory_cap: int | None = None
+    skip_dominated: bool = True  # False runs every fitting candidate (the full grid)
     on_event: Callable[[str, Scored], None] | None = field(default=None, repr=False)
 
 
@@ -216,7 +192,7 @@ def tune(
             else:
                 if launched >= opts.n_trials:
                     continue
-                if dominated_by(estimate.candidate, list(done.values())) is not None:
+                if opts.skip_dominated and dominated_by(estimate.candidate, list(done.values())):
                     continue
                 emit("start", Scored(candidate=estimate.candidate, estimate=estimate))
                 study.enqueue_trial({"candidate": label})

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autoshard._units import format_bytes, format_count
-from autoshard.models import ModelProfile
+from autoshard.models import Hardware, MemoryEstimate, ModelProfile
 
 CLASS_ROWS = 12
 
@@ -120,3 +120,38 @@ def print_profile(profile: ModelProfile, console: Console | None = None) -> None
     console.print(proposal)
     for warning in profile.warnings:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+
+
+def print_estimates(
+    estimates: list[MemoryEstimate], hardware: Hardware, console: Console, *, detail: int = 3
+) -> None:
+    """Every candidate, fitting ones first by expected speed, then the breakdown of the best."""
+    table = Table(
+        title=f"Per-GPU memory on {hardware.nodes} x {hardware.gpus_per_node} GPUs of "
+        f"{format_bytes(hardware.gpu_memory)} (usable {format_bytes(hardware.usable_gpu_memory)})",
+        title_justify="left",
+    )
+    for name, justify in (("configuration", "left"), ("fits", "left"), ("GPU peak", "right"),
+                          ("headroom", "right"), ("host / node", "right")):  # fmt: skip
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for e in estimates:
+        table.add_row(
+            e.candidate.label(),
+            "[green]yes[/]" if e.fits else "[red]no[/]",
+            format_bytes(e.gpu_peak),
+            format_bytes(e.headroom),
+            format_bytes(e.host_peak) if e.host_peak else "",
+        )
+    console.print(table)
+    for e in [e for e in estimates if e.fits][:detail]:
+        parts = Table(title=f"Breakdown: {e.candidate.label()}", title_justify="left")
+        parts.add_column("term")
+        parts.add_column("bytes per GPU", justify="right")
+        for term, value in e.breakdown.model_dump().items():
+            parts.add_row(term.replace("_", " "), format_bytes(value))
+        parts.add_row("[bold]peak[/]", f"[bold]{format_bytes(e.gpu_peak)}[/]")
+        console.print(parts)
+    console.print(
+        "[dim]allowance = CUDA context, NCCL and allocator slack: a stated constant until a GPU "
+        "measurement calibrates it[/]"
+    )

@@ -1,0 +1,73 @@
+"""Benchmark: estimate every FSDP candidate of a 70B model on 1,024 GPUs (128 nodes x 8).
+
+    python benchmarks/estimate_speed.py [--write benchmarks/results/estimate_speed.md]
+
+Target (issue 3): under 10 s on a 2-core machine. Prints each stage in-process (build on meta,
+analysis, the fake-tensor activation profile, enumerating and scoring every candidate) and the
+whole `autoshard estimate` command in a fresh process, Python and torch start-up included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = f"{ROOT}/examples/gpt.py:build"
+COMMAND = [sys.executable, "-m", "autoshard", "estimate", TARGET, "--arg", "size=70b",
+           "--gpus", "8", "--nodes", "128", "--seq-len", "4096", "--batch-size", "1,2,4",
+           "--json"]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", type=Path)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    from autoshard.analyze import analyze_target
+    from autoshard.estimate import estimate_all, profile_activations
+    from autoshard.models import Hardware, WorkloadSpec
+    from autoshard.space import enumerate_candidates
+    from autoshard.target import TargetSpec
+
+    stages = [("import autoshard + torch", time.perf_counter() - start)]
+    t = time.perf_counter()
+    profile, built = analyze_target(TargetSpec(spec=TARGET, kwargs={"size": "70b"}))
+    stages.append(("build on meta + analyze", time.perf_counter() - t))
+    workload = WorkloadSpec(seq_len=4096)
+    t = time.perf_counter()
+    acts = profile_activations(built.model, profile, workload)
+    stages.append(("activation profile (fake tensors)", time.perf_counter() - t))
+    hardware = Hardware(gpus_per_node=8, nodes=128, gpu_memory=80 * 1024**3)
+    t = time.perf_counter()
+    candidates = enumerate_candidates(profile, hardware, workload, micro_batch_sizes=(1, 2, 4))
+    estimates = estimate_all(profile, candidates, hardware, workload, activations=acts)
+    scoring = time.perf_counter() - t
+    stages.append((f"enumerate + score {len(candidates)} candidates", scoring))
+    t = time.perf_counter()
+    proc = subprocess.run(COMMAND, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode:
+        raise SystemExit(proc.stderr)
+    stages.append(("whole `autoshard estimate` command, fresh process", time.perf_counter() - t))
+    lines = [
+        f"model: {profile.total_params:,} parameters; {sum(e.fits for e in estimates)} of "
+        f"{len(estimates)} candidates fit 80 GiB; {1e6 * scoring / len(estimates):.0f} us each",
+        "",
+        "| stage | seconds |",
+        "| --- | ---: |",
+        *[f"| {name} | {sec:.2f} |" for name, sec in stages],
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        args.write.write_text(
+            "# estimate speed: 70B on 1,024 GPUs\n\n`python benchmarks/estimate_speed.py "
+            f"--write {args.write}`\n\ncommand timed: `{' '.join(COMMAND[1:])}`\n\n{text}\n"
+        )
+
+
+if __name__ == "__main__":
+    main()

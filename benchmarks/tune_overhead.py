@@ -1,0 +1,97 @@
+"""Benchmark: what a tuning study costs beyond the timed steps, and how many trials the search
+needs to reach the best configuration of the full grid.
+
+    python benchmarks/tune_overhead.py [--write benchmarks/results/tune_cpu.md]
+
+Runs on what is here: NCCL on the visible GPUs, or 2 gloo CPU processes. First the full grid
+(every candidate predicted to fit, no skipping), then the search as `autoshard tune` runs it
+(estimator order + dominance skipping), on examples/gpt.py. Per-trial overhead is a trial's wall
+time minus its timed steps (build, sharding, warm-up, measuring, hand-off); the first trial also
+pays for launching the worker group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from autoshard.models import Hardware, Precision, TrialStatus, WorkloadSpec
+from autoshard.search import TuneOptions, tune
+from autoshard.target import TargetSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(skip_dominated: bool, n_trials: int, out: Path, target: TargetSpec, seq: int):
+    hardware = Hardware(gpus_per_node=2, gpu_memory=4 * 1024**3)
+    options = TuneOptions(
+        out_dir=out,
+        n_trials=n_trials,
+        precisions=(Precision.FP32, Precision.BF16_MIXED),
+        micro_batch_sizes=(1, 2),
+        nproc=2,
+        skip_dominated=skip_dominated,
+        memory_cap=8 * 1024**3,
+    )
+    start = time.perf_counter()
+    rec = tune(target, hardware, WorkloadSpec(seq_len=seq), options)
+    wall = time.perf_counter() - start
+    from autoshard.models import TrialResult
+
+    trials = [
+        TrialResult.model_validate_json(line)
+        for line in (out / "trials.jsonl").read_text().splitlines()
+    ]
+    launched = [t for t in trials if t.status is not TrialStatus.PRUNED]
+    return rec, launched, wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--write", type=Path)
+    args = parser.parse_args()
+    target = TargetSpec(spec=f"{ROOT}/examples/gpt.py:build", kwargs={"size": args.size})
+    with tempfile.TemporaryDirectory() as tmp:
+        grid_rec, grid, grid_wall = run(False, 1000, Path(tmp) / "grid", target, args.seq_len)
+        search_rec, search, search_wall = run(True, 12, Path(tmp) / "search", target, args.seq_len)
+    best = grid_rec.chosen.candidate.label()
+    order = [t.candidate.label() for t in search]
+    found_at = order.index(best) + 1 if best in order else None
+    ok = [t for t in grid if t.status is TrialStatus.OK and t.step_time]
+    overhead = [t.duration - sum(t.step_times) for t in ok[1:]]  # the first also launches
+    speed = {t.candidate.label(): t.tokens_per_s or 0 for t in ok}
+    chosen = search_rec.chosen.candidate.label()
+    lines = [
+        f"model: examples/gpt.py size={args.size}, seq {args.seq_len}; "
+        f"{grid[0].world_size} {grid[0].device} ranks",
+        "",
+        "| | full grid | search |",
+        "| --- | ---: | ---: |",
+        f"| trials launched | {len(grid)} | {len(search)} |",
+        f"| wall time, s | {grid_wall:.1f} | {search_wall:.1f} |",
+        f"| chosen | {best} | {chosen} |",
+        f"| chosen tokens/s (grid measurement) | {speed.get(best, 0):,.0f} | "
+        f"{speed.get(chosen, 0):,.0f} |",
+        "",
+        f"search reached the grid's best at trial {found_at} of {len(search)}"
+        if found_at
+        else "search did not try the grid's best (see tokens/s above for the gap)",
+        f"per-trial overhead (wall - timed steps): median {statistics.median(overhead):.2f} s, "
+        f"max {max(overhead):.2f} s; first trial incl. group launch {grid[0].duration:.1f} s",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        args.write.write_text(
+            f"# tune: overhead and trials to best (CPU, gloo)\n\n`python benchmarks/"
+            f"tune_overhead.py --write {args.write}`\n\n{text}\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
