@@ -175,7 +175,13 @@ def tune(
         int | None,
         typer.Option(help="GPUs per node (default: the visible GPUs; 2 CPU processes without)."),
     ] = None,
-    nodes: Annotated[int, typer.Option(help="Nodes to plan for.")] = 1,
+    nodes: Annotated[int, typer.Option(help="Nodes the worker group spans.")] = 1,
+    node_rank: Annotated[
+        int, typer.Option(help="This node's rank; node 0 drives the study, others serve it.")
+    ] = 0,
+    rdzv_endpoint: Annotated[
+        str | None, typer.Option(help="host:port on node 0 for torchrun's rendezvous.")
+    ] = None,
     gpu_memory: Annotated[
         str | None,
         typer.Option(
@@ -245,11 +251,23 @@ def tune(
                 f"for {hardware.world_size} x {gpu_memory} GPUs[/]",
                 highlight=False,
             )
-        if nodes > 1:
-            raise ConfigError(
-                "--nodes > 1 plans for several nodes but trials run on this node only; run "
-                "`autoshard estimate` to plan for a cluster"
+        if nodes > 1 and not rdzv_endpoint:
+            raise ConfigError("--nodes > 1 needs --rdzv-endpoint host:port of node 0")
+        if node_rank > 0:
+            from autoshard.group import WorkerGroup
+
+            console.print(
+                f"node {node_rank}: serving the study driven by node 0 at {rdzv_endpoint}"
             )
+            WorkerGroup(
+                spec,
+                log_dir=out / f"workers-node{node_rank}",
+                nproc=nproc,
+                nnodes=nodes,
+                node_rank=node_rank,
+                rdzv_endpoint=rdzv_endpoint,
+            ).serve()
+            return
         options = TuneOptions(
             out_dir=out,
             storage=storage,
@@ -258,6 +276,8 @@ def tune(
             precisions=precisions or None,
             micro_batch_sizes=sizes,
             nproc=nproc,
+            nnodes=nodes,
+            rdzv_endpoint=rdzv_endpoint,
             trial_timeout=trial_timeout,
             warmup=warmup,
             steps=steps,

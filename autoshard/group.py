@@ -31,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from autoshard.errors import ConfigError
 from autoshard.models import Candidate, TrialResult, TrialStatus, WorkloadSpec
 from autoshard.target import TargetSpec
 
@@ -101,11 +102,16 @@ class WorkerGroup:
     def command(self) -> list[str]:
         """The launcher command line of this node."""
         assert self.control is not None
-        rdzv = (
-            [f"--rdzv-endpoint={self.rdzv_endpoint}", "--rdzv-backend=c10d", "--rdzv-id=autoshard"]
-            if self.rdzv_endpoint
-            else [f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-backend=c10d"]
-        )
+        if self.nnodes > 1:
+            # Static rendezvous: node ranks are the ones given, so global rank 0 (which reads
+            # the driver's requests) is always on node 0, where the driver and its control
+            # folder are. c10d's dynamic rendezvous would assign node ranks by arrival.
+            if not self.rdzv_endpoint:
+                raise ConfigError("several nodes need --rdzv-endpoint host:port of node 0")
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            rdzv = ["--rdzv-backend=static", f"--master-addr={host}", f"--master-port={port}"]
+        else:
+            rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
         return [
             sys.executable,
             "-m",
@@ -167,11 +173,20 @@ class WorkerGroup:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def serve(self) -> int:
-        """Run this node's workers until the driving node stops them (nodes other than 0)."""
-        self.start()
-        assert self.proc is not None
-        return self.proc.wait()
+    def serve(self, *, max_launches: int = 1000) -> None:
+        """On a node other than 0: run this node's workers until the driving node stops them.
+
+        When node 0 kills its group after a crash or a hang, the workers here fail in their
+        next collective and exit; they are launched again to join node 0's fresh group. A clean
+        exit (exit code 0) is node 0's stop request."""
+        if self.node_rank == 0:
+            raise ConfigError("node 0 drives the study; serve() is for the other nodes")
+        for _ in range(max_launches):
+            self.start()
+            assert self.proc is not None
+            if self.proc.wait() == 0:
+                break
+        self.proc = None
 
     # -- trials --------------------------------------------------------------------------------
 
