@@ -53,8 +53,13 @@ def format_bytes(n: float) -> str:
     sign = "-" if n < 0 else ""
     n = abs(float(n))
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if unit == "B" and n < 1024:
+            return f"{sign}{n:.0f} B"
+        # 999.5-1023.9 would print as "1e+03" with 3 significant digits: write them whole
+        if n < 999.5:
+            return f"{sign}{n:.3g} {unit}"
         if n < 1024 or unit == "TiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.3g} {unit}"
+            return f"{sign}{n:,.0f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 

@@ -117,12 +117,19 @@ def estimate(
     precision: Annotated[
         list[str] | None, typer.Option(help="Pin the precision (repeatable).")
     ] = None,
+    simulate: Annotated[
+        int,
+        typer.Option(
+            help="Also simulate the N best fitting candidates: real FSDP on fake tensors, "
+            "seconds each, exact to the allocator (the table then shows the simulated peak)."
+        ),
+    ] = 0,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Predict the per-GPU and host memory of every FSDP candidate on any cluster."""
     from autoshard.analyze import analyze_target
-    from autoshard.estimate import estimate_all, profile_activations
+    from autoshard.memory import estimate_all, profile_activations
     from autoshard.models import Engine, Hardware, Precision, WorkloadSpec
     from autoshard.space import enumerate_candidates, rank_candidates
     from autoshard.tables import print_estimates
@@ -137,7 +144,8 @@ def estimate(
             host_memory=parse_size(host_memory, flag="--host-memory") if host_memory else None,
         )
         workload = WorkloadSpec(micro_batch_size=sizes[0], seq_len=seq_len)
-        profile, built = analyze_target(TargetSpec(spec=target, kwargs=parse_kwargs(arg or [])))
+        spec = TargetSpec(spec=target, kwargs=parse_kwargs(arg or []))
+        profile, built = analyze_target(spec)
         acts = profile_activations(built.model, profile, workload, batch=built.batch)
         candidates = enumerate_candidates(
             profile,
@@ -150,9 +158,19 @@ def estimate(
         ranked = rank_candidates(
             estimate_all(profile, candidates, hardware, workload, activations=acts)
         )
+        if simulate < 0:
+            raise ConfigError(f"--simulate {simulate}: give a number of candidates, 0 or more")
+        if simulate:
+            from autoshard.simulate import refine_with_simulation
+
+            ranked = refine_with_simulation(
+                spec, ranked, hardware, workload,
+                block_classes=profile.block_classes, count=simulate,
+            )  # fmt: skip
         if as_json:
             _print_json(
                 {
+                    "profile": profile.model_dump(mode="json"),
                     "hardware": hardware.model_dump(mode="json"),
                     "workload": workload.model_dump(mode="json"),
                     "activations": acts.model_dump(mode="json"),
@@ -215,8 +233,9 @@ def tune(
 ) -> None:
     """Run short real FSDP trials and recommend the fastest configuration that fits."""
     from autoshard.models import Engine, Hardware, Precision, WorkloadSpec
-    from autoshard.progress import StudyProgress, print_recommendation
-    from autoshard.search import TuneOptions
+    from autoshard.progress import StudyProgress
+    from autoshard.report import load_result, print_summary
+    from autoshard.search import STUDY_FILES, TuneOptions
     from autoshard.search import tune as run_study
     from autoshard.target import parse_kwargs, resolve
 
@@ -289,8 +308,9 @@ def tune(
         if as_json:
             sys.stdout.write(rec.model_dump_json(indent=2) + "\n")
         else:
-            print_recommendation(rec, console)
-            console.print(f"[dim]wrote {out}/recommendation.json and {out}/trials.jsonl[/]")
+            print_summary(rec, console, load_result(out)[1])
+            files = ", ".join(name for name in STUDY_FILES if (out / name).exists())
+            console.print(f"[dim]wrote in {out}/: {files}[/]", highlight=False)
 
     _run(work, debug)
 
@@ -314,6 +334,41 @@ def _choice(value: str, enum: type[E], flag: str) -> E:
     except ValueError:
         allowed = ", ".join(str(m.value) for m in enum)
         raise ConfigError(f"{flag} {value!r}: choose one of {allowed}") from None
+
+
+@app.command()
+def export(
+    result: Annotated[
+        Path,
+        typer.Argument(
+            help="Output folder or JSON of `tune` (or of `estimate --json`).", show_default=False
+        ),
+    ],
+    fmt: Annotated[
+        str, typer.Option("--format", "-f", help="lightning, accelerate or json.")
+    ] = "lightning",
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")
+    ] = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Write the recommendation as Lightning CLI YAML, accelerate YAML or JSON."""
+    from autoshard.emit import render
+    from autoshard.report import load_result
+
+    def work() -> None:
+        rec, _ = load_result(result)
+        text = render(rec, fmt)
+        if output is None:
+            sys.stdout.write(text)
+            return
+        try:
+            output.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"-o {output}: cannot write ({exc.strerror or exc})") from None
+        err_console.print(f"[dim]wrote {output}[/]", highlight=False)
+
+    _run(work, debug)
 
 
 # --- commands: add new ones above this line ---

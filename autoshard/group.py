@@ -53,6 +53,23 @@ def default_nproc() -> tuple[int, str]:
     return 2, "cpu"
 
 
+def _descendants(pid: int) -> list[int]:
+    """Process ids below ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # the field after the ")" that closes the command name: state, then the parent id
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 class WorkerGroup:
     """A persistent group of trial workers. Use as a context manager."""
 
@@ -165,8 +182,16 @@ class WorkerGroup:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            # torchrun starts each worker in a session of its own (start_new_session in torch's
+            # SubprocessHandler), so killing torchrun's group alone leaves a hung worker running
+            # under init: kill the workers' groups too, found before their parent dies.
+            workers = _descendants(self.proc.pid)
+            for pid in [self.proc.pid, *workers]:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.proc.wait()
         self.proc = None
 
@@ -209,7 +234,10 @@ class WorkerGroup:
             "candidate": candidate.model_dump(mode="json"),
             "target": (target or self.target).model_dump(mode="json"),
             "seq_len": workload.seq_len,
-            "warmup": warmup,
+            # The first trial of a fresh group also warms up the workers themselves (thread
+            # pools, the allocator, the communicator's connections): measured here, its steps
+            # ran up to 1.5x slower with the same warm-up, so it gets two more.
+            "warmup": warmup + (2 if self._n == 0 else 0),
             "steps": steps,
             "memory_cap": memory_cap,
         }

@@ -303,6 +303,7 @@ class MemoryEstimate(_Frozen):
 
     candidate: Candidate
     method: Literal["analytic", "simulated"]
+    peak_at: str = Field("", description="The moment of the step that holds the peak.")
     gpu_peak: int = Field(..., description="Predicted peak GPU bytes per rank.")
     host_peak: int = Field(0, description="Predicted host bytes per node.")
     breakdown: MemoryBreakdown
@@ -365,3 +366,34 @@ class Recommendation(_Frozen):
     reasons: tuple[str, ...] = Field((), description="Why each chosen setting, one line each.")
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     versions: dict[str, str] = Field(default_factory=dict, description="autoshard, torch, ...")
+
+    # Thin doors to autoshard.emit (imported lazily: it needs torch, and lightning for some).
+    def strategy(self, model: object = None) -> object:
+        """A constructed Lightning FSDPStrategy (FSDP1) or ModelParallelStrategy (FSDP2)."""
+        from autoshard import emit
+
+        return emit.strategy(self, model=model)  # type: ignore[arg-type]
+
+    def trainer_kwargs(self) -> dict[str, object]:
+        """Trainer arguments to pass with strategy(): precision, devices, num_nodes."""
+        from autoshard import emit
+
+        return emit.trainer_kwargs(self)
+
+    def fsdp_kwargs(self, device: object = None, model: object = None) -> dict[str, object]:
+        """Keyword arguments for torch's FullyShardedDataParallel (FSDP1 engine)."""
+        from autoshard import emit
+
+        return emit.fsdp_kwargs(self, device=device, model=model)  # type: ignore[arg-type]
+
+    def fsdp2_plan(self) -> object:
+        """A function plan(model, mesh=None) applying fully_shard + checkpointing as chosen."""
+        from autoshard import emit
+
+        return emit.fsdp2_plan(self)
+
+    def to_yaml(self, fmt: str = "lightning") -> str:
+        """The recommendation as Lightning CLI YAML, accelerate YAML, or JSON ("json")."""
+        from autoshard import emit
+
+        return emit.render(self, fmt)

@@ -9,7 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from autoshard._units import format_bytes
-from autoshard.models import Recommendation, Scored, TrialResult, TrialStatus
+from autoshard.models import Scored, TrialResult, TrialStatus
 
 _STYLE = {
     TrialStatus.OK: "green",
@@ -101,59 +101,3 @@ class StudyProgress:
 
     def _render(self) -> Group:
         return Group(self.bar, self._table())
-
-
-def print_recommendation(rec: Recommendation, console: Console) -> None:
-    """The chosen configuration, why, the runners-up, and what was ruled out."""
-    c = rec.chosen.candidate
-    t = rec.chosen.trial
-    table = Table(title="Recommendation", title_justify="left", show_header=False)
-    table.add_column(style="bold")
-    table.add_column(overflow="fold")
-    table.add_row("engine", c.engine.value)
-    table.add_row("auto_wrap_policy", ", ".join(c.wrap_classes) or "none")
-    table.add_row(
-        "activation checkpointing",
-        c.checkpointing.value
-        + (f" (every {c.checkpoint_every})" if c.checkpointing.value == "every_k" else ""),
-    )
-    table.add_row(
-        "sharding_strategy", c.sharding.value + (f" {c.hybrid_mesh}" if c.hybrid_mesh else "")
-    )
-    table.add_row("cpu_offload", str(c.cpu_offload))
-    table.add_row("precision", c.precision.value)
-    table.add_row("micro-batch size", str(c.micro_batch_size))
-    if t is not None and t.step_time:
-        table.add_row(
-            "measured",
-            f"{t.step_time:.3f} s/step, {_rate(t)}, peak {format_bytes(t.max_allocated or 0)}"
-            f" per rank ({t.device}, {t.world_size} ranks)",
-        )
-    if rec.chosen.estimate:
-        e = rec.chosen.estimate
-        table.add_row(
-            "estimate",
-            f"{format_bytes(e.gpu_peak)} per GPU on {rec.hardware.world_size} x "
-            f"{format_bytes(rec.hardware.gpu_memory)} (headroom {format_bytes(e.headroom)})",
-        )
-    console.print(table)
-    for line in rec.reasons:
-        console.print(f"  • {line}", highlight=False)
-    if rec.runners_up:
-        console.print(
-            "Runners-up: "
-            + "; ".join(
-                f"{s.candidate.label()} ({_rate(s.trial)})" for s in rec.runners_up if s.trial
-            ),
-            highlight=False,
-        )
-    failed = [s for s in rec.ruled_out if s.trial and s.trial.status is not TrialStatus.PRUNED]
-    pruned = len(rec.ruled_out) - len(failed)
-    for s in failed:
-        assert s.trial is not None
-        console.print(
-            f"  ruled out {s.candidate.label()}: {s.trial.status.value}: {s.trial.error}",
-            highlight=False,
-        )
-    if pruned:
-        console.print(f"  {pruned} candidates predicted not to fit were never launched")

@@ -32,8 +32,8 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from autoshard.analyze import analyze_target
-from autoshard.estimate import estimate_all, profile_activations
 from autoshard.group import WorkerGroup
+from autoshard.memory import estimate_all, profile_activations
 from autoshard.models import (
     Candidate,
     Checkpointing,
@@ -48,10 +48,16 @@ from autoshard.models import (
     TrialStatus,
     WorkloadSpec,
 )
+from autoshard.report import write_report
 from autoshard.space import enumerate_candidates, rank_candidates
 from autoshard.target import TargetSpec
 
 RESULT_ATTR = "autoshard_result"
+# What a study leaves in its output folder (besides study.db and the workers' logs).
+STUDY_FILES = (
+    "trials.jsonl", "recommendation.json", "report.json", "report.html", "lightning.yaml",
+    "accelerate.yaml",
+)  # fmt: skip
 DEFAULT_TRIALS = 12
 
 _CKPT_LEVEL = {Checkpointing.NONE: 0, Checkpointing.EVERY_K: 1, Checkpointing.ALL: 2}
@@ -141,11 +147,19 @@ def tune(
         precisions=opts.precisions,
         micro_batch_sizes=opts.micro_batch_sizes,
     )
-    ranked = rank_candidates(
-        estimate_all(profile, candidates, hardware, workload, activations=activations)
-    )
+    group = WorkerGroup(
+        target,
+        log_dir=opts.out_dir / "workers",
+        nproc=opts.nproc,
+        nnodes=opts.nnodes,
+        rdzv_endpoint=opts.rdzv_endpoint,
+        trial_timeout=opts.trial_timeout,
+    )  # launched lazily, by the first trial
+    estimates = estimate_all(profile, candidates, hardware, workload, activations=activations)
+    ranked = rank_candidates(estimates, device=group.device)
     by_label = {e.candidate.label(): e for e in ranked}
-    distribution = CategoricalDistribution(list(by_label))
+    # Sorted, so that the distribution is the same whatever the order of trials (resuming).
+    distribution = CategoricalDistribution(sorted(by_label))
 
     optuna.logging.set_verbosity(logging.WARNING)
     storage = opts.storage or f"sqlite:///{(opts.out_dir / 'study.db').resolve()}"
@@ -171,14 +185,6 @@ def tune(
     log = opts.out_dir / "trials.jsonl"
     cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
     launched = sum(1 for r in done.values() if r.status is not TrialStatus.PRUNED)
-    group = WorkerGroup(
-        target,
-        log_dir=opts.out_dir / "workers",
-        nproc=opts.nproc,
-        nnodes=opts.nnodes,
-        rdzv_endpoint=opts.rdzv_endpoint,
-        trial_timeout=opts.trial_timeout,
-    )
     with group:
         for estimate in ranked:
             label = estimate.candidate.label()
@@ -218,6 +224,7 @@ def tune(
 
     rec = recommend_from_trials(profile, hardware, workload, ranked, list(done.values()))
     (opts.out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
+    write_report(rec, opts.out_dir, list(done.values()))
     return rec
 
 

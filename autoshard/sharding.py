@@ -140,15 +140,21 @@ def apply_fsdp1(
     device: torch.device,
     *,
     param_init_fn: Callable[[nn.Module], None] | None = None,
+    use_orig_params: bool = True,
+    mesh: Any | None = None,
 ) -> nn.Module:
-    """Wrap ``model`` with FSDP1 and checkpoint its blocks, in Lightning's order."""
+    """Wrap ``model`` with FSDP1 and checkpoint its blocks, in Lightning's order.
+    (``use_orig_params=False`` and a ready ``mesh``: for the simulation, see
+    :mod:`autoshard.simulate`.)"""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     classes = wrap_classes_of(model, candidate.wrap_classes) if candidate.wrap_classes else None
-    mesh = hybrid_mesh(candidate, device) if candidate.sharding is Sharding.HYBRID_SHARD else None
+    if mesh is None and candidate.sharding is Sharding.HYBRID_SHARD:
+        mesh = hybrid_mesh(candidate, device)
     kwargs = fsdp1_kwargs(candidate, device=device, classes=classes, device_mesh=mesh)
     if param_init_fn is not None:
         kwargs["param_init_fn"] = param_init_fn
+    kwargs["use_orig_params"] = use_orig_params
     wrapped = FullyShardedDataParallel(model, **kwargs)
     apply_checkpointing(wrapped, candidate)
     return wrapped

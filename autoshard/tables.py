@@ -138,13 +138,14 @@ def print_estimates(
         table.add_row(
             e.candidate.label(),
             "[green]yes[/]" if e.fits else "[red]no[/]",
-            format_bytes(e.gpu_peak),
+            format_bytes(e.gpu_peak) + (" [cyan](sim)[/]" if e.method == "simulated" else ""),
             format_bytes(e.headroom),
             format_bytes(e.host_peak) if e.host_peak else "",
         )
     console.print(table)
     for e in [e for e in estimates if e.fits][:detail]:
-        parts = Table(title=f"Breakdown: {e.candidate.label()}", title_justify="left")
+        how = f"{e.method}, peak at {e.peak_at}" if e.peak_at else e.method
+        parts = Table(title=f"Breakdown: {e.candidate.label()} ({how})", title_justify="left")
         parts.add_column("term")
         parts.add_column("bytes per GPU", justify="right")
         for term, value in e.breakdown.model_dump().items():

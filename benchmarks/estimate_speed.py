@@ -28,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
     from autoshard.analyze import analyze_target
-    from autoshard.estimate import estimate_all, profile_activations
+    from autoshard.memory import estimate_all, profile_activations
     from autoshard.models import Hardware, WorkloadSpec
     from autoshard.space import enumerate_candidates
     from autoshard.target import TargetSpec

@@ -8,6 +8,11 @@ Runs on what is here: NCCL on the visible GPUs, or 2 gloo CPU processes. First t
 (estimator order + dominance skipping), on examples/gpt.py. Per-trial overhead is a trial's wall
 time minus its timed steps (build, sharding, warm-up, measuring, hand-off); the first trial also
 pays for launching the worker group.
+
+Last, the chosen configuration against Lightning's default ``FSDPStrategy()`` (no wrap policy:
+the whole model is one FSDP unit; FULL_SHARD; no checkpointing) at the Trainer's default
+precision and at the chosen one, same model and batch, alternating runs in one worker group. On
+a GPU machine this is the throughput comparison of issue 4 (NCCL, one process per GPU).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from autoshard.models import Hardware, Precision, TrialStatus, WorkloadSpec
+from autoshard.group import WorkerGroup, default_nproc
+from autoshard.models import Candidate, Hardware, Precision, TrialStatus, WorkloadSpec
 from autoshard.search import TuneOptions, tune
 from autoshard.target import TargetSpec
 
@@ -26,15 +32,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(skip_dominated: bool, n_trials: int, out: Path, target: TargetSpec, seq: int):
-    hardware = Hardware(gpus_per_node=2, gpu_memory=4 * 1024**3)
+    nproc, device = default_nproc()
+    memory = 4 * 1024**3
+    if device == "cuda":
+        import torch
+
+        memory = torch.cuda.get_device_properties(0).total_memory
+    hardware = Hardware(gpus_per_node=nproc, gpu_memory=memory)
     options = TuneOptions(
         out_dir=out,
         n_trials=n_trials,
         precisions=(Precision.FP32, Precision.BF16_MIXED),
         micro_batch_sizes=(1, 2),
-        nproc=2,
+        nproc=nproc,
         skip_dominated=skip_dominated,
-        memory_cap=8 * 1024**3,
+        memory_cap=None if device == "cuda" else 8 * 1024**3,
     )
     start = time.perf_counter()
     rec = tune(target, hardware, WorkloadSpec(seq_len=seq), options)
@@ -49,6 +61,27 @@ def run(skip_dominated: bool, n_trials: int, out: Path, target: TargetSpec, seq:
     return rec, launched, wall
 
 
+def against_lightning_default(
+    chosen: Candidate, target: TargetSpec, seq: int, log_dir: Path, rounds: int = 3
+) -> list[tuple[str, float]]:
+    """Median tokens/s of the chosen candidate and of Lightning's default FSDPStrategy()."""
+    default = Candidate(micro_batch_size=chosen.micro_batch_size, precision=Precision.FP32)
+    same_precision = default.model_copy(update={"precision": chosen.precision})
+    runs: dict[str, tuple[Candidate, list[float]]] = {
+        "chosen: " + chosen.label(): (chosen, []),
+        "Lightning FSDPStrategy() (32-true)": (default, []),
+        f"Lightning FSDPStrategy() ({chosen.precision.value})": (same_precision, []),
+    }
+    workload = WorkloadSpec(seq_len=seq)
+    with WorkerGroup(target, log_dir=log_dir, nproc=default_nproc()[0]) as group:
+        for _ in range(rounds):  # alternate, so that drift hits every configuration alike
+            for candidate, rates in runs.values():
+                result = group.run(candidate, workload, warmup=2, steps=5)
+                if result.status is TrialStatus.OK and result.tokens_per_s:
+                    rates.append(result.tokens_per_s)
+    return [(name, statistics.median(rates) if rates else 0.0) for name, (_, rates) in runs.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="tiny")
@@ -59,6 +92,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         grid_rec, grid, grid_wall = run(False, 1000, Path(tmp) / "grid", target, args.seq_len)
         search_rec, search, search_wall = run(True, 12, Path(tmp) / "search", target, args.seq_len)
+        versus = against_lightning_default(
+            search_rec.chosen.candidate, target, args.seq_len, Path(tmp) / "versus"
+        )
     best = grid_rec.chosen.candidate.label()
     order = [t.candidate.label() for t in search]
     found_at = order.index(best) + 1 if best in order else None
@@ -84,11 +120,18 @@ def main() -> None:
         f"per-trial overhead (wall - timed steps): median {statistics.median(overhead):.2f} s, "
         f"max {max(overhead):.2f} s; first trial incl. group launch {grid[0].duration:.1f} s",
     ]
+    base = versus[1][1] or 1.0
+    lines += [
+        "",
+        "| chosen vs Lightning's default (median of 3 alternating runs) | tokens/s | vs default |",
+        "| --- | ---: | ---: |",
+        *[f"| {name} | {rate:,.0f} | {rate / base:.2f}x |" for name, rate in versus],
+    ]
     text = "\n".join(lines)
     print(text)
     if args.write:
         args.write.write_text(
-            f"# tune: overhead and trials to best (CPU, gloo)\n\n`python benchmarks/"
+            f"# tune: overhead, trials to best, against Lightning's default\n\n`python benchmarks/"
             f"tune_overhead.py --write {args.write}`\n\n{text}\n"
         )
 

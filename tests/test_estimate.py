@@ -7,13 +7,15 @@ import torch
 from torch import nn
 
 from autoshard.analyze import analyze_model
-from autoshard.estimate import (
+from autoshard.memory import (
     CUDA_CONTEXT_BYTES,
+    ActivationProfile,
     estimate_all,
     estimate_memory,
+    peak_moments,
     profile_activations,
 )
-from autoshard.models import Candidate, Hardware, WorkloadSpec
+from autoshard.models import Candidate, Hardware, OptimizerImpl, Precision, WorkloadSpec
 from autoshard.space import enumerate_candidates
 from autoshard.target import TargetSpec, build_target
 
@@ -43,13 +45,29 @@ def test_sharded_terms_by_hand(stack) -> None:
     params = 8 * 256 * 256
     hw = Hardware(gpus_per_node=4, gpu_memory=80 * GIB)
     c = Candidate(wrap_classes=profile.wrap_policy, precision="32-true", optimizer_impl="fused")
-    e = estimate_memory(profile, c, hw, WorkloadSpec())
-    b = e.breakdown
-    assert b.sharded_params == params * 4 // 4
-    assert b.gradients == params * 4 // 4
-    assert b.optimizer == 2 * params * 4 // 4  # AdamW: two fp32 states, sharded
+    acts = ActivationProfile()  # no activations: the step's own terms only
+    e = estimate_memory(profile, c, hw, WorkloadSpec(), activations=acts)
+    moments, host = peak_moments(profile, c, hw, WorkloadSpec(), acts)
+    step, head = moments["optimizer step"], moments["head backward"]
+    assert step.sharded_params == head.sharded_params == params * 4 // 4
+    assert step.gradients == params * 4 // 4 and head.gradients == 0  # set to None after a step
+    assert step.optimizer == head.optimizer == 2 * params * 4 // 4  # AdamW: two fp32 states
+    assert step.temporaries == 0  # fused AdamW has no foreach copy of the shard
     unit = 256 * 256
-    assert b.unsharded_params == (2 * unit + 0) * 4  # current + prefetched unit, empty root
+    assert head.unsharded_params == (2 * unit + 0) * 4  # current + prefetched unit, empty root
+    assert step.unsharded_params == 0 and host == 0
+    foreach = peak_moments(
+        profile,
+        c.model_copy(update={"optimizer_impl": OptimizerImpl.FOREACH}),
+        hw,
+        WorkloadSpec(),
+        acts,
+    )[0]["optimizer step"]
+    assert foreach.temporaries == params * 4 // 4  # one transient copy of the shard
+    # the estimate is the largest moment plus the stated allowance
+    b = e.breakdown
+    assert e.peak_at == max(moments, key=lambda k: moments[k].total)
+    assert b.total - b.allowance == moments[e.peak_at].total
     assert b.allowance >= CUDA_CONTEXT_BYTES
     assert e.gpu_peak == b.total and e.fits and e.headroom == hw.usable_gpu_memory - e.gpu_peak
 
@@ -104,13 +122,17 @@ def test_activation_profile_is_linear_in_sequence_and_checkpointing_keeps_inputs
         update={"checkpointing": "all", "checkpoint_classes": profile.wrap_policy}
     )
     w = WorkloadSpec(seq_len=128)
-    plain = estimate_memory(profile, base, hw, w, activations=long).breakdown.activations
-    saved = estimate_memory(profile, ckpt, hw, w, activations=long).breakdown.activations
+
+    def saved_at_head(c: Candidate) -> int:  # when the loss is computed, everything is saved
+        return peak_moments(profile, c, hw, w, long)[0]["loss"].activations
+
+    plain, saved = saved_at_head(base), saved_at_head(ckpt)
     assert plain - saved == sum(long.block_bytes) - sum(long.block_input_bytes)
-    double = estimate_memory(
-        profile, base.model_copy(update={"micro_batch_size": 2}), hw, w, activations=long
-    ).breakdown.activations
-    assert double == 2 * plain
+    assert saved_at_head(base.model_copy(update={"micro_batch_size": 2})) == 2 * plain
+    # the loss's log-probabilities stay fp32 under bf16 autocast; the rest halves
+    half = saved_at_head(base.model_copy(update={"precision": Precision.BF16_MIXED}))
+    assert half == (plain - long.loss_bytes) // 2 + long.loss_bytes
+    assert long.loss_bytes == 128 * 4096 * 4  # [1, T, vocab] fp32
 
 
 def test_too_small_gpu_does_not_fit_and_says_why() -> None:

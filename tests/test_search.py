@@ -12,7 +12,7 @@ import time
 import pytest
 
 from autoshard.analyze import analyze_target
-from autoshard.estimate import estimate_all, profile_activations
+from autoshard.memory import estimate_all, profile_activations
 from autoshard.models import Engine, Hardware, Precision, TrialStatus, WorkloadSpec
 from autoshard.search import TuneOptions, dominated_by, tune
 from autoshard.space import enumerate_candidates

@@ -6,17 +6,20 @@ the bytes autograd saves for backward, inside each block and outside them, plus 
 input (all that checkpointing keeps). Saved bytes are linear in batch x sequence with SDPA, so
 one profile at micro-batch 1 scales to every candidate.
 
-The per-rank peak is the sum of (see ``../shared/design.md``, "Memory"):
+The per-rank peak is the largest of four moments of a training step, each a sum of terms (see
+``../shared/design.md``, "Memory", and :func:`peak_moments`): the loss at the end of forward,
+the head's backward, the top block's backward, and the optimizer step. The terms:
 - sharded parameters, gradients and optimizer states: ``P x bytes / shard_size``;
 - the unsharded working set: the unit being computed and the prefetched next one (2 x largest
-  unit in the compute dtype), the root unit (kept unsharded after forward), or the whole model
-  for SHARD_GRAD_OP (no reshard after forward);
+  unit in the compute dtype) and the root unit, or the whole model for SHARD_GRAD_OP (no
+  reshard after forward);
 - communication buffers: the reduce-scatter input of one unit in the reduce dtype;
-- activations saved for backward, by the checkpointing choice;
-- temporaries: logits gradient and its cast, one block's activation gradients, and the foreach
-  optimizer's transient copy of the shard;
+- activations saved for backward, by the checkpointing choice; the loss's fp32 log-probabilities;
+- temporaries: the logits and their gradient, one block's recomputed activations and gradients,
+  the foreach optimizer's transient copy of the shard;
 - buffers, and an allowance for what a CPU cannot see (CUDA context, NCCL, allocator slack).
-The sum is a conservative peak: these terms are all alive at the start of backward.
+Calibrated against torch's memory tracker on fake tensors (:mod:`autoshard.simulate`) and
+checked against measured runs by ``benchmarks/estimate_accuracy.py``.
 """
 
 from __future__ import annotations
@@ -64,7 +67,10 @@ class ActivationProfile(BaseModel):
     seq_len: int | None = Field(None, description="Sequence length the profile was taken at.")
     block_bytes: tuple[int, ...] = Field((), description="Saved inside each block, per sample.")
     block_input_bytes: tuple[int, ...] = Field((), description="Each block's input, per sample.")
-    other_bytes: int = Field(0, description="Saved outside the blocks (embedding, head, loss).")
+    other_bytes: int = Field(0, description="Saved outside the blocks (embedding, head).")
+    loss_bytes: int = Field(
+        0, description="The loss's fp32 log-probabilities, per sample (fp32 at every precision)."
+    )
     measured: bool = Field(True, description="False when the fake forward failed (estimated).")
     note: str = ""
 
@@ -148,14 +154,16 @@ def profile_activations(
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = forward(model, batch)
             logits = getattr(out, "logits", out)
+            loss = 0
             if isinstance(logits, torch.Tensor) and logits.requires_grad:
-                # the loss saves the log-probabilities of the logits (fp32)
-                other += logits.numel() * 4
+                # the loss saves the log-probabilities of the logits, in fp32 even under autocast
+                loss = logits.numel() * 4
         return ActivationProfile(
             seq_len=seq,
             block_bytes=tuple(per_block),
             block_input_bytes=tuple(inputs[:n_blocks]),
             other_bytes=other,
+            loss_bytes=loss,
         )
     except Exception as exc:  # a model whose forward cannot run on meta: fall back, say so
         return _rule_of_thumb(profile, workload, f"{type(exc).__name__}: {exc}".splitlines()[0])
@@ -181,7 +189,8 @@ def _rule_of_thumb(profile: ModelProfile, workload: WorkloadSpec, why: str) -> A
         seq_len=workload.seq_len,
         block_bytes=tuple([68 * seq * hidden] * n),
         block_input_bytes=tuple([4 * seq * hidden] * n),
-        other_bytes=4 * seq * (profile.vocab_size or hidden) * 2,
+        other_bytes=4 * seq * hidden,
+        loss_bytes=4 * seq * (profile.vocab_size or hidden),
         measured=False,
         note=f"the forward did not run on fake tensors ({why}); activations estimated",
     )
@@ -230,19 +239,30 @@ def activation_bytes(
             recompute = largest  # one block's activations are rebuilt at a time in backward
         case _:
             raise ValueError(f"unknown checkpointing {candidate.checkpointing!r}")
-    return int((saved + acts.other_bytes) * scale), int(recompute * scale)
+    loss = candidate.micro_batch_size * acts.loss_bytes
+    return int((saved + acts.other_bytes) * scale) + loss, int(recompute * scale)
 
 
-def estimate_memory(
+def first_block_bytes(candidate: Candidate, acts: ActivationProfile, compute_bytes: int) -> int:
+    """What is still saved when the first block runs its backward: its own activations (its
+    input under checkpointing) and what was saved before it (the embedding's)."""
+    scale = candidate.micro_batch_size * compute_bytes / 4
+    if not acts.block_bytes:
+        return int(acts.other_bytes * scale)
+    ckpt = candidate.checkpointing is not Checkpointing.NONE
+    first = acts.block_input_bytes[0] if ckpt and acts.block_input_bytes else acts.block_bytes[0]
+    return int((first + acts.other_bytes) * scale)
+
+
+def peak_moments(
     profile: ModelProfile,
     candidate: Candidate,
     hardware: Hardware,
     workload: WorkloadSpec,
-    *,
-    activations: ActivationProfile | None = None,
-) -> MemoryEstimate:
-    """Predict the per-rank GPU peak and per-node host memory of ``candidate``."""
-    acts = activations or _rule_of_thumb(profile, workload, "no activation profile given")
+    acts: ActivationProfile,
+) -> tuple[dict[str, MemoryBreakdown], int]:
+    """The per-rank bytes at each moment that can hold the peak of a training step (before the
+    allowance), and the host bytes per node."""
     stored, cb = _bytes(candidate.precision)
     params = profile.total_params
     shard = shard_size(candidate, hardware)
@@ -257,47 +277,157 @@ def estimate_memory(
 
     if candidate.sharding is Sharding.SHARD_GRAD_OP:
         unsharded = params * cb  # kept gathered from forward to backward
+        after_forward = unsharded
     elif candidate.sharding is Sharding.NO_SHARD:
         unsharded = 2 * unit * cb if mixed else 0  # low-precision copies of the current units
+        after_forward = 0
     else:
         unsharded = (2 * unit + root) * cb  # current + prefetched unit, and the root
+        # When the loss is computed, FSDP2 has resharded the root too; FSDP1 keeps the root
+        # gathered from forward into backward.
+        after_forward = root * cb if candidate.engine is Engine.FSDP1 else 0
     # Lightning's FSDP1 reduces in the compute dtype; FSDP2 here reduces in fp32 when mixed.
     fp32_reduce = mixed and candidate.engine is Engine.FSDP2 and candidate.reduce_dtype_fp32
     reduce_bytes = 4 if fp32_reduce else cb
-    comm = unit * reduce_bytes + (unit * cb if shard > 1 else 0)  # reduce-scatter in, grad out
+    # the reduce-scatter input of one unit, and (resharding after forward) the next unit's
+    # all-gather output
+    gather = unit * cb if shard > 1 and candidate.sharding is not Sharding.SHARD_GRAD_OP else 0
+    comm = unit * reduce_bytes + gather
 
     saved, recompute = activation_bytes(candidate, acts, cb)
+    loss_saved = candidate.micro_batch_size * acts.loss_bytes
     scale = candidate.micro_batch_size * cb / 4
     block_grad = int(max(acts.block_bytes, default=0) * scale)
     logits = 0
     if profile.vocab_size and workload.seq_len:
-        logits = candidate.micro_batch_size * workload.seq_len * profile.vocab_size * (4 + cb)
+        # the logits' gradient in fp32 (cross-entropy)
+        logits = candidate.micro_batch_size * workload.seq_len * profile.vocab_size * 4
     foreach = (
         params * stored // shard
         if candidate.optimizer_impl is OptimizerImpl.FOREACH
         and candidate.optimizer is not Optimizer.SGD
         else 0
     )
-    temporaries = recompute + max(block_grad + logits, foreach)
 
     host = 0
     if candidate.cpu_offload:
         # parameters, gradients and optimizer state live in host memory; the GPU keeps the
         # working set only
         host = (sharded + grads + optimizer) * hardware.gpus_per_node
-        sharded = grads = optimizer = 0
-        temporaries = recompute + block_grad + logits
+        sharded = grads = optimizer = foreach = 0
 
-    breakdown = MemoryBreakdown(
+    # Four moments compete for the peak (measured with torch's tracker, design notes "Memory");
+    # gradients are set to None after each step, so backward starts without any.
+    # 0. The loss, at the end of forward: every activation saved; the logits, their shifted
+    #    copy (or fp32 cast) and the log-probabilities alive together.
+    loss_moment = MemoryBreakdown(
         sharded_params=sharded,
-        unsharded_params=unsharded,
-        gradients=grads,
+        unsharded_params=after_forward,
         optimizer=optimizer,
-        comm_buffers=comm,
         activations=saved,
-        temporaries=temporaries,
+        temporaries=2 * logits,
         buffers=profile.buffer_bytes,
     )
+    # 1. The head's backward: the loss's backward is done (its log-probabilities freed), the
+    #    logits' gradient alive, the root gathered again with the working set.
+    head = MemoryBreakdown(
+        sharded_params=sharded,
+        unsharded_params=unsharded,
+        optimizer=optimizer,
+        comm_buffers=comm,
+        activations=saved - loss_saved,
+        temporaries=logits,
+        buffers=profile.buffer_bytes,
+    )
+    # 2. The top block's backward: the block recomputes under checkpointing and makes its
+    #    gradients.
+    resharded = candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+    if resharded:
+        # The root is resharded once the head's backward is done (torch 2.13, measured on fake
+        # tensors): the blocks run without the root gathered or its gradient unsharded.
+        top_block = head.model_copy(
+            update={
+                "unsharded_params": unsharded - root * cb,
+                "temporaries": recompute + block_grad,
+            }
+        )
+    elif candidate.sharding is Sharding.SHARD_GRAD_OP:
+        # the top block's parameters are freed once its gradients are reduced
+        top_block = head.model_copy(
+            update={
+                "unsharded_params": unsharded - unit * cb,
+                "temporaries": recompute + block_grad,
+            }
+        )
+    else:  # NO_SHARD: nothing is gathered or freed
+        top_block = head.model_copy(update={"temporaries": recompute + block_grad})
+    # 3. The bottom block's backward: the other blocks' activations are freed and their
+    #    gradients reduced into shards; the root (the embedding) is prefetched in place of a
+    #    next block. (SHARD_GRAD_OP holds everything all along: the top block is worse.)
+    bottom_block = top_block.model_copy(
+        update={
+            "unsharded_params": (unit + root) * cb,
+            "gradients": (params - root) * stored // shard,
+            "activations": first_block_bytes(candidate, acts, cb),
+        }
+    )
+    # 4. FSDP1's root backward, at the very end: the embedding's gradient completes the root's
+    #    unsharded gradient, which is reduced (in the reduce dtype) into its shard; every
+    #    block's gradient is already sharded.
+    root_backward = MemoryBreakdown(
+        sharded_params=sharded,
+        unsharded_params=root * cb,
+        gradients=(params - root) * stored // shard + root * cb,
+        optimizer=optimizer,
+        comm_buffers=root * reduce_bytes + (root * cb // shard if shard > 1 else 0),
+        activations=int(acts.other_bytes * candidate.micro_batch_size * cb / 4),
+        buffers=profile.buffer_bytes,
+    )
+    # 5. The optimizer step: gradients and the foreach transient, no activations.
+    step = MemoryBreakdown(
+        sharded_params=sharded,
+        gradients=grads,
+        optimizer=optimizer,
+        temporaries=foreach,
+        buffers=profile.buffer_bytes,
+    )
+    moments = {
+        "loss": loss_moment,
+        "head backward": head,
+        "top block backward": top_block,
+        **({"bottom block backward": bottom_block} if resharded else {}),
+        **({"root backward": root_backward} if candidate.engine is Engine.FSDP1 else {}),
+        "optimizer step": step,
+    }
+    return moments, host
+
+
+def estimate_memory(
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    *,
+    activations: ActivationProfile | None = None,
+) -> MemoryEstimate:
+    """Predict the per-rank GPU peak and per-node host memory of ``candidate``.
+
+    Example::
+
+        from autoshard import Candidate, Hardware, WorkloadSpec, analyze_target, TargetSpec
+        from autoshard import estimate_memory, profile_activations
+        profile, built = analyze_target(TargetSpec(spec="examples/gpt.py:build"))
+        workload = WorkloadSpec(seq_len=128)
+        acts = profile_activations(built.model, profile, workload)
+        est = estimate_memory(
+            profile, Candidate(wrap_classes=profile.wrap_policy),
+            Hardware(gpus_per_node=8, gpu_memory=80 * 2**30), workload, activations=acts,
+        )
+        print(est.gpu_peak / 2**30, est.peak_at, est.breakdown)
+    """
+    acts = activations or _rule_of_thumb(profile, workload, "no activation profile given")
+    moments, host = peak_moments(profile, candidate, hardware, workload, acts)
+    peak_at, breakdown = max(moments.items(), key=lambda item: item[1].total)
     subtotal = breakdown.total
     allowance = CUDA_CONTEXT_BYTES + int(subtotal * ALLOCATOR_SLACK)
     breakdown = breakdown.model_copy(update={"allowance": allowance})
@@ -311,6 +441,7 @@ def estimate_memory(
     return MemoryEstimate(
         candidate=candidate,
         method="analytic",
+        peak_at=peak_at,
         gpu_peak=peak,
         host_peak=host,
         breakdown=breakdown,

@@ -1,0 +1,433 @@
+"""Turn what a user has in hand into a :class:`~autoshard.target.TargetSpec` that trial workers
+(other processes) can rebuild.
+
+- a factory (function or class) importable by module path: ``module:qualname``; one defined in
+  a script run as ``__main__``: ``path/to/script.py:qualname``;
+- a Hugging Face ``PreTrainedModel``: rebuilt from its config (``type(model)(config)``), so no
+  weights are ever saved or downloaded;
+- any other ``nn.Module`` (real or on the meta device): a meta copy that shares no data with the
+  original is saved with ``torch.save`` and loaded back by :func:`load_saved_model`, which
+  materialises it (``to_empty`` + ``reset_parameters``) when asked for a real device;
+- a ``LightningModule``: its ``configure_model`` hook builds the layers, and its
+  ``training_step(batch, 0)`` is the step: :class:`LightningStep` makes that step the forward of
+  the module that is sharded, so the loss is the user's own.
+
+The meta copy keeps tied weights tied: ``copy.deepcopy`` with a memo that maps every parameter
+(and buffer) to a meta tensor of the same shape, dtype and ``requires_grad``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import pickle
+import sys
+import tempfile
+import types
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard.errors import ConfigError, TargetError
+from autoshard.target import TargetSpec, _import_file, build_target, load_callable
+
+__all__ = [
+    "LightningStep",
+    "build_hf_from_config",
+    "build_lightning",
+    "load_saved_model",
+    "materialize",
+    "meta_copy",
+    "to_target",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# What the user has -> TargetSpec
+# --------------------------------------------------------------------------------------------
+
+
+def to_target(
+    obj: Any,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    batch: Any | None = None,
+    out_dir: Path | None = None,
+) -> TargetSpec:
+    """A :class:`TargetSpec` for ``obj``: a target string, a ``TargetSpec``, a factory, a
+    Hugging Face model, a ``LightningModule`` or any ``nn.Module``.
+
+    Objects that must be saved (a plain module, a Hugging Face config, an example batch) go to
+    ``out_dir`` (a temporary folder when None).
+
+    >>> from torch import nn
+    >>> spec = to_target(nn.Sequential(nn.Linear(4, 4)))
+    >>> spec.spec
+    'autoshard.adapters:load_saved_model'
+    """
+    kwargs = dict(kwargs or {})
+    if isinstance(obj, TargetSpec):
+        return _with_batch(obj, batch, out_dir)
+    if isinstance(obj, str):
+        return _with_batch(_factory_target(obj, kwargs, batch), batch, out_dir)
+    if isinstance(obj, nn.Module):
+        if kwargs:
+            raise ConfigError("kwargs are for a factory; a model object takes none")
+        return _module_target(obj, batch, out_dir)
+    if callable(obj):
+        spec = factory_spec(obj)
+        if spec is None:
+            raise ConfigError(
+                f"{getattr(obj, '__qualname__', repr(obj))} cannot be imported by name by the "
+                "trial workers (a lambda, closure or partial); define it at the top level of a "
+                "module or file, or pass the model object"
+            )
+        return _with_batch(_factory_target(spec, kwargs, batch), batch, out_dir)
+    raise ConfigError(
+        f"cannot plan for a {type(obj).__name__}: give an nn.Module, a factory that returns one, "
+        "or a 'path/to/file.py:build' target"
+    )
+
+
+def _factory_target(spec: str, kwargs: dict[str, Any], batch: Any | None) -> TargetSpec:
+    """The factory's target; a LightningModule's goes through :func:`build_lightning`."""
+    target = TargetSpec(spec=spec, kwargs=kwargs)
+    built = build_target(target)  # on meta: a one-line TargetError here, not in a worker
+    if _is_lightning_module(built.model):
+        steps = callable(getattr(built.model, "training_step", None))
+        return lightning_target(target, training_step=steps and (batch or built.batch) is not None)
+    return target
+
+
+def factory_spec(fn: Callable[..., Any]) -> str | None:
+    """``module:qualname`` of a top-level function or class, ``file.py:qualname`` for one
+    defined in the script run as ``__main__``; None when workers could not import it."""
+    qualname = getattr(fn, "__qualname__", None)
+    module_name = getattr(fn, "__module__", None)
+    if not qualname or not module_name or "<" in qualname or "." in qualname:
+        return None
+    module = sys.modules.get(module_name)
+    if module is None or getattr(module, qualname, None) is not fn:
+        return None
+    if module_name == "__main__":
+        path = getattr(module, "__file__", None)
+        return f"{Path(path).resolve()}:{qualname}" if path else None
+    path = getattr(module, "__file__", None)
+    # A top-level module (one file, no package) may sit in a folder only this process has on
+    # sys.path (a file loaded by path, a notebook's folder): its path works in any process.
+    if path and module_name == Path(path).stem:
+        return f"{Path(path).resolve()}:{qualname}"
+    return f"{module_name}:{qualname}"
+
+
+def _module_target(model: nn.Module, batch: Any | None, out_dir: Path | None) -> TargetSpec:
+    if _is_hf_model(model):
+        return _hf_target(model, batch, out_dir)
+    if _is_lightning_module(model):
+        model = meta_copy(model)
+        hook = getattr(model, "configure_model", None)
+        if callable(hook):
+            with torch.device("meta"):
+                hook()
+        if batch is None:
+            batch = getattr(model, "example_input_array", None)
+        elif callable(getattr(model, "training_step", None)):
+            model = LightningStep(model)
+    path = _save_dir(out_dir) / f"model-{_digest_module(model)}.pt"
+    files = _class_files(model)
+    payload: dict[str, Any] = {"model": meta_copy(model), "batch": _saveable_batch(batch)}
+    torch.save(payload, path)
+    kw: dict[str, Any] = {"path": str(path)}
+    if files:
+        kw["files"] = files
+    return TargetSpec(spec="autoshard.adapters:load_saved_model", kwargs=kw)
+
+
+def _with_batch(spec: TargetSpec, batch: Any | None, out_dir: Path | None) -> TargetSpec:
+    if batch is None:
+        return spec
+    path = _save_dir(out_dir) / f"batch-{_digest(repr(spec))}.pt"
+    torch.save(_saveable_batch(batch), path)
+    return TargetSpec(
+        spec="autoshard.adapters:with_saved_batch",
+        kwargs={"target": spec.spec, "target_kwargs": spec.kwargs, "batch_path": str(path)},
+    )
+
+
+def with_saved_batch(target: str, target_kwargs: dict[str, Any], batch_path: str) -> Any:
+    """Worker side of a target given with an in-memory batch: the target's model, that batch."""
+    result = load_callable(target)(**target_kwargs)
+    model = result[0] if isinstance(result, tuple) else result
+    return model, _load(batch_path)
+
+
+def _saveable_batch(batch: Any) -> Any:
+    """The batch on the CPU; a meta batch (shapes only) becomes zeros of the same shapes."""
+    if isinstance(batch, torch.Tensor):
+        return torch.zeros(batch.shape, dtype=batch.dtype) if batch.is_meta else batch.cpu()
+    if isinstance(batch, dict):
+        return {k: _saveable_batch(v) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(_saveable_batch(v) for v in batch)
+    return batch
+
+
+def _save_dir(out_dir: Path | None) -> Path:
+    folder = Path(out_dir) if out_dir else Path(tempfile.gettempdir()) / "autoshard-targets"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _digest_module(model: nn.Module) -> str:
+    shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    return _digest(f"{type(model).__module__}.{type(model).__qualname__}{shapes}{model!r}")
+
+
+def _class_files(model: nn.Module) -> dict[str, str]:
+    """Files that define classes of the model and that a worker cannot import by name: the
+    script run as ``__main__``, and top-level modules loaded from a file path (their folder is
+    on this process's ``sys.path`` only). Module name -> file path."""
+    out: dict[str, str] = {}
+    for m in model.modules():
+        name = type(m).__module__
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if name == "__main__" and not path:
+            raise ConfigError(
+                f"{type(m).__qualname__} is defined interactively (no file): trial workers "
+                "cannot import it; define it in a .py file"
+            )
+        if path and (name == "__main__" or name == Path(path).stem):
+            out[name] = str(Path(path).resolve())
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Meta copies, saving and loading
+# --------------------------------------------------------------------------------------------
+
+
+def meta_copy(model: nn.Module, *, keep_buffers: bool = True) -> nn.Module:
+    """A copy of ``model`` whose parameters are meta tensors: no parameter data is copied.
+
+    Tied parameters stay tied (one memo entry per tensor). Real buffers are kept (small, and
+    some are computed at construction, like rotary frequencies) unless ``keep_buffers`` is False.
+    """
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        if id(p) not in memo:
+            memo[id(p)] = nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+            )
+    for b in model.buffers():
+        if id(b) not in memo and (b.is_meta or not keep_buffers):
+            memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+        elif id(b) not in memo:
+            memo[id(b)] = b.detach().cpu().clone()
+    # Gradients are not copied either (deepcopy of a Parameter copies .grad).
+    return copy.deepcopy(model, memo)
+
+
+def _file_aware_pickle(files: Mapping[str, str] | None) -> types.ModuleType:
+    """A pickle module for ``torch.load`` that imports the classes' files by path first (see
+    :func:`_class_files`) and finds the classes of ``__main__`` in the user's script."""
+    modules = {name: _import_file(path) for name, path in (files or {}).items()}
+    if not modules:
+        return pickle
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if module in modules:
+                return getattr(modules[module], name)
+            return super().find_class(module, name)
+
+    shim = types.ModuleType("autoshard_main_pickle")
+    shim.Unpickler = Unpickler  # type: ignore[attr-defined]
+    shim.load = pickle.load  # type: ignore[attr-defined]
+    shim.__name__ = "pickle"
+    return shim
+
+
+def _load(path: str, files: Mapping[str, str] | None = None) -> Any:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise TargetError(f"saved model {path} cannot be read: {exc}") from exc
+    # weights_only=False: the file is autoshard's own, written by this user's process.
+    return torch.load(
+        io.BytesIO(data),
+        map_location="cpu",
+        weights_only=False,
+        pickle_module=_file_aware_pickle(files),
+    )
+
+
+def load_saved_model(path: str, files: Mapping[str, str] | None = None) -> Any:
+    """Load a model saved by :func:`to_target`: on the meta device when the default device is
+    meta (analysis), otherwise materialised there with fresh initial values (a trial)."""
+    payload = _load(path, files)
+    model: nn.Module = payload["model"]
+    device = torch.get_default_device()
+    if device.type != "meta":
+        materialize(model, device)
+    batch = payload.get("batch")
+    return (model, batch) if batch is not None else model
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Give the meta parameters of ``model`` real storage on ``device`` and initialise them:
+    ``reset_parameters()`` where a module has one, N(0, 0.02) for matrices and ones for vectors
+    otherwise. Buffers that already hold data keep it."""
+    device = torch.device(device)
+    kept = {n: b for n, b in model.named_buffers() if not b.is_meta}
+    ties: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        ties.setdefault(id(p), []).append(name)
+    model.to_empty(device=device)
+    # to_empty gives every module its own new tensor: tie the shared names together again.
+    for names in ties.values():
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, first)
+    with torch.no_grad():
+        for module in model.modules():
+            own = list(module.parameters(recurse=False))
+            if not own:
+                continue
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            else:
+                for p in own:
+                    p.fill_(1.0) if p.dim() == 1 else p.normal_(0.0, 0.02)
+        for name, buf in model.named_buffers():
+            if name in kept:
+                buf.copy_(kept[name])
+            elif buf.is_floating_point():
+                buf.zero_()
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face
+# --------------------------------------------------------------------------------------------
+
+
+def _is_hf_model(model: nn.Module) -> bool:
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+        for c in type(model).__mro__
+    )
+
+
+def _hf_target(model: nn.Module, batch: Any | None, out_dir: Path | None) -> TargetSpec:
+    config: Any = model.config
+    text = config.to_json_string(use_diff=False)
+    path = _save_dir(out_dir) / f"hf-config-{_digest(text)}.json"
+    path.write_text(text)
+    cls = type(model)
+    spec = TargetSpec(
+        spec="autoshard.adapters:build_hf_from_config",
+        kwargs={"model_class": f"{cls.__module__}:{cls.__qualname__}", "config": str(path)},
+    )
+    return _with_batch(spec, batch, out_dir)
+
+
+def build_hf_from_config(model_class: str, config: str | Mapping[str, Any]) -> nn.Module:
+    """``model_class(config)``: a Hugging Face model rebuilt from its config, never its weights.
+
+    ``config`` is a path to a ``config.json`` or the dict of one. Under the meta device (the
+    caller's ``torch.device`` context) this costs no memory; on a real device the model's own
+    ``_init_weights`` initialises it.
+    """
+    cls = load_callable(model_class)
+    config_class = getattr(cls, "config_class", None)
+    if config_class is None:
+        raise TargetError(f"{model_class} has no config_class: not a Hugging Face model")
+    if isinstance(config, str):
+        cfg = config_class.from_json_file(config)
+    else:
+        cfg = config_class.from_dict(dict(config))
+    return cls(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# Lightning
+# --------------------------------------------------------------------------------------------
+
+
+def _is_lightning_module(obj: Any) -> bool:
+    return any(
+        c.__name__ == "LightningModule" and c.__module__.startswith(("lightning", "pytorch_"))
+        for c in type(obj).__mro__
+    )
+
+
+class LightningStep(nn.Module):
+    """A LightningModule whose forward is its ``training_step(batch, 0)``.
+
+    Trials feed a dict batch as keyword arguments and a tuple as positional arguments; this
+    puts the batch back together and returns the user's loss, so the trial trains exactly what
+    ``Trainer.fit`` would. The wrapped module keeps its own class (and block classes) inside.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs and not args:
+            batch: Any = kwargs
+        elif len(args) == 1 and not kwargs:
+            batch = args[0]
+        else:
+            batch = args
+        out = self.module.training_step(batch, 0)  # type: ignore[operator]
+        if isinstance(out, Mapping):
+            out = out["loss"]
+        if not isinstance(out, torch.Tensor):
+            raise ConfigError(
+                f"{type(self.module).__name__}.training_step returned {type(out).__name__}; "
+                "it must return the loss (a tensor, or a dict with 'loss')"
+            )
+        return out
+
+
+def build_lightning(
+    factory: str, kwargs: dict[str, Any] | None = None, training_step: bool = True
+) -> Any:
+    """Build a LightningModule from ``factory`` (a target string) and run its
+    ``configure_model`` hook under the current device. With ``training_step`` (the default when
+    a training batch is known: the factory's or the one given to ``recommend``), return it as a
+    :class:`LightningStep`; otherwise as it is, fed its ``example_input_array``."""
+    result = load_callable(factory)(**(kwargs or {}))
+    module, batch = result if isinstance(result, tuple) else (result, None)
+    if not isinstance(module, nn.Module):
+        raise TargetError(f"{factory} returned {type(module).__name__}, not a LightningModule")
+    hook = getattr(module, "configure_model", None)
+    if callable(hook):
+        hook()
+    if not training_step or not callable(getattr(module, "training_step", None)):
+        if batch is None:
+            batch = getattr(module, "example_input_array", None)
+        return module if batch is None else (module, batch)
+    step = LightningStep(module)
+    return step if batch is None else (step, batch)
+
+
+def lightning_target(spec: TargetSpec, *, training_step: bool = True) -> TargetSpec:
+    """The target that builds ``spec``'s LightningModule (``configure_model`` included) and,
+    with ``training_step``, trains it through its own ``training_step``."""
+    return TargetSpec(
+        spec="autoshard.adapters:build_lightning",
+        kwargs={"factory": spec.spec, "kwargs": dict(spec.kwargs), "training_step": training_step},
+    )

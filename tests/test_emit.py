@@ -1,0 +1,410 @@
+"""emit: the strategy object, and the Lightning CLI / accelerate YAML read back by their own
+parsers (jsonargparse as LightningCLI drives it; accelerate's launcher and FSDP plugin)."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autoshard import emit
+from autoshard.errors import ConfigError, MissingDependencyError
+from autoshard.models import (
+    BackwardPrefetch,
+    Candidate,
+    Checkpointing,
+    Engine,
+    Hardware,
+    MemoryBreakdown,
+    MemoryEstimate,
+    ModelProfile,
+    Precision,
+    Recommendation,
+    Scored,
+    Sharding,
+    TrialResult,
+    TrialStatus,
+    WorkloadSpec,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+GiB = 2**30
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures: Recommendation objects built directly (a profile of examples/gpt.py, class gpt.Block)
+# ---------------------------------------------------------------------------------------------
+
+PROFILE = ModelProfile(
+    target="examples/gpt.py:build size='tiny'",
+    model_class="gpt.GPT",
+    total_params=1_872_640,
+    trainable_params=1_872_640,
+    param_bytes=7_490_560,
+    block_classes=("gpt.Block",),
+    block_count=4,
+    block_params=197_760,
+    wrap_policy=("gpt.Block",),
+    checkpoint_policy=("gpt.Block",),
+    vocab_size=4096,
+)
+HARDWARE = Hardware(gpus_per_node=2, nodes=1, gpu_memory=2 * GiB)
+WORKLOAD = WorkloadSpec(micro_batch_size=2, seq_len=128)
+WHEN = datetime(2026, 11, 22, 12, 46, tzinfo=timezone.utc)
+
+
+def candidate(**update: Any) -> Candidate:
+    base: dict[str, Any] = {"wrap_classes": ("gpt.Block",), "micro_batch_size": 2}
+    if update.get("checkpointing", Checkpointing.NONE) is not Checkpointing.NONE:
+        base["checkpoint_classes"] = ("gpt.Block",)
+    return Candidate(**{**base, **update})
+
+
+def estimate(c: Candidate, scale: float = 1.0, limit: int = 2 * GiB) -> MemoryEstimate:
+    b = MemoryBreakdown(
+        sharded_params=int(3.7e6 * scale),
+        unsharded_params=int(5.9e6 * scale),
+        gradients=int(3.7e6 * scale),
+        optimizer=int(7.5e6 * scale),
+        comm_buffers=int(1.6e6 * scale),
+        activations=int(60e6 * scale * c.micro_batch_size),
+        temporaries=int(10e6 * scale),
+        allowance=int(900e6),
+    )
+    usable = int(limit * 0.95)
+    return MemoryEstimate(
+        candidate=c,
+        method="analytic",
+        gpu_peak=b.total,
+        breakdown=b,
+        fits=b.total <= usable,
+        headroom=usable - b.total,
+        reason="" if b.total <= usable else "needs more than the usable GPU memory",
+    )
+
+
+def trial(c: Candidate, step: float, status: TrialStatus = TrialStatus.OK) -> TrialResult:
+    ok = status is TrialStatus.OK
+    return TrialResult(
+        candidate=c,
+        status=status,
+        world_size=2,
+        step_time=step if ok else None,
+        step_times=(step, step * 1.02, step * 0.99) if ok else (),
+        samples_per_s=2 * c.micro_batch_size / step if ok else None,
+        tokens_per_s=2 * c.micro_batch_size * 128 / step if ok else None,
+        peak_allocated=(int(70e6 * step * 4), int(60e6 * step * 4)) if ok else (),
+        peak_reserved=(int(400e6), int(390e6)) if ok else (),
+        losses=(8.3, 8.2, 8.1) if ok else (),
+        error=None if ok else "CUDA out of memory (capped at 2 GiB)",
+        started_at=WHEN,
+    )
+
+
+def make_rec(
+    chosen: Candidate | None = None, *, basis: str = "trials", **rec: Any
+) -> Recommendation:
+    chosen = chosen or candidate()
+    others = [
+        candidate(sharding=Sharding.SHARD_GRAD_OP),
+        candidate(sharding=Sharding.NO_SHARD),
+        candidate(micro_batch_size=1),
+    ]
+    oom = candidate(micro_batch_size=8, checkpointing=Checkpointing.ALL)
+    pruned = candidate(micro_batch_size=32)
+    tried = basis == "trials"
+    return Recommendation(
+        profile=rec.pop("profile", PROFILE),
+        hardware=rec.pop("hardware", HARDWARE),
+        workload=WORKLOAD,
+        chosen=Scored(
+            candidate=chosen,
+            estimate=estimate(chosen),
+            trial=trial(chosen, 0.228) if tried else None,
+        ),
+        runners_up=tuple(
+            Scored(
+                candidate=c,
+                estimate=estimate(c),
+                trial=trial(c, 0.26 + 0.03 * i) if tried else None,
+            )
+            for i, c in enumerate(others)
+        ),
+        ruled_out=(
+            Scored(
+                candidate=oom,
+                estimate=estimate(oom),
+                trial=trial(oom, 0, TrialStatus.OOM) if tried else None,
+            ),
+            Scored(candidate=pruned, estimate=estimate(pruned)),
+        ),
+        basis=basis,  # type: ignore[arg-type]
+        reasons=(
+            "fastest of 4 measured configurations",
+            "auto_wrap_policy {gpt.Block}: repeated blocks",
+        ),
+        created_at=WHEN,
+        versions={"autoshard": "0.1.0", "torch": "2.13.0"},
+        **rec,
+    )
+
+
+def all_trials(rec: Recommendation) -> list[TrialResult]:
+    return [s.trial for s in (rec.chosen, *rec.runners_up, *rec.ruled_out) if s.trial is not None]
+
+
+@pytest.fixture
+def gpt_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Class paths say ``gpt.Block``: the model's folder must be importable, as for the user."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+
+FSDP1_CASES = {
+    "full-bf16-ckpt": candidate(precision=Precision.BF16_MIXED, checkpointing=Checkpointing.ALL),
+    "hybrid-every2-fp32": candidate(
+        sharding=Sharding.HYBRID_SHARD,
+        hybrid_mesh=(2, 1),
+        precision=Precision.FP32,
+        checkpointing=Checkpointing.EVERY_K,
+        checkpoint_every=2,
+        backward_prefetch=BackwardPrefetch.NONE,
+        limit_all_gathers=False,
+        forward_prefetch=True,
+    ),
+    "gradop-16-offload": candidate(
+        sharding=Sharding.SHARD_GRAD_OP, precision=Precision.FP16_MIXED, cpu_offload=True
+    ),
+}
+
+# ---------------------------------------------------------------------------------------------
+# The strategy object
+# ---------------------------------------------------------------------------------------------
+
+
+def strategy_settings(s: Any) -> dict[str, Any]:
+    """Every setting autoshard chooses, read back from a constructed FSDPStrategy."""
+    kwargs = dict(s.kwargs)
+    wrap = kwargs.pop("auto_wrap_policy", None)
+    ckpt = s._activation_checkpointing_kwargs.get("auto_wrap_policy")
+    return {
+        "sharding_strategy": s.sharding_strategy,
+        "cpu_offload": s.cpu_offload,
+        "mixed_precision": s.mixed_precision,
+        "state_dict_type": s._state_dict_type,
+        "wrap": (type(wrap), frozenset(wrap._module_classes)) if wrap else None,
+        "ckpt": (type(ckpt), frozenset(ckpt._module_classes), getattr(ckpt, "every", 1))
+        if ckpt
+        else None,
+        "kwargs": kwargs,
+    }
+
+
+@pytest.mark.usefixtures("gpt_importable")
+@pytest.mark.parametrize("case", list(FSDP1_CASES))
+def test_strategy_has_every_chosen_setting(case: str) -> None:
+    import gpt
+    from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
+    from torch.distributed.fsdp import CPUOffload, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    c = FSDP1_CASES[case]
+    rec = make_rec(c)
+    got = strategy_settings(rec.strategy())
+    assert got["sharding_strategy"] is ShardingStrategy[c.sharding.value]
+    assert got["cpu_offload"] == CPUOffload(offload_params=c.cpu_offload)
+    assert got["wrap"][1] == {gpt.Block}
+    assert got["kwargs"]["limit_all_gathers"] is c.limit_all_gathers
+    assert got["kwargs"]["forward_prefetch"] is c.forward_prefetch
+    assert got["kwargs"]["use_orig_params"] is True
+    expected_prefetch = (
+        None if c.backward_prefetch is BackwardPrefetch.NONE else TorchPrefetch.BACKWARD_PRE
+    )
+    fsdp_default = inspect.signature(FSDP).parameters["backward_prefetch"].default
+    assert got["kwargs"].get("backward_prefetch", fsdp_default) is expected_prefetch
+    assert got["kwargs"].get("device_mesh") == c.hybrid_mesh
+    assert got["state_dict_type"] == "full"
+    if c.checkpointing is Checkpointing.NONE:
+        assert got["ckpt"] is None
+    else:
+        assert got["ckpt"][1] == {gpt.Block} and got["ckpt"][2] == c.checkpoint_every
+    # The Trainer's precision expresses the mixed precision the trials ran with, so none is set.
+    assert got["mixed_precision"] is None
+    assert rec.trainer_kwargs() == {"precision": c.precision.value, "devices": 2, "num_nodes": 1}
+
+
+def test_trainer_precision_gives_the_mixed_precision_trials_used() -> None:
+    """Leaving mixed_precision to the Trainer is only right if Lightning's plugin makes the very
+    MixedPrecision that sharding.fsdp1_kwargs (the trials) used."""
+    from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
+
+    from autoshard.sharding import fsdp1_kwargs
+
+    for p in Precision:
+        ours = fsdp1_kwargs(candidate(precision=p, wrap_classes=()))["mixed_precision"]
+        assert FSDPPrecision(p.value).mixed_precision_config == ours, p  # type: ignore[arg-type]
+
+
+def test_every_kth_policy_picks_the_blocks_sharding_checkpoints(gpt_importable: None) -> None:
+    import gpt
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from autoshard.sharding import apply_checkpointing
+
+    model = gpt.build("tiny", n_layer=5)
+    blocks = [m for m in model.modules() if isinstance(m, gpt.Block)]
+    picked = emit.EveryKthPolicy([gpt.Block], every=2)._run_policy(model, set(), {})
+    assert [blocks.index(m) for m in picked] == list(range(0, len(blocks), 2))
+    apply_checkpointing(model, candidate(checkpointing=Checkpointing.EVERY_K, checkpoint_every=2))
+    wrapped = [
+        m._checkpoint_wrapped_module for m in model.modules() if isinstance(m, CheckpointWrapper)
+    ]
+    assert set(map(id, wrapped)) == set(map(id, picked))
+
+
+def test_state_dict_type_is_sharded_for_big_models() -> None:
+    big = PROFILE.model_copy(update={"total_params": 7_000_000_000})
+    kind, why = emit.choose_state_dict_type(make_rec(profile=big))
+    assert kind == "sharded" and "rank 0" in why
+    assert emit.choose_state_dict_type(make_rec())[0] == "full"
+
+
+def test_fsdp2_strategy_and_plan_arguments() -> None:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    rec = make_rec(candidate(engine=Engine.FSDP2, sharding=Sharding.SHARD_GRAD_OP))
+    s = rec.strategy()
+    assert isinstance(s, ModelParallelStrategy)
+    assert (s._data_parallel_size, s._tensor_parallel_size) == (2, 1)
+    assert callable(rec.fsdp2_plan())
+    with pytest.raises(ConfigError, match="FSDP2"):
+        rec.fsdp_kwargs()
+    with pytest.raises(ConfigError, match="FSDP1"):
+        make_rec().fsdp2_plan()
+
+
+def test_missing_lightning_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'autoshard\[lightning\]'"):
+        make_rec().strategy()
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning CLI YAML, parsed the way LightningCLI parses it
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_like_lightning_cli(text: str) -> Any:
+    """LightningCLI's own steps: add the Trainer's signature under ``trainer`` (not instantiated),
+    parse the config, instantiate the nested classes (the strategy)."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.cli import LightningArgumentParser
+
+    parser = LightningArgumentParser(exit_on_error=False)
+    parser.add_lightning_class_args(Trainer, "trainer")
+    cfg = parser.parse_string(text)
+    return parser.instantiate_classes(cfg).trainer
+
+
+@pytest.mark.usefixtures("gpt_importable")
+@pytest.mark.parametrize("case", list(FSDP1_CASES))
+def test_lightning_yaml_builds_the_same_strategy(case: str) -> None:
+    rec = make_rec(FSDP1_CASES[case])
+    text = rec.to_yaml("lightning")
+    assert "# measured 2026-11-22 12:46 UTC on 2 cpu ranks: 0.228 s/step" in text
+    trainer = parse_like_lightning_cli(text)
+    assert type(trainer.strategy) is type(rec.strategy())
+    assert strategy_settings(trainer.strategy) == strategy_settings(rec.strategy())
+    for key, value in rec.trainer_kwargs().items():
+        assert trainer[key] == value
+
+
+def test_lightning_yaml_fsdp2_builds_model_parallel_strategy() -> None:
+    rec = make_rec(candidate(engine=Engine.FSDP2), basis="estimate")
+    text = rec.to_yaml("lightning")
+    assert "by estimate alone" in text and "fsdp2_plan" in text
+    s = parse_like_lightning_cli(text).strategy
+    assert type(s).__name__ == "ModelParallelStrategy"
+    assert (s._data_parallel_size, s._tensor_parallel_size) == (2, 1)
+
+
+def test_lightning_yaml_refuses_what_it_cannot_express() -> None:
+    with pytest.raises(ConfigError, match="BACKWARD_POST"):
+        make_rec(candidate(backward_prefetch=BackwardPrefetch.BACKWARD_POST)).to_yaml("lightning")
+    with pytest.raises(ConfigError, match="size-based"):
+        make_rec(candidate(wrap_classes=(), min_num_params=10_000)).to_yaml("lightning")
+
+
+# ---------------------------------------------------------------------------------------------
+# accelerate YAML, loaded by accelerate's launcher and plugin
+# ---------------------------------------------------------------------------------------------
+
+
+def load_like_accelerate(tmp_path: Path, text: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``accelerate launch --config_file``: parse, merge the config file, build the workers'
+    environment; then the FSDP plugin a worker's Accelerator builds from that environment."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(text)
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(path), "--main_process_port", "29999", "train.py"]
+    )
+    _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    for key, value in env.items():
+        if key.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_")):
+            monkeypatch.setenv(key, value)
+    # sync_module_states asks for the current GPU; be the GPU machine the YAML is meant for.
+    import accelerate.utils.dataclasses as acc_dataclasses
+    import torch
+
+    monkeypatch.setattr(acc_dataclasses, "is_cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return args, FullyShardedDataParallelPlugin()
+
+
+@pytest.mark.parametrize("case", ["full-bf16-ckpt", "gradop-16-offload"])
+def test_accelerate_yaml_loads_with_accelerates_plugin(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
+    from torch.distributed.fsdp import ShardingStrategy, StateDictType
+
+    c = FSDP1_CASES[case]
+    args, plugin = load_like_accelerate(tmp_path, make_rec(c).to_yaml("accelerate"), monkeypatch)
+    assert args.mixed_precision == {"bf16-mixed": "bf16", "16-mixed": "fp16"}[c.precision.value]
+    assert (args.num_processes, args.num_machines) == (2, 1)
+    assert plugin.fsdp_version == 1
+    assert plugin.sharding_strategy is ShardingStrategy[c.sharding.value]
+    assert plugin.transformer_cls_names_to_wrap == ["Block"]
+    assert plugin.backward_prefetch is TorchPrefetch.BACKWARD_PRE
+    assert plugin.cpu_offload.offload_params is c.cpu_offload
+    assert plugin.activation_checkpointing is (c.checkpointing is not Checkpointing.NONE)
+    assert plugin.use_orig_params is True
+    assert plugin.state_dict_type is StateDictType.FULL_STATE_DICT
+
+
+def test_accelerate_yaml_fsdp2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    big = PROFILE.model_copy(update={"total_params": 7_000_000_000})
+    c = candidate(
+        engine=Engine.FSDP2, sharding=Sharding.SHARD_GRAD_OP, checkpointing=Checkpointing.ALL
+    )
+    _, plugin = load_like_accelerate(
+        tmp_path, make_rec(c, profile=big).to_yaml("accelerate"), monkeypatch
+    )
+    assert plugin.fsdp_version == 2
+    assert plugin.reshard_after_forward is False
+    assert plugin.activation_checkpointing is True
+    assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"
+
+
+def test_json_round_trip() -> None:
+    rec = make_rec()
+    assert Recommendation.model_validate_json(rec.to_yaml("json")) == rec
+    with pytest.raises(ConfigError, match="--format"):
+        rec.to_yaml("toml")

@@ -1,0 +1,163 @@
+"""The simulated estimate: real FSDP on fake tensors with a fake process group, checked by hand,
+against the analytic estimate, across world sizes and against its own depth extrapolation."""
+
+from __future__ import annotations
+
+import pytest
+
+from autoshard.analyze import analyze_target
+from autoshard.errors import ConfigError
+from autoshard.memory import estimate_memory, profile_activations
+from autoshard.models import Candidate, Hardware, WorkloadSpec
+from autoshard.simulate import simulate_memory
+from autoshard.target import TargetSpec
+
+from .conftest import EXAMPLES, TARGETS
+
+GIB = 1024**3
+STACK = TargetSpec(spec=f"{TARGETS}/stack.py:build", kwargs={"width": 256, "depth": 8})
+BLOCK = ("stack.Block",)
+
+
+def test_simulated_sharded_terms_by_hand() -> None:
+    """FSDP2, fp32, fused AdamW, 4 ranks: each rank holds a quarter of the parameters and two
+    fp32 optimizer states of that quarter, exactly."""
+    params = 8 * 256 * 256
+    c = Candidate(engine="fsdp2", wrap_classes=BLOCK, precision="32-true", optimizer_impl="fused")
+    e = simulate_memory(STACK, c, Hardware(gpus_per_node=4, gpu_memory=80 * GIB), WorkloadSpec())
+    b = e.breakdown
+    assert e.method == "simulated"
+    assert b.sharded_params == params * 4 // 4
+    # two states per parameter, plus AdamW's per-parameter ``step`` scalars
+    assert 2 * params * 4 // 4 <= b.optimizer <= 2 * params * 4 // 4 + 8 * 8
+    assert e.gpu_peak == b.total and b.allowance > 0
+
+
+def test_more_ranks_never_raise_the_simulated_peak() -> None:
+    c = Candidate(engine="fsdp2", wrap_classes=BLOCK, precision="32-true")
+    previous = None
+    for world in (1, 2, 4, 8):
+        b = simulate_memory(
+            STACK, c, Hardware(gpus_per_node=world, gpu_memory=80 * GIB), WorkloadSpec()
+        ).breakdown
+        terms = (b.sharded_params, b.optimizer, b.total - b.allowance)
+        if previous is not None:
+            assert all(now <= before for now, before in zip(terms, previous, strict=True))
+        previous = terms
+
+
+@pytest.mark.slow
+def test_depth_extrapolation_matches_the_whole_simulation() -> None:
+    target = TargetSpec(
+        spec=f"{EXAMPLES}/gpt.py:build",
+        kwargs={"size": "tiny", "n_layer": 10},
+    )
+    c = Candidate(engine="fsdp2", wrap_classes=("gpt.Block",), precision="bf16-mixed")
+    hw = Hardware(gpus_per_node=4, gpu_memory=80 * GIB)
+    w = WorkloadSpec(seq_len=64)
+    whole = simulate_memory(target, c, hw, w, block_classes=("gpt.Block",), extrapolate=False)
+    fast = simulate_memory(target, c, hw, w, block_classes=("gpt.Block",))
+    assert "extrapolated" not in whole.reason
+    peak = whole.gpu_peak - whole.breakdown.allowance
+    assert abs((fast.gpu_peak - fast.breakdown.allowance) - peak) <= 0.02 * peak
+
+
+# Every engine, the three shardings, checkpointing on and off, both precisions; two
+# micro-batches under FULL_SHARD (the micro-batch scales activations alike under every sharding).
+GRID = [
+    dict(engine=engine, sharding=sharding, checkpointing=ckpt, precision=precision, mbs=mbs)
+    for engine in ("fsdp1", "fsdp2")
+    for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+    for ckpt in ("none", "all")
+    for precision in ("32-true", "bf16-mixed")
+    for mbs in ((1, 2) if sharding == "FULL_SHARD" else (1,))
+]
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny():
+    target = TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny"})
+    profile, built = analyze_target(target)
+    workload = WorkloadSpec(seq_len=128)
+    return target, profile, workload, profile_activations(built.model, profile, workload)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", GRID, ids=lambda p: "-".join(str(v) for v in p.values()))
+def test_analytic_agrees_with_simulated_on_the_example(gpt_tiny, point) -> None:
+    """The issue's target: the analytic estimate within 10% of the simulated peak (both without
+    the GPU allowance, which is the same stated number in both)."""
+    target, profile, workload, acts = gpt_tiny
+    c = Candidate(
+        engine=point["engine"],
+        sharding=point["sharding"],
+        wrap_classes=profile.wrap_policy,
+        checkpoint_classes=profile.checkpoint_policy,
+        checkpointing=point["checkpointing"],
+        precision=point["precision"],
+        micro_batch_size=point["mbs"],
+    )
+    hw = Hardware(gpus_per_node=2, gpu_memory=80 * GIB)
+    sim = simulate_memory(target, c, hw, workload, block_classes=profile.block_classes)
+    ana = estimate_memory(profile, c, hw, workload, activations=acts)
+    measured = sim.gpu_peak - sim.breakdown.allowance
+    predicted = ana.gpu_peak - ana.breakdown.allowance
+    assert abs(predicted - measured) <= 0.10 * measured, (c.label(), predicted, measured)
+
+
+def test_offload_and_an_existing_process_group_are_refused(tmp_path) -> None:
+    import torch.distributed as dist
+
+    hw = Hardware(gpus_per_node=2, gpu_memory=80 * GIB)
+    offload = Candidate(engine="fsdp2", wrap_classes=BLOCK, cpu_offload=True)
+    with pytest.raises(ConfigError, match="offload"):
+        simulate_memory(STACK, offload, hw, WorkloadSpec())
+    dist.init_process_group(
+        "gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}"
+    )
+    try:
+        with pytest.raises(ConfigError, match="process group"):
+            simulate_memory(
+                STACK, Candidate(engine="fsdp2", wrap_classes=BLOCK), hw, WorkloadSpec()
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_estimate_in_code_and_on_the_command_line_with_simulation(cli, tmp_path) -> None:
+    import json
+
+    import yaml
+
+    import autoshard
+
+    target = f"{EXAMPLES}/gpt.py:build"
+    estimates = autoshard.estimate(
+        target, kwargs={"size": "tiny"}, gpus=2, gpu_memory="8GiB", seq_len=64, simulate=1
+    )
+    analytic = autoshard.estimate(
+        target, kwargs={"size": "tiny"}, gpus=2, gpu_memory="8GiB", seq_len=64
+    )
+    assert [e.candidate for e in estimates] == [e.candidate for e in analytic]  # order kept
+    assert estimates[0].method == "simulated" and estimates[0].fits
+    assert all(e.method == "analytic" for e in estimates[1:])
+    sim, ana = estimates[0], analytic[0]
+    assert abs(sim.gpu_peak - ana.gpu_peak) <= 0.10 * (ana.gpu_peak - ana.breakdown.allowance)
+
+    code, out, err = cli(
+        "estimate", target, "--arg", "size=tiny", "--gpus", "2", "--gpu-memory", "8GiB",
+        "--seq-len", "64", "--simulate", "1", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["profile"]["block_classes"] == ["gpt.Block"]
+    assert [e["method"] for e in data["estimates"]].count("simulated") == 1
+    path = tmp_path / "estimate.json"
+    path.write_text(out)
+    code, out, err = cli("export", path, "--format", "lightning")
+    assert code == 0, err
+    strategy = yaml.safe_load(out)["trainer"]["strategy"]
+    assert strategy["init_args"]["auto_wrap_policy"] == ["gpt.Block"]
+
+    code, _, err = cli("estimate", target, "--arg", "size=tiny", "--simulate", "-1")
+    assert code == 1 and "--simulate -1" in err

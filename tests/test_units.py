@@ -1,0 +1,31 @@
+"""Human sizes: printed with three significant digits and no exponent at any unit boundary."""
+
+from __future__ import annotations
+
+import pytest
+
+from autoshard._units import format_bytes
+
+MIB, GIB, TIB = 2**20, 2**30, 2**40
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1 KiB"),
+        (int(9.996 * MIB), "10 MiB"),
+        (int(99.96 * MIB), "100 MiB"),
+        (int(999.4 * MIB), "999 MiB"),
+        (int(999.6 * MIB), "1,000 MiB"),
+        (int(1023.4 * MIB), "1,023 MiB"),
+        (GIB, "1 GiB"),
+        (int(6.713 * GIB), "6.71 GiB"),
+        (-3 * GIB, "-3 GiB"),
+        (5000 * TIB, "5,000 TiB"),
+    ],
+)
+def test_format_bytes(value: int, text: str) -> None:
+    assert format_bytes(value) == text
+    assert "e+" not in format_bytes(value)
