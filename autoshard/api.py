@@ -37,7 +37,7 @@ from autoshard.models import (
     WorkloadSpec,
 )
 from autoshard.simulate import refine_with_simulation
-from autoshard.space import enumerate_candidates, rank_candidates
+from autoshard.space import enumerate_candidates, rank_candidates, wrap_reason
 from autoshard.step import batch_samples, find_vocab_size
 from autoshard.target import BuiltModel, TargetSpec, build_target
 
@@ -348,13 +348,7 @@ def explain_estimate(
         f"gathered units {format_bytes(b.unsharded_params)}, activations "
         f"{format_bytes(b.activations)}, temporaries {format_bytes(b.temporaries)}, "
         f"allowance {format_bytes(b.allowance)}",
-        "auto_wrap_policy "
-        + (
-            f"{{{', '.join(c.wrap_classes)}}}"
-            if c.wrap_classes
-            else (f"min_num_params={c.min_num_params:,}" if c.min_num_params else "none")
-        )
-        + f": {profile.wrap_reason}",
+        wrap_reason(c, profile),
     ]
     if profile.tied:
         names = "; ".join(", ".join(g.names) for g in profile.tied)

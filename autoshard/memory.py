@@ -266,8 +266,10 @@ def peak_moments(
     stored, cb = _bytes(candidate.precision)
     params = profile.total_params
     shard = shard_size(candidate, hardware)
-    unit = max(profile.block_params, 1) if profile.wrap_policy else params
-    root = profile.root_unit_params if profile.wrap_policy else params
+    # Without a wrap policy the whole model is one (root) unit: no block units to prefetch.
+    wrapped = bool(candidate.wrap_classes or candidate.min_num_params)
+    unit = max(profile.block_params, 1) if wrapped else 0
+    root = profile.root_unit_params if wrapped else params
     mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
 
     sharded = params * stored // shard
@@ -279,7 +281,8 @@ def peak_moments(
         unsharded = params * cb  # kept gathered from forward to backward
         after_forward = unsharded
     elif candidate.sharding is Sharding.NO_SHARD:
-        unsharded = 2 * unit * cb if mixed else 0  # low-precision copies of the current units
+        # low-precision copies of the current unit and the prefetched one (or of the one unit)
+        unsharded = ((2 * unit if wrapped else params) * cb) if mixed else 0
         after_forward = 0
     else:
         unsharded = (2 * unit + root) * cb  # current + prefetched unit, and the root
@@ -341,8 +344,10 @@ def peak_moments(
     )
     # 2. The top block's backward: the block recomputes under checkpointing and makes its
     #    gradients.
-    resharded = candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
-    if resharded:
+    resharded = wrapped and candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+    if not wrapped:  # the one unit stays gathered through backward
+        top_block = head.model_copy(update={"temporaries": recompute + block_grad})
+    elif resharded:
         # The root is resharded once the head's backward is done (torch 2.13, measured on fake
         # tensors): the blocks run without the root gathered or its gradient unsharded.
         top_block = head.model_copy(
@@ -396,7 +401,11 @@ def peak_moments(
         "head backward": head,
         "top block backward": top_block,
         **({"bottom block backward": bottom_block} if resharded else {}),
-        **({"root backward": root_backward} if candidate.engine is Engine.FSDP1 else {}),
+        **(
+            {"root backward": root_backward}
+            if candidate.engine is Engine.FSDP1 or not wrapped
+            else {}
+        ),
         "optimizer step": step,
     }
     return moments, host

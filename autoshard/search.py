@@ -49,7 +49,7 @@ from autoshard.models import (
     WorkloadSpec,
 )
 from autoshard.report import write_report
-from autoshard.space import enumerate_candidates, rank_candidates
+from autoshard.space import enumerate_candidates, rank_candidates, wrap_reason
 from autoshard.target import TargetSpec
 
 RESULT_ATTR = "autoshard_result"
@@ -320,7 +320,7 @@ def explain(best: TrialResult, ok: Sequence[TrialResult], profile: ModelProfile)
         f"fastest of {len(ok)} measured configurations: {best.step_time or 0:.3f} s/step, "
         f"{_throughput(best):,.0f} {'tokens' if best.tokens_per_s else 'samples'}/s on "
         f"{best.world_size} {best.device} ranks",
-        f"auto_wrap_policy {{{', '.join(c.wrap_classes) or 'none'}}}: {profile.wrap_reason}",
+        wrap_reason(c, profile),
     ]
     for r in ok[1:]:
         o = r.candidate

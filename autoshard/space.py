@@ -23,6 +23,20 @@ from autoshard.models import (
 )
 
 
+def wrap_reason(candidate: Candidate, profile: ModelProfile) -> str:
+    """One line on the candidate's auto_wrap_policy."""
+    if candidate.wrap_classes:
+        return f"auto_wrap_policy {{{', '.join(candidate.wrap_classes)}}}: {profile.wrap_reason}"
+    if candidate.min_num_params:
+        return (
+            f"auto_wrap_policy min_num_params={candidate.min_num_params:,}: {profile.wrap_reason}"
+        )
+    return (
+        "no auto_wrap_policy (Lightning's default): the whole model is one FSDP unit, gathered "
+        "at once; the fewest collectives, and it fits"
+    )
+
+
 def default_precisions(hardware: Hardware) -> tuple[Precision, ...]:
     """bf16 mixed precision where the GPUs have bf16, fp16 mixed where not, and full fp32."""
     low = Precision.BF16_MIXED if hardware.bf16_supported else Precision.FP16_MIXED
@@ -55,7 +69,9 @@ def enumerate_candidates(
 ) -> list[Candidate]:
     """All candidates for ``profile`` on ``hardware``: the analyzer's wrap policy with every
     sharding strategy, checkpointing none / every 2nd block / every block, CPU offload (with
-    FULL_SHARD only: it is the last resort) and each precision and micro-batch size."""
+    FULL_SHARD only: it is the last resort) and each precision and micro-batch size; and the
+    whole model as one unit (Lightning's default) with each sharding, precision and
+    micro-batch size."""
     blocks = profile.checkpoint_policy
     checkpointing: list[tuple[Checkpointing, int]] = [(Checkpointing.NONE, 1)]
     if blocks:
@@ -87,6 +103,18 @@ def enumerate_candidates(
                                 micro_batch_size=mbs,
                             )
                         )
+        if profile.wrap_policy or profile.wrap_min_params:
+            # Lightning's default FSDPStrategy(): no wrap policy, the whole model one unit. It
+            # gathers everything at once (the estimate rules it out for large models) but has
+            # the fewest collectives: measured faster than per-block units on a small model.
+            for sharding, mesh in shardings_for(hardware):
+                for mbs in sizes:
+                    out.append(
+                        Candidate(
+                            engine=engine, sharding=sharding, hybrid_mesh=mesh,
+                            precision=precision, micro_batch_size=mbs,
+                        )
+                    )  # fmt: skip
     return out
 
 
@@ -108,6 +136,11 @@ def expected_cost(candidate: Candidate, device: str = "cuda") -> float:
     bf16 matrix units it is the other way round (measured here: 3-4x slower), so CPU trials
     try fp32 first."""
     cost = _SHARDING_COST[candidate.sharding]
+    if not (candidate.wrap_classes or candidate.min_num_params):
+        # One unit has the fewest collectives but overlaps none of them with compute: on GPUs
+        # the guide's per-block units win for all but small models, so it is tried after them
+        # and chosen only when a trial measures it faster.
+        cost *= 1.1
     cost *= _CKPT_COST[candidate.checkpointing]
     cost *= 3.0 if candidate.cpu_offload else 1.0
     low_precision = candidate.precision is not Precision.FP32
