@@ -295,6 +295,8 @@ def peak_moments(
     # the reduce-scatter input of one unit, and (resharding after forward) the next unit's
     # all-gather output
     gather = unit * cb if shard > 1 and candidate.sharding is not Sharding.SHARD_GRAD_OP else 0
+    if not wrapped and candidate.engine is Engine.FSDP2 and shard > 1:
+        gather = params * cb  # FSDP2 copies the one unit out of its all-gather buffer
     comm = unit * reduce_bytes + gather
 
     saved, recompute = activation_bytes(candidate, acts, cb)
@@ -312,14 +314,15 @@ def peak_moments(
         else 0
     )
 
+    block_grads = (params - root) * stored // shard  # the blocks' gradients, reduced to shards
     host = 0
     if candidate.cpu_offload:
         # parameters, gradients and optimizer state live in host memory; the GPU keeps the
         # working set only
         host = (sharded + grads + optimizer) * hardware.gpus_per_node
-        sharded = grads = optimizer = foreach = 0
+        sharded = grads = optimizer = foreach = block_grads = 0
 
-    # Four moments compete for the peak (measured with torch's tracker, design notes "Memory");
+    # Several moments compete for the peak (measured with torch's tracker, design notes "Memory");
     # gradients are set to None after each step, so backward starts without any.
     # 0. The loss, at the end of forward: every activation saved; the logits, their shifted
     #    copy (or fp32 cast) and the log-probabilities alive together.
@@ -372,19 +375,22 @@ def peak_moments(
     bottom_block = top_block.model_copy(
         update={
             "unsharded_params": (unit + root) * cb,
-            "gradients": (params - root) * stored // shard,
+            "gradients": block_grads,
             "activations": first_block_bytes(candidate, acts, cb),
         }
     )
-    # 4. FSDP1's root backward, at the very end: the embedding's gradient completes the root's
-    #    unsharded gradient, which is reduced (in the reduce dtype) into its shard; every
-    #    block's gradient is already sharded.
+    # 4. The root's backward, at the very end: the embedding's gradient completes the root's
+    #    unsharded gradient, which is reduced (cast to the reduce dtype) into its shard; every
+    #    block's gradient is already sharded. FSDP1 still holds the root gathered; FSDP2 has
+    #    resharded it, and reduces from the gradient itself when no cast is needed.
+    #    NO_SHARD gathers nothing and all-reduces in place unless it casts.
+    gathered_root = candidate.engine is Engine.FSDP1 and candidate.sharding is not Sharding.NO_SHARD
     root_backward = MemoryBreakdown(
         sharded_params=sharded,
-        unsharded_params=root * cb,
-        gradients=(params - root) * stored // shard + root * cb,
+        unsharded_params=root * cb if gathered_root or (mixed and shard == 1) else 0,
+        gradients=block_grads + root * cb,
         optimizer=optimizer,
-        comm_buffers=root * reduce_bytes + (root * cb // shard if shard > 1 else 0),
+        comm_buffers=root * reduce_bytes if gathered_root or reduce_bytes != cb else 0,
         activations=int(acts.other_bytes * candidate.micro_batch_size * cb / 4),
         buffers=profile.buffer_bytes,
     )
@@ -401,11 +407,7 @@ def peak_moments(
         "head backward": head,
         "top block backward": top_block,
         **({"bottom block backward": bottom_block} if resharded else {}),
-        **(
-            {"root backward": root_backward}
-            if candidate.engine is Engine.FSDP1 or not wrapped
-            else {}
-        ),
+        "root backward": root_backward,
         "optimizer step": step,
     }
     return moments, host

@@ -138,9 +138,9 @@ def expected_cost(candidate: Candidate, device: str = "cuda") -> float:
     cost = _SHARDING_COST[candidate.sharding]
     if not (candidate.wrap_classes or candidate.min_num_params):
         # One unit has the fewest collectives but overlaps none of them with compute: on GPUs
-        # the guide's per-block units win for all but small models, so it is tried after them
-        # and chosen only when a trial measures it faster.
-        cost *= 1.1
+        # the guide's per-block units win for all but small models, so it is tried after them.
+        # On CPU workers (gloo, no overlap to lose) it measured fastest (tune_cpu.md).
+        cost *= 0.9 if device == "cpu" else 1.1
     cost *= _CKPT_COST[candidate.checkpointing]
     cost *= 3.0 if candidate.cpu_offload else 1.0
     low_precision = candidate.precision is not Precision.FP32
