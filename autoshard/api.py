@@ -24,7 +24,12 @@ from autoshard._units import format_bytes, parse_size
 from autoshard.adapters import to_target
 from autoshard.analyze import analyze_model
 from autoshard.errors import ConfigError
-from autoshard.memory import ActivationProfile, estimate_all, profile_activations
+from autoshard.memory import (
+    ActivationProfile,
+    estimate_all,
+    precisions_of,
+    profile_activations,
+)
 from autoshard.models import (
     Candidate,
     Engine,
@@ -213,9 +218,11 @@ def _estimate_all_candidates(
         built.model, target=_label(model, target), built_on=built.built_on,
         extra_warnings=built.warnings,
     )  # fmt: skip
-    activations = profile_activations(built.model, profile, workload, batch=built.batch)
     candidates = enumerate_candidates(
         profile, hardware, workload, engine=engine, precisions=precisions, micro_batch_sizes=sizes
+    )
+    activations = profile_activations(
+        built.model, profile, workload, batch=built.batch, precisions=precisions_of(candidates)
     )
     estimates = estimate_all(profile, candidates, hardware, workload, activations=activations)
     return profile, activations, estimates

@@ -129,7 +129,7 @@ def estimate(
 ) -> None:
     """Predict the per-GPU and host memory of every FSDP candidate on any cluster."""
     from autoshard.analyze import analyze_target
-    from autoshard.memory import estimate_all, profile_activations
+    from autoshard.memory import estimate_all, precisions_of, profile_activations
     from autoshard.models import Engine, Hardware, Precision, WorkloadSpec
     from autoshard.space import enumerate_candidates, rank_candidates
     from autoshard.tables import print_estimates
@@ -146,7 +146,6 @@ def estimate(
         workload = WorkloadSpec(micro_batch_size=sizes[0], seq_len=seq_len)
         spec = TargetSpec(spec=target, kwargs=parse_kwargs(arg or []))
         profile, built = analyze_target(spec)
-        acts = profile_activations(built.model, profile, workload, batch=built.batch)
         candidates = enumerate_candidates(
             profile,
             hardware,
@@ -154,6 +153,9 @@ def estimate(
             engine=_choice(engine, Engine, "--engine"),
             precisions=tuple(_choice(p, Precision, "--precision") for p in precision or []) or None,
             micro_batch_sizes=sizes,
+        )
+        acts = profile_activations(
+            built.model, profile, workload, batch=built.batch, precisions=precisions_of(candidates)
         )
         ranked = rank_candidates(
             estimate_all(profile, candidates, hardware, workload, activations=acts)

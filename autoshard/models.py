@@ -168,6 +168,13 @@ class Hardware(_Frozen):
         0.05, ge=0, lt=1, description="Fraction of GPU memory kept free as a safety margin."
     )
     bf16_supported: bool = Field(True, description="Whether the GPUs compute in bf16.")
+    backend: Literal["nccl", "gloo"] = Field(
+        "nccl",
+        description=(
+            "Collective backend. 'gloo' plans for CPU processes (autoshard's CPU trials): its "
+            "reduce-scatter works on a copy of its input, and there is no CUDA allowance."
+        ),
+    )
 
     @property
     def world_size(self) -> int:

@@ -81,6 +81,26 @@ def init_states(module: nn.Module, device: torch.device) -> None:
                 b.zero_()
 
 
+def build_for_training(
+    target: TargetSpec, candidate: Candidate, device: torch.device, seq_len: int | None
+) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
+    """Everything a training step needs, as the candidate says: the sharded model, its
+    optimizer, a batch at the candidate's micro-batch size (with labels), and the target's loss
+    function (None: the default loss)."""
+    model, built_batch = build_sharded(target, candidate, device)
+    optimizer = make_optimizer(model.parameters(), candidate)
+    batch = make_batch(
+        model,
+        built_batch,
+        micro_batch_size=candidate.micro_batch_size,
+        seq_len=seq_len,
+        device=device,
+    )
+    batch = with_labels(model, batch)
+    loss_fn = find_loss_fn(sys.modules.get(load_callable(target.spec).__module__))
+    return model, optimizer, batch, loss_fn
+
+
 def build_sharded(
     target: TargetSpec, candidate: Candidate, device: torch.device
 ) -> tuple[nn.Module, Any]:
@@ -143,17 +163,9 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
         if cap:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
-    model, built_batch = build_sharded(target, candidate, device)
-    optimizer = make_optimizer(model.parameters(), candidate)
-    batch = make_batch(
-        model,
-        built_batch,
-        micro_batch_size=candidate.micro_batch_size,
-        seq_len=request.get("seq_len"),
-        device=device,
+    model, optimizer, batch, loss_fn = build_for_training(
+        target, candidate, device, request.get("seq_len")
     )
-    batch = with_labels(model, batch)
-    loss_fn = find_loss_fn(sys.modules.get(load_callable(target.spec).__module__))
     autocast = _autocast(candidate, device)
 
     losses: list[torch.Tensor] = []

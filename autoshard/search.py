@@ -33,7 +33,7 @@ from optuna.trial import TrialState
 
 from autoshard.analyze import analyze_target
 from autoshard.group import WorkerGroup
-from autoshard.memory import estimate_all, profile_activations
+from autoshard.memory import estimate_all, precisions_of, profile_activations
 from autoshard.models import (
     Candidate,
     Checkpointing,
@@ -138,7 +138,6 @@ def tune(
     opts = options or TuneOptions()
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     profile, built = analyze_target(target)
-    activations = profile_activations(built.model, profile, workload, batch=built.batch)
     candidates = enumerate_candidates(
         profile,
         hardware,
@@ -146,6 +145,9 @@ def tune(
         engine=opts.engine,
         precisions=opts.precisions,
         micro_batch_sizes=opts.micro_batch_sizes,
+    )
+    activations = profile_activations(
+        built.model, profile, workload, batch=built.batch, precisions=precisions_of(candidates)
     )
     group = WorkerGroup(
         target,

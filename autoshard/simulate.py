@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard.errors import ConfigError
-from autoshard.memory import ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES
+from autoshard.memory import allowance
 from autoshard.models import (
     Candidate,
     Engine,
@@ -144,6 +144,21 @@ def track_training_peak(
     return {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
 
 
+def measure_training_peak(
+    target: TargetSpec, candidate: Candidate, workload: WorkloadSpec, device: torch.device
+) -> dict[str, int]:
+    """What :func:`simulate_memory` predicts, measured: build and shard ``candidate`` for real on
+    this rank of an initialised process group, as a trial does, and track two training steps.
+    Every rank must call it; each gets its own peak."""
+    from autoshard.runner import build_for_training  # the worker's module, not loaded on import
+
+    with warnings_off():
+        model, optimizer, batch, loss_fn = build_for_training(
+            target, candidate, device, workload.seq_len
+        )
+        return track_training_peak(model, optimizer, batch, candidate, loss_fn=loss_fn)
+
+
 @contextlib.contextmanager
 def warnings_off() -> Iterator[None]:
     import warnings
@@ -159,8 +174,9 @@ def warnings_off() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """A ``"fake"`` default process group of ``world_size`` ranks (this process is rank 0)."""
+def fake_world(world_size: int, backend: str = "nccl") -> Iterator[None]:
+    """A ``"fake"`` default process group of ``world_size`` ranks (this process is rank 0),
+    whose collectives allocate what ``backend``'s do (NCCL's and the fake group's: nothing)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -170,10 +186,34 @@ def fake_world(world_size: int) -> Iterator[None]:
         )
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
-        with _sharding_propagation_outside_fake_mode():
+        with _sharding_propagation_outside_fake_mode(), _collective_buffers(backend):
             yield
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _collective_buffers(backend: str) -> Iterator[None]:
+    # gloo's reduce-scatter works on a copy of its input (ProcessGroupGloo; +1x the input under
+    # torch's tracker around a bare 2-process collective; all-gather and all-reduce add nothing).
+    # Both engines call ``dist.reduce_scatter_single``, looked up at call time.
+    if backend != "gloo":
+        yield
+        return
+    original = dist.reduce_scatter_single
+
+    def reduce_scatter_on_a_copy(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        copy = input.clone()
+        try:
+            return original(output, copy, *args, **kwargs)
+        finally:
+            del copy
+
+    dist.reduce_scatter_single = reduce_scatter_on_a_copy
+    try:
+        yield
+    finally:
+        dist.reduce_scatter_single = original
 
 
 @contextlib.contextmanager
@@ -235,14 +275,15 @@ def _simulate_once(
     depth: int | None,
     block_classes: tuple[str, ...],
     candidate: Candidate,
-    world_size: int,
+    hardware: Hardware,
     workload: WorkloadSpec,
     loss_fn: Any,
 ) -> dict[str, int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cpu = torch.device("cpu")
-    with fake_world(world_size):
+    world_size = hardware.world_size
+    with fake_world(world_size, hardware.backend):
         # Meshes are made outside the fake mode: a mesh holds real rank tensors.
         if candidate.engine is Engine.FSDP2:
             mesh = fsdp2_mesh(candidate, cpu, world_size)
@@ -314,10 +355,9 @@ def simulate_memory(
     loss_fn = find_loss_fn(module)
     found = block_list(built.model, block_classes) if extrapolate else None
     depth = len(getattr(*found)) if found else 0
-    world = hardware.world_size
 
     def run(blocks: int | None) -> dict[str, int]:
-        return _simulate_once(target, blocks, block_classes, candidate, world, workload, loss_fn)
+        return _simulate_once(target, blocks, block_classes, candidate, hardware, workload, loss_fn)
 
     if found and depth > EXTRAPOLATE_ABOVE:
         k = EXTRAPOLATE_FROM
@@ -357,8 +397,7 @@ def _estimate(
     breakdown = breakdown.model_copy(
         update={"temporaries": breakdown.temporaries + peak - breakdown.total}
     )
-    allowance = CUDA_CONTEXT_BYTES + int(peak * ALLOCATOR_SLACK)
-    breakdown = breakdown.model_copy(update={"allowance": allowance})
+    breakdown = breakdown.model_copy(update={"allowance": allowance(peak, hardware)})
     gpu_peak = breakdown.total
     usable = hardware.usable_gpu_memory
     fits = gpu_peak <= usable

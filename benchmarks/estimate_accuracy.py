@@ -105,10 +105,8 @@ def worker(points_path: Path, out_path: Path, device_kind: str) -> None:
     import torch.distributed as dist
 
     from autoshard.analyze import analyze_target
-    from autoshard.runner import build_sharded
-    from autoshard.sharding import make_optimizer
-    from autoshard.simulate import track_training_peak, warnings_off
-    from autoshard.step import find_loss_fn, make_batch, with_labels
+    from autoshard.models import WorkloadSpec
+    from autoshard.simulate import measure_training_peak
 
     dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
     rank = dist.get_rank()
@@ -127,21 +125,12 @@ def worker(points_path: Path, out_path: Path, device_kind: str) -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            with warnings_off():
-                model, built_batch = build_sharded(target_of(point["shape"]), candidate, device)
-                optimizer = make_optimizer(model.parameters(), candidate)
-                batch = make_batch(
-                    model, built_batch, micro_batch_size=candidate.micro_batch_size,
-                    seq_len=SHAPES[point["shape"]][1], device=device,
-                )  # fmt: skip
-                batch = with_labels(model, batch)
-                loss_fn = find_loss_fn(sys.modules.get("gpt"))
-                kinds = track_training_peak(model, optimizer, batch, candidate, loss_fn=loss_fn)
+            workload = WorkloadSpec(seq_len=SHAPES[point["shape"]][1])
+            kinds = measure_training_peak(target_of(point["shape"]), candidate, workload, device)
             record["tracked"] = kinds["Total"]
             if device.type == "cuda":
                 record["allocated"] = torch.cuda.max_memory_allocated(device)
                 record["reserved"] = torch.cuda.max_memory_reserved(device)
-            del model, optimizer, batch
         except Exception as exc:  # a failed point is a result, not the end of the benchmark
             record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         gc.collect()
@@ -182,14 +171,16 @@ def measure(points: list[dict[str, Any]], device_kind: str) -> list[dict[str, An
 # ---------------------------------------------------------------------------------------------
 
 
-def estimate(points: list[dict[str, Any]]) -> list[tuple[int, int]]:
-    """(analytic, simulated) bytes without the allowance, for every point."""
+def estimate(points: list[dict[str, Any]], device_kind: str) -> list[tuple[int, int]]:
+    """(analytic, simulated) bytes without the allowance, for every point, planned for the
+    backend the measurements ran on."""
     from autoshard.analyze import analyze_target
     from autoshard.memory import estimate_memory, profile_activations
-    from autoshard.models import Hardware, WorkloadSpec
+    from autoshard.models import Hardware, Precision, WorkloadSpec
     from autoshard.simulate import simulate_memory
 
-    hardware = Hardware(gpus_per_node=WORLD, gpu_memory=80 * 1024**3)
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    hardware = Hardware(gpus_per_node=WORLD, gpu_memory=80 * 1024**3, backend=backend)
     cache: dict[str, Any] = {}
     out = []
     for point in points:
@@ -197,7 +188,9 @@ def estimate(points: list[dict[str, Any]]) -> list[tuple[int, int]]:
         if shape not in cache:
             profile, built = analyze_target(target_of(shape))
             workload = WorkloadSpec(seq_len=SHAPES[shape][1])
-            cache[shape] = (profile, workload, profile_activations(built.model, profile, workload))
+            precisions = tuple(Precision)
+            acts = profile_activations(built.model, profile, workload, precisions=precisions)
+            cache[shape] = (profile, workload, acts)
         profile, workload, acts = cache[shape]
         candidate = candidate_of(point, profile)
         ana = estimate_memory(profile, candidate, hardware, workload, activations=acts)
@@ -273,34 +266,43 @@ def main() -> None:
     points = grid(args.quick)
     # Measurements are kept (and committed beside the table): a failure in the estimates, or a
     # rerun with a changed estimator, does not cost the measuring again.
-    saved = RESULTS / f"estimate_accuracy_measured_{args.device}.json"
+    quick = "_quick" if args.quick else ""
+    saved = RESULTS / f"estimate_accuracy_measured_{args.device}{quick}.json"
     start = time.perf_counter()
     previous = json.loads(saved.read_text()) if args.reuse and saved.exists() else []
-    if [m["point"] for m in previous] == points:
+    reused = [m["point"] for m in previous] == json.loads(json.dumps(points))  # tuples: lists
+    if reused:
         measured = previous
     else:
         measured = measure(points, args.device)
         saved.write_text(json.dumps(measured, indent=1) + "\n")
-    measured_s = time.perf_counter() - start
+    how = (
+        f"measurements reused from `{saved.relative_to(ROOT)}`"
+        if reused
+        else f"measured in {time.perf_counter() - start:.0f} s"
+    )
     start = time.perf_counter()
-    estimates = estimate(points)
+    estimates = estimate(points, args.device)
     estimated_s = time.perf_counter() - start
     table = report(points, measured, estimates, args.device)
     header = (
         f"{len(points)} configurations on {WORLD} {args.device} processes "
-        f"({'gloo' if args.device == 'cpu' else 'nccl'}), torch {torch.__version__}; measured "
-        f"in {measured_s:.0f} s, estimated (analytic + simulated) in {estimated_s:.0f} s. "
-        "Estimates exclude their GPU allowance."
+        f"({'gloo' if args.device == 'cpu' else 'nccl'}), torch {torch.__version__}; {how}, "
+        f"estimated (analytic + simulated) in {estimated_s:.0f} s. "
+        "Estimates are planned for the same backend and exclude their GPU allowance."
     )
     print(header)
     print(table)
     if args.write:
         command = " ".join(["python", "benchmarks/estimate_accuracy.py", *sys.argv[1:]])
+        # Hand-written findings below the table are kept across reruns.
+        old = args.write.read_text() if args.write.exists() else ""
+        findings = old[old.index("\n## Findings") :] if "\n## Findings" in old else ""
         args.write.write_text(
             f"# Memory estimators against measured peaks ({args.device})\n\n`{command}`\n\n"
             f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores. {header}\n\n"
             f"Measured: torch's memory tracker around two real training steps per configuration "
-            f"(the largest rank).\n\n{table}\n"
+            f"(the largest rank).\n\n{table}\n{findings}"
         )
 
 

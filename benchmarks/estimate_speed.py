@@ -28,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
     from autoshard.analyze import analyze_target
-    from autoshard.memory import estimate_all, profile_activations
+    from autoshard.memory import estimate_all, precisions_of, profile_activations
     from autoshard.models import Hardware, WorkloadSpec
     from autoshard.space import enumerate_candidates
     from autoshard.target import TargetSpec
@@ -38,10 +38,13 @@ def main() -> None:
     profile, built = analyze_target(TargetSpec(spec=TARGET, kwargs={"size": "70b"}))
     stages.append(("build on meta + analyze", time.perf_counter() - t))
     workload = WorkloadSpec(seq_len=4096)
-    t = time.perf_counter()
-    acts = profile_activations(built.model, profile, workload)
-    stages.append(("activation profile (fake tensors)", time.perf_counter() - t))
     hardware = Hardware(gpus_per_node=8, nodes=128, gpu_memory=80 * 1024**3)
+    candidates = enumerate_candidates(profile, hardware, workload, micro_batch_sizes=(1, 2, 4))
+    precisions = precisions_of(candidates)
+    t = time.perf_counter()
+    acts = profile_activations(built.model, profile, workload, precisions=precisions)
+    names = ", ".join(p.value for p in precisions)
+    stages.append((f"activation profiles (fake tensors; {names})", time.perf_counter() - t))
     t = time.perf_counter()
     candidates = enumerate_candidates(profile, hardware, workload, micro_batch_sizes=(1, 2, 4))
     estimates = estimate_all(profile, candidates, hardware, workload, activations=acts)

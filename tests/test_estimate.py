@@ -147,3 +147,52 @@ def test_too_small_gpu_does_not_fit_and_says_why() -> None:
     assert no_shard and not any(e.fits for e in no_shard)  # 7B x 16 bytes cannot fit 24 GiB
     assert all("GiB per GPU" in e.reason for e in no_shard)
     assert any(e.fits for e in estimates)  # FULL_SHARD with checkpointing does
+
+
+def test_low_precision_profiles_see_what_the_model_keeps_in_fp32() -> None:
+    """A Llama-style block upcasts in its RMSNorm (``x.float()``): under bf16 it saves an fp32
+    copy beside the bf16 input, which halving a fp32 profile misses."""
+    target = TargetSpec(
+        spec=f"{EXAMPLES}/gpt.py:build",
+        kwargs={"size": "tiny", "mlp": "swiglu", "d_model": 256, "n_head": 4},
+    )
+    built = build_target(target)
+    profile = analyze_model(built.model)
+    w = WorkloadSpec(seq_len=64)
+    acts = profile_activations(
+        built.model, profile, w, precisions=(Precision.FP32, Precision.BF16_MIXED)
+    )
+    bf16 = acts.at(Precision.BF16_MIXED)
+    assert acts.precision is Precision.FP32 and bf16.precision is Precision.BF16_MIXED
+    assert acts.at(Precision.FP16_MIXED) is bf16  # the same bytes: 2-byte compute, autocast
+    assert acts.at(Precision.BF16_TRUE) is acts  # not profiled: the fp32 one, scaled
+    assert sum(bf16.block_bytes) > 1.1 * sum(acts.block_bytes) / 2
+    assert bf16.block_input_bytes[0] == acts.block_input_bytes[0] // 2  # bf16 hidden states
+
+    hw = Hardware(gpus_per_node=2, gpu_memory=80 * GIB)
+    c = Candidate(wrap_classes=profile.wrap_policy, precision="bf16-mixed")
+    fp32_only = acts.model_copy(update={"others": ()})
+    with_bf16 = peak_moments(profile, c, hw, w, acts)[0]["loss"].activations
+    halved = peak_moments(profile, c, hw, w, fp32_only)[0]["loss"].activations
+    assert with_bf16 - halved == sum(bf16.block_bytes) - sum(acts.block_bytes) // 2 + (
+        bf16.other_bytes - acts.other_bytes // 2
+    )
+
+
+def test_repeated_blocks_are_counted_as_if_each_had_run(monkeypatch) -> None:
+    """Blocks with the same signature run once; the count must equal running every block,
+    including tensors every block is given (a shared table saved by the first block only)."""
+    import autoshard.memory as memory
+
+    target = TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny", "n_layer": 6})
+    built = build_target(target)
+    profile = analyze_model(built.model)
+    w = WorkloadSpec(seq_len=64)
+    precisions = (Precision.FP32, Precision.BF16_MIXED)
+    reused = profile_activations(built.model, profile, w, precisions=precisions)
+    monkeypatch.setattr(memory, "_signature", lambda module: (id(module),))  # no two alike
+    every = profile_activations(built.model, profile, w, precisions=precisions)
+    assert reused.measured and every.measured
+    for a, b in zip((reused, *reused.others), (every, *every.others), strict=True):
+        assert a.block_bytes == b.block_bytes and len(set(a.block_bytes)) == 1
+        assert a.block_input_bytes == b.block_input_bytes and a.other_bytes == b.other_bytes
