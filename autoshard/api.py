@@ -197,7 +197,7 @@ def recommend(
         model, target, built, hardware, workload, engine=engine, precisions=precisions,
         sizes=sizes,
     )  # fmt: skip
-    if not activations.measured:
+    if activations.note:
         notes.append(activations.note)
     return choose_by_estimate(profile, estimates, hardware, workload, notes=notes)
 

@@ -180,7 +180,7 @@ def estimate(
                 }
             )
             return
-        if not acts.measured:
+        if acts.note:
             err_console.print(f"[yellow]warning:[/] {acts.note}", highlight=False)
         print_estimates(ranked, hardware, console)
 

@@ -205,12 +205,21 @@ def profile_activations(
             batch = torch.zeros(1, seq, dtype=torch.long)
         # 16-mixed saves what bf16-mixed does (2-byte compute, the same autocast lists)
         wanted = [Precision.BF16_MIXED if p is Precision.FP16_MIXED else p for p in precisions]
-        profiles = [
-            _profile_once(model, profile, move_to(batch, cpu), p, seq)
-            for p in dict.fromkeys(wanted)
-        ]
+        profiles, failed = [], []
+        for precision in dict.fromkeys(wanted):
+            try:
+                profiles.append(_profile_once(model, profile, move_to(batch, cpu), precision, seq))
+            except Exception as exc:  # one precision failing leaves the others usable
+                failed.append((precision, exc))
+        if not profiles:
+            raise failed[0][1]
         first, *others = profiles
-        return first.model_copy(update={"others": tuple(others)})
+        note = "; ".join(
+            f"the forward did not run on fake tensors at {p.value} ({type(e).__name__}: {e}); "
+            f"its activations are scaled from {first.precision.value}".splitlines()[0]
+            for p, e in failed
+        )
+        return first.model_copy(update={"others": tuple(others), "note": note})
     except Exception as exc:  # a model whose forward cannot run on meta: fall back, say so
         return _rule_of_thumb(profile, workload, f"{type(exc).__name__}: {exc}".splitlines()[0])
 

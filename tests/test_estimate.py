@@ -196,3 +196,39 @@ def test_repeated_blocks_are_counted_as_if_each_had_run(monkeypatch) -> None:
     for a, b in zip((reused, *reused.others), (every, *every.others), strict=True):
         assert a.block_bytes == b.block_bytes and len(set(a.block_bytes)) == 1
         assert a.block_input_bytes == b.block_input_bytes and a.other_bytes == b.other_bytes
+
+
+class Picky(nn.Module):
+    """A model whose forward runs in fp32 only, or (``fake_hostile``) not on fake tensors."""
+
+    def __init__(self, fake_hostile: bool = False) -> None:
+        super().__init__()
+        self.fake_hostile = fake_hostile
+        self.layers = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fake_hostile:
+            self.layers[0](x).nonzero()  # a data-dependent shape: fake tensors have no data
+        if self.layers[0].weight.dtype != torch.float32:
+            raise TypeError("this model only runs in fp32")
+        return self.layers(x)
+
+
+def test_a_precision_that_cannot_be_profiled_falls_back_to_one_that_can() -> None:
+    with torch.device("meta"):
+        model = Picky()
+    profile = analyze_model(model)
+    batch = torch.zeros(2, 8, 64)
+    acts = profile_activations(
+        model, profile, WorkloadSpec(), batch=batch,
+        precisions=(Precision.BF16_MIXED, Precision.FP32),
+    )  # fmt: skip
+    assert acts.measured and acts.precision is Precision.FP32 and acts.others == ()
+    assert acts.at(Precision.BF16_MIXED) is acts  # scaled by element size instead
+    assert "bf16-mixed" in acts.note and "only runs in fp32" in acts.note
+    assert sum(acts.block_bytes) + acts.other_bytes > 0
+
+    with torch.device("meta"):
+        hostile = Picky(fake_hostile=True)
+    fallback = profile_activations(hostile, analyze_model(hostile), WorkloadSpec(), batch=batch)
+    assert not fallback.measured and "did not run on fake tensors" in fallback.note
