@@ -196,7 +196,6 @@ def profile_activations(
     try:
         if any(not p.is_meta for p in model.parameters()):
             raise ValueError("profile_activations needs a model built on the meta device")
-        cpu = torch.device("cpu")
         if batch is not None:
             batch = _first_sample(batch)
         else:
@@ -208,7 +207,7 @@ def profile_activations(
         profiles, failed = [], []
         for precision in dict.fromkeys(wanted):
             try:
-                profiles.append(_profile_once(model, profile, move_to(batch, cpu), precision, seq))
+                profiles.append(_profile_once(model, profile, batch, precision, seq))
             except Exception as exc:  # one precision failing leaves the others usable
                 failed.append((precision, exc))
         if not profiles:
@@ -445,7 +444,7 @@ def peak_moments(
     params = profile.total_params
     shard = shard_size(candidate, hardware)
     # Without a wrap policy the whole model is one (root) unit: no block units to prefetch.
-    wrapped = bool(candidate.wrap_classes or candidate.min_num_params)
+    wrapped = not candidate.one_unit
     unit = max(profile.block_params, 1) if wrapped else 0
     root = profile.root_unit_params if wrapped else params
     mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)

@@ -126,6 +126,12 @@ class Candidate(_Frozen):
             raise ValueError("activation checkpointing needs checkpoint_classes")
         return self
 
+    @property
+    def one_unit(self) -> bool:
+        """No wrap policy (Lightning's default ``FSDPStrategy()``): the whole model is one FSDP
+        unit."""
+        return not (self.wrap_classes or self.min_num_params)
+
     def label(self) -> str:
         """A short human label, stable across runs (used in tables and as a trial key)."""
         parts = [self.engine.value, self.sharding.value]
@@ -138,8 +144,10 @@ class Candidate(_Frozen):
             parts.append(f"ckpt/{self.checkpoint_every}")
         if self.cpu_offload:
             parts.append("offload")
-        if not self.wrap_classes:
-            parts.append(f"wrap>={self.min_num_params}" if self.min_num_params else "nowrap")
+        if self.one_unit:
+            parts.append("nowrap")
+        elif not self.wrap_classes:
+            parts.append(f"wrap>={self.min_num_params}")
         if self.optimizer_impl is not OptimizerImpl.FOREACH:
             parts.append(self.optimizer_impl.value)
         parts.append(f"mbs{self.micro_batch_size}")

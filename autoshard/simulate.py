@@ -203,11 +203,7 @@ def _collective_buffers(backend: str) -> Iterator[None]:
     original = dist.reduce_scatter_single
 
     def reduce_scatter_on_a_copy(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
-        copy = input.clone()
-        try:
-            return original(output, copy, *args, **kwargs)
-        finally:
-            del copy
+        return original(output, input.clone(), *args, **kwargs)  # the copy dies on return
 
     dist.reduce_scatter_single = reduce_scatter_on_a_copy
     try:

@@ -136,7 +136,7 @@ def expected_cost(candidate: Candidate, device: str = "cuda") -> float:
     bf16 matrix units it is the other way round (measured here: 3-4x slower), so CPU trials
     try fp32 first."""
     cost = _SHARDING_COST[candidate.sharding]
-    if not (candidate.wrap_classes or candidate.min_num_params):
+    if candidate.one_unit:
         # One unit has the fewest collectives but overlaps none of them with compute: on GPUs
         # the guide's per-block units win for all but small models, so it is tried after them.
         # On CPU workers (gloo, no overlap to lose) it measured fastest (tune_cpu.md).

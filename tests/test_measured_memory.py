@@ -98,7 +98,9 @@ def test_estimates_planned_for_gloo_match_measured_gloo_runs(tmp_path) -> None:
         assert abs(sim.gpu_peak - real) <= 0.05 * real, (candidate.label(), sim.gpu_peak, real)
         assert abs(ana.gpu_peak - real) <= 0.10 * real, (candidate.label(), ana.gpu_peak, real)
     # The FSDP2 point's peak is gloo's copy: planned for NCCL, the same run needs less.
-    in_place = simulate_memory(target, cands[0], nccl, workload, block_classes=("gpt.Block",))
+    in_place = simulate_memory(
+        target, cands[0], nccl, workload, block_classes=profile.block_classes
+    )
     assert in_place.gpu_peak - in_place.breakdown.allowance < 0.9 * measured[0]
 
 
