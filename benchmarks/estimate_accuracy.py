@@ -106,6 +106,7 @@ def worker(points_path: Path, out_path: Path, device_kind: str) -> None:
 
     from autoshard.analyze import analyze_target
     from autoshard.models import WorkloadSpec
+    from autoshard.runner import exit_worker
     from autoshard.simulate import measure_training_peak
 
     dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
@@ -148,7 +149,7 @@ def worker(points_path: Path, out_path: Path, device_kind: str) -> None:
             results.append(merged)
             out_path.write_text(json.dumps(results))
             print(f"measured {len(results)}/{len(points)}", flush=True)
-    dist.destroy_process_group()
+    exit_worker()
 
 
 def measure(points: list[dict[str, Any]], device_kind: str) -> list[dict[str, Any]]:

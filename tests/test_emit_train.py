@@ -63,11 +63,13 @@ def train(rec_path: str, steps: int = 4) -> dict[str, object]:
 def main() -> None:
     import torch.distributed as dist
 
+    from autoshard.runner import exit_worker
+
     dist.init_process_group("gloo")
     out = {path: train(path) for path in sys.argv[2:]}
     if dist.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(out))
-    dist.destroy_process_group()
+    exit_worker()  # not a plain exit: gloo can abort the interpreter's finalization
 
 
 @pytest.mark.slow

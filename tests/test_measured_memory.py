@@ -46,6 +46,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from autoshard.models import WorkloadSpec
+    from autoshard.runner import exit_worker
     from autoshard.simulate import measure_training_peak
     from autoshard.target import TargetSpec
 
@@ -60,7 +61,7 @@ def main() -> None:
         peaks.append(max(gathered))
     if dist.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(peaks))
-    dist.destroy_process_group()
+    exit_worker()  # not a plain exit: gloo can abort the interpreter's finalization
 
 
 @pytest.mark.slow
