@@ -108,7 +108,9 @@ def print_summary(
     rows = [("runner-up", s) for s in rec.runners_up] + [("ruled out", s) for s in rec.ruled_out]
     if rows:
         alt = Table(title="Alternatives", title_justify="left")
-        for col in ("", "configuration", "predicted", "measured", "speed / why not"):
+        devices = {s.trial.device for _, s in rows if s.trial and s.trial.max_allocated}
+        measured = f"measured ({devices.pop()})" if len(devices) == 1 else "measured"
+        for col in ("", "configuration", "predicted", measured, "speed / why not"):
             alt.add_column(col)
         for kind, s in rows:
             rate, unit = _rate(s.trial)
@@ -146,11 +148,19 @@ def _settings(rec: Recommendation) -> dict[str, str]:
         "micro_batch_size": str(c.micro_batch_size),
         "devices x nodes": f"{rec.hardware.gpus_per_node} x {rec.hardware.nodes}",
     }
-    if rec.chosen.estimate:
+    estimate = rec.chosen.estimate
+    if estimate:
         out["predicted peak / rank"] = (
-            f"{format_bytes(rec.chosen.estimate.gpu_peak)} of "
+            f"{format_bytes(estimate.gpu_peak)} of "
             f"{format_bytes(rec.hardware.usable_gpu_memory)} usable"
         )
+        if estimate.breakdown.allowance:
+            # Said here because CPU trials measure without it: 1 GiB predicted beside 80 MiB
+            # measured reads as a broken estimator otherwise.
+            out["predicted peak / rank"] += (
+                f", {format_bytes(estimate.breakdown.allowance)} of it the allowance for "
+                "the CUDA context, NCCL and allocator slack"
+            )
     t = rec.chosen.trial
     if t is not None and t.step_time is not None:
         rate, unit = _rate(t)

@@ -34,6 +34,9 @@ def test_summary_says_what_won_why_and_what_was_ruled_out() -> None:
     assert "runner-up" in text and "2,246 tokens/s" not in text.split("Alternatives")[1]
     assert "oom: CUDA out of memory" in text  # the OOM trial
     assert "does not fit" in text or "usable GPU memory" in text  # the pruned one
+    # CPU trials measure without the CUDA allowance the prediction carries: both say so.
+    assert "858 MiB of it the allowance for the CUDA context" in text
+    assert "measured (cpu)" in text
 
 
 def test_write_report_and_load_it_back(tmp_path: Path) -> None:
