@@ -379,6 +379,19 @@ def _bytes(precision: Precision) -> tuple[int, int]:
     return stored, compute_dtype(precision).itemsize
 
 
+def as_run(candidate: Candidate, hardware: Hardware) -> Candidate:
+    """The configuration the engine runs: FSDP1 on a world of one rank switches every sharding
+    strategy to NO_SHARD (``FullyShardedDataParallel`` warns and does so; parameters then stay
+    whole, no unsharded copies are gathered), while FSDP2 shards over the one rank as asked."""
+    if (
+        candidate.engine is Engine.FSDP1
+        and hardware.world_size == 1
+        and candidate.sharding is not Sharding.NO_SHARD
+    ):
+        return candidate.model_copy(update={"sharding": Sharding.NO_SHARD, "hybrid_mesh": None})
+    return candidate
+
+
 def shard_size(candidate: Candidate, hardware: Hardware) -> int:
     match candidate.sharding:
         case Sharding.NO_SHARD:
@@ -440,6 +453,7 @@ def peak_moments(
 ) -> tuple[dict[str, MemoryBreakdown], int]:
     """The per-rank bytes at each moment that can hold the peak of a training step (before the
     allowance), and the host bytes per node."""
+    candidate = as_run(candidate, hardware)
     stored, cb = _bytes(candidate.precision)
     params = profile.total_params
     shard = shard_size(candidate, hardware)

@@ -43,13 +43,17 @@ def default_precisions(hardware: Hardware) -> tuple[Precision, ...]:
     return (low, Precision.FP32)
 
 
-def shardings_for(hardware: Hardware) -> list[tuple[Sharding, tuple[int, int] | None]]:
+def shardings_for(
+    hardware: Hardware, engine: Engine = Engine.FSDP1
+) -> list[tuple[Sharding, tuple[int, int] | None]]:
     """Sharding strategies that make sense for the world: HYBRID_SHARD across several nodes,
     sharding within a node and replicating across nodes."""
-    options: list[tuple[Sharding, tuple[int, int] | None]] = [
-        (Sharding.FULL_SHARD, None),
-        (Sharding.SHARD_GRAD_OP, None),
-    ]
+    options: list[tuple[Sharding, tuple[int, int] | None]] = [(Sharding.FULL_SHARD, None)]
+    if hardware.world_size == 1 and Engine(engine) is Engine.FSDP1:
+        # FSDP1 runs every strategy as NO_SHARD on one rank (memory.as_run): one is enough.
+        # FSDP2's reshard-after-forward still differs there.
+        return options
+    options.append((Sharding.SHARD_GRAD_OP, None))
     if hardware.world_size > 1:
         options.append((Sharding.NO_SHARD, None))
     if hardware.nodes > 1:
@@ -82,7 +86,7 @@ def enumerate_candidates(
     sizes = tuple(micro_batch_sizes or (workload.micro_batch_size,))
     out: list[Candidate] = []
     for precision in precisions or default_precisions(hardware):
-        for sharding, mesh in shardings_for(hardware):
+        for sharding, mesh in shardings_for(hardware, engine):
             for ckpt, every in checkpointing:
                 for off in offloads:
                     if off and sharding is not Sharding.FULL_SHARD:
@@ -107,7 +111,7 @@ def enumerate_candidates(
             # Lightning's default FSDPStrategy(): no wrap policy, the whole model one unit. It
             # gathers everything at once (the estimate rules it out for large models) but has
             # the fewest collectives: measured faster than per-block units on a small model.
-            for sharding, mesh in shardings_for(hardware):
+            for sharding, mesh in shardings_for(hardware, engine):
                 for mbs in sizes:
                     out.append(
                         Candidate(

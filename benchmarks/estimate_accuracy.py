@@ -43,11 +43,10 @@ SHAPES = {
         64,
     ),
 }
-WORLD = 2
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def grid(quick: bool) -> list[dict[str, Any]]:
+def grid(quick: bool, world: int = 2) -> list[dict[str, Any]]:
     points = []
     for shape, engine, sharding, ckpt, precision, mbs in itertools.product(
         SHAPES,
@@ -67,7 +66,7 @@ def grid(quick: bool) -> list[dict[str, Any]]:
         )  # fmt: skip
     # A few more settings, once each: hybrid sharding, bf16-true, SGD, for-loop AdamW.
     for extra in (
-        dict(sharding="HYBRID_SHARD", hybrid_mesh=(1, 2)),
+        dict(sharding="HYBRID_SHARD", hybrid_mesh=(1, world)),
         dict(precision="bf16-true"),
         dict(optimizer="sgd"),
         dict(optimizer_impl="for_loop"),
@@ -152,8 +151,19 @@ def worker(points_path: Path, out_path: Path, device_kind: str) -> None:
     exit_worker()
 
 
-def measure(points: list[dict[str, Any]], device_kind: str) -> list[dict[str, Any]]:
-    nproc = WORLD
+def world_size(device_kind: str) -> int:
+    """2 gloo processes on CPU; on CUDA one process per GPU, at most 2 (NCCL refuses two ranks
+    on one GPU, so a one-GPU machine measures at world size 1, and the estimates plan for 1)."""
+    if device_kind == "cpu":
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("estimate_accuracy: --device cuda, but torch sees no GPU")
+    return min(2, torch.cuda.device_count())
+
+
+def measure(points: list[dict[str, Any]], device_kind: str, nproc: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         points_path, out_path = Path(tmp, "points.json"), Path(tmp, "measured.json")
         points_path.write_text(json.dumps(points))
@@ -172,7 +182,7 @@ def measure(points: list[dict[str, Any]], device_kind: str) -> list[dict[str, An
 # ---------------------------------------------------------------------------------------------
 
 
-def estimate(points: list[dict[str, Any]], device_kind: str) -> list[tuple[int, int]]:
+def estimate(points: list[dict[str, Any]], device_kind: str, world: int) -> list[tuple[int, int]]:
     """(analytic, simulated) bytes without the allowance, for every point, planned for the
     backend the measurements ran on."""
     from autoshard.analyze import analyze_target
@@ -181,7 +191,7 @@ def estimate(points: list[dict[str, Any]], device_kind: str) -> list[tuple[int, 
     from autoshard.simulate import simulate_memory
 
     backend = "nccl" if device_kind == "cuda" else "gloo"
-    hardware = Hardware(gpus_per_node=WORLD, gpu_memory=80 * 1024**3, backend=backend)
+    hardware = Hardware(gpus_per_node=world, gpu_memory=80 * 1024**3, backend=backend)
     cache: dict[str, Any] = {}
     out = []
     for point in points:
@@ -264,18 +274,19 @@ def main() -> None:
         return
     import torch
 
-    points = grid(args.quick)
+    world = world_size(args.device)
+    points = grid(args.quick, world)
     # Measurements are kept (and committed beside the table): a failure in the estimates, or a
     # rerun with a changed estimator, does not cost the measuring again.
-    quick = "_quick" if args.quick else ""
-    saved = RESULTS / f"estimate_accuracy_measured_{args.device}{quick}.json"
+    suffix = ("_quick" if args.quick else "") + ("" if world == 2 else f"_world{world}")
+    saved = RESULTS / f"estimate_accuracy_measured_{args.device}{suffix}.json"
     start = time.perf_counter()
     previous = json.loads(saved.read_text()) if args.reuse and saved.exists() else []
     reused = [m["point"] for m in previous] == json.loads(json.dumps(points))  # tuples: lists
     if reused:
         measured = previous
     else:
-        measured = measure(points, args.device)
+        measured = measure(points, args.device, world)
         saved.write_text(json.dumps(measured, indent=1) + "\n")
     how = (
         f"measurements reused from `{saved.relative_to(ROOT)}`"
@@ -283,11 +294,11 @@ def main() -> None:
         else f"measured in {time.perf_counter() - start:.0f} s"
     )
     start = time.perf_counter()
-    estimates = estimate(points, args.device)
+    estimates = estimate(points, args.device, world)
     estimated_s = time.perf_counter() - start
     table = report(points, measured, estimates, args.device)
     header = (
-        f"{len(points)} configurations on {WORLD} {args.device} processes "
+        f"{len(points)} configurations on {world} {args.device} processes "
         f"({'gloo' if args.device == 'cpu' else 'nccl'}), torch {torch.__version__}; {how}, "
         f"estimated (analytic + simulated) in {estimated_s:.0f} s. "
         "Estimates are planned for the same backend and exclude their GPU allowance."

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -131,8 +132,8 @@ def main() -> None:
     print(text)
     if args.write:
         args.write.write_text(
-            f"# tune: overhead, trials to best, against Lightning's default\n\n`python benchmarks/"
-            f"tune_overhead.py --write {args.write}`\n\n{text}\n"
+            f"# tune: overhead, trials to best, against Lightning's default\n\n`python "
+            f"benchmarks/tune_overhead.py {' '.join(sys.argv[1:])}`\n\n{text}\n"
         )
 
 

@@ -15,7 +15,14 @@ from autoshard.memory import (
     peak_moments,
     profile_activations,
 )
-from autoshard.models import Candidate, Hardware, OptimizerImpl, Precision, WorkloadSpec
+from autoshard.models import (
+    Candidate,
+    Engine,
+    Hardware,
+    OptimizerImpl,
+    Precision,
+    WorkloadSpec,
+)
 from autoshard.space import enumerate_candidates
 from autoshard.target import TargetSpec, build_target
 
@@ -147,6 +154,21 @@ def test_too_small_gpu_does_not_fit_and_says_why() -> None:
     assert no_shard and not any(e.fits for e in no_shard)  # 7B x 16 bytes cannot fit 24 GiB
     assert all("GiB per GPU" in e.reason for e in no_shard)
     assert any(e.fits for e in estimates)  # FULL_SHARD with checkpointing does
+
+
+def test_one_gpu_candidates_skip_what_fsdp1_would_run_alike(stack) -> None:
+    """On one rank FSDP1 runs every sharding as NO_SHARD: one of them, not three identical
+    trials; FSDP2 keeps both (its reshard-after-forward still changes the peak there)."""
+    _, profile = stack
+    one, two = (Hardware(gpus_per_node=n, gpu_memory=80 * GIB) for n in (1, 2))
+    w = WorkloadSpec()
+
+    def shardings(hw: Hardware, engine: Engine) -> set[str]:
+        return {c.sharding.value for c in enumerate_candidates(profile, hw, w, engine=engine)}
+
+    assert shardings(one, Engine.FSDP1) == {"FULL_SHARD"}
+    assert shardings(one, Engine.FSDP2) == {"FULL_SHARD", "SHARD_GRAD_OP"}
+    assert shardings(two, Engine.FSDP1) == {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"}
 
 
 def test_low_precision_profiles_see_what_the_model_keeps_in_fp32() -> None:

@@ -103,6 +103,22 @@ def test_analytic_agrees_with_simulated_on_the_example(gpt_tiny, point) -> None:
     )
 
 
+@pytest.mark.slow
+def test_one_gpu_fsdp1_runs_every_sharding_as_no_shard(gpt_tiny) -> None:
+    """FullyShardedDataParallel on a world of one switches to NO_SHARD (the simulation runs that
+    code); the analytic estimate must do the same, not plan SHARD_GRAD_OP's gathered copies."""
+    target, profile, workload, acts = gpt_tiny
+    one = Hardware(gpus_per_node=1, gpu_memory=80 * GIB)
+    peaks = {}
+    for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        c = Candidate(sharding=sharding, wrap_classes=profile.wrap_policy, precision="32-true")
+        peaks[sharding] = estimate_memory(profile, c, one, workload, activations=acts).gpu_peak
+        if sharding == "SHARD_GRAD_OP":
+            sim = simulate_memory(target, c, one, workload, block_classes=profile.block_classes)
+            assert abs(peaks[sharding] - sim.gpu_peak) <= 0.01 * sim.gpu_peak
+    assert len(set(peaks.values())) == 1, peaks
+
+
 def assert_analytic_within_10_percent_of_simulated(target, profile, c, hw, workload, acts) -> None:
     """Both without the GPU allowance, which is the same stated number in both."""
     sim = simulate_memory(target, c, hw, workload, block_classes=profile.block_classes)

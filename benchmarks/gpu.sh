@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# What only a GPU can measure, for a GPU machine that has CUDA torch but no network (this
+# project's lent machine: its python3 holds torch, Lightning, rich, typer, pyyaml; the rest comes
+# as wheels from scripts/device_wheels.sh, carried in .whl/).
+#
+#   bash benchmarks/gpu.sh accuracy [OUT]   estimators vs torch.cuda.max_memory_allocated/reserved
+#   bash benchmarks/gpu.sh tune [OUT]       CUDA tests, tune overhead, chosen vs Lightning default
+#
+# Results go to OUT (default benchmarks/results), named as the CPU ones with _gpu / cuda in
+# place of _cpu. Each part fits in one 10-minute device call.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+part="${1:?usage: bash benchmarks/gpu.sh accuracy|tune [OUT]}"
+out="${2:-benchmarks/results}"
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/autoshard-site .whl/*.whl
+  export PYTHONPATH="/tmp/autoshard-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -c "import torch; assert torch.cuda.is_available(), 'gpu.sh: torch sees no GPU'; \
+print('gpu.sh:', torch.__version__, torch.cuda.get_device_name(), torch.cuda.device_count(), 'GPU(s)')"
+case "$part" in
+  accuracy)
+    python3 benchmarks/estimate_accuracy.py --device cuda --write "$out/estimate_accuracy_gpu.md"
+    if [ "$out" != benchmarks/results ]; then cp benchmarks/results/estimate_accuracy_measured_cuda*.json "$out/"; fi
+    ;;
+  tune)
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$out/gpu_tests.txt"
+    python3 benchmarks/tune_overhead.py --size small --seq-len 512 --write "$out/tune_gpu.md"
+    ;;
+  *) echo "gpu.sh: unknown part '$part' (accuracy or tune)" >&2; exit 1 ;;
+esac
