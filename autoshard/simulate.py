@@ -196,20 +196,22 @@ def fake_world(world_size: int, backend: str = "nccl") -> Iterator[None]:
 def _collective_buffers(backend: str) -> Iterator[None]:
     # gloo's reduce-scatter works on a copy of its input (ProcessGroupGloo; +1x the input under
     # torch's tracker around a bare 2-process collective; all-gather and all-reduce add nothing).
-    # Both engines call ``dist.reduce_scatter_single``, looked up at call time.
+    # Both engines call ``dist.reduce_scatter_single`` (``reduce_scatter_tensor`` before torch
+    # 2.13), looked up at call time.
     if backend != "gloo":
         yield
         return
-    original = dist.reduce_scatter_single
+    name = next(n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n))
+    original = getattr(dist, name)
 
     def reduce_scatter_on_a_copy(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
         return original(output, input.clone(), *args, **kwargs)  # the copy dies on return
 
-    dist.reduce_scatter_single = reduce_scatter_on_a_copy
+    setattr(dist, name, reduce_scatter_on_a_copy)
     try:
         yield
     finally:
-        dist.reduce_scatter_single = original
+        setattr(dist, name, original)
 
 
 @contextlib.contextmanager
