@@ -124,6 +124,13 @@ def estimate(
             "seconds each, exact to the allocator (the table then shows the simulated peak)."
         ),
     ] = 0,
+    sort: Annotated[
+        str,
+        typer.Option(
+            help="Order of the fitting candidates: speed (fastest expected first) or headroom "
+            "(most memory left first). Candidates that do not fit always come last."
+        ),
+    ] = "speed",
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -131,11 +138,13 @@ def estimate(
     from autoshard.analyze import analyze_target
     from autoshard.memory import estimate_all, precisions_of, profile_activations
     from autoshard.models import Engine, Hardware, Precision, WorkloadSpec
-    from autoshard.space import enumerate_candidates, rank_candidates
+    from autoshard.space import RANK_ORDERS, enumerate_candidates, rank_candidates
     from autoshard.tables import print_estimates
     from autoshard.target import TargetSpec, parse_kwargs
 
     def work() -> None:
+        if sort not in RANK_ORDERS:
+            raise ConfigError(f"--sort {sort}: give one of {', '.join(RANK_ORDERS)}")
         sizes = _parse_sizes(batch_size)
         hardware = Hardware(
             gpus_per_node=gpus,
@@ -169,6 +178,7 @@ def estimate(
                 spec, ranked, hardware, workload,
                 block_classes=profile.block_classes, count=simulate,
             )  # fmt: skip
+        ranked = rank_candidates(ranked, by=sort)  # simulated peaks can change fit and headroom
         if as_json:
             _print_json(
                 {

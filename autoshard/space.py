@@ -152,13 +152,19 @@ def expected_cost(candidate: Candidate, device: str = "cuda") -> float:
     return cost / candidate.micro_batch_size**0.3
 
 
+RANK_ORDERS = ("speed", "headroom")
+
+
 def rank_candidates(
-    estimates: Sequence[MemoryEstimate], device: str = "cuda"
+    estimates: Sequence[MemoryEstimate], device: str = "cuda", by: str = "speed"
 ) -> list[MemoryEstimate]:
-    """Fitting candidates first, fastest expected first (on ``device``); then the rest by
-    overshoot."""
+    """Fitting candidates first: fastest expected first (on ``device``), or with ``by="headroom"``
+    the most headroom first; then the rest by overshoot."""
+    if by not in RANK_ORDERS:
+        raise ValueError(f"rank_candidates: by={by!r}, expected one of {RANK_ORDERS}")
     fits = sorted(
-        (e for e in estimates if e.fits), key=lambda e: expected_cost(e.candidate, device)
+        (e for e in estimates if e.fits),
+        key=lambda e: -e.headroom if by == "headroom" else expected_cost(e.candidate, device),
     )
     rest = sorted((e for e in estimates if not e.fits), key=lambda e: -e.headroom)
     return fits + rest

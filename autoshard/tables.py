@@ -125,7 +125,8 @@ def print_profile(profile: ModelProfile, console: Console | None = None) -> None
 def print_estimates(
     estimates: list[MemoryEstimate], hardware: Hardware, console: Console, *, detail: int = 3
 ) -> None:
-    """Every candidate, fitting ones first by expected speed, then the breakdown of the best."""
+    """Every candidate in the order given (fitting ones first), then the breakdowns of the first
+    ``detail`` that fit."""
     table = Table(
         title=f"Per-GPU memory on {hardware.nodes} x {hardware.gpus_per_node} GPUs of "
         f"{format_bytes(hardware.gpu_memory)} (usable {format_bytes(hardware.usable_gpu_memory)})",

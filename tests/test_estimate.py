@@ -254,3 +254,30 @@ def test_a_precision_that_cannot_be_profiled_falls_back_to_one_that_can() -> Non
         hostile = Picky(fake_hostile=True)
     fallback = profile_activations(hostile, analyze_model(hostile), WorkloadSpec(), batch=batch)
     assert not fallback.measured and "did not run on fake tensors" in fallback.note
+
+
+def test_estimate_command_orders_by_speed_or_headroom(cli) -> None:
+    import json
+
+    args = (
+        "estimate", f"{EXAMPLES}/gpt.py:build", "--arg", "size=tiny", "--gpus", "2",
+        "--gpu-memory", "1.2GiB", "--seq-len", "128", "--batch-size", "1,16", "--json",
+    )  # fmt: skip
+    orders = {}
+    for sort in ("speed", "headroom"):
+        code, out, err = cli(*args, "--sort", sort)
+        assert code == 0, err
+        orders[sort] = json.loads(out)["estimates"]
+    by_room = orders["headroom"]
+    fits = [e["fits"] for e in by_room]
+    assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
+    rooms = [e["headroom"] for e in by_room if e["fits"]]
+    assert rooms == sorted(rooms, reverse=True) and len(set(rooms)) > 1
+    labels = {
+        sort: [json.dumps(e["candidate"], sort_keys=True) for e in o] for sort, o in orders.items()
+    }
+    assert sorted(labels["speed"]) == sorted(labels["headroom"])  # the same candidates...
+    assert labels["speed"] != labels["headroom"]  # ...in another order
+
+    code, _, err = cli(*args, "--sort", "size")
+    assert code == 1 and "--sort size" in err and "Traceback" not in err
