@@ -42,7 +42,7 @@ from autoshard.models import (
     WorkloadSpec,
 )
 from autoshard.simulate import refine_with_simulation
-from autoshard.space import enumerate_candidates, rank_candidates, wrap_reason
+from autoshard.space import RANK_ORDERS, enumerate_candidates, rank_candidates, wrap_reason
 from autoshard.step import batch_samples, find_vocab_size
 from autoshard.target import BuiltModel, TargetSpec, build_target
 
@@ -242,9 +242,11 @@ def estimate(
     engine: Engine | str = Engine.FSDP1,
     precision: Precision | str | Sequence[Precision | str] | None = None,
     simulate: int = 0,
+    sort: str = "speed",
 ) -> list[MemoryEstimate]:
     """Predict the per-GPU and host memory of every FSDP candidate for ``model``, fitting ones
-    first by expected speed (what ``autoshard estimate`` prints).
+    first by expected speed, or the most headroom first with ``sort="headroom"`` (what
+    ``autoshard estimate`` prints).
 
     Takes the same model and cluster arguments as :func:`recommend`. ``simulate=N`` replaces
     the analytic estimates of the N best fitting candidates with simulated ones (real FSDP on
@@ -262,6 +264,8 @@ def estimate(
     """
     if simulate < 0:
         raise ConfigError(f"simulate must be 0 or a number of candidates, got {simulate}")
+    if sort not in RANK_ORDERS:
+        raise ConfigError(f"sort={sort!r}: give one of {', '.join(RANK_ORDERS)}")
     hardware = detect_hardware(
         gpus=gpus, nodes=nodes, gpu_memory=gpu_memory, host_memory=host_memory
     )
@@ -278,7 +282,7 @@ def estimate(
             target, ranked, hardware, workload, block_classes=profile.block_classes,
             count=simulate,
         )  # fmt: skip
-    return ranked
+    return rank_candidates(ranked, device="cuda", by=sort)
 
 
 def choose_by_estimate(

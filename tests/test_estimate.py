@@ -281,3 +281,11 @@ def test_estimate_command_orders_by_speed_or_headroom(cli) -> None:
 
     code, _, err = cli(*args, "--sort", "size")
     assert code == 1 and "--sort size" in err and "Traceback" not in err
+
+    import autoshard
+
+    in_code = autoshard.estimate(
+        f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny"}, gpus=2, gpu_memory="1.2GiB",
+        seq_len=128, batch_size=[1, 16], sort="headroom",
+    )  # fmt: skip
+    assert [e.headroom for e in in_code] == [e["headroom"] for e in by_room]
