@@ -267,6 +267,12 @@ def main() -> None:
     parser.add_argument(
         "--reuse", action="store_true", help="Reuse the saved measurements of the same grid."
     )
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=RESULTS,
+        help="Where the measurements are saved (and reused from), before the estimates run.",
+    )
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -279,7 +285,7 @@ def main() -> None:
     # Measurements are kept (and committed beside the table): a failure in the estimates, or a
     # rerun with a changed estimator, does not cost the measuring again.
     suffix = ("_quick" if args.quick else "") + ("" if world == 2 else f"_world{world}")
-    saved = RESULTS / f"estimate_accuracy_measured_{args.device}{suffix}.json"
+    saved = args.results_dir / f"estimate_accuracy_measured_{args.device}{suffix}.json"
     start = time.perf_counter()
     previous = json.loads(saved.read_text()) if args.reuse and saved.exists() else []
     reused = [m["point"] for m in previous] == json.loads(json.dumps(points))  # tuples: lists
@@ -287,9 +293,11 @@ def main() -> None:
         measured = previous
     else:
         measured = measure(points, args.device, world)
+        saved.parent.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(measured, indent=1) + "\n")
+    shown = saved.relative_to(ROOT) if saved.is_relative_to(ROOT) else saved
     how = (
-        f"measurements reused from `{saved.relative_to(ROOT)}`"
+        f"measurements reused from `{shown}`"
         if reused
         else f"measured in {time.perf_counter() - start:.0f} s"
     )
