@@ -52,7 +52,14 @@ def class_path(cls: type) -> str:
 
 
 def analyze_target(target: TargetSpec) -> tuple[ModelProfile, BuiltModel]:
-    """Build ``target`` on the meta device and analyse it."""
+    """Build ``target`` on the meta device and analyse it.
+
+    >>> from autoshard import TargetSpec, analyze_target
+    >>> profile, built = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "70b"}))
+    >>> f"{profile.total_params:,}", built.model.lm_head.weight.is_meta  # no memory used
+    ('68,976,648,192', True)
+    """
     start = time.perf_counter()
     built = build_target(target)
     profile = analyze_model(
@@ -68,7 +75,17 @@ def analyze_model(
     built_on: str = "meta",
     extra_warnings: Iterable[str] = (),
 ) -> ModelProfile:
-    """Count parameters per module and class, find the blocks, propose policies."""
+    """Count parameters per module and class, find the blocks, propose policies.
+
+    >>> from torch import nn
+    >>> from autoshard import analyze_model
+    >>> layers = [nn.TransformerEncoderLayer(64, 4, 128, batch_first=True) for _ in range(4)]
+    >>> profile = analyze_model(nn.Sequential(*layers))
+    >>> profile.wrap_policy
+    ('torch.nn.modules.transformer.TransformerEncoderLayer',)
+    >>> profile.wrap_reason[:56]
+    'repeated blocks TransformerEncoderLayer x4 (33,472 param'
+    """
     start = time.perf_counter()
     tied = _find_tied(model)
     params_of = _unique_params_per_module(model)

@@ -55,7 +55,18 @@ DEFAULT_SEQ_LEN_CAP = 4096
 
 
 class NoGPUWarning(UserWarning):
-    """No CUDA GPU is visible: trials run on CPU processes, and the GPUs are the ones given."""
+    """No CUDA GPU is visible: trials run on CPU processes, and the GPUs are the ones given.
+
+    Silence it where planning for GPUs that are not at hand is the point:
+
+    >>> import warnings
+    >>> from autoshard import NoGPUWarning, detect_hardware
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", NoGPUWarning)
+    ...     cluster = detect_hardware(gpus=8, nodes=4, gpu_memory="80GiB")
+    >>> cluster.world_size
+    32
+    """
 
 
 def detect_hardware(
@@ -70,6 +81,7 @@ def detect_hardware(
     Without a visible GPU, ``gpu_memory`` must be given (a :class:`ConfigError` says so) and a
     :class:`NoGPUWarning` says that trials run on CPU processes.
 
+    >>> from autoshard import detect_hardware
     >>> detect_hardware(gpus=8, gpu_memory="80GiB").world_size
     8
     """
@@ -242,11 +254,11 @@ def estimate(
     engine: Engine | str = Engine.FSDP1,
     precision: Precision | str | Sequence[Precision | str] | None = None,
     simulate: int = 0,
-    sort: str = "speed",
+    sort: str = "headroom",
 ) -> list[MemoryEstimate]:
-    """Predict the per-GPU and host memory of every FSDP candidate for ``model``, fitting ones
-    first by expected speed, or the most headroom first with ``sort="headroom"`` (what
-    ``autoshard estimate`` prints).
+    """Predict the per-GPU and host memory of every FSDP candidate for ``model``: the fitting
+    ones first, the most headroom first (as ``autoshard estimate`` prints them), or the fastest
+    expected first with ``sort="speed"``.
 
     Takes the same model and cluster arguments as :func:`recommend`. ``simulate=N`` replaces
     the analytic estimates of the N best fitting candidates with simulated ones (real FSDP on
@@ -258,8 +270,12 @@ def estimate(
         >>> import autoshard
         >>> estimates = autoshard.estimate("examples/gpt.py:build", kwargs={"size": "tiny"},
         ...                                gpus=8, gpu_memory="24GiB", seq_len=128)
-        >>> best = estimates[0]
-        >>> best.fits, best.breakdown.optimizer > 0
+        >>> roomiest = estimates[0]
+        >>> roomiest.fits, roomiest.candidate.cpu_offload  # offload leaves the most GPU memory
+        (True, True)
+        >>> fastest = autoshard.estimate("examples/gpt.py:build", kwargs={"size": "tiny"},
+        ...                              gpus=8, gpu_memory="24GiB", seq_len=128, sort="speed")[0]
+        >>> fastest.fits, fastest.breakdown.optimizer > 0
         (True, True)
     """
     if simulate < 0:

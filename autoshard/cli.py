@@ -127,10 +127,10 @@ def estimate(
     sort: Annotated[
         str,
         typer.Option(
-            help="Order of the fitting candidates: speed (fastest expected first) or headroom "
-            "(most memory left first). Candidates that do not fit always come last."
+            help="Order of the fitting candidates: headroom (most memory left first) or speed "
+            "(fastest expected first). Candidates that do not fit always come last."
         ),
-    ] = "speed",
+    ] = "headroom",
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -192,7 +192,7 @@ def estimate(
             return
         if acts.note:
             err_console.print(f"[yellow]warning:[/] {acts.note}", highlight=False)
-        print_estimates(ranked, hardware, console)
+        print_estimates(ranked, hardware, console, order=sort)
 
     _run(work, debug)
 

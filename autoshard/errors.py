@@ -9,7 +9,16 @@ from __future__ import annotations
 
 
 class AutoshardError(Exception):
-    """Root of every user-facing autoshard error."""
+    """Root of every user-facing autoshard error: its message is one line that says what is wrong
+    and how to fix it (the command line prints it and exits 1).
+
+    >>> from autoshard import AutoshardError, TargetSpec, analyze_target
+    >>> try:
+    ...     analyze_target(TargetSpec(spec="no/such/model.py:build"))
+    ... except AutoshardError as error:
+    ...     print(error)
+    model file not found: no/such/model.py
+    """
 
 
 class TargetError(AutoshardError):

@@ -71,7 +71,21 @@ def allowance(subtotal: int, hardware: Hardware) -> int:
 
 class ActivationProfile(BaseModel):
     """Bytes saved for backward per sample, measured on fake tensors at one precision (and, in
-    ``others``, the same model measured at other precisions: see :meth:`at`)."""
+    ``others``, the same model measured at other precisions: see :meth:`at`).
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from autoshard import WorkloadSpec, analyze_model, profile_activations
+    >>> with torch.device("meta"):
+    ...     model = nn.Sequential(
+    ...         *[nn.TransformerEncoderLayer(64, 4, 128, batch_first=True) for _ in range(4)])
+    >>> acts = profile_activations(model, analyze_model(model), WorkloadSpec(seq_len=32),
+    ...                            batch=torch.randn(2, 32, 64))
+    >>> acts.measured, len(acts.block_bytes)
+    (True, 4)
+    >>> acts.block_input_bytes[0] < acts.block_bytes[0]  # what checkpointing keeps per block
+    True
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -89,10 +103,11 @@ class ActivationProfile(BaseModel):
         (), description="The same model profiled at other precisions."
     )
 
-    def at(self, precision: Precision) -> ActivationProfile:
+    def at(self, precision: Precision | str) -> ActivationProfile:
         """The profile taken at ``precision`` (16-mixed saves what bf16-mixed does), or this one:
         :meth:`scale` then converts by element size only, which misses what a model keeps in
         fp32 under low precision (an RMSNorm's upcast: -10% on a 7B Llama shape, simulated)."""
+        precision = Precision(precision)  # "bf16-mixed" finds the bf16 profile too
         wanted = Precision.BF16_MIXED if precision is Precision.FP16_MIXED else precision
         for acts in (self, *self.others):
             if acts.precision is wanted:
@@ -191,7 +206,18 @@ def profile_activations(
     Precision changes more than the element size: under autocast, norms and softmax save fp32,
     and a model that upcasts (``x.float()`` in an RMSNorm) saves an fp32 copy beside its bf16
     input that a fp32 forward never makes. Repeated blocks (same class and shapes, same input)
-    are run once per precision; the others reuse the count."""
+    are run once per precision; the others reuse the count.
+
+    >>> from autoshard import TargetSpec, WorkloadSpec, analyze_target, profile_activations
+    >>> profile, built = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
+    >>> acts = profile_activations(built.model, profile, WorkloadSpec(seq_len=128),
+    ...                            precisions=("32-true", "bf16-mixed"))
+    >>> acts.precision.value, [other.precision.value for other in acts.others]
+    ('32-true', ['bf16-mixed'])
+    >>> acts.at("bf16-mixed").block_bytes[0] < acts.block_bytes[0]  # bf16 saves fewer bytes
+    True
+    """
     seq = workload.seq_len
     try:
         if any(not p.is_meta for p in model.parameters()):
@@ -452,7 +478,22 @@ def peak_moments(
     acts: ActivationProfile,
 ) -> tuple[dict[str, MemoryBreakdown], int]:
     """The per-rank bytes at each moment that can hold the peak of a training step (before the
-    allowance), and the host bytes per node."""
+    allowance), and the host bytes per node.
+
+    >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec
+    >>> from autoshard import analyze_target, peak_moments, profile_activations
+    >>> profile, built = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
+    >>> workload = WorkloadSpec(seq_len=128)
+    >>> moments, host = peak_moments(
+    ...     profile, Candidate(wrap_classes=profile.wrap_policy),
+    ...     Hardware(gpus_per_node=8, gpu_memory=80 * 2**30), workload,
+    ...     profile_activations(built.model, profile, workload))
+    >>> print(*moments, sep=", ")
+    loss, head backward, top block backward, bottom block backward, root backward, optimizer step
+    >>> host  # nothing offloaded
+    0
+    """
     candidate = as_run(candidate, hardware)
     stored, cb = _bytes(candidate.precision)
     params = profile.total_params
@@ -647,18 +688,22 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Predict the per-rank GPU peak and per-node host memory of ``candidate``.
 
-    Example::
-
-        from autoshard import Candidate, Hardware, WorkloadSpec, analyze_target, TargetSpec
-        from autoshard import estimate_memory, profile_activations
-        profile, built = analyze_target(TargetSpec(spec="examples/gpt.py:build"))
-        workload = WorkloadSpec(seq_len=128)
-        acts = profile_activations(built.model, profile, workload)
-        est = estimate_memory(
-            profile, Candidate(wrap_classes=profile.wrap_policy),
-            Hardware(gpus_per_node=8, gpu_memory=80 * 2**30), workload, activations=acts,
-        )
-        print(est.gpu_peak / 2**30, est.peak_at, est.breakdown)
+    >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec
+    >>> from autoshard import analyze_target, estimate_memory, profile_activations
+    >>> profile, built = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
+    >>> workload = WorkloadSpec(seq_len=128)
+    >>> acts = profile_activations(built.model, profile, workload)
+    >>> gpus = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
+    >>> full = estimate_memory(profile, Candidate(wrap_classes=profile.wrap_policy), gpus,
+    ...                        workload, activations=acts)
+    >>> full.method, full.fits, full.gpu_peak == full.breakdown.total
+    ('analytic', True, True)
+    >>> replicated = estimate_memory(
+    ...     profile, Candidate(wrap_classes=profile.wrap_policy, sharding="NO_SHARD"), gpus,
+    ...     workload, activations=acts)
+    >>> replicated.breakdown.optimizer == 8 * full.breakdown.optimizer  # AdamW, 8 ranks
+    True
     """
     acts = activations or _rule_of_thumb(profile, workload, "no activation profile given")
     moments, host = peak_moments(profile, candidate, hardware, workload, acts)
@@ -692,7 +737,20 @@ def estimate_all(
     *,
     activations: ActivationProfile | None = None,
 ) -> list[MemoryEstimate]:
-    """Estimate every candidate (milliseconds each)."""
+    """Estimate every candidate (milliseconds each).
+
+    >>> from autoshard import Hardware, TargetSpec, WorkloadSpec, analyze_target
+    >>> from autoshard import enumerate_candidates, estimate_all, profile_activations
+    >>> profile, built = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
+    >>> gpus = Hardware(gpus_per_node=8, gpu_memory=2 * 2**30)
+    >>> workload = WorkloadSpec(seq_len=128)
+    >>> candidates = enumerate_candidates(profile, gpus, workload, micro_batch_sizes=(1, 256))
+    >>> acts = profile_activations(built.model, profile, workload)
+    >>> estimates = estimate_all(profile, candidates, gpus, workload, activations=acts)
+    >>> 0 < sum(e.fits for e in estimates) < len(candidates)  # some of micro-batch 256 overflow
+    True
+    """
     return [
         estimate_memory(profile, c, hardware, workload, activations=activations) for c in candidates
     ]

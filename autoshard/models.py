@@ -78,7 +78,16 @@ class BackwardPrefetch(str, Enum):
 
 
 class Candidate(_Frozen):
-    """One FSDP configuration: a point of the search space."""
+    """One FSDP configuration: a point of the search space.
+
+    >>> from autoshard import Candidate
+    >>> candidate = Candidate(
+    ...     wrap_classes=("gpt.Block",), sharding="SHARD_GRAD_OP", precision="bf16-mixed",
+    ...     checkpointing="every_k", checkpoint_every=2, checkpoint_classes=("gpt.Block",),
+    ...     micro_batch_size=4)
+    >>> candidate.label()
+    'fsdp1 SHARD_GRAD_OP bf16-mixed ckpt/2 mbs4'
+    """
 
     engine: Engine = Field(Engine.FSDP1, description="FSDP implementation that runs it.")
     wrap_classes: tuple[str, ...] = Field(
@@ -164,7 +173,13 @@ class Candidate(_Frozen):
 
 
 class Hardware(_Frozen):
-    """The machines to plan for (not necessarily the ones at hand)."""
+    """The machines to plan for (not necessarily the ones at hand).
+
+    >>> from autoshard import Hardware
+    >>> cluster = Hardware(gpus_per_node=8, nodes=2, gpu_memory=80 * 2**30)
+    >>> cluster.world_size, cluster.usable_gpu_memory / 2**30  # 5% margin by default
+    (16, 76.0)
+    """
 
     gpus_per_node: int = Field(1, ge=1, description="GPUs per node.")
     nodes: int = Field(1, ge=1, description="Number of nodes.")
@@ -194,7 +209,14 @@ class Hardware(_Frozen):
 
 
 class WorkloadSpec(_Frozen):
-    """The shape of one training step, as far as memory and throughput are concerned."""
+    """The shape of one training step, as far as memory and throughput are concerned.
+
+    >>> from autoshard import WorkloadSpec
+    >>> WorkloadSpec(micro_batch_size=4, seq_len=2048).tokens_per_sample
+    2048
+    >>> WorkloadSpec(micro_batch_size=32, input_shape=(3, 224, 224)).tokens_per_sample is None
+    True
+    """
 
     micro_batch_size: int = Field(1, ge=1, description="Samples per rank per step.")
     seq_len: int | None = Field(None, description="Tokens per sample for token models.")
@@ -246,7 +268,20 @@ class TiedGroup(_Frozen):
 
 
 class ModelProfile(_Frozen):
-    """What the analyzer found in a model, and the policies it proposes."""
+    """What the analyzer found in a model, and the policies it proposes.
+
+    >>> from torch import nn
+    >>> from autoshard import analyze_model
+    >>> lm = nn.Sequential(
+    ...     nn.Embedding(1000, 64),
+    ...     *[nn.TransformerEncoderLayer(64, 4, 128, batch_first=True) for _ in range(4)],
+    ...     nn.Linear(64, 1000))
+    >>> profile = analyze_model(lm)
+    >>> profile.total_params, profile.block_count, profile.root_unit_params
+    (262888, 4, 129000)
+    >>> profile.warnings[1][:60]  # the embedding and head stay in the root unit
+    'the root unit keeps 129,000 parameters (49%) outside the wra'
+    """
 
     target: str = Field(..., description="What was analysed (target string or class name).")
     model_class: str = Field(..., description="Class path of the root module.")
@@ -314,7 +349,19 @@ class MemoryBreakdown(_Frozen):
 
 
 class MemoryEstimate(_Frozen):
-    """Predicted per-rank memory of one candidate on one hardware target."""
+    """Predicted per-rank memory of one candidate on one hardware target.
+
+    >>> import warnings
+    >>> import torch
+    >>> from torch import nn
+    >>> import autoshard
+    >>> warnings.simplefilter("ignore", autoshard.NoGPUWarning)  # planning for GPUs not here
+    >>> layers = [nn.TransformerEncoderLayer(64, 4, 128, batch_first=True) for _ in range(4)]
+    >>> first = autoshard.estimate(nn.Sequential(*layers), batch=torch.randn(2, 32, 64),
+    ...                            gpus=8, gpu_memory="80GiB")[0]
+    >>> first.fits, first.gpu_peak == first.breakdown.total, first.headroom > 0
+    (True, True, True)
+    """
 
     candidate: Candidate
     method: Literal["analytic", "simulated"]
@@ -336,7 +383,16 @@ class TrialStatus(str, Enum):
 
 
 class TrialResult(_Frozen):
-    """What one short real FSDP run measured."""
+    """What one short real FSDP run measured (one line of ``trials.jsonl`` in a tune's output).
+
+    >>> from autoshard import Candidate, TrialResult
+    >>> trial = TrialResult(candidate=Candidate(), status="ok", world_size=2, step_time=0.2,
+    ...                     peak_allocated=(96 * 2**20, 98 * 2**20))
+    >>> trial.max_allocated // 2**20  # the largest rank decides what fits
+    98
+    >>> TrialResult.model_validate_json(trial.model_dump_json()) == trial
+    True
+    """
 
     candidate: Candidate
     status: TrialStatus
@@ -367,7 +423,23 @@ class Scored(_Frozen):
 
 
 class Recommendation(_Frozen):
-    """autoshard's answer: the chosen configuration, its evidence, and the alternatives."""
+    """autoshard's answer: the chosen configuration, its evidence, and the alternatives.
+
+    >>> import warnings
+    >>> import torch
+    >>> from torch import nn
+    >>> import autoshard
+    >>> warnings.simplefilter("ignore", autoshard.NoGPUWarning)  # planning for GPUs not here
+    >>> layers = [nn.TransformerEncoderLayer(64, 4, 128, batch_first=True) for _ in range(4)]
+    >>> rec = autoshard.recommend(nn.Sequential(*layers), batch=torch.randn(2, 32, 64),
+    ...                           gpus=8, gpu_memory="80GiB")
+    >>> rec.basis, rec.trainer_kwargs()
+    ('estimate', {'precision': 'bf16-mixed', 'devices': 8, 'num_nodes': 1})
+    >>> rec.fsdp_kwargs()["use_orig_params"]  # torch's FullyShardedDataParallel(**kwargs)
+    True
+    >>> print(rec.to_yaml("lightning").split("trainer:")[1].splitlines()[2].strip())
+    class_path: lightning.pytorch.strategies.FSDPStrategy
+    """
 
     profile: ModelProfile
     hardware: Hardware

@@ -333,15 +333,15 @@ def simulate_memory(
     models deeper than :data:`EXTRAPOLATE_ABOVE` blocks. Seconds per candidate for small
     models, tens of seconds for a 70B one.
 
-    Example::
-
-        from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec, simulate_memory
-        est = simulate_memory(
-            TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}),
-            Candidate(engine="fsdp2", wrap_classes=("gpt.Block",)),
-            Hardware(gpus_per_node=8, gpu_memory=80 * 2**30),
-            WorkloadSpec(seq_len=128),
-        )
+    >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec, simulate_memory
+    >>> est = simulate_memory(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}),
+    ...     Candidate(engine="fsdp2", wrap_classes=("gpt.Block",)),
+    ...     Hardware(gpus_per_node=8, gpu_memory=80 * 2**30),
+    ...     WorkloadSpec(seq_len=128),
+    ... )
+    >>> est.method, est.fits, est.gpu_peak == est.breakdown.total
+    ('simulated', True, True)
     """
     if candidate.cpu_offload:
         raise ConfigError(

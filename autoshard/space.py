@@ -75,7 +75,20 @@ def enumerate_candidates(
     sharding strategy, checkpointing none / every 2nd block / every block, CPU offload (with
     FULL_SHARD only: it is the last resort) and each precision and micro-batch size; and the
     whole model as one unit (Lightning's default) with each sharding, precision and
-    micro-batch size."""
+    micro-batch size.
+
+    >>> from autoshard import Hardware, TargetSpec, WorkloadSpec, analyze_target
+    >>> from autoshard import enumerate_candidates
+    >>> profile, _ = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
+    >>> candidates = enumerate_candidates(
+    ...     profile, Hardware(gpus_per_node=8, nodes=2, gpu_memory=80 * 2**30),
+    ...     WorkloadSpec(seq_len=128), precisions=("bf16-mixed",), micro_batch_sizes=(1,))
+    >>> sorted({c.sharding.value for c in candidates})
+    ['FULL_SHARD', 'HYBRID_SHARD', 'NO_SHARD', 'SHARD_GRAD_OP']
+    >>> {c.hybrid_mesh for c in candidates if c.sharding.value == "HYBRID_SHARD"}
+    {(2, 8)}
+    """
     blocks = profile.checkpoint_policy
     checkpointing: list[tuple[Checkpointing, int]] = [(Checkpointing.NONE, 1)]
     if blocks:

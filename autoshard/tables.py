@@ -123,14 +123,22 @@ def print_profile(profile: ModelProfile, console: Console | None = None) -> None
 
 
 def print_estimates(
-    estimates: list[MemoryEstimate], hardware: Hardware, console: Console, *, detail: int = 3
+    estimates: list[MemoryEstimate],
+    hardware: Hardware,
+    console: Console,
+    *,
+    order: str = "headroom",
+    detail: int = 3,
 ) -> None:
-    """Every candidate in the order given (fitting ones first), then the breakdowns of the first
-    ``detail`` that fit."""
+    """Every candidate in the order given (fitting ones first, then by ``order``), then the
+    breakdowns of the first ``detail`` that fit."""
+    by = "most headroom first" if order == "headroom" else "fastest expected first"
     table = Table(
         title=f"Per-GPU memory on {hardware.nodes} x {hardware.gpus_per_node} GPUs of "
         f"{format_bytes(hardware.gpu_memory)} (usable {format_bytes(hardware.usable_gpu_memory)})",
         title_justify="left",
+        caption=f"fitting candidates first, {by}; the rest by how far they overshoot",
+        caption_justify="left",
     )
     for name, justify in (("configuration", "left"), ("fits", "left"), ("GPU peak", "right"),
                           ("headroom", "right"), ("host / node", "right")):  # fmt: skip

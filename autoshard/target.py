@@ -30,7 +30,14 @@ from autoshard.errors import ModelError, TargetError
 
 
 class TargetSpec(BaseModel):
-    """A target string and the keyword arguments for its callable: enough to rebuild it."""
+    """A target string and the keyword arguments for its callable: enough to rebuild it.
+
+    >>> from autoshard import TargetSpec, analyze_target
+    >>> profile, built = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
+    >>> profile.built_on, profile.total_params, profile.block_classes
+    ('meta', 1872640, ('gpt.Block',))
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -273,6 +273,9 @@ def test_estimate_command_orders_by_speed_or_headroom(cli) -> None:
     assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
     rooms = [e["headroom"] for e in by_room if e["fits"]]
     assert rooms == sorted(rooms, reverse=True) and len(set(rooms)) > 1
+    code, out, err = cli(*args)
+    assert code == 0, err
+    assert json.loads(out)["estimates"] == by_room  # the default order is the headroom order
     labels = {
         sort: [json.dumps(e["candidate"], sort_keys=True) for e in o] for sort, o in orders.items()
     }

@@ -178,10 +178,16 @@ def test_estimate_in_code_and_on_the_command_line_with_simulation(cli, tmp_path)
 
     target = f"{EXAMPLES}/gpt.py:build"
     estimates = autoshard.estimate(
-        target, kwargs={"size": "tiny"}, gpus=2, gpu_memory="8GiB", seq_len=64, simulate=1
+        target,
+        kwargs={"size": "tiny"},
+        gpus=2,
+        gpu_memory="8GiB",
+        seq_len=64,
+        simulate=1,
+        sort="speed",
     )
     analytic = autoshard.estimate(
-        target, kwargs={"size": "tiny"}, gpus=2, gpu_memory="8GiB", seq_len=64
+        target, kwargs={"size": "tiny"}, gpus=2, gpu_memory="8GiB", seq_len=64, sort="speed"
     )
     assert [e.candidate for e in estimates] == [e.candidate for e in analytic]  # order kept
     assert estimates[0].method == "simulated" and estimates[0].fits
