@@ -42,7 +42,12 @@ from autoshard.models import (
     WorkloadSpec,
 )
 from autoshard.simulate import refine_with_simulation
-from autoshard.space import RANK_ORDERS, enumerate_candidates, rank_candidates, wrap_reason
+from autoshard.space import (
+    check_rank_order,
+    enumerate_candidates,
+    rank_candidates,
+    wrap_reason,
+)
 from autoshard.step import batch_samples, find_vocab_size
 from autoshard.target import BuiltModel, TargetSpec, build_target
 
@@ -280,8 +285,7 @@ def estimate(
     """
     if simulate < 0:
         raise ConfigError(f"simulate must be 0 or a number of candidates, got {simulate}")
-    if sort not in RANK_ORDERS:
-        raise ConfigError(f"sort={sort!r}: give one of {', '.join(RANK_ORDERS)}")
+    check_rank_order(sort, "sort")
     hardware = detect_hardware(
         gpus=gpus, nodes=nodes, gpu_memory=gpu_memory, host_memory=host_memory
     )

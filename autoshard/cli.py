@@ -138,13 +138,12 @@ def estimate(
     from autoshard.analyze import analyze_target
     from autoshard.memory import estimate_all, precisions_of, profile_activations
     from autoshard.models import Engine, Hardware, Precision, WorkloadSpec
-    from autoshard.space import RANK_ORDERS, enumerate_candidates, rank_candidates
+    from autoshard.space import check_rank_order, enumerate_candidates, rank_candidates
     from autoshard.tables import print_estimates
     from autoshard.target import TargetSpec, parse_kwargs
 
     def work() -> None:
-        if sort not in RANK_ORDERS:
-            raise ConfigError(f"--sort {sort}: give one of {', '.join(RANK_ORDERS)}")
+        check_rank_order(sort, "--sort")  # before the model is built
         sizes = _parse_sizes(batch_size)
         hardware = Hardware(
             gpus_per_node=gpus,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from autoshard.errors import ConfigError
 from autoshard.models import (
     Candidate,
     Checkpointing,
@@ -168,13 +169,18 @@ def expected_cost(candidate: Candidate, device: str = "cuda") -> float:
 RANK_ORDERS = ("speed", "headroom")
 
 
+def check_rank_order(by: str, name: str = "by") -> None:
+    """One line naming the bad order and the good ones (``name``: how the caller spells it)."""
+    if by not in RANK_ORDERS:
+        raise ConfigError(f"{name} {by}: give one of {', '.join(RANK_ORDERS)}")
+
+
 def rank_candidates(
     estimates: Sequence[MemoryEstimate], device: str = "cuda", by: str = "speed"
 ) -> list[MemoryEstimate]:
     """Fitting candidates first: fastest expected first (on ``device``), or with ``by="headroom"``
     the most headroom first; then the rest by overshoot."""
-    if by not in RANK_ORDERS:
-        raise ValueError(f"rank_candidates: by={by!r}, expected one of {RANK_ORDERS}")
+    check_rank_order(by)
     fits = sorted(
         (e for e in estimates if e.fits),
         key=lambda e: -e.headroom if by == "headroom" else expected_cost(e.candidate, device),
