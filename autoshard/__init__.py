@@ -4,27 +4,15 @@ from __future__ import annotations
 
 from autoshard.analyze import analyze_model, analyze_target
 from autoshard.api import NoGPUWarning, detect_hardware, estimate, recommend
+from autoshard.config import Candidate, Hardware, WorkloadSpec
 from autoshard.errors import AutoshardError
-from autoshard.memory import (
-    ActivationProfile,
-    estimate_all,
-    estimate_memory,
-    peak_moments,
-    profile_activations,
-)
-from autoshard.models import (
-    Candidate,
-    Hardware,
-    MemoryEstimate,
-    ModelProfile,
-    Recommendation,
-    TrialResult,
-    WorkloadSpec,
-)
+from autoshard.estimate.activations import ActivationProfile, profile_activations
+from autoshard.estimate.analytic import estimate_all, estimate_memory, peak_moments
+from autoshard.estimate.simulate import simulate_memory
+from autoshard.results import MemoryEstimate, ModelProfile, Recommendation, TrialResult
 from autoshard.search import TuneOptions, tune
-from autoshard.simulate import simulate_memory
 from autoshard.space import enumerate_candidates
-from autoshard.target import TargetSpec
+from autoshard.target.resolve import TargetSpec
 
 __version__ = "0.1.0"
 

@@ -21,8 +21,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from autoshard.models import ClassStat, ModelProfile, ModuleStat, TiedGroup
-from autoshard.target import BuiltModel, TargetSpec, build_target
+from autoshard.results import ClassStat, ModelProfile, ModuleStat, TiedGroup
+from autoshard.target.resolve import BuiltModel, TargetSpec, build_target
 
 # The seed guide: "avoid splitting small layers that have a few thousand parameters because
 # communication overhead would dominate". A unit smaller than this is flagged.

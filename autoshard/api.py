@@ -6,7 +6,7 @@ measure the promising candidates (:func:`autoshard.search.tune`) and the fastest
 
 What can be planned for: a model object (real or on the meta device), a Hugging Face model, a
 LightningModule, a factory function or class, or a ``"path/to/file.py:build"`` target; see
-:mod:`autoshard.adapters`.
+:mod:`autoshard.target.adapters`.
 """
 
 from __future__ import annotations
@@ -20,36 +20,23 @@ from typing import Any
 
 import torch
 
-from autoshard._units import format_bytes, parse_size
-from autoshard.adapters import to_target
 from autoshard.analyze import analyze_model
+from autoshard.config import Candidate, Engine, Hardware, Precision, WorkloadSpec
 from autoshard.errors import ConfigError
-from autoshard.memory import (
-    ActivationProfile,
-    estimate_all,
-    precisions_of,
-    profile_activations,
-)
-from autoshard.models import (
-    Candidate,
-    Engine,
-    Hardware,
-    MemoryEstimate,
-    ModelProfile,
-    Precision,
-    Recommendation,
-    Scored,
-    WorkloadSpec,
-)
-from autoshard.simulate import refine_with_simulation
+from autoshard.estimate.activations import ActivationProfile, precisions_of, profile_activations
+from autoshard.estimate.analytic import estimate_all
+from autoshard.estimate.simulate import refine_with_simulation
+from autoshard.results import MemoryEstimate, ModelProfile, Recommendation, Scored
 from autoshard.space import (
     check_rank_order,
     enumerate_candidates,
     rank_candidates,
     wrap_reason,
 )
-from autoshard.step import batch_samples, find_vocab_size
-from autoshard.target import BuiltModel, TargetSpec, build_target
+from autoshard.target.adapters import to_target
+from autoshard.target.resolve import BuiltModel, TargetSpec, build_target
+from autoshard.target.step import batch_samples, find_vocab_size
+from autoshard.units import format_bytes, parse_size
 
 __all__ = ["NoGPUWarning", "detect_hardware", "estimate", "recommend"]
 

@@ -16,8 +16,8 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
-from autoshard._units import parse_size
 from autoshard.errors import AutoshardError, ConfigError
+from autoshard.units import parse_size
 
 app = typer.Typer(
     name="autoshard",
@@ -84,7 +84,7 @@ def analyze(
 ) -> None:
     """Count parameters per module and class, find the repeated blocks, propose FSDP policies."""
     from autoshard.analyze import analyze_target
-    from autoshard.target import TargetSpec, parse_kwargs
+    from autoshard.target.resolve import TargetSpec, parse_kwargs
 
     def work() -> None:
         spec = TargetSpec(spec=target, kwargs=parse_kwargs(arg or []))
@@ -92,7 +92,7 @@ def analyze(
         if as_json:
             _print_json(profile.model_dump(mode="json"))
         else:
-            from autoshard.tables import print_profile
+            from autoshard.ui.tables import print_profile
 
             print_profile(profile, console)
 
@@ -136,11 +136,12 @@ def estimate(
 ) -> None:
     """Predict the per-GPU and host memory of every FSDP candidate on any cluster."""
     from autoshard.analyze import analyze_target
-    from autoshard.memory import estimate_all, precisions_of, profile_activations
-    from autoshard.models import Engine, Hardware, Precision, WorkloadSpec
+    from autoshard.config import Engine, Hardware, Precision, WorkloadSpec
+    from autoshard.estimate.activations import precisions_of, profile_activations
+    from autoshard.estimate.analytic import estimate_all
     from autoshard.space import check_rank_order, enumerate_candidates, rank_candidates
-    from autoshard.tables import print_estimates
-    from autoshard.target import TargetSpec, parse_kwargs
+    from autoshard.target.resolve import TargetSpec, parse_kwargs
+    from autoshard.ui.tables import print_estimates
 
     def work() -> None:
         check_rank_order(sort, "--sort")  # before the model is built
@@ -171,7 +172,7 @@ def estimate(
         if simulate < 0:
             raise ConfigError(f"--simulate {simulate}: give a number of candidates, 0 or more")
         if simulate:
-            from autoshard.simulate import refine_with_simulation
+            from autoshard.estimate.simulate import refine_with_simulation
 
             ranked = refine_with_simulation(
                 spec, ranked, hardware, workload,
@@ -243,12 +244,13 @@ def tune(
     debug: DebugOpt = False,
 ) -> None:
     """Run short real FSDP trials and recommend the fastest configuration that fits."""
-    from autoshard.models import Engine, Hardware, Precision, WorkloadSpec
-    from autoshard.progress import StudyProgress
-    from autoshard.report import load_result, print_summary
+    from autoshard.config import Engine, Hardware, Precision, WorkloadSpec
     from autoshard.search import STUDY_FILES, TuneOptions
     from autoshard.search import tune as run_study
-    from autoshard.target import parse_kwargs, resolve
+    from autoshard.target.resolve import parse_kwargs, resolve
+    from autoshard.ui.files import load_result
+    from autoshard.ui.progress import StudyProgress
+    from autoshard.ui.report import print_summary
 
     def work() -> None:
         import torch
@@ -284,7 +286,7 @@ def tune(
         if nodes > 1 and not rdzv_endpoint:
             raise ConfigError("--nodes > 1 needs --rdzv-endpoint host:port of node 0")
         if node_rank > 0:
-            from autoshard.group import WorkerGroup
+            from autoshard.trials.group import WorkerGroup
 
             console.print(
                 f"node {node_rank}: serving the study driven by node 0 at {rdzv_endpoint}"
@@ -364,8 +366,8 @@ def export(
     debug: DebugOpt = False,
 ) -> None:
     """Write the recommendation as Lightning CLI YAML, accelerate YAML or JSON."""
-    from autoshard.emit import render
-    from autoshard.report import load_result
+    from autoshard.emit.text import render
+    from autoshard.ui.files import load_result
 
     def work() -> None:
         rec, _ = load_result(result)

@@ -32,25 +32,21 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from autoshard.analyze import analyze_target
-from autoshard.group import WorkerGroup
-from autoshard.memory import estimate_all, precisions_of, profile_activations
-from autoshard.models import (
-    Candidate,
-    Checkpointing,
-    Engine,
-    Hardware,
+from autoshard.config import Candidate, Checkpointing, Engine, Hardware, Precision, WorkloadSpec
+from autoshard.estimate.activations import precisions_of, profile_activations
+from autoshard.estimate.analytic import estimate_all
+from autoshard.results import (
     MemoryEstimate,
     ModelProfile,
-    Precision,
     Recommendation,
     Scored,
     TrialResult,
     TrialStatus,
-    WorkloadSpec,
 )
-from autoshard.report import write_report
 from autoshard.space import enumerate_candidates, rank_candidates, wrap_reason
-from autoshard.target import TargetSpec
+from autoshard.target.resolve import TargetSpec
+from autoshard.trials.group import WorkerGroup
+from autoshard.ui.files import write_report
 
 RESULT_ATTR = "autoshard_result"
 # What a study leaves in its output folder (besides study.db and the workers' logs).

@@ -1,4 +1,4 @@
-"""The one place where a :class:`~autoshard.models.Candidate` becomes FSDP.
+"""The one place where a :class:`~autoshard.config.Candidate` becomes FSDP.
 
 Trials, the emitted FSDP1 kwargs and the emitted FSDP2 plan all come from here, so what autoshard
 measured and what it hands the user cannot disagree.
@@ -25,8 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.errors import ConfigError
-from autoshard.models import (
+from autoshard.config import (
     BackwardPrefetch,
     Candidate,
     Checkpointing,
@@ -36,6 +35,7 @@ from autoshard.models import (
     Precision,
     Sharding,
 )
+from autoshard.errors import ConfigError
 
 _DTYPES = {
     Precision.FP32: torch.float32,

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autoshard.errors import ConfigError
-from autoshard.models import (
+from autoshard.config import (
     Candidate,
     Checkpointing,
     Engine,
     Hardware,
-    MemoryEstimate,
-    ModelProfile,
     Precision,
     Sharding,
     WorkloadSpec,
 )
+from autoshard.errors import ConfigError
+from autoshard.results import MemoryEstimate, ModelProfile
 
 
 def wrap_reason(candidate: Candidate, profile: ModelProfile) -> str:

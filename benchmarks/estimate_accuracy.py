@@ -6,11 +6,12 @@
 For every configuration of a grid (two model shapes, both engines, three sharding strategies,
 checkpointing on and off, fp32 and bf16 mixed precision, two micro-batch sizes) it compares:
 - measured: one ``torch.distributed.run`` group of 2 gloo processes runs each configuration for
-  real, built and sharded exactly as a trial does (``autoshard.runner.build_sharded``), for two
-  training steps under torch's own memory tracker (``autoshard.simulate.track_training_peak``);
+  real, built and sharded exactly as a trial does (``autoshard.trials.worker.build_sharded``),
+  for two training steps under torch's own memory tracker
+  (``autoshard.estimate.simulate.track_training_peak``);
   the peak is the largest over the ranks;
-- simulated: :func:`autoshard.simulate.simulate_memory` (fake tensors, fake process group);
-- analytic: :func:`autoshard.memory.estimate_memory`.
+- simulated: :func:`autoshard.estimate.simulate.simulate_memory` (fake tensors, fake process group);
+- analytic: :func:`autoshard.estimate.analytic.estimate_memory`.
 Both estimates are compared without their GPU allowance (CUDA context and allocator slack, which
 a CPU run cannot show). Targets (issue 3): simulated within 5%, analytic within 10%, everywhere.
 On a GPU machine, ``--device cuda`` measures with ``torch.cuda.max_memory_allocated`` and
@@ -80,7 +81,7 @@ def grid(quick: bool, world: int = 2) -> list[dict[str, Any]]:
 
 
 def candidate_of(point: dict[str, Any], profile: Any) -> Any:
-    from autoshard.models import Candidate
+    from autoshard.config import Candidate
 
     fields = {k: v for k, v in point.items() if k != "shape"}
     return Candidate(
@@ -89,7 +90,7 @@ def candidate_of(point: dict[str, Any], profile: Any) -> Any:
 
 
 def target_of(shape: str) -> Any:
-    from autoshard.target import TargetSpec
+    from autoshard.target.resolve import TargetSpec
 
     return TargetSpec(spec=GPT, kwargs=SHAPES[shape][0])
 
@@ -104,9 +105,9 @@ def worker(points_path: Path, out_path: Path, device_kind: str) -> None:
     import torch.distributed as dist
 
     from autoshard.analyze import analyze_target
-    from autoshard.models import WorkloadSpec
-    from autoshard.runner import exit_worker
-    from autoshard.simulate import measure_training_peak
+    from autoshard.config import WorkloadSpec
+    from autoshard.estimate.simulate import measure_training_peak
+    from autoshard.trials.worker import exit_worker
 
     dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
     rank = dist.get_rank()
@@ -186,9 +187,10 @@ def estimate(points: list[dict[str, Any]], device_kind: str, world: int) -> list
     """(analytic, simulated) bytes without the allowance, for every point, planned for the
     backend the measurements ran on."""
     from autoshard.analyze import analyze_target
-    from autoshard.memory import estimate_memory, profile_activations
-    from autoshard.models import Hardware, Precision, WorkloadSpec
-    from autoshard.simulate import simulate_memory
+    from autoshard.config import Hardware, Precision, WorkloadSpec
+    from autoshard.estimate.activations import profile_activations
+    from autoshard.estimate.analytic import estimate_memory
+    from autoshard.estimate.simulate import simulate_memory
 
     backend = "nccl" if device_kind == "cuda" else "gloo"
     hardware = Hardware(gpus_per_node=world, gpu_memory=80 * 1024**3, backend=backend)

@@ -28,10 +28,11 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
     from autoshard.analyze import analyze_target
-    from autoshard.memory import estimate_all, precisions_of, profile_activations
-    from autoshard.models import Hardware, WorkloadSpec
+    from autoshard.config import Hardware, WorkloadSpec
+    from autoshard.estimate.activations import precisions_of, profile_activations
+    from autoshard.estimate.analytic import estimate_all
     from autoshard.space import enumerate_candidates
-    from autoshard.target import TargetSpec
+    from autoshard.target.resolve import TargetSpec
 
     stages = [("import autoshard + torch", time.perf_counter() - start)]
     t = time.perf_counter()

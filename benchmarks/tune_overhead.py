@@ -24,10 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from autoshard.group import WorkerGroup, default_nproc
-from autoshard.models import Candidate, Hardware, Precision, TrialStatus, WorkloadSpec
+from autoshard.config import Candidate, Hardware, Precision, WorkloadSpec
+from autoshard.results import TrialStatus
 from autoshard.search import TuneOptions, tune
-from autoshard.target import TargetSpec
+from autoshard.target.resolve import TargetSpec
+from autoshard.trials.group import WorkerGroup, default_nproc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +53,7 @@ def run(skip_dominated: bool, n_trials: int, out: Path, target: TargetSpec, seq:
     start = time.perf_counter()
     rec = tune(target, hardware, WorkloadSpec(seq_len=seq), options)
     wall = time.perf_counter() - start
-    from autoshard.models import TrialResult
+    from autoshard.results import TrialResult
 
     trials = [
         TrialResult.model_validate_json(line)

@@ -39,6 +39,6 @@ def _forget_target_modules():
 
 @pytest.fixture
 def examples_gpt_tiny():
-    from autoshard.target import TargetSpec
+    from autoshard.target.resolve import TargetSpec
 
     return TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny"})

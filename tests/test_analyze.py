@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from autoshard.analyze import SMALL_UNIT_PARAMS, analyze_model, analyze_target
-from autoshard.models import ModelProfile
-from autoshard.target import TargetSpec
+from autoshard.results import ModelProfile
+from autoshard.target.resolve import TargetSpec
 
 from .conftest import EXAMPLES
 

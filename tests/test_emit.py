@@ -12,23 +12,25 @@ from typing import Any
 import pytest
 
 from autoshard import emit
-from autoshard.errors import ConfigError, MissingDependencyError
-from autoshard.models import (
+from autoshard.config import (
     BackwardPrefetch,
     Candidate,
     Checkpointing,
     Engine,
     Hardware,
+    Precision,
+    Sharding,
+    WorkloadSpec,
+)
+from autoshard.errors import ConfigError, MissingDependencyError
+from autoshard.results import (
     MemoryBreakdown,
     MemoryEstimate,
     ModelProfile,
-    Precision,
     Recommendation,
     Scored,
-    Sharding,
     TrialResult,
     TrialStatus,
-    WorkloadSpec,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -21,12 +21,13 @@ def train(rec_path: str, steps: int = 4) -> dict[str, object]:
     import gpt
     import torch
     import torch.nn.functional as F
+    from autoshard.emit.runtime.runtime import apply_checkpointing
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from autoshard.emit import apply_checkpointing
-    from autoshard.models import Engine, Recommendation
+    from autoshard.config import Engine
+    from autoshard.results import Recommendation
 
     rec = Recommendation.model_validate_json(Path(rec_path).read_text())
     torch.manual_seed(0)
@@ -63,7 +64,7 @@ def train(rec_path: str, steps: int = 4) -> dict[str, object]:
 def main() -> None:
     import torch.distributed as dist
 
-    from autoshard.runner import exit_worker
+    from autoshard.trials.worker import exit_worker
 
     dist.init_process_group("gloo")
     out = {path: train(path) for path in sys.argv[2:]}
@@ -74,7 +75,7 @@ def main() -> None:
 
 @pytest.mark.slow
 def test_fsdp1_kwargs_and_fsdp2_plan_train_on_two_gloo_processes(tmp_path: Path) -> None:
-    from autoshard.models import Checkpointing, Engine, Precision, Sharding
+    from autoshard.config import Checkpointing, Engine, Precision, Sharding
     from tests.test_emit import candidate, make_rec
 
     fsdp1 = make_rec(candidate(precision=Precision.BF16_MIXED, checkpointing=Checkpointing.ALL))

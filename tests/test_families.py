@@ -14,10 +14,10 @@ import textwrap
 
 import pytest
 
-from autoshard.adapters import LightningStep
 from autoshard.api import recommend
-from autoshard.models import TrialStatus
-from autoshard.target import _import_file
+from autoshard.results import TrialStatus
+from autoshard.target.adapters import LightningStep
+from autoshard.target.resolve import _import_file
 
 from .conftest import EXAMPLES, ROOT
 
@@ -68,12 +68,12 @@ def test_gpt2_tied_embeddings() -> None:
 def test_hf_model_object_is_rebuilt_from_its_config(tmp_path) -> None:
     """A model object in memory: workers rebuild it from its config (no weights written)."""
     pytest.importorskip("transformers")
-    from autoshard.adapters import to_target
+    from autoshard.target.adapters import to_target
 
     model, batch = _import_file(str(EXAMPLES / "hf_t5.py")).build()
     spec = to_target(model, batch=batch, out_dir=tmp_path)
-    assert spec.spec == "autoshard.adapters:with_saved_batch"
-    assert spec.kwargs["target"] == "autoshard.adapters:build_hf_from_config"
+    assert spec.spec == "autoshard.target.adapters:with_saved_batch"
+    assert spec.kwargs["target"] == "autoshard.target.adapters:build_hf_from_config"
     assert not list(tmp_path.glob("model-*.pt"))
     rec = recommend(model, batch=batch, gpus=8, gpu_memory="80GiB", out_dir=tmp_path)
     assert rec.profile.total_params == sum(p.numel() for p in model.parameters())
@@ -82,8 +82,8 @@ def test_hf_model_object_is_rebuilt_from_its_config(tmp_path) -> None:
 
 def test_lightning_module_object_trains_through_training_step(tmp_path) -> None:
     pytest.importorskip("lightning")
-    from autoshard.adapters import to_target
-    from autoshard.target import build_target
+    from autoshard.target.adapters import to_target
+    from autoshard.target.resolve import build_target
 
     module, batch = _import_file(str(EXAMPLES / "lightning_module.py")).build()
     assert module.model is None  # layers come from configure_model

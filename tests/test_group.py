@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from autoshard.group import WorkerGroup
-from autoshard.models import Candidate, TrialStatus, WorkloadSpec
-from autoshard.target import TargetSpec
+from autoshard.config import Candidate, WorkloadSpec
+from autoshard.results import TrialStatus
+from autoshard.target.resolve import TargetSpec
+from autoshard.trials.group import WorkerGroup
 
 from .conftest import TARGETS
 

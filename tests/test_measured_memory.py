@@ -2,7 +2,7 @@
 
 This file is also the worker script: the test runs it under ``torch.distributed.run``, which
 trains each configuration for two steps under torch's memory tracker
-(:func:`autoshard.simulate.measure_training_peak`, what ``benchmarks/estimate_accuracy.py``
+(:func:`autoshard.estimate.simulate.measure_training_peak`, what ``benchmarks/estimate_accuracy.py``
 runs over its whole grid).
 """
 
@@ -29,8 +29,8 @@ POINTS = [
 
 def candidates() -> list:
     from autoshard.analyze import analyze_target
-    from autoshard.models import Candidate
-    from autoshard.target import TargetSpec
+    from autoshard.config import Candidate
+    from autoshard.target.resolve import TargetSpec
 
     profile, _ = analyze_target(TargetSpec(**TARGET))
     return [
@@ -45,10 +45,10 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from autoshard.models import WorkloadSpec
-    from autoshard.runner import exit_worker
-    from autoshard.simulate import measure_training_peak
-    from autoshard.target import TargetSpec
+    from autoshard.config import WorkloadSpec
+    from autoshard.estimate.simulate import measure_training_peak
+    from autoshard.target.resolve import TargetSpec
+    from autoshard.trials.worker import exit_worker
 
     dist.init_process_group("gloo")
     peaks = []
@@ -67,10 +67,11 @@ def main() -> None:
 @pytest.mark.slow
 def test_estimates_planned_for_gloo_match_measured_gloo_runs(tmp_path) -> None:
     from autoshard.analyze import analyze_target
-    from autoshard.memory import estimate_memory, precisions_of, profile_activations
-    from autoshard.models import Hardware, WorkloadSpec
-    from autoshard.simulate import simulate_memory
-    from autoshard.target import TargetSpec
+    from autoshard.config import Hardware, WorkloadSpec
+    from autoshard.estimate.activations import precisions_of, profile_activations
+    from autoshard.estimate.analytic import estimate_memory
+    from autoshard.estimate.simulate import simulate_memory
+    from autoshard.target.resolve import TargetSpec
 
     result = tmp_path / "peaks.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT)])}

@@ -6,8 +6,9 @@ import threading
 
 import pytest
 
-from autoshard.group import WorkerGroup, free_port
-from autoshard.models import Candidate, Sharding, TrialStatus, WorkloadSpec
+from autoshard.config import Candidate, Sharding, WorkloadSpec
+from autoshard.results import TrialStatus
+from autoshard.trials.group import WorkerGroup, free_port
 
 pytestmark = pytest.mark.slow
 

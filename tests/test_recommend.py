@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from autoshard.adapters import factory_spec, load_saved_model, meta_copy, to_target
 from autoshard.api import NoGPUWarning, detect_hardware, recommend
 from autoshard.errors import ConfigError
-from autoshard.target import build_target
+from autoshard.target.adapters import factory_spec, load_saved_model, meta_copy, to_target
+from autoshard.target.resolve import build_target
 
 from .conftest import EXAMPLES
 
@@ -57,7 +57,7 @@ def test_meta_copy_copies_no_data_and_keeps_ties() -> None:
 
 def test_saved_module_round_trip(tmp_path) -> None:
     spec = to_target(TiedLM(), out_dir=tmp_path)
-    assert spec.spec == "autoshard.adapters:load_saved_model"
+    assert spec.spec == "autoshard.target.adapters:load_saved_model"
     saved = tmp_path.glob("model-*.pt")
     assert sum(f.stat().st_size for f in saved) < 200_000  # no parameter data in the file
     meta = build_target(spec).model

@@ -16,8 +16,10 @@ import pytest
 from rich.console import Console
 
 from autoshard.errors import ResultError
-from autoshard.models import Recommendation, TrialStatus
-from autoshard.report import SCHEMA, load_result, print_summary, render_html, write_report
+from autoshard.results import Recommendation, TrialStatus
+from autoshard.ui.files import load_result, write_report
+from autoshard.ui.html import render_html
+from autoshard.ui.report import SCHEMA, print_summary
 from tests.test_emit import all_trials, candidate, make_rec
 
 FILES = {"report.json", "report.html", "lightning.yaml", "accelerate.yaml"}
@@ -136,7 +138,7 @@ def test_html_is_self_contained_with_wellformed_charts() -> None:
 
 
 def test_yaml_left_out_when_it_cannot_express_the_choice(tmp_path: Path) -> None:
-    from autoshard.models import BackwardPrefetch
+    from autoshard.config import BackwardPrefetch
 
     rec = make_rec(candidate(backward_prefetch=BackwardPrefetch.BACKWARD_POST))
     assert set(write_report(rec, tmp_path)) == FILES - {"lightning.yaml"}

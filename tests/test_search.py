@@ -12,8 +12,10 @@ import time
 import pytest
 
 from autoshard.analyze import analyze_target
-from autoshard.memory import estimate_all, profile_activations
-from autoshard.models import Engine, Hardware, Precision, TrialStatus, WorkloadSpec
+from autoshard.config import Engine, Hardware, Precision, WorkloadSpec
+from autoshard.estimate.activations import profile_activations
+from autoshard.estimate.analytic import estimate_all
+from autoshard.results import TrialStatus
 from autoshard.search import TuneOptions, dominated_by, tune
 from autoshard.space import enumerate_candidates
 
@@ -66,7 +68,7 @@ def test_study_prunes_by_estimate_and_picks_the_fastest_measured(tmp_path, examp
 
 
 def json_label(trial: dict) -> str:
-    from autoshard.models import Candidate
+    from autoshard.config import Candidate
 
     return Candidate.model_validate(trial["candidate"]).label()
 
@@ -99,13 +101,14 @@ def test_killed_study_resumes_without_rerunning(tmp_path) -> None:
     # The killed run's workers stopped by themselves once the driver was gone.
     time.sleep(2)
     leftover = subprocess.run(
-        ["pgrep", "-f", f"autoshard.runner --control {out}"], capture_output=True, text=True
+        ["pgrep", "-f", f"autoshard.trials.worker --control {out}"], capture_output=True, text=True
     )
     assert leftover.stdout.strip() == ""
 
 
 def test_dominance_rules() -> None:
-    from autoshard.models import Candidate, TrialResult
+    from autoshard.config import Candidate
+    from autoshard.results import TrialResult
 
     fast = Candidate(precision="32-true")
     ckpt = fast.model_copy(update={"checkpointing": "all", "checkpoint_classes": ("x.B",)})

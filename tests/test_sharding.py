@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from autoshard.config import Candidate
 from autoshard.errors import ConfigError
-from autoshard.models import Candidate
 from autoshard.sharding import fsdp1_kwargs, make_optimizer, resolve_classes
 
 LINEAR = "torch.nn.modules.linear.Linear"

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 
 from autoshard.analyze import analyze_target
+from autoshard.config import Candidate, Hardware, Precision, WorkloadSpec
 from autoshard.errors import ConfigError
-from autoshard.memory import estimate_memory, precisions_of, profile_activations
-from autoshard.models import Candidate, Hardware, Precision, WorkloadSpec
-from autoshard.simulate import simulate_memory
-from autoshard.target import TargetSpec
+from autoshard.estimate.activations import precisions_of, profile_activations
+from autoshard.estimate.analytic import estimate_memory
+from autoshard.estimate.simulate import simulate_memory
+from autoshard.target.resolve import TargetSpec
 
 from .conftest import EXAMPLES, TARGETS
 

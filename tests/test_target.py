@@ -10,12 +10,7 @@ import torch
 from torch import nn
 
 from autoshard.errors import ModelError, TargetError
-from autoshard.target import (
-    BuildFallbackWarning,
-    TargetSpec,
-    build_target,
-    parse_kwargs,
-)
+from autoshard.target.resolve import BuildFallbackWarning, TargetSpec, build_target, parse_kwargs
 
 from .conftest import EXAMPLES, TARGETS
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autoshard._units import format_bytes
+from autoshard.units import format_bytes
 
 MIB, GIB, TIB = 2**20, 2**30, 2**40
 

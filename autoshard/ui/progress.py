@@ -8,8 +8,8 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from autoshard._units import format_bytes
-from autoshard.models import Scored, TrialResult, TrialStatus
+from autoshard.results import Scored, TrialResult, TrialStatus
+from autoshard.units import format_bytes
 
 _STYLE = {
     TrialStatus.OK: "green",
@@ -20,7 +20,7 @@ _STYLE = {
 }
 
 
-def _rate(t: TrialResult) -> str:
+def trial_rate(t: TrialResult) -> str:
     if t.tokens_per_s:
         return f"{t.tokens_per_s:,.0f} tok/s"
     return f"{t.samples_per_s:,.1f} samples/s" if t.samples_per_s else ""
@@ -34,7 +34,7 @@ def _row(s: Scored, best: float) -> list[str]:
     rate = t.tokens_per_s or t.samples_per_s or 0.0
     mark = " [bold]★[/]" if t.status is TrialStatus.OK and rate >= best else ""
     measured = format_bytes(t.max_allocated) if t.max_allocated is not None else ""
-    detail = _rate(t) + mark if t.status is TrialStatus.OK else (t.error or "")[:70]
+    detail = trial_rate(t) + mark if t.status is TrialStatus.OK else (t.error or "")[:70]
     return [
         s.candidate.label(),
         f"[{_STYLE[t.status]}]{t.status.value}[/]",

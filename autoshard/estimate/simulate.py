@@ -29,18 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoshard.config import Candidate, Engine, Hardware, Precision, Sharding, WorkloadSpec
 from autoshard.errors import ConfigError
-from autoshard.memory import allowance
-from autoshard.models import (
-    Candidate,
-    Engine,
-    Hardware,
-    MemoryBreakdown,
-    MemoryEstimate,
-    Precision,
-    Sharding,
-    WorkloadSpec,
-)
+from autoshard.estimate.analytic import allowance
+from autoshard.results import MemoryBreakdown, MemoryEstimate
 from autoshard.sharding import (
     apply_fsdp1,
     apply_fsdp2,
@@ -50,8 +42,8 @@ from autoshard.sharding import (
     make_optimizer,
     wrap_classes_of,
 )
-from autoshard.step import compute_loss, find_loss_fn, forward, make_batch, with_labels
-from autoshard.target import TargetSpec, build_target, load_callable
+from autoshard.target.resolve import TargetSpec, build_target, load_callable
+from autoshard.target.step import compute_loss, find_loss_fn, forward, make_batch, with_labels
 
 # Models deeper than EXTRAPOLATE_ABOVE blocks are simulated with EXTRAPOLATE_FROM blocks and one
 # more, and extrapolated (the peak is affine in depth from 4 blocks up).
@@ -150,7 +142,9 @@ def measure_training_peak(
     """What :func:`simulate_memory` predicts, measured: build and shard ``candidate`` for real on
     this rank of an initialised process group, as a trial does, and track two training steps.
     Every rank must call it; each gets its own peak."""
-    from autoshard.runner import build_for_training  # the worker's module, not loaded on import
+    from autoshard.trials.worker import (
+        build_for_training,  # the worker's module, not loaded on import
+    )
 
     with warnings_off():
         model, optimizer, batch, loss_fn = build_for_training(

@@ -1,7 +1,8 @@
 """The worker side of a trial: run inside a process group started by ``torch.distributed.run``.
 
-``python -m torch.distributed.run ... -m autoshard.runner --control DIR`` starts one of these per
-rank. They stay up for a whole study: rank 0 waits for ``DIR/request-N.json``, broadcasts it, every
+``python -m torch.distributed.run ... -m autoshard.trials.worker --control DIR`` starts one of
+these per rank. They stay up for a whole study: rank 0 waits for ``DIR/request-N.json``,
+broadcasts it, every
 rank runs the trial (build, shard, warm up, time, measure), and rank 0 writes
 ``DIR/result-N.json``. A trial that fails the same way on every rank (an OOM, a bad config) is
 recorded and the workers go on; a rank that dies or hangs is the driver's to handle
@@ -34,9 +35,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.models import Candidate, Engine, Precision, TrialStatus
+from autoshard.config import Candidate, Engine, Precision
+from autoshard.results import TrialStatus
 from autoshard.sharding import apply_fsdp1, apply_fsdp2, compute_dtype, fsdp2_mesh, make_optimizer
-from autoshard.step import (
+from autoshard.target.resolve import TargetSpec, build_target, load_callable
+from autoshard.target.step import (
     batch_samples,
     batch_tokens,
     compute_loss,
@@ -45,7 +48,6 @@ from autoshard.step import (
     make_batch,
     with_labels,
 )
-from autoshard.target import TargetSpec, build_target, load_callable
 
 # Models up to this size are built for real on the CPU (exact initialisation, computed buffers
 # kept); larger ones are built on meta and materialised shard by shard by FSDP.
@@ -372,7 +374,7 @@ def exit_worker(code: int = 0) -> NoReturn:
     measurement runs here, 0 of 30 that ended this way; pytorch/pytorch#179291).
     destroy_process_group does not join those threads while FSDP modules or a device mesh still
     hold the group. An abort would also read as a crash to a node that takes exit code 0 as the
-    stop request (:meth:`autoshard.group.WorkerGroup.serve`).
+    stop request (:meth:`autoshard.trials.group.WorkerGroup.serve`).
     """
     dist.destroy_process_group()
     sys.stdout.flush()

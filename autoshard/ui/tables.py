@@ -1,4 +1,4 @@
-"""Rich terminal rendering of a :class:`~autoshard.models.ModelProfile` (``autoshard analyze``)."""
+"""Rich terminal rendering of a :class:`~autoshard.results.ModelProfile` (``autoshard analyze``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
-from autoshard._units import format_bytes, format_count
-from autoshard.models import Hardware, MemoryEstimate, ModelProfile
+from autoshard.config import Hardware
+from autoshard.results import MemoryEstimate, ModelProfile
+from autoshard.units import format_bytes, format_count
 
 CLASS_ROWS = 12
 

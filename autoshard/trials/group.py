@@ -1,6 +1,7 @@
 """The driver side of trials: a worker group started once and fed one trial after another.
 
-The group is ``python -m torch.distributed.run`` running :mod:`autoshard.runner` on every rank:
+The group is ``python -m torch.distributed.run`` running :mod:`autoshard.trials.worker` on every
+rank:
 NCCL on the visible GPUs, or gloo with CPU processes where there is none. Launching a group costs
 seconds (about 5 s for 2 gloo processes on a 2-core machine, more with CUDA and NCCL), so it is
 started once per study and kept. Requests and results are small JSON files in a control folder
@@ -31,9 +32,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from autoshard.config import Candidate, WorkloadSpec
 from autoshard.errors import ConfigError
-from autoshard.models import Candidate, TrialResult, TrialStatus, WorkloadSpec
-from autoshard.target import TargetSpec
+from autoshard.results import TrialResult, TrialStatus
+from autoshard.target.resolve import TargetSpec
 
 LOG_TAIL_CHARS = 2000
 
@@ -140,7 +142,7 @@ class WorkerGroup:
             "--max-restarts=0",
             "--monitor-interval=0.5",
             "-m",
-            "autoshard.runner",
+            "autoshard.trials.worker",
             "--control",
             str(self.control),
         ]

@@ -1,5 +1,6 @@
-"""Turn what a user has in hand into a :class:`~autoshard.target.TargetSpec` that trial workers
-(other processes) can rebuild.
+"""Turn what a user has in hand into a :class:`~autoshard.target.resolve.TargetSpec` that trial
+workers (other processes) can rebuild: the one place a model is adapted, whichever door it came
+through.
 
 - a factory (function or class) importable by module path: ``module:qualname``; one defined in
   a script run as ``__main__``: ``path/to/script.py:qualname``;
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from autoshard.errors import ConfigError, TargetError
-from autoshard.target import TargetSpec, _import_file, build_target, load_callable
+from autoshard.target.resolve import TargetSpec, _import_file, build_target, load_callable
 
 __all__ = [
     "LightningStep",
@@ -67,7 +68,7 @@ def to_target(
     >>> from torch import nn
     >>> spec = to_target(nn.Sequential(nn.Linear(4, 4)))
     >>> spec.spec
-    'autoshard.adapters:load_saved_model'
+    'autoshard.target.adapters:load_saved_model'
     """
     kwargs = dict(kwargs or {})
     if isinstance(obj, TargetSpec):
@@ -144,7 +145,7 @@ def _module_target(model: nn.Module, batch: Any | None, out_dir: Path | None) ->
     kw: dict[str, Any] = {"path": str(path)}
     if files:
         kw["files"] = files
-    return TargetSpec(spec="autoshard.adapters:load_saved_model", kwargs=kw)
+    return TargetSpec(spec="autoshard.target.adapters:load_saved_model", kwargs=kw)
 
 
 def _with_batch(spec: TargetSpec, batch: Any | None, out_dir: Path | None) -> TargetSpec:
@@ -153,7 +154,7 @@ def _with_batch(spec: TargetSpec, batch: Any | None, out_dir: Path | None) -> Ta
     path = _save_dir(out_dir) / f"batch-{_digest(repr(spec))}.pt"
     torch.save(_saveable_batch(batch), path)
     return TargetSpec(
-        spec="autoshard.adapters:with_saved_batch",
+        spec="autoshard.target.adapters:with_saved_batch",
         kwargs={"target": spec.spec, "target_kwargs": spec.kwargs, "batch_path": str(path)},
     )
 
@@ -336,7 +337,7 @@ def _hf_target(model: nn.Module, batch: Any | None, out_dir: Path | None) -> Tar
     path.write_text(text)
     cls = type(model)
     spec = TargetSpec(
-        spec="autoshard.adapters:build_hf_from_config",
+        spec="autoshard.target.adapters:build_hf_from_config",
         kwargs={"model_class": f"{cls.__module__}:{cls.__qualname__}", "config": str(path)},
     )
     return _with_batch(spec, batch, out_dir)
@@ -428,6 +429,6 @@ def lightning_target(spec: TargetSpec, *, training_step: bool = True) -> TargetS
     """The target that builds ``spec``'s LightningModule (``configure_model`` included) and,
     with ``training_step``, trains it through its own ``training_step``."""
     return TargetSpec(
-        spec="autoshard.adapters:build_lightning",
+        spec="autoshard.target.adapters:build_lightning",
         kwargs={"factory": spec.spec, "kwargs": dict(spec.kwargs), "training_step": training_step},
     )

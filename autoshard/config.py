@@ -1,0 +1,226 @@
+"""Every choice autoshard makes or is told, in one place: the enums of the search space, a
+:class:`Candidate` (one FSDP configuration), the :class:`Hardware` to plan for and the
+:class:`WorkloadSpec` of one training step. Immutable pydantic models, validated here.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --------------------------------------------------------------------------------------------
+# The search space
+# --------------------------------------------------------------------------------------------
+
+
+class Engine(str, Enum):
+    """Which FSDP implementation runs the model."""
+
+    FSDP1 = "fsdp1"  # FullyShardedDataParallel, what Lightning's FSDPStrategy runs
+    FSDP2 = "fsdp2"  # fully_shard, Lightning's ModelParallelStrategy, torchtitan
+
+
+class Sharding(str, Enum):
+    """FSDP sharding strategy, by the names of ``torch.distributed.fsdp.ShardingStrategy``."""
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+
+
+class Precision(str, Enum):
+    """Lightning's precision names (the Trainer's ``precision=`` argument)."""
+
+    FP32 = "32-true"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "16-mixed"
+    BF16_TRUE = "bf16-true"
+
+
+class Checkpointing(str, Enum):
+    """Which wrapped blocks recompute their activations in backward."""
+
+    NONE = "none"
+    ALL = "all"  # every block of the checkpoint classes
+    EVERY_K = "every_k"  # every k-th block (``Candidate.checkpoint_every``)
+
+
+class Optimizer(str, Enum):
+    ADAMW = "adamw"
+    ADAM = "adam"
+    SGD = "sgd"
+
+
+class OptimizerImpl(str, Enum):
+    """torch optimizer implementation; foreach adds a transient the size of the shard x4."""
+
+    FOREACH = "foreach"
+    FUSED = "fused"
+    FOR_LOOP = "for_loop"
+
+
+class BackwardPrefetch(str, Enum):
+    BACKWARD_PRE = "BACKWARD_PRE"
+    BACKWARD_POST = "BACKWARD_POST"
+    NONE = "NONE"
+
+
+class Candidate(Frozen):
+    """One FSDP configuration: a point of the search space.
+
+    >>> from autoshard import Candidate
+    >>> candidate = Candidate(
+    ...     wrap_classes=("gpt.Block",), sharding="SHARD_GRAD_OP", precision="bf16-mixed",
+    ...     checkpointing="every_k", checkpoint_every=2, checkpoint_classes=("gpt.Block",),
+    ...     micro_batch_size=4)
+    >>> candidate.label()
+    'fsdp1 SHARD_GRAD_OP bf16-mixed ckpt/2 mbs4'
+    """
+
+    engine: Engine = Field(Engine.FSDP1, description="FSDP implementation that runs it.")
+    wrap_classes: tuple[str, ...] = Field(
+        (),
+        description="Fully qualified class paths wrapped as FSDP units (empty: whole model).",
+    )
+    min_num_params: int | None = Field(
+        None, description="Size-based wrapping threshold, used when wrap_classes is empty."
+    )
+    checkpointing: Checkpointing = Field(Checkpointing.NONE, description="Which blocks recompute.")
+    checkpoint_every: int = Field(
+        1, ge=1, description="With checkpointing=every_k: checkpoint one block in k."
+    )
+    checkpoint_classes: tuple[str, ...] = Field(
+        (), description="Class paths eligible for activation checkpointing (usually the blocks)."
+    )
+    sharding: Sharding = Field(Sharding.FULL_SHARD, description="Sharding strategy.")
+    hybrid_mesh: tuple[int, int] | None = Field(
+        None,
+        description="(replicate, shard) device-mesh shape for HYBRID_SHARD; None otherwise.",
+    )
+    cpu_offload: bool = Field(False, description="Offload parameters (and grads) to host memory.")
+    precision: Precision = Field(Precision.BF16_MIXED, description="Lightning precision name.")
+    reduce_dtype_fp32: bool = Field(
+        True, description="Reduce gradients in fp32 under mixed precision (Lightning's default)."
+    )
+    limit_all_gathers: bool = Field(True, description="FSDP1 rate limiter on all-gathers.")
+    forward_prefetch: bool = Field(False, description="Prefetch the next unit in forward.")
+    backward_prefetch: BackwardPrefetch = Field(
+        BackwardPrefetch.BACKWARD_PRE, description="FSDP1 backward prefetch policy."
+    )
+    optimizer: Optimizer = Field(Optimizer.ADAMW, description="Optimizer whose state is held.")
+    optimizer_impl: OptimizerImpl = Field(
+        OptimizerImpl.FOREACH, description="foreach / fused / for-loop implementation."
+    )
+    micro_batch_size: int = Field(1, ge=1, description="Samples per rank per step.")
+
+    @model_validator(mode="after")
+    def _check(self) -> Candidate:
+        if self.sharding is Sharding.HYBRID_SHARD and self.hybrid_mesh is None:
+            raise ValueError("HYBRID_SHARD needs hybrid_mesh=(replicate, shard)")
+        if self.sharding is not Sharding.HYBRID_SHARD and self.hybrid_mesh is not None:
+            raise ValueError("hybrid_mesh is only meaningful with HYBRID_SHARD")
+        if self.checkpointing is not Checkpointing.NONE and not self.checkpoint_classes:
+            raise ValueError("activation checkpointing needs checkpoint_classes")
+        return self
+
+    @property
+    def one_unit(self) -> bool:
+        """No wrap policy (Lightning's default ``FSDPStrategy()``): the whole model is one FSDP
+        unit."""
+        return not (self.wrap_classes or self.min_num_params)
+
+    def label(self) -> str:
+        """A short human label, stable across runs (used in tables and as a trial key)."""
+        parts = [self.engine.value, self.sharding.value]
+        if self.hybrid_mesh:
+            parts[-1] += f"{self.hybrid_mesh[0]}x{self.hybrid_mesh[1]}"
+        parts.append(self.precision.value)
+        if self.checkpointing is Checkpointing.ALL:
+            parts.append("ckpt")
+        elif self.checkpointing is Checkpointing.EVERY_K:
+            parts.append(f"ckpt/{self.checkpoint_every}")
+        if self.cpu_offload:
+            parts.append("offload")
+        if self.one_unit:
+            parts.append("nowrap")
+        elif not self.wrap_classes:
+            parts.append(f"wrap>={self.min_num_params}")
+        if self.optimizer_impl is not OptimizerImpl.FOREACH:
+            parts.append(self.optimizer_impl.value)
+        parts.append(f"mbs{self.micro_batch_size}")
+        return " ".join(parts)
+
+    def key(self) -> str:
+        """A canonical JSON key identifying this candidate (for resuming studies)."""
+        return self.model_dump_json()
+
+
+# --------------------------------------------------------------------------------------------
+# Hardware and workload
+# --------------------------------------------------------------------------------------------
+
+
+class Hardware(Frozen):
+    """The machines to plan for (not necessarily the ones at hand).
+
+    >>> from autoshard import Hardware
+    >>> cluster = Hardware(gpus_per_node=8, nodes=2, gpu_memory=80 * 2**30)
+    >>> cluster.world_size, cluster.usable_gpu_memory / 2**30  # 5% margin by default
+    (16, 76.0)
+    """
+
+    gpus_per_node: int = Field(1, ge=1, description="GPUs per node.")
+    nodes: int = Field(1, ge=1, description="Number of nodes.")
+    gpu_memory: int = Field(..., gt=0, description="Memory of one GPU in bytes.")
+    host_memory: int | None = Field(
+        None, description="Host memory per node in bytes (None: not checked)."
+    )
+    margin: float = Field(
+        0.05, ge=0, lt=1, description="Fraction of GPU memory kept free as a safety margin."
+    )
+    bf16_supported: bool = Field(True, description="Whether the GPUs compute in bf16.")
+    backend: Literal["nccl", "gloo"] = Field(
+        "nccl",
+        description=(
+            "Collective backend. 'gloo' plans for CPU processes (autoshard's CPU trials): its "
+            "reduce-scatter works on a copy of its input, and there is no CUDA allowance."
+        ),
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def usable_gpu_memory(self) -> int:
+        return int(self.gpu_memory * (1 - self.margin))
+
+
+class WorkloadSpec(Frozen):
+    """The shape of one training step, as far as memory and throughput are concerned.
+
+    >>> from autoshard import WorkloadSpec
+    >>> WorkloadSpec(micro_batch_size=4, seq_len=2048).tokens_per_sample
+    2048
+    >>> WorkloadSpec(micro_batch_size=32, input_shape=(3, 224, 224)).tokens_per_sample is None
+    True
+    """
+
+    micro_batch_size: int = Field(1, ge=1, description="Samples per rank per step.")
+    seq_len: int | None = Field(None, description="Tokens per sample for token models.")
+    vocab_size: int | None = Field(None, description="Vocabulary size, when the model has one.")
+    input_shape: tuple[int, ...] | None = Field(
+        None, description="Shape of one sample of a non-token input (e.g. (3, 224, 224))."
+    )
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        return self.seq_len

@@ -1,0 +1,133 @@
+"""The files a study leaves and :func:`load_result`, which reads any of them back for
+``autoshard export``: ``report.json`` (:func:`autoshard.ui.report.report_data`), ``report.html``
+(:mod:`autoshard.ui.html`), ``lightning.yaml`` and ``accelerate.yaml``. Reading never chooses:
+an ``estimate --json`` output carries the pipeline's decision (:mod:`autoshard.plan`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from autoshard.errors import AutoshardError, ResultError
+from autoshard.results import MemoryEstimate, Recommendation, Scored, TrialResult
+from autoshard.ui.html import render_html
+from autoshard.ui.report import report_data
+from autoshard.units import format_bytes
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+
+
+def write_report(
+    rec: Recommendation, out_dir: Path | str, trials: Sequence[TrialResult] = ()
+) -> dict[str, Path]:
+    """Write report.json, report.html, lightning.yaml and accelerate.yaml into ``out_dir``.
+
+    A YAML that cannot express the choice (see emit) is left out; the rest is still written.
+    """
+    from autoshard.emit.text import accelerate_yaml, lightning_cli_yaml
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    texts = {
+        "report.json": lambda: json.dumps(report_data(rec, trials), indent=2) + "\n",
+        "report.html": lambda: render_html(rec, trials),
+        "lightning.yaml": lambda: lightning_cli_yaml(rec),
+        "accelerate.yaml": lambda: accelerate_yaml(rec),
+    }
+    for name, make in texts.items():
+        try:
+            text = make()
+        except AutoshardError:
+            continue
+        path = out / name
+        path.write_text(text, encoding="utf-8")
+        written[name] = path
+    return written
+
+
+def load_result(path: Path | str) -> tuple[Recommendation, list[TrialResult]]:
+    """Read what ``tune`` or ``estimate`` wrote: an output folder (report.json, or
+    recommendation.json + trials.jsonl) or one of those JSON files."""
+    p = Path(path)
+    if p.is_dir():
+        for name in ("report.json", "recommendation.json"):
+            if (p / name).is_file():
+                return load_result(p / name)
+        raise ResultError(f"{p}: no report.json or recommendation.json here; run `autoshard tune`")
+    if not p.is_file():
+        raise ResultError(f"{p}: no such file or folder")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ResultError(f"{p}: not a JSON result ({exc})") from None
+    try:
+        return _from_json(data, p)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ResultError(f"{p}: not an autoshard result ({where}: {first['msg']})") from None
+
+
+def _from_json(data: Any, p: Path) -> tuple[Recommendation, list[TrialResult]]:
+    if not isinstance(data, dict):
+        raise ResultError(f"{p}: not an autoshard result (a JSON object is expected)")
+    if data.get("schema", "").startswith("autoshard.report/"):
+        rec = Recommendation.model_validate(data["recommendation"])
+        return rec, [TrialResult.model_validate(t) for t in data.get("trials", [])]
+    if "chosen" in data and "profile" in data:
+        rec = Recommendation.model_validate(data)
+        return rec, _read_trials(p.with_name("trials.jsonl"))
+    if "estimates" in data:
+        return _from_estimates(data, p), []
+    raise ResultError(f"{p}: not an autoshard result (from `tune` or `estimate --json`)")
+
+
+def _read_trials(path: Path) -> list[TrialResult]:
+    if not path.is_file():
+        return []
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(TrialResult.model_validate_json(line))
+            except ValidationError:
+                raise ResultError(f"{path}:{n}: not a trial record") from None
+    return out
+
+
+def _from_estimates(data: dict[str, Any], p: Path) -> Recommendation:
+    """``estimate --json``: the fastest-expected candidate that fits (the list is ranked)."""
+    from autoshard.config import Hardware, WorkloadSpec
+    from autoshard.results import ModelProfile
+
+    if "profile" not in data:
+        raise ResultError(
+            f"{p}: this estimate JSON has no model profile; re-run `autoshard estimate --json` "
+            "with this version, or export from a `tune` output folder"
+        )
+    estimates = [MemoryEstimate.model_validate(e) for e in data["estimates"]]
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:
+        raise ResultError(f"{p}: no candidate fits in this estimate; nothing to export")
+    best = fitting[0]
+    return Recommendation(
+        profile=ModelProfile.model_validate(data["profile"]),
+        hardware=Hardware.model_validate(data["hardware"]),
+        workload=WorkloadSpec.model_validate(data["workload"]),
+        chosen=Scored(candidate=best.candidate, estimate=best),
+        runners_up=tuple(Scored(candidate=e.candidate, estimate=e) for e in fitting[1:4]),
+        ruled_out=tuple(Scored(candidate=e.candidate, estimate=e) for e in estimates if not e.fits),
+        basis="estimate",
+        reasons=(
+            f"fastest expected of {len(fitting)} candidates predicted to fit "
+            f"({format_bytes(best.gpu_peak)} per rank)",
+        ),
+    )
