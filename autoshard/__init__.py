@@ -6,9 +6,9 @@ from autoshard.analyze import analyze_model, analyze_target
 from autoshard.api import NoGPUWarning, detect_hardware, estimate, recommend
 from autoshard.config import Candidate, Hardware, WorkloadSpec
 from autoshard.errors import AutoshardError
-from autoshard.estimate.activations import ActivationProfile, profile_activations
-from autoshard.estimate.analytic import estimate_all, estimate_memory, peak_moments
-from autoshard.estimate.simulate import simulate_memory
+from autoshard.predict.activations import ActivationProfile, profile_activations
+from autoshard.predict.analytic import estimate_all, estimate_memory, peak_moments
+from autoshard.predict.simulate import simulate_memory
 from autoshard.results import MemoryEstimate, ModelProfile, Recommendation, TrialResult
 from autoshard.search import TuneOptions, tune
 from autoshard.space import enumerate_candidates

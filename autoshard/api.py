@@ -23,9 +23,9 @@ import torch
 from autoshard.analyze import analyze_model
 from autoshard.config import Candidate, Engine, Hardware, Precision, WorkloadSpec
 from autoshard.errors import ConfigError
-from autoshard.estimate.activations import ActivationProfile, precisions_of, profile_activations
-from autoshard.estimate.analytic import estimate_all
-from autoshard.estimate.simulate import refine_with_simulation
+from autoshard.predict.activations import ActivationProfile, precisions_of, profile_activations
+from autoshard.predict.analytic import estimate_all
+from autoshard.predict.simulate import refine_with_simulation
 from autoshard.results import MemoryEstimate, ModelProfile, Recommendation, Scored
 from autoshard.space import (
     check_rank_order,

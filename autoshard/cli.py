@@ -137,8 +137,8 @@ def estimate(
     """Predict the per-GPU and host memory of every FSDP candidate on any cluster."""
     from autoshard.analyze import analyze_target
     from autoshard.config import Engine, Hardware, Precision, WorkloadSpec
-    from autoshard.estimate.activations import precisions_of, profile_activations
-    from autoshard.estimate.analytic import estimate_all
+    from autoshard.predict.activations import precisions_of, profile_activations
+    from autoshard.predict.analytic import estimate_all
     from autoshard.space import check_rank_order, enumerate_candidates, rank_candidates
     from autoshard.target.resolve import TargetSpec, parse_kwargs
     from autoshard.ui.tables import print_estimates
@@ -172,7 +172,7 @@ def estimate(
         if simulate < 0:
             raise ConfigError(f"--simulate {simulate}: give a number of candidates, 0 or more")
         if simulate:
-            from autoshard.estimate.simulate import refine_with_simulation
+            from autoshard.predict.simulate import refine_with_simulation
 
             ranked = refine_with_simulation(
                 spec, ranked, hardware, workload,

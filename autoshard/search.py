@@ -33,8 +33,8 @@ from optuna.trial import TrialState
 
 from autoshard.analyze import analyze_target
 from autoshard.config import Candidate, Checkpointing, Engine, Hardware, Precision, WorkloadSpec
-from autoshard.estimate.activations import precisions_of, profile_activations
-from autoshard.estimate.analytic import estimate_all
+from autoshard.predict.activations import precisions_of, profile_activations
+from autoshard.predict.analytic import estimate_all
 from autoshard.results import (
     MemoryEstimate,
     ModelProfile,

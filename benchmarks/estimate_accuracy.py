@@ -8,10 +8,10 @@ checkpointing on and off, fp32 and bf16 mixed precision, two micro-batch sizes) 
 - measured: one ``torch.distributed.run`` group of 2 gloo processes runs each configuration for
   real, built and sharded exactly as a trial does (``autoshard.trials.worker.build_sharded``),
   for two training steps under torch's own memory tracker
-  (``autoshard.estimate.simulate.track_training_peak``);
+  (``autoshard.predict.simulate.track_training_peak``);
   the peak is the largest over the ranks;
-- simulated: :func:`autoshard.estimate.simulate.simulate_memory` (fake tensors, fake process group);
-- analytic: :func:`autoshard.estimate.analytic.estimate_memory`.
+- simulated: :func:`autoshard.predict.simulate.simulate_memory` (fake tensors, fake process group);
+- analytic: :func:`autoshard.predict.analytic.estimate_memory`.
 Both estimates are compared without their GPU allowance (CUDA context and allocator slack, which
 a CPU run cannot show). Targets (issue 3): simulated within 5%, analytic within 10%, everywhere.
 On a GPU machine, ``--device cuda`` measures with ``torch.cuda.max_memory_allocated`` and
@@ -106,7 +106,7 @@ def worker(points_path: Path, out_path: Path, device_kind: str) -> None:
 
     from autoshard.analyze import analyze_target
     from autoshard.config import WorkloadSpec
-    from autoshard.estimate.simulate import measure_training_peak
+    from autoshard.predict.simulate import measure_training_peak
     from autoshard.trials.worker import exit_worker
 
     dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
@@ -188,9 +188,9 @@ def estimate(points: list[dict[str, Any]], device_kind: str, world: int) -> list
     backend the measurements ran on."""
     from autoshard.analyze import analyze_target
     from autoshard.config import Hardware, Precision, WorkloadSpec
-    from autoshard.estimate.activations import profile_activations
-    from autoshard.estimate.analytic import estimate_memory
-    from autoshard.estimate.simulate import simulate_memory
+    from autoshard.predict.activations import profile_activations
+    from autoshard.predict.analytic import estimate_memory
+    from autoshard.predict.simulate import simulate_memory
 
     backend = "nccl" if device_kind == "cuda" else "gloo"
     hardware = Hardware(gpus_per_node=world, gpu_memory=80 * 1024**3, backend=backend)

@@ -29,8 +29,8 @@ def main() -> None:
     start = time.perf_counter()
     from autoshard.analyze import analyze_target
     from autoshard.config import Hardware, WorkloadSpec
-    from autoshard.estimate.activations import precisions_of, profile_activations
-    from autoshard.estimate.analytic import estimate_all
+    from autoshard.predict.activations import precisions_of, profile_activations
+    from autoshard.predict.analytic import estimate_all
     from autoshard.space import enumerate_candidates
     from autoshard.target.resolve import TargetSpec
 

@@ -8,8 +8,8 @@ from torch import nn
 
 from autoshard.analyze import analyze_model
 from autoshard.config import Candidate, Engine, Hardware, OptimizerImpl, Precision, WorkloadSpec
-from autoshard.estimate.activations import ActivationProfile, profile_activations
-from autoshard.estimate.analytic import (
+from autoshard.predict.activations import ActivationProfile, profile_activations
+from autoshard.predict.analytic import (
     CUDA_CONTEXT_BYTES,
     estimate_all,
     estimate_memory,
@@ -196,7 +196,7 @@ def test_low_precision_profiles_see_what_the_model_keeps_in_fp32() -> None:
 def test_repeated_blocks_are_counted_as_if_each_had_run(monkeypatch) -> None:
     """Blocks with the same signature run once; the count must equal running every block,
     including tensors every block is given (a shared table saved by the first block only)."""
-    import autoshard.estimate.activations as memory
+    import autoshard.predict.activations as memory
 
     target = TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny", "n_layer": 6})
     built = build_target(target)

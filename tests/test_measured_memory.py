@@ -2,7 +2,7 @@
 
 This file is also the worker script: the test runs it under ``torch.distributed.run``, which
 trains each configuration for two steps under torch's memory tracker
-(:func:`autoshard.estimate.simulate.measure_training_peak`, what ``benchmarks/estimate_accuracy.py``
+(:func:`autoshard.predict.simulate.measure_training_peak`, what ``benchmarks/estimate_accuracy.py``
 runs over its whole grid).
 """
 
@@ -46,7 +46,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from autoshard.config import WorkloadSpec
-    from autoshard.estimate.simulate import measure_training_peak
+    from autoshard.predict.simulate import measure_training_peak
     from autoshard.target.resolve import TargetSpec
     from autoshard.trials.worker import exit_worker
 
@@ -68,9 +68,9 @@ def main() -> None:
 def test_estimates_planned_for_gloo_match_measured_gloo_runs(tmp_path) -> None:
     from autoshard.analyze import analyze_target
     from autoshard.config import Hardware, WorkloadSpec
-    from autoshard.estimate.activations import precisions_of, profile_activations
-    from autoshard.estimate.analytic import estimate_memory
-    from autoshard.estimate.simulate import simulate_memory
+    from autoshard.predict.activations import precisions_of, profile_activations
+    from autoshard.predict.analytic import estimate_memory
+    from autoshard.predict.simulate import simulate_memory
     from autoshard.target.resolve import TargetSpec
 
     result = tmp_path / "peaks.json"

@@ -13,8 +13,8 @@ import pytest
 
 from autoshard.analyze import analyze_target
 from autoshard.config import Engine, Hardware, Precision, WorkloadSpec
-from autoshard.estimate.activations import profile_activations
-from autoshard.estimate.analytic import estimate_all
+from autoshard.predict.activations import profile_activations
+from autoshard.predict.analytic import estimate_all
 from autoshard.results import TrialStatus
 from autoshard.search import TuneOptions, dominated_by, tune
 from autoshard.space import enumerate_candidates

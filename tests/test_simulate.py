@@ -8,9 +8,9 @@ import pytest
 from autoshard.analyze import analyze_target
 from autoshard.config import Candidate, Hardware, Precision, WorkloadSpec
 from autoshard.errors import ConfigError
-from autoshard.estimate.activations import precisions_of, profile_activations
-from autoshard.estimate.analytic import estimate_memory
-from autoshard.estimate.simulate import simulate_memory
+from autoshard.predict.activations import precisions_of, profile_activations
+from autoshard.predict.analytic import estimate_memory
+from autoshard.predict.simulate import simulate_memory
 from autoshard.target.resolve import TargetSpec
 
 from .conftest import EXAMPLES, TARGETS

@@ -1,3 +1,3 @@
-"""The memory and speed of a candidate without running it: activation profiles on fake tensors
+"""Predictions of a candidate without running it: activation profiles on fake tensors
 (:mod:`.activations`), the analytic model (:mod:`.analytic`), the simulation of real FSDP code on
 fake tensors (:mod:`.simulate`)."""

@@ -1,5 +1,5 @@
 """Analytic per-rank memory of an FSDP candidate: pure arithmetic after one activation profile
-(:mod:`autoshard.estimate.activations`).
+(:mod:`autoshard.predict.activations`).
 
 The per-rank peak is the largest of the moments of a training step, each a sum of terms (see
 ``../shared/design.md``, "Memory", and :func:`peak_moments`): the loss at the end of forward,
@@ -33,7 +33,7 @@ from autoshard.config import (
     Sharding,
     WorkloadSpec,
 )
-from autoshard.estimate.activations import ActivationProfile, precision_bytes, rule_of_thumb
+from autoshard.predict.activations import ActivationProfile, precision_bytes, rule_of_thumb
 from autoshard.results import MemoryBreakdown, MemoryEstimate, ModelProfile
 
 # What a CPU cannot see on a GPU: the CUDA context and cuBLAS workspace (about 0.5-1 GiB on

@@ -31,7 +31,7 @@ from torch import nn
 
 from autoshard.config import Candidate, Engine, Hardware, Precision, Sharding, WorkloadSpec
 from autoshard.errors import ConfigError
-from autoshard.estimate.analytic import allowance
+from autoshard.predict.analytic import allowance
 from autoshard.results import MemoryBreakdown, MemoryEstimate
 from autoshard.sharding import (
     apply_fsdp1,
