@@ -67,6 +67,29 @@ class OptimizerImpl(str, Enum):
     FOR_LOOP = "for_loop"
 
 
+class Reshard(str, Enum):
+    """Which FSDP2 units free their gathered parameters after forward (``reshard_after_forward``).
+
+    FSDP1 has no such per-unit choice: its sharding strategy decides (FULL_SHARD reshards,
+    SHARD_GRAD_OP keeps everything), so FSDP1 candidates keep ``ALL``."""
+
+    ALL = "all"  # every unit reshards after forward (reshard_after_forward=True everywhere)
+    KEEP_ROOT = "keep_root"  # fully_shard's default (None): the root stays gathered
+    KEEP_ROOT_AND_LAST = "keep_root_and_last"  # torchtitan: the root and the last block stay
+
+
+class Loop(str, Enum):
+    """The order of one training step in the user's loop, which decides what memory is alive
+    together."""
+
+    # Lightning's Trainer (automatic optimization): training_step, then zero_grad, then backward
+    # (lightning/pytorch/loops/optimization/automatic.py): the previous step's gradients are
+    # still allocated during the next forward.
+    LIGHTNING = "lightning"
+    # A plain loop: forward, backward, step, zero_grad(set_to_none=True).
+    PLAIN = "plain"
+
+
 class BackwardPrefetch(str, Enum):
     BACKWARD_PRE = "BACKWARD_PRE"
     BACKWARD_POST = "BACKWARD_POST"
@@ -120,6 +143,9 @@ class Candidate(Frozen):
         OptimizerImpl.FOREACH, description="foreach / fused / for-loop implementation."
     )
     micro_batch_size: int = Field(1, ge=1, description="Samples per rank per step.")
+    reshard: Reshard = Field(
+        Reshard.ALL, description="FSDP2: which units reshard after forward (FSDP1: always ALL)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Candidate:
@@ -187,6 +213,19 @@ class Hardware(Frozen):
         0.05, ge=0, lt=1, description="Fraction of GPU memory kept free as a safety margin."
     )
     bf16_supported: bool = Field(True, description="Whether the GPUs compute in bf16.")
+    gpu: str | None = Field(
+        None,
+        description="GPU catalogue id (autoshard.gpus), e.g. 'h100-sxm': sets speed facts; None: "
+        "the detected GPU's entry, or an assumed one (said in a warning).",
+    )
+    intra_node_bandwidth: float | None = Field(
+        None, gt=0, description="Bytes/s of one GPU's link inside a node (None: the catalogue's)."
+    )
+    inter_node_bandwidth: float | None = Field(
+        None,
+        gt=0,
+        description="Bytes/s of one node's network between nodes (None: the catalogue's).",
+    )
     backend: Literal["nccl", "gloo"] = Field(
         "nccl",
         description=(
@@ -215,6 +254,14 @@ class WorkloadSpec(Frozen):
     """
 
     micro_batch_size: int = Field(1, ge=1, description="Samples per rank per step.")
+    loop: Loop = Field(
+        Loop.LIGHTNING,
+        description="The training loop's order: 'lightning' (the Trainer: zero_grad before "
+        "backward, gradients alive through the next forward) or 'plain' (zero_grad after step).",
+    )
+    accumulate: int = Field(
+        1, ge=1, description="Micro-batches whose gradients accumulate before each optimizer step."
+    )
     seq_len: int | None = Field(None, description="Tokens per sample for token models.")
     vocab_size: int | None = Field(None, description="Vocabulary size, when the model has one.")
     input_shape: tuple[int, ...] | None = Field(

@@ -132,6 +132,30 @@ class MemoryBreakdown(Frozen):
         return sum(int(v) for v in self.model_dump().values())
 
 
+class SpeedBreakdown(Frozen):
+    """Seconds of one optimizer step of one rank, by cause (what is not hidden behind compute)."""
+
+    compute_s: float = Field(0.0, description="Forward and backward FLOPs at the GPU's speed.")
+    recompute_s: float = Field(0.0, description="Forwards re-run by activation checkpointing.")
+    exposed_comm_s: float = Field(
+        0.0, description="All-gathers, reduce-scatters, all-reduces not overlapped with compute."
+    )
+    offload_s: float = Field(0.0, description="CPU offload: host<->GPU copies, host optimizer.")
+    optimizer_s: float = Field(0.0, description="The optimizer step on the GPU.")
+
+
+class SpeedEstimate(Frozen):
+    """Predicted speed of one candidate on the planned GPUs (:mod:`autoshard.predict.speed`)."""
+
+    step_time_s: float = Field(..., description="Seconds per optimizer step per rank.")
+    samples_per_s: float = Field(..., description="Samples per second, all ranks together.")
+    tokens_per_s_per_gpu: float | None = Field(None, description="Tokens/s of one GPU.")
+    mfu: float | None = Field(None, description="Model FLOPs utilisation (0-1).")
+    breakdown: SpeedBreakdown = Field(default_factory=SpeedBreakdown)
+    gpu: str = Field("", description="Catalogue id of the GPU the prediction is for.")
+    calibrated: bool = Field(False, description="Whether measured trials calibrated the model.")
+
+
 class MemoryEstimate(Frozen):
     """Predicted per-rank memory of one candidate on one hardware target.
 
@@ -156,6 +180,7 @@ class MemoryEstimate(Frozen):
     fits: bool
     headroom: int = Field(..., description="usable GPU memory minus gpu_peak (negative: OOM).")
     reason: str = Field("", description="Why it does not fit, when it does not.")
+    speed: SpeedEstimate | None = Field(None, description="Predicted speed, when modelled.")
 
 
 class TrialStatus(str, Enum):
@@ -184,6 +209,11 @@ class TrialResult(Frozen):
     world_size: int = 1
     step_time: float | None = Field(None, description="Median seconds per timed step.")
     step_times: tuple[float, ...] = ()
+    step_time_spread: float | None = Field(
+        None,
+        description="Relative uncertainty of step_time (e.g. 0.03: the median is known to "
+        "within 3%); two trials closer than their spreads are a tie.",
+    )
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
     peak_allocated: tuple[int, ...] = Field((), description="Per-rank peak allocated bytes.")
