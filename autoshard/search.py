@@ -88,6 +88,12 @@ def study_name(plan: Plan) -> str:
     return "autoshard-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
+def trial_order(plan: Plan, device: str) -> list[MemoryEstimate]:
+    """The order in which the study tries the candidates of ``plan`` on workers of ``device``:
+    fitting ones first, the most promising first."""
+    return rank_candidates(plan.estimates, device=device)
+
+
 def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
     """Run (or resume) the study of ``plan`` and return the fastest configuration that fits
     (:func:`autoshard.plan.decide_from_trials`)."""
@@ -103,7 +109,7 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
         rdzv_endpoint=opts.rdzv_endpoint,
         trial_timeout=opts.trial_timeout,
     )  # launched lazily, by the first trial
-    ranked = rank_candidates(plan.estimates, device=group.device)
+    ranked = trial_order(plan, group.device)
     by_label = {e.candidate.label(): e for e in ranked}
     # Sorted, so that the distribution is the same whatever the order of trials (resuming).
     distribution = CategoricalDistribution(sorted(by_label))
