@@ -28,6 +28,9 @@ class ClassStat(Frozen):
     params_each: int = Field(
         ..., description="Parameters of one instance, sub-modules included (largest instance)."
     )
+    params_smallest: int | None = Field(
+        None, description="Parameters of the smallest instance, when instances differ in size."
+    )
     params_total: int = Field(
         ..., description="Unique parameters under all instances (nested instances counted once)."
     )

@@ -171,7 +171,7 @@ def test_export_cli(cli, tmp_path: Path) -> None:
     ("args", "match"),
     [
         (["nowhere"], "nowhere: no such file or folder"),
-        (["OUT", "--format", "toml"], "--format 'toml': choose one of lightning"),
+        (["OUT", "--format", "toml"], "--format toml: choose one of lightning"),
         (["OUT", "-o", "/nonexistent-dir/x.yaml"], "cannot write"),
     ],
 )

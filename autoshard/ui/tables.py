@@ -82,7 +82,11 @@ def print_profile(profile: ModelProfile, console: Console | None = None) -> None
         classes.add_row(
             name,
             str(c.count),
-            format_count(c.params_each),
+            # Instances of different sizes (Linear layers of a whole model) read as a range,
+            # not as the largest one "each".
+            format_count(c.params_each)
+            if c.params_smallest is None
+            else f"{format_count(c.params_smallest)}-{format_count(c.params_each)}",
             format_count(c.params_total),
             f"{c.share:.1%}",
         )
