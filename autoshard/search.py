@@ -33,6 +33,14 @@ from optuna.trial import TrialState
 
 from autoshard.analyze import analyze_target
 from autoshard.config import Candidate, Checkpointing, Engine, Hardware, Precision, WorkloadSpec
+from autoshard.measure import (
+    compare,
+    is_tie,
+    rank_trials,
+    speed_basis,
+    spread_of,
+    trials_checked_line,
+)
 from autoshard.predict.activations import precisions_of, profile_activations
 from autoshard.predict.analytic import estimate_all
 from autoshard.results import (
@@ -47,6 +55,7 @@ from autoshard.space import enumerate_candidates, rank_candidates, wrap_reason
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.group import WorkerGroup
 from autoshard.ui.files import write_report
+from autoshard.units import format_bytes
 
 RESULT_ATTR = "autoshard_result"
 # What a study leaves in its output folder (besides study.db and the workers' logs).
@@ -56,38 +65,64 @@ STUDY_FILES = (
 )  # fmt: skip
 DEFAULT_TRIALS = 12
 
-_CKPT_LEVEL = {Checkpointing.NONE: 0, Checkpointing.EVERY_K: 1, Checkpointing.ALL: 2}
+# The fields the dominance rules reason about; every other field must be equal.
+_CHECKPOINT_FIELDS = frozenset({"checkpointing", "checkpoint_every", "checkpoint_classes"})
+_SAVING_FIELDS = _CHECKPOINT_FIELDS | {"cpu_offload"}
+
+
+def _recompute_share(c: Candidate) -> float:
+    """Share of the checkpoint classes' blocks recomputed in backward."""
+    match c.checkpointing:
+        case Checkpointing.NONE:
+            return 0.0
+        case Checkpointing.EVERY_K:
+            return 1.0 / c.checkpoint_every
+        case Checkpointing.ALL:
+            return 1.0
+    raise AssertionError(c.checkpointing)
+
+
+def _same_except(a: Candidate, b: Candidate, fields: frozenset[str]) -> bool:
+    return a.model_dump(exclude=set(fields)) == b.model_dump(exclude=set(fields))
+
+
+def _saves_less_or_equal(a: Candidate, b: Candidate) -> bool | None:
+    """Whether ``a`` recomputes and offloads no more than ``b`` (None: not comparable, e.g.
+    checkpointing of different classes)."""
+    both_checkpoint = a.checkpointing is not Checkpointing.NONE and (
+        b.checkpointing is not Checkpointing.NONE
+    )
+    if both_checkpoint and a.checkpoint_classes != b.checkpoint_classes:
+        return None
+    return _recompute_share(a) <= _recompute_share(b) and a.cpu_offload <= b.cpu_offload
 
 
 def dominated_by(candidate: Candidate, done: Sequence[TrialResult]) -> TrialResult | None:
-    """A finished trial that makes trying ``candidate`` pointless (see the module docstring)."""
+    """A finished trial that makes trying ``candidate`` pointless (see the module docstring).
+
+    Each rule holds everything equal except what it reasons about: checkpointing and offload
+    (and, for an OOM, the micro-batch size). A different wrap policy, engine, precision,
+    sharding, reshard policy or optimizer implementation is never dominated.
+    """
     for r in done:
         o = r.candidate
-        same = (
-            o.engine == candidate.engine
-            and o.precision == candidate.precision
-            and o.sharding == candidate.sharding
-            and o.hybrid_mesh == candidate.hybrid_mesh
-        )
-        if not same:
+        if o == candidate:
             continue
-        saves_less = (
-            _CKPT_LEVEL[o.checkpointing] <= _CKPT_LEVEL[candidate.checkpointing]
-            and o.cpu_offload <= candidate.cpu_offload
-        )
-        same_batch = o.micro_batch_size == candidate.micro_batch_size
-        if r.status is TrialStatus.OK and saves_less and same_batch and o != candidate:
-            return r
-        saves_more = (
-            _CKPT_LEVEL[o.checkpointing] >= _CKPT_LEVEL[candidate.checkpointing]
-            and o.cpu_offload >= candidate.cpu_offload
-        )
+        # The same configuration with less recompute / no offload ran fine: more recompute or
+        # offload can only cost time.
         if (
-            r.status is TrialStatus.OOM
-            and saves_more
-            and o.micro_batch_size <= candidate.micro_batch_size
+            r.status is TrialStatus.OK
+            and _same_except(o, candidate, _SAVING_FIELDS)
+            and _saves_less_or_equal(o, candidate)
         ):
             return r
+        if r.status is TrialStatus.OOM and _same_except(
+            o, candidate, _SAVING_FIELDS | {"micro_batch_size"}
+        ):
+            # It ran out of memory while saving at least as much at no larger a micro-batch.
+            no_larger = o.micro_batch_size <= candidate.micro_batch_size
+            if _saves_less_or_equal(candidate, o) and no_larger:
+                return r
     return None
 
 
@@ -297,12 +332,18 @@ def recommend_from_trials(
     estimates: Sequence[MemoryEstimate],
     results: Sequence[TrialResult],
 ) -> Recommendation:
-    """The fastest measured configuration; runners-up; what was ruled out and why."""
+    """The best configuration that ran; every other trial as a runner-up or ruled out.
+
+    Which is best depends on where the trials ran (:func:`autoshard.measure.speed_basis`): on the
+    planned hardware, the fastest measured, a tie within noise going to more headroom
+    (:func:`autoshard.measure.rank_trials`); on CPU processes while planning for GPUs, the
+    trials only show that a configuration builds, trains and fits, and the fastest of those
+    predicted by the speed model for the planned GPUs wins.
+    """
     from autoshard.errors import AutoshardError
 
     by_label = {e.candidate.label(): e for e in estimates}
-    ok = sorted((r for r in results if r.status is TrialStatus.OK), key=_throughput, reverse=True)
-    if not ok:
+    if not any(r.status is TrialStatus.OK for r in results):
         reasons = "; ".join(sorted({f"{r.status.value}: {r.error}" for r in results})[:3])
         raise AutoshardError(
             f"no configuration ran successfully ({len(results)} tried or ruled out: {reasons}); "
@@ -312,17 +353,22 @@ def recommend_from_trials(
     def scored(r: TrialResult) -> Scored:
         return Scored(candidate=r.candidate, estimate=by_label.get(r.candidate.label()), trial=r)
 
-    best = ok[0]
+    if speed_basis(hardware, results) == "model":
+        ok = rank_by_prediction(results, by_label)
+        why = explain_by_prediction(ok, by_label, hardware, profile)
+    else:
+        ok = rank_trials(results)
+        why = explain(ok[0], ok, profile)
     failed = [r for r in results if r.status is not TrialStatus.OK]
     return Recommendation(
         profile=profile,
         hardware=hardware,
         workload=workload,
-        chosen=scored(best),
-        runners_up=tuple(scored(r) for r in ok[1:5]),
+        chosen=scored(ok[0]),
+        runners_up=tuple(scored(r) for r in ok[1:]),  # all of them: the report lists every trial
         ruled_out=tuple(scored(r) for r in failed),
         basis="trials",
-        reasons=tuple(explain(best, ok, profile)),
+        reasons=tuple(why),
         versions={"autoshard": version("autoshard"), "torch": torch.__version__},
     )
 
@@ -334,24 +380,114 @@ def _show(value: object) -> str:
     return str(getattr(value, "value", value))
 
 
-def explain(best: TrialResult, ok: Sequence[TrialResult], profile: ModelProfile) -> list[str]:
-    """One line per chosen setting, with the measurement behind it."""
-    c = best.candidate
-    lines = [
-        f"fastest of {len(ok)} measured configurations: {best.step_time or 0:.3f} s/step, "
-        f"{_throughput(best):,.0f} {'tokens' if best.tokens_per_s else 'samples'}/s on "
-        f"{best.world_size} {best.device} ranks",
-        wrap_reason(c, profile),
+def _differences(chosen: Candidate, other: Candidate) -> list[str]:
+    """The explained settings in which ``other`` differs from ``chosen``, as name=value."""
+    diff = [
+        f"{name}={_show(getattr(other, name))}"
+        for name in _EXPLAINED
+        if getattr(other, name) != getattr(chosen, name)
     ]
-    for r in ok[1:]:
-        o = r.candidate
-        diff = [
-            f"{name}={_show(getattr(o, name))}"
-            for name in _EXPLAINED
-            if getattr(o, name) != getattr(c, name)
-        ]
-        if len(diff) == 1:
-            lines.append(
-                f"{diff[0]} measured {_throughput(best) / max(_throughput(r), 1e-9):.2f}x slower"
+    if (other.wrap_classes, other.min_num_params) != (chosen.wrap_classes, chosen.min_num_params):
+        diff.append(
+            "auto_wrap_policy="
+            + (
+                "none (one unit)"
+                if other.one_unit
+                else ",".join(c.rsplit(".", 1)[-1] for c in other.wrap_classes)
+                or f"size>={other.min_num_params:,}"
             )
+        )
+    return diff
+
+
+def explain(best: TrialResult, ok: Sequence[TrialResult], profile: ModelProfile) -> list[str]:
+    """One line per chosen setting, with the measurement behind it. A difference within the
+    two trials' noise is called a tie, never a win (:func:`autoshard.measure.compare`)."""
+    c = best.candidate
+    unit = "tokens" if best.tokens_per_s else "samples"
+    measured = (
+        f"{best.step_time or 0:.3f} s/step (±{spread_of(best):.0%}), {_throughput(best):,.0f} "
+        f"{unit}/s on {best.world_size} {best.device} ranks"
+    )
+    fastest = max(ok, key=_throughput)
+    tied = [r for r in ok if r is not fastest and is_tie(fastest, r)]
+    if fastest is best and not tied:
+        first = f"fastest of {len(ok)} measured configurations: {measured}"
+    else:
+        noise = spread_of(fastest) + max(spread_of(r) for r in [best, *tied])
+        first = (
+            f"tie within noise (±{noise:.0%}) between {len(tied) + 1} of {len(ok)} measured "
+            f"configurations, chosen by headroom (peak {format_bytes(best.max_allocated or 0)}): "
+            f"{measured}"
+        )
+    lines = [first, wrap_reason(c, profile)]
+    for r in ok:
+        if r is best:
+            continue
+        diff = _differences(c, r.candidate)
+        if len(diff) != 1:
+            continue
+        outcome = compare(best, r)
+        if outcome.tie:
+            lines.append(f"{diff[0]}: tie within noise (±{outcome.noise:.0%})")
+        elif outcome.winner is best:
+            lines.append(f"{diff[0]} measured {outcome.ratio:.2f}x slower")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU trials for GPUs: the trials check, the model ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def _predicted_rate(r: TrialResult, by_label: dict[str, MemoryEstimate]) -> float | None:
+    e = by_label.get(r.candidate.label())
+    return e.speed.samples_per_s if e is not None and e.speed is not None else None
+
+
+def rank_by_prediction(
+    results: Sequence[TrialResult], by_label: dict[str, MemoryEstimate]
+) -> list[TrialResult]:
+    """Successful trials, the fastest predicted first (equal predictions: more measured
+    headroom first); trials without a prediction last, by measured throughput."""
+    ok = [r for r in results if r.status is TrialStatus.OK]
+    return sorted(
+        ok,
+        key=lambda r: (
+            _predicted_rate(r, by_label) is not None,
+            _predicted_rate(r, by_label) or _throughput(r),
+            -(r.max_allocated or 0),
+        ),
+        reverse=True,
+    )
+
+
+def explain_by_prediction(
+    ok: Sequence[TrialResult],
+    by_label: dict[str, MemoryEstimate],
+    hardware: Hardware,
+    profile: ModelProfile,
+) -> list[str]:
+    """Why the chosen one, when CPU trials checked the configurations and the model ranked."""
+    best = ok[0]
+    rate = _predicted_rate(best, by_label)
+    speed = by_label[best.candidate.label()].speed if rate is not None else None
+    lines = [trials_checked_line(hardware, speed.gpu if speed else None)]
+    if speed is not None:
+        per_gpu = (
+            f", {speed.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
+            if speed.tokens_per_s_per_gpu
+            else ""
+        )
+        mfu = f", MFU {speed.mfu:.0%}" if speed.mfu else ""
+        lines.append(
+            f"fastest predicted of {len(ok)} configurations that ran: "
+            f"{speed.step_time_s:.3f} s/step{per_gpu}{mfu}"
+        )
+    lines.append(wrap_reason(best.candidate, profile))
+    for r in ok[1:]:
+        diff = _differences(best.candidate, r.candidate)
+        other = _predicted_rate(r, by_label)
+        if len(diff) == 1 and rate and other:
+            lines.append(f"{diff[0]} predicted {rate / other:.2f}x slower")
     return lines
