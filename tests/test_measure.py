@@ -183,7 +183,9 @@ def test_every_trial_is_in_the_recommendation() -> None:
 
 
 def with_speed(e: MemoryEstimate, samples_per_s: float) -> MemoryEstimate:
-    speed = SpeedEstimate(step_time_s=4 / samples_per_s, samples_per_s=samples_per_s, gpu="h100-sxm")
+    speed = SpeedEstimate(
+        step_time_s=4 / samples_per_s, samples_per_s=samples_per_s, gpu="h100-sxm"
+    )
     return e.model_copy(update={"speed": speed})
 
 
@@ -206,3 +208,12 @@ def test_cpu_trials_for_gpus_check_and_the_model_ranks() -> None:
     # The same trials planning for CPU processes: the measurement decides.
     assert speed_basis(HARDWARE, [cpu_fast, gpu_fast]) == "trials"
     assert recommend([cpu_fast, gpu_fast], HARDWARE, estimates).chosen.trial is cpu_fast
+
+
+def test_the_module_examples_run() -> None:
+    import doctest
+
+    import autoshard.measure
+
+    result = doctest.testmod(autoshard.measure, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 8 and result.failed == 0

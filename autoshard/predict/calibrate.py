@@ -1,0 +1,278 @@
+"""Calibrate the step-time model with trials: fit its factors to what was measured, predict the
+untried candidates again, and try the fastest predicted next.
+
+The step-time model (:mod:`autoshard.predict.speed`) divides each part of a step by a factor
+(compute by an efficiency, communication by a bandwidth factor, offload by a host factor, ...)
+that datasheets cannot give. Each measured trial is one equation
+
+    measured step time  ~=  predicted step time (factors)
+
+and :func:`fit_factors` solves them in the least-squares sense, on log step times (relative
+errors: a 10% miss on a 0.05 s step counts as much as on a 5 s step). The fit goes through the
+model itself, not a linear sum of its breakdown terms, because the terms are not linear in the
+factors (communication hidden behind compute is exposed only beyond it).
+
+Robust with few points:
+- a factor is fitted only when some measured step time depends on it (its sensitivity
+  ``d log t / d log f`` is at least 2%): a study with no CPU offload says nothing about the host
+  factor, which keeps its prior;
+- with n points at most ``max(1, n - 1)`` factors are fitted, the dominant ones first (largest
+  mean sensitivity): one trial fixes the overall speed, mostly through the compute efficiency;
+- a weak pull towards the prior (ridge on log factors) keeps factors that the points cannot
+  tell apart (two terms that always move together) where they were;
+- every factor stays within sane bounds: those its field declares (``le=1`` on an efficiency)
+  and within a factor of 20 of its prior.
+
+The factors are any frozen pydantic model of float fields (the speed model's ``SpeedFactors``);
+the model is any function ``(candidate, factors) -> SpeedEstimate``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import annotated_types
+import numpy as np
+from pydantic import BaseModel
+
+from autoshard.config import Candidate
+from autoshard.results import MemoryEstimate, SpeedEstimate, TrialResult, TrialStatus
+
+F = TypeVar("F", bound=BaseModel)
+Predict = Callable[[Candidate, F], SpeedEstimate]
+
+MIN_SENSITIVITY = 0.02  # d log(step time) / d log(factor) below this: the points cannot see it
+PRIOR_WEIGHT = 1e-3  # ridge on log factors, against the sum of squared log errors
+MAX_RATIO_TO_PRIOR = 20.0
+_STEP = 0.05  # finite-difference step in log space
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured trial: the candidate and its measured seconds per step."""
+
+    candidate: Candidate
+    step_time: float
+
+
+@dataclass(frozen=True)
+class Calibration(Generic[F]):
+    """What a fit found: the factors, which of them were fitted, and how well the model then
+    matches the points it was fitted on."""
+
+    factors: F
+    fitted: tuple[str, ...]
+    points: tuple[Point, ...]
+    predicted: tuple[float, ...]  # step times of the points with the fitted factors
+    error_before: float  # root-mean-square relative error with the prior factors
+    error_after: float
+
+    def describe(self) -> str:
+        values = ", ".join(f"{k}={getattr(self.factors, k):.3g}" for k in self.fitted)
+        return (
+            f"calibrated on {len(self.points)} trials ({values or 'nothing fitted'}): "
+            f"step-time error {self.error_before:.0%} -> {self.error_after:.0%}"
+        )
+
+
+def points_of(trials: Sequence[TrialResult]) -> list[Point]:
+    """The successful, timed trials as calibration points."""
+    return [
+        Point(t.candidate, t.step_time)
+        for t in trials
+        if t.status is TrialStatus.OK and t.step_time and t.step_time > 0
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The fit
+# ---------------------------------------------------------------------------------------------
+
+
+def _float_fields(factors: BaseModel) -> list[str]:
+    return [
+        name
+        for name, info in type(factors).model_fields.items()
+        if info.annotation in (float, "float") and float(getattr(factors, name)) > 0
+    ]
+
+
+def _bounds(factors: BaseModel, name: str) -> tuple[float, float]:
+    """Log-space bounds of one factor: its field's declared limits, and a factor of
+    MAX_RATIO_TO_PRIOR around its prior value."""
+    prior = float(getattr(factors, name))
+    lo, hi = prior / MAX_RATIO_TO_PRIOR, prior * MAX_RATIO_TO_PRIOR
+    for limit in type(factors).model_fields[name].metadata:
+        # An open bound (gt/lt) is approached, never reached: a hair inside it.
+        if isinstance(limit, annotated_types.Le):
+            hi = min(hi, float(limit.le))  # type: ignore[arg-type]
+        elif isinstance(limit, annotated_types.Lt):
+            hi = min(hi, float(limit.lt) * (1 - 1e-9))  # type: ignore[arg-type]
+        elif isinstance(limit, annotated_types.Ge):
+            lo = max(lo, float(limit.ge))  # type: ignore[arg-type]
+        elif isinstance(limit, annotated_types.Gt):
+            lo = max(lo, float(limit.gt) * (1 + 1e-9))  # type: ignore[arg-type]
+    lo = max(lo, 1e-12)
+    return math.log(lo), math.log(max(hi, lo))
+
+
+def _with(factors: F, names: Sequence[str], logs: np.ndarray) -> F:
+    return factors.model_copy(
+        update={n: float(math.exp(v)) for n, v in zip(names, logs, strict=True)}
+    )
+
+
+def _log_times(points: Sequence[Point], predict: Predict[F], factors: F) -> np.ndarray:
+    return np.array([math.log(predict(p.candidate, factors).step_time_s) for p in points])
+
+
+def _rms_relative(predicted: Sequence[float], points: Sequence[Point]) -> float:
+    if not points:
+        return 0.0
+    errs = [pred / p.step_time - 1 for pred, p in zip(predicted, points, strict=True)]
+    return math.sqrt(sum(e * e for e in errs) / len(errs))
+
+
+def sensitivities(
+    points: Sequence[Point], predict: Predict[F], factors: F, names: Sequence[str]
+) -> np.ndarray:
+    """``d log(step time) / d log(factor)`` for each point (rows) and factor (columns): about
+    minus the share of the step that the factor divides."""
+    base = _log_times(points, predict, factors)
+    logs = np.array([math.log(getattr(factors, n)) for n in names])
+    out = np.zeros((len(points), len(names)))
+    for j in range(len(names)):
+        up = logs.copy()
+        up[j] += _STEP
+        out[:, j] = (_log_times(points, predict, _with(factors, names, up)) - base) / _STEP
+    return out
+
+
+def choose_factors(
+    points: Sequence[Point], predict: Predict[F], prior: F, names: Sequence[str] | None = None
+) -> list[str]:
+    """The factors the points can determine, dominant first, at most ``max(1, n - 1)``."""
+    names = list(names) if names is not None else _float_fields(prior)
+    if not points or not names:
+        return []
+    sens = np.abs(sensitivities(points, predict, prior, names))
+    visible = [j for j in range(len(names)) if sens[:, j].max() >= MIN_SENSITIVITY]
+    visible.sort(key=lambda j: -sens[:, j].mean())
+    return [names[j] for j in visible[: max(1, len(points) - 1)]]
+
+
+def fit_factors(
+    points: Sequence[Point],
+    predict: Predict[F],
+    prior: F,
+    names: Sequence[str] | None = None,
+    *,
+    iterations: int = 30,
+) -> Calibration[F]:
+    """Fit the factors to measured step times (see the module docstring).
+
+    ``names`` restricts the candidates for fitting (default: every positive float field of
+    ``prior``); :func:`choose_factors` picks among them what the points can determine.
+    """
+    points = tuple(points)
+    before = [math.exp(v) for v in _log_times(points, predict, prior)] if points else []
+    chosen = choose_factors(points, predict, prior, names)
+    if not chosen:
+        return Calibration(prior, (), points, tuple(before), *[_rms_relative(before, points)] * 2)
+    measured = np.array([math.log(p.step_time) for p in points])
+    theta0 = np.array([math.log(getattr(prior, n)) for n in chosen])
+    bounds = np.array([_bounds(prior, n) for n in chosen])
+    theta = np.clip(theta0, bounds[:, 0], bounds[:, 1])
+    ridge = math.sqrt(PRIOR_WEIGHT)
+
+    def residuals(t: np.ndarray) -> np.ndarray:
+        model = _log_times(points, predict, _with(prior, chosen, t)) - measured
+        return np.concatenate([model, ridge * (t - theta0)])
+
+    # Levenberg-Marquardt with a numerical Jacobian, projected onto the bounds: a handful of
+    # parameters and points, so a few dozen model evaluations per iteration at most.
+    damping = 1e-2
+    r = residuals(theta)
+    cost = float(r @ r)
+    for _ in range(iterations):
+        jac = np.zeros((len(r), len(chosen)))
+        for j in range(len(chosen)):
+            step = theta.copy()
+            step[j] += _STEP / 5
+            jac[:, j] = (residuals(step) - r) / (_STEP / 5)
+        gram = jac.T @ jac
+        grad = jac.T @ r
+        improved = done = False
+        while damping < 1e8:
+            delta = np.linalg.solve(gram + damping * np.diag(np.diag(gram) + 1e-12), -grad)
+            trial = np.clip(theta + delta, bounds[:, 0], bounds[:, 1])
+            r_trial = residuals(trial)
+            cost_trial = float(r_trial @ r_trial)
+            if cost_trial < cost:
+                theta, r, improved = trial, r_trial, True
+                done = cost - cost_trial < 1e-12 * max(cost, 1e-12)
+                cost = cost_trial
+                damping = max(damping / 3, 1e-9)
+                break
+            damping *= 4
+        if not improved or done:
+            break
+    factors = _with(prior, chosen, theta)
+    after = [math.exp(v) for v in _log_times(points, predict, factors)]
+    return Calibration(
+        factors=type(prior).model_validate(factors.model_dump()),
+        fitted=tuple(chosen),
+        points=points,
+        predicted=tuple(after),
+        error_before=_rms_relative(before, points),
+        error_after=_rms_relative(after, points),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Re-ranking the untried candidates
+# ---------------------------------------------------------------------------------------------
+
+
+def predicted_rate(estimate: MemoryEstimate) -> float:
+    """Predicted samples/s of all ranks (0 where there is no speed estimate)."""
+    return estimate.speed.samples_per_s if estimate.speed is not None else 0.0
+
+
+def repredict(
+    estimates: Sequence[MemoryEstimate], predict: Predict[F], factors: F, *, calibrated: bool
+) -> list[MemoryEstimate]:
+    """The estimates with their speed predicted again with ``factors``."""
+    out = []
+    for e in estimates:
+        speed = predict(e.candidate, factors).model_copy(update={"calibrated": calibrated})
+        out.append(e.model_copy(update={"speed": speed}))
+    return out
+
+
+def order_by_speed(estimates: Sequence[MemoryEstimate]) -> list[MemoryEstimate]:
+    """Fitting candidates fastest predicted first (ties: more headroom first), then the rest in
+    their given order."""
+    fits = sorted((e for e in estimates if e.fits), key=lambda e: (-predicted_rate(e), -e.headroom))
+    return fits + [e for e in estimates if not e.fits]
+
+
+def reorder_untried(
+    untried: Sequence[MemoryEstimate],
+    trials: Sequence[TrialResult],
+    predict: Predict[F],
+    prior: F,
+) -> tuple[list[MemoryEstimate], Calibration[F]]:
+    """Calibrate the model on the measured ``trials`` and re-rank the ``untried`` candidates
+    with it: their speed estimates are replaced by the calibrated model's (``calibrated=True``
+    once at least one trial was fitted), fastest predicted first.
+
+    Call it after each successful trial, with every trial so far: the fit starts from the
+    prior each time, so the order never depends on the order the trials ran in.
+    """
+    calibration = fit_factors(points_of(trials), predict, prior)
+    again = repredict(untried, predict, calibration.factors, calibrated=bool(calibration.fitted))
+    return order_by_speed(again), calibration
