@@ -13,15 +13,18 @@ model itself, not a linear sum of its breakdown terms, because the terms are not
 factors (communication hidden behind compute is exposed only beyond it).
 
 Robust with few points:
-- a factor is fitted only when some measured step time depends on it (its sensitivity
-  ``d log t / d log f`` is at least 2%): a study with no CPU offload says nothing about the host
-  factor, which keeps its prior;
-- with n points at most ``max(1, n - 1)`` factors are fitted, the dominant ones first (largest
-  mean sensitivity): one trial fixes the overall speed, mostly through the compute efficiency;
+- a factor is a candidate for fitting only when some measured step time depends on it
+  somewhere within its bounds (by 2% or more): a study with no CPU offload says nothing about
+  the host factor, which keeps its prior;
+- factors are added one at a time, the one that explains the measurements best first (among
+  near-equals the dominant one, the largest share of the step), at most ``max(1, n - 1)`` with
+  n points, and only while each lowers the error clearly: one trial fixes the overall speed
+  through one factor, usually the compute efficiency;
 - a weak pull towards the prior (ridge on log factors) keeps factors that the points cannot
-  tell apart (two terms that always move together) where they were;
+  tell apart (two terms that always move together) near where they were;
 - every factor stays within sane bounds: those its field declares (``le=1`` on an efficiency)
-  and within a factor of 20 of its prior.
+  and within a factor of 100 of its prior (gloo's collectives take milliseconds where NCCL's
+  prior says 30 us).
 
 The factors are any frozen pydantic model of float fields (the speed model's ``SpeedFactors``);
 the model is any function ``(candidate, factors) -> SpeedEstimate``.
@@ -46,8 +49,11 @@ Predict = Callable[[Candidate, F], SpeedEstimate]
 
 MIN_SENSITIVITY = 0.02  # d log(step time) / d log(factor) below this: the points cannot see it
 PRIOR_WEIGHT = 1e-3  # ridge on log factors, against the sum of squared log errors
-MAX_RATIO_TO_PRIOR = 20.0
+MAX_RATIO_TO_PRIOR = 100.0
 _STEP = 0.05  # finite-difference step in log space
+# Not speeds but the structure of the backend (how much communication may hide behind compute:
+# 1 for NCCL's side streams, 0 for gloo): never fitted.
+NOT_FITTED = frozenset({"overlap"})
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,9 @@ def _float_fields(factors: BaseModel) -> list[str]:
     return [
         name
         for name, info in type(factors).model_fields.items()
-        if info.annotation in (float, "float") and float(getattr(factors, name)) > 0
+        if info.annotation in (float, "float")
+        and name not in NOT_FITTED
+        and float(getattr(factors, name)) > 0
     ]
 
 
@@ -144,24 +152,83 @@ def sensitivities(
     base = _log_times(points, predict, factors)
     logs = np.array([math.log(getattr(factors, n)) for n in names])
     out = np.zeros((len(points), len(names)))
-    for j in range(len(names)):
-        up = logs.copy()
-        up[j] += _STEP
-        out[:, j] = (_log_times(points, predict, _with(factors, names, up)) - base) / _STEP
+    for j, name in enumerate(names):
+        step = -_STEP if logs[j] + _STEP > _bounds(factors, name)[1] else _STEP
+        moved = logs.copy()
+        moved[j] += step
+        out[:, j] = (_log_times(points, predict, _with(factors, names, moved)) - base) / step
     return out
 
 
-def choose_factors(
+def relevant_factors(
     points: Sequence[Point], predict: Predict[F], prior: F, names: Sequence[str] | None = None
 ) -> list[str]:
-    """The factors the points can determine, dominant first, at most ``max(1, n - 1)``."""
+    """The factors that change some point's predicted step time by at least MIN_SENSITIVITY
+    (relative) somewhere within their bounds, dominant first (largest mean sensitivity at the
+    prior). Judged at the bounds too, not only at the prior: a term that is negligible with the
+    prior's value (a collective's latency of 30 us) may be what the measurements show (gloo's
+    milliseconds)."""
     names = list(names) if names is not None else _float_fields(prior)
     if not points or not names:
         return []
-    sens = np.abs(sensitivities(points, predict, prior, names))
-    visible = [j for j in range(len(names)) if sens[:, j].max() >= MIN_SENSITIVITY]
-    visible.sort(key=lambda j: -sens[:, j].mean())
-    return [names[j] for j in visible[: max(1, len(points) - 1)]]
+    base = _log_times(points, predict, prior)
+    sens = np.abs(sensitivities(points, predict, prior, names)).mean(axis=0)
+    out = []
+    for j, name in enumerate(names):
+        effect = 0.0
+        for bound in _bounds(prior, name):
+            moved = _log_times(points, predict, _with(prior, [name], np.array([bound])))
+            effect = max(effect, float(np.abs(moved - base).max()))
+        if effect >= MIN_SENSITIVITY:
+            out.append((sens[j], name))
+    return [name for _, name in sorted(out, key=lambda t: -t[0])]
+
+
+def _solve(
+    points: Sequence[Point], predict: Predict[F], prior: F, chosen: Sequence[str], iterations: int
+) -> tuple[np.ndarray, float]:
+    """Least squares on log step times over the ``chosen`` factors (log space), with the weak
+    pull towards the prior and the bounds: (log factors, cost)."""
+    measured = np.array([math.log(p.step_time) for p in points])
+    theta0 = np.array([math.log(getattr(prior, n)) for n in chosen])
+    bounds = np.array([_bounds(prior, n) for n in chosen]).reshape(-1, 2)
+    theta = np.clip(theta0, bounds[:, 0], bounds[:, 1])
+    ridge = math.sqrt(PRIOR_WEIGHT)
+
+    def residuals(t: np.ndarray) -> np.ndarray:
+        model = _log_times(points, predict, _with(prior, chosen, t)) - measured
+        return np.concatenate([model, ridge * (t - theta0)])
+
+    # Levenberg-Marquardt with a numerical Jacobian, projected onto the bounds: a handful of
+    # parameters and points, a few model evaluations per point and iteration.
+    damping = 1e-2
+    r = residuals(theta)
+    cost = float(r @ r)
+    h = _STEP / 5
+    for _ in range(iterations if len(chosen) else 0):
+        jac = np.zeros((len(r), len(chosen)))
+        for j in range(len(chosen)):
+            # a step inwards at an upper bound: the factor must stay valid (le=1)
+            hj = -h if theta[j] + h > bounds[j, 1] else h
+            step = theta.copy()
+            step[j] += hj
+            jac[:, j] = (residuals(step) - r) / hj
+        gram, grad = jac.T @ jac, jac.T @ r
+        improved = converged = False
+        while damping < 1e8:
+            delta = np.linalg.solve(gram + damping * np.diag(np.diag(gram) + 1e-12), -grad)
+            trial = np.clip(theta + delta, bounds[:, 0], bounds[:, 1])
+            r_trial = residuals(trial)
+            cost_trial = float(r_trial @ r_trial)
+            if cost_trial < cost:
+                converged = cost - cost_trial < 1e-6 * cost
+                theta, r, cost, improved = trial, r_trial, cost_trial, True
+                damping = max(damping / 3, 1e-9)
+                break
+            damping *= 4
+        if not improved or converged:
+            break
+    return theta, cost
 
 
 def fit_factors(
@@ -175,51 +242,28 @@ def fit_factors(
     """Fit the factors to measured step times (see the module docstring).
 
     ``names`` restricts the candidates for fitting (default: every positive float field of
-    ``prior``); :func:`choose_factors` picks among them what the points can determine.
+    ``prior`` but NOT_FITTED). Factors are added one at a time (forward selection): each round
+    adds the one that lowers the squared log error most (among near-equals, the dominant one),
+    up to ``max(1, n - 1)`` factors, and stops when the next would lower it by less than a
+    fifth (the points cannot tell it from noise).
     """
     points = tuple(points)
     before = [math.exp(v) for v in _log_times(points, predict, prior)] if points else []
-    chosen = choose_factors(points, predict, prior, names)
-    if not chosen:
-        return Calibration(prior, (), points, tuple(before), *[_rms_relative(before, points)] * 2)
-    measured = np.array([math.log(p.step_time) for p in points])
-    theta0 = np.array([math.log(getattr(prior, n)) for n in chosen])
-    bounds = np.array([_bounds(prior, n) for n in chosen])
-    theta = np.clip(theta0, bounds[:, 0], bounds[:, 1])
-    ridge = math.sqrt(PRIOR_WEIGHT)
-
-    def residuals(t: np.ndarray) -> np.ndarray:
-        model = _log_times(points, predict, _with(prior, chosen, t)) - measured
-        return np.concatenate([model, ridge * (t - theta0)])
-
-    # Levenberg-Marquardt with a numerical Jacobian, projected onto the bounds: a handful of
-    # parameters and points, so a few dozen model evaluations per iteration at most.
-    damping = 1e-2
-    r = residuals(theta)
-    cost = float(r @ r)
-    for _ in range(iterations):
-        jac = np.zeros((len(r), len(chosen)))
-        for j in range(len(chosen)):
-            step = theta.copy()
-            step[j] += _STEP / 5
-            jac[:, j] = (residuals(step) - r) / (_STEP / 5)
-        gram = jac.T @ jac
-        grad = jac.T @ r
-        improved = done = False
-        while damping < 1e8:
-            delta = np.linalg.solve(gram + damping * np.diag(np.diag(gram) + 1e-12), -grad)
-            trial = np.clip(theta + delta, bounds[:, 0], bounds[:, 1])
-            r_trial = residuals(trial)
-            cost_trial = float(r_trial @ r_trial)
-            if cost_trial < cost:
-                theta, r, improved = trial, r_trial, True
-                done = cost - cost_trial < 1e-12 * max(cost, 1e-12)
-                cost = cost_trial
-                damping = max(damping / 3, 1e-9)
-                break
-            damping *= 4
-        if not improved or done:
+    pool = relevant_factors(points, predict, prior, names)
+    chosen: list[str] = []
+    theta = np.zeros(0)
+    _, cost = _solve(points, predict, prior, chosen, iterations) if points else (theta, 0.0)
+    while pool and len(chosen) < max(1, len(points) - 1) and cost > 1e-12:
+        tries = [(name, *_solve(points, predict, prior, [*chosen, name], iterations))
+                 for name in pool]  # fmt: skip
+        least = min(c for _, _, c in tries)
+        # pool is dominant-first: the first within 5% of the best fit wins
+        name, t, c = next(x for x in tries if x[2] <= least * 1.05 + 1e-15)
+        if c > 0.8 * cost:
             break
+        chosen.append(name)
+        pool.remove(name)
+        theta, cost = t, c
     factors = _with(prior, chosen, theta)
     after = [math.exp(v) for v in _log_times(points, predict, factors)]
     return Calibration(
