@@ -14,8 +14,8 @@ from autoshard.config import Candidate, Frozen
 from autoshard.predict.calibrate import (
     Point,
     fit_factors,
-    relevant_factors,
     order_by_speed,
+    relevant_factors,
     reorder_untried,
 )
 from autoshard.results import SpeedBreakdown, SpeedEstimate, TrialResult, TrialStatus
