@@ -5,8 +5,10 @@ single categorical parameter), so any optuna storage holds the whole study: a SQ
 output folder by default, or ``--storage`` (PostgreSQL for a study shared by several machines).
 
 The order is the estimator's: candidates predicted not to fit are never launched (recorded as
-PRUNED with the estimate's reason); the rest are tried fastest-expected first, and a candidate is
-skipped when a measured one dominates it:
+PRUNED with the estimate's reason); the rest are tried fastest-predicted first (the step-time
+model, :mod:`autoshard.predict.speed`), and after each successful trial the model is calibrated
+on the measurements and the untried candidates re-ranked (:func:`reorder_remaining`; not when
+CPU processes stand in for GPUs). A candidate is skipped when a measured one dominates it:
 - same configuration with less checkpointing / no offload already ran fine: more recompute or
   offload can only cost time, so it cannot be faster;
 - same configuration at a smaller micro-batch already ran out of memory: a larger one will too.
@@ -34,6 +36,9 @@ from optuna.trial import TrialState
 from autoshard.analyze import analyze_target
 from autoshard.config import Candidate, Checkpointing, Engine, Hardware, Precision, WorkloadSpec
 from autoshard.measure import (
+    DEFAULT_MAX_SECONDS,
+    DEFAULT_MAX_STEPS,
+    DEFAULT_TARGET_SPREAD,
     compare,
     is_tie,
     rank_trials,
@@ -43,6 +48,8 @@ from autoshard.measure import (
 )
 from autoshard.predict.activations import precisions_of, profile_activations
 from autoshard.predict.analytic import estimate_all
+from autoshard.predict.calibrate import Calibration, SpeedModel, order_by_speed, reorder_untried
+from autoshard.predict.speed import SpeedFactors
 from autoshard.results import (
     MemoryEstimate,
     ModelProfile,
@@ -147,7 +154,10 @@ class TuneOptions:
     rdzv_endpoint: str | None = None
     trial_timeout: float = 300.0
     warmup: int = 2
-    steps: int = 3
+    steps: int = 3  # the minimum timed steps; more until the spread is met
+    target_spread: float = DEFAULT_TARGET_SPREAD
+    max_steps: int = DEFAULT_MAX_STEPS
+    max_seconds: float = DEFAULT_MAX_SECONDS
     memory_cap: int | None = None
     skip_dominated: bool = True  # False runs every fitting candidate (the full grid)
     on_event: Callable[[str, Scored], None] | None = field(default=None, repr=False)
@@ -211,8 +221,11 @@ def tune(
         rdzv_endpoint=opts.rdzv_endpoint,
         trial_timeout=opts.trial_timeout,
     )  # launched lazily, by the first trial
-    estimates = estimate_all(profile, candidates, hardware, workload, activations=activations)
-    ranked = rank_candidates(estimates, device=group.device)
+    speed = SpeedModel.build(profile, built.model, hardware, workload, batch=built.batch)
+    estimates = speed.attach(
+        estimate_all(profile, candidates, hardware, workload, activations=activations)
+    )
+    ranked = order_by_speed(rank_candidates(estimates, device=group.device))
     by_label = {e.candidate.label(): e for e in ranked}
     # Sorted, so that the distribution is the same whatever the order of trials (resuming).
     distribution = CategoricalDistribution(sorted(by_label))
@@ -241,11 +254,12 @@ def tune(
     log = opts.out_dir / "trials.jsonl"
     cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
     launched = sum(1 for r in done.values() if r.status is not TrialStatus.PRUNED)
+    queue = [e for e in ranked if e.candidate.label() not in done]
+    queue, _ = reorder_remaining(queue, list(done.values()), speed, hardware)  # resumed trials
     with group:
-        for estimate in ranked:
+        while queue:
+            estimate = queue.pop(0)
             label = estimate.candidate.label()
-            if label in done:
-                continue
             if not estimate.fits:
                 result = TrialResult(
                     candidate=estimate.candidate, status=TrialStatus.PRUNED, error=estimate.reason
@@ -265,6 +279,9 @@ def tune(
                     warmup=opts.warmup,
                     steps=opts.steps,
                     memory_cap=cap,
+                    target_spread=opts.target_spread,
+                    max_steps=opts.max_steps,
+                    max_seconds=opts.max_seconds,
                 )
                 launched += 1
                 trial.set_user_attr(RESULT_ATTR, result.model_dump_json())
@@ -274,14 +291,36 @@ def tune(
                 else:
                     study.tell(trial, state=TrialState.FAIL)
             done[label] = result
+            by_label[label] = estimate  # with the prediction it was tried with
             with log.open("a") as fh:
                 fh.write(result.model_dump_json() + "\n")
             emit("done", Scored(candidate=estimate.candidate, estimate=estimate, trial=result))
+            if result.status is TrialStatus.OK:
+                queue, _ = reorder_remaining(queue, list(done.values()), speed, hardware)
 
-    rec = recommend_from_trials(profile, hardware, workload, ranked, list(done.values()))
+    rec = recommend_from_trials(
+        profile, hardware, workload, list(by_label.values()), list(done.values())
+    )
     (opts.out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
     write_report(rec, opts.out_dir, list(done.values()))
     return rec
+
+
+def reorder_remaining(
+    queue: Sequence[MemoryEstimate],
+    done: Sequence[TrialResult],
+    speed: SpeedModel,
+    hardware: Hardware,
+) -> tuple[list[MemoryEstimate], Calibration[SpeedFactors] | None]:
+    """The untried candidates in the order to try them after the trials ``done``: the step-time
+    model calibrated on the measured ones, fastest predicted first
+    (:func:`autoshard.predict.calibrate.reorder_untried`).
+
+    Only when the trials ran on the kind of device planned for: CPU processes standing in for
+    GPUs say nothing about the GPUs' speed, so their order stays the uncalibrated model's."""
+    if speed_basis(hardware, done) == "model" or not any(r.status is TrialStatus.OK for r in done):
+        return list(queue), None
+    return reorder_untried(queue, done, speed.predict, speed.prior)
 
 
 def _throughput(result: TrialResult) -> float:
@@ -353,7 +392,8 @@ def recommend_from_trials(
     def scored(r: TrialResult) -> Scored:
         return Scored(candidate=r.candidate, estimate=by_label.get(r.candidate.label()), trial=r)
 
-    if speed_basis(hardware, results) == "model":
+    predicted = any(_predicted_rate(r, by_label) for r in results if r.status is TrialStatus.OK)
+    if speed_basis(hardware, results) == "model" and predicted:
         ok = rank_by_prediction(results, by_label)
         why = explain_by_prediction(ok, by_label, hardware, profile)
     else:

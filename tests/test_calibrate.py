@@ -21,6 +21,8 @@ from autoshard.predict.calibrate import (
 from autoshard.results import SpeedBreakdown, SpeedEstimate, TrialResult, TrialStatus
 from tests.test_emit import estimate
 
+from .conftest import EXAMPLES
+
 
 class Factors(Frozen):
     """A stand-in for the speed model's factors, with the same kind of bounds."""
@@ -169,3 +171,57 @@ def test_measurements_reorder_the_untried_candidates() -> None:
     same, nothing = reorder_untried(untried, failed, model, prior)
     assert nothing.fitted == () and [e.candidate for e in same] == [per_block, one_unit]
     assert not any(e.speed and e.speed.calibrated for e in same)
+
+
+# ---------------------------------------------------------------------------------------------
+# In the study: the real step-time model, calibrated only on the device planned for
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny():
+    from autoshard import TargetSpec, analyze_target
+
+    return analyze_target(TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny"}))
+
+
+def test_the_study_recalibrates_on_its_own_device_only(gpt_tiny) -> None:
+    """Trials on CPU processes planning for CPU processes (gloo) calibrate the model and
+    re-rank; the same trials planning for GPUs change nothing (a CPU's speed says nothing about
+    a GPU's)."""
+    from autoshard import Hardware, WorkloadSpec
+    from autoshard.predict.calibrate import SpeedModel
+    from autoshard.search import reorder_remaining
+
+    profile, built = gpt_tiny
+    workload = WorkloadSpec(seq_len=128)
+    blocks = profile.wrap_policy
+    # Per-block FULL_SHARD: more collectives, but each rank steps half the optimizer state.
+    per_block = Candidate(wrap_classes=blocks, sharding="FULL_SHARD", micro_batch_size=1)
+    one_unit = Candidate(sharding="NO_SHARD", micro_batch_size=1)
+    cpu = Hardware(gpus_per_node=2, gpu_memory=8 * 2**30, backend="gloo")
+    gpus = Hardware(gpus_per_node=2, gpu_memory=80 * 2**30, gpu="h100-sxm")
+    for hardware, reorders in ((cpu, True), (gpus, False)):
+        speed = SpeedModel.build(profile, built.model, hardware, workload)
+        queue = order_by_speed(speed.attach([estimate(per_block), estimate(one_unit)]))
+        assert [e.candidate for e in queue] == [one_unit, per_block]  # the prior's order
+        # A machine whose optimizer step streams memory 10x slower than the prior says.
+        slow = speed.prior.model_copy(
+            update={"memory_efficiency": speed.prior.memory_efficiency / 10}
+        )
+        ran = [
+            Candidate(wrap_classes=blocks, sharding=s, micro_batch_size=m)
+            for s, m in (("NO_SHARD", 1), ("NO_SHARD", 4), ("FULL_SHARD", 2))
+        ]
+        trials = [
+            TrialResult(candidate=c, status="ok", device="cpu", world_size=2,
+                        step_time=speed.predict(c, slow).step_time_s)
+            for c in ran
+        ]  # fmt: skip
+        again, calibration = reorder_remaining(queue, trials, speed, hardware)
+        if reorders:
+            assert calibration is not None and "memory_efficiency" in calibration.fitted
+            assert [e.candidate for e in again] == [per_block, one_unit]
+            assert all(e.speed is not None and e.speed.calibrated for e in again)
+        else:
+            assert calibration is None and again == queue

@@ -35,14 +35,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import annotated_types
 import numpy as np
 from pydantic import BaseModel
 
-from autoshard.config import Candidate
-from autoshard.results import MemoryEstimate, SpeedEstimate, TrialResult, TrialStatus
+from autoshard.config import Candidate, Hardware, WorkloadSpec
+from autoshard.gpus import GPUSpec
+from autoshard.predict.flops import FlopProfile, profile_flops
+from autoshard.predict.speed import SpeedFactors, default_factors, predict_speed, speed_for
+from autoshard.results import (
+    MemoryEstimate,
+    ModelProfile,
+    SpeedEstimate,
+    TrialResult,
+    TrialStatus,
+)
 
 F = TypeVar("F", bound=BaseModel)
 Predict = Callable[[Candidate, F], SpeedEstimate]
@@ -302,6 +311,53 @@ def order_by_speed(estimates: Sequence[MemoryEstimate]) -> list[MemoryEstimate]:
     their given order."""
     fits = sorted((e for e in estimates if e.fits), key=lambda e: (-predicted_rate(e), -e.headroom))
     return fits + [e for e in estimates if not e.fits]
+
+
+@dataclass(frozen=True)
+class SpeedModel:
+    """The step-time model bound to one study: the model's profile and FLOPs, the hardware and
+    workload planned for, the resolved catalogue entry, and the uncalibrated factors.
+
+    >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec, analyze_target
+    >>> from autoshard.predict.calibrate import SpeedModel
+    >>> profile, built = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
+    >>> model = SpeedModel.build(profile, built.model, Hardware(gpus_per_node=8,
+    ...     gpu_memory=80 * 2**30, gpu="h100-sxm"), WorkloadSpec(seq_len=128))
+    >>> model.predict(Candidate(), model.prior).gpu
+    'h100-sxm'
+    """
+
+    profile: ModelProfile
+    flops: FlopProfile
+    hardware: Hardware
+    workload: WorkloadSpec
+    gpu: GPUSpec
+    prior: SpeedFactors
+
+    @classmethod
+    def build(
+        cls,
+        profile: ModelProfile,
+        meta_model: Any,
+        hardware: Hardware,
+        workload: WorkloadSpec,
+        batch: Any = None,
+    ) -> SpeedModel:
+        """Count the FLOPs of ``meta_model`` (built on the meta device) and resolve the GPU."""
+        flops = profile_flops(meta_model, profile, workload, batch=batch)
+        gpu, _ = speed_for(hardware)
+        return cls(profile, flops, hardware, workload, gpu, default_factors(gpu))
+
+    def predict(self, candidate: Candidate, factors: SpeedFactors) -> SpeedEstimate:
+        return predict_speed(
+            self.profile, self.flops, candidate, self.hardware, self.workload, factors,
+            gpu=self.gpu,
+        )  # fmt: skip
+
+    def attach(self, estimates: Sequence[MemoryEstimate]) -> list[MemoryEstimate]:
+        """The estimates with the uncalibrated speed prediction."""
+        return repredict(estimates, self.predict, self.prior, calibrated=False)
 
 
 def reorder_untried(
