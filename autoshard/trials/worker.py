@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -206,7 +207,9 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
     }
 
 
-def time_steps(step: Any, device: torch.device, request: dict[str, Any]) -> list[float]:
+def time_steps(
+    step: Callable[[], None], device: torch.device, request: dict[str, Any]
+) -> list[float]:
     """Time steps until the median is known well enough (:func:`autoshard.measure.enough_steps`:
     at least ``steps``, then a spread within ``target_spread`` or the budget spent).
 
