@@ -14,15 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.config import RankOrder, TuneOptions
+from autoshard.decide import decide
 from autoshard.errors import ConfigError
-from autoshard.plan import (
-    Plan,
-    PlanOptions,
-    decide,
-    make_plan,
-    make_request,
-    options_from,
-)
+from autoshard.plan import Plan, PlanOptions, make_plan, make_request, options_from
 from autoshard.results import MemoryEstimate, Recommendation
 
 __all__ = ["Estimates", "estimate", "estimates_for", "recommend", "tune"]
@@ -173,8 +167,10 @@ def recommend(
         >>> layers = [nn.TransformerEncoderLayer(256, 4, batch_first=True) for _ in range(4)]
         >>> rec = recommend(nn.Sequential(*layers), batch=torch.randn(2, 128, 256),
         ...                 gpus=8, gpu_memory="80GiB")
-        >>> rec.chosen.candidate.wrap_classes
+        >>> rec.profile.wrap_policy  # the repeated block: the unit of every per-block candidate
         ('torch.nn.modules.transformer.TransformerEncoderLayer',)
+        >>> rec.chosen.estimate.fits, rec.chosen.estimate.speed.samples_per_s > 0
+        (True, True)
     """
     if trials < 0:
         raise ConfigError(f"trials={trials}: give 0 (estimate only) or a number of trials")

@@ -280,6 +280,12 @@ class WorkloadSpec(Frozen):
 # --------------------------------------------------------------------------------------------
 
 
+# How long a trial times its steps (autoshard.measure explains the spread).
+DEFAULT_TARGET_SPREAD = 0.05
+DEFAULT_MAX_STEPS = 40
+DEFAULT_MAX_SECONDS = 30.0
+
+
 class RankOrder(str, Enum):
     """How a list of estimates is shown: the fitting ones first in either order, then the rest by
     how far they overshoot. The decision is always the fastest predicted that fits."""
@@ -312,7 +318,20 @@ class TuneOptions(Frozen):
     trials: int = Field(12, ge=1, description="Most real trials to launch.")
     trial_timeout: float = Field(300.0, gt=0, description="Seconds before a trial counts as hung.")
     warmup: int = Field(2, ge=0, description="Untimed steps per trial.")
-    steps: int = Field(3, ge=1, description="Timed steps per trial (at least).")
+    steps: int = Field(
+        3, ge=1, description="Timed steps per trial at least; more until the spread is met."
+    )
+    target_spread: float = Field(
+        DEFAULT_TARGET_SPREAD,
+        gt=0,
+        lt=1,
+        description="Time steps until the median step time is known to within this (relative, "
+        "95% confidence), e.g. 0.05.",
+    )
+    max_steps: int = Field(DEFAULT_MAX_STEPS, ge=1, description="Most timed steps per trial.")
+    max_seconds: float = Field(
+        DEFAULT_MAX_SECONDS, gt=0, description="Most seconds of timed steps per trial."
+    )
     nproc: int | None = Field(
         None,
         ge=1,

@@ -14,11 +14,9 @@ through :mod:`warnings` at every door; the command line prints each as one line.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,6 @@ from pydantic import Field, ValidationError, field_validator
 from autoshard.analyze import analyze_model
 from autoshard.config import (
     Candidate,
-    Checkpointing,
     Engine,
     Frozen,
     Hardware,
@@ -40,15 +37,12 @@ from autoshard.config import (
 from autoshard.errors import ConfigError
 from autoshard.predict.activations import ActivationProfile, precisions_of, profile_activations
 from autoshard.predict.analytic import estimate_all
+from autoshard.predict.calibrate import SpeedModel, order_by_speed
 from autoshard.results import (
     MemoryEstimate,
     ModelProfile,
-    Recommendation,
-    Scored,
-    TrialResult,
-    TrialStatus,
 )
-from autoshard.space import enumerate_candidates, rank_candidates, wrap_reason
+from autoshard.space import enumerate_candidates, rank_candidates
 from autoshard.target.adapters import to_target
 from autoshard.target.resolve import BuiltModel, TargetSpec, build_target
 from autoshard.target.step import batch_samples, find_vocab_size
@@ -58,6 +52,8 @@ from autoshard.units import format_bytes, parse_size
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # Sequence length assumed for a token model when none is given: its context, at most this.
 DEFAULT_SEQ_LEN_CAP = 4096
+# The catalogue's entry for CPU worker processes (gloo): planning for them, not for GPUs.
+CPU_GLOO_ID = "cpu-gloo"
 # CPU worker processes when trials run without a GPU (gloo).
 DEFAULT_CPU_WORKERS = 2
 
@@ -313,6 +309,9 @@ def detect_hardware(
             stacklevel=3,
         )
     return Hardware(
+        # The catalogue's CPU entry plans for the CPU processes themselves (gloo, no CUDA
+        # allowance): trials then measure what is planned, and their speed decides.
+        backend="gloo" if gpu_id == CPU_GLOO_ID else "nccl",
         gpus_per_node=gpus,
         nodes=opts.nodes,
         gpu_memory=memory,
@@ -385,6 +384,7 @@ class Plan:
     candidates: tuple[Candidate, ...]
     activations: ActivationProfile
     estimates: tuple[MemoryEstimate, ...]
+    speed: SpeedModel
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -392,8 +392,19 @@ class Plan:
         return self.request.hardware
 
     def ranked(self, order: RankOrder | str = RankOrder.SPEED) -> list[MemoryEstimate]:
-        """Fitting candidates first (fastest predicted, or most headroom), then the rest."""
-        return rank_candidates(self.estimates, by=RankOrder(order).value)
+        """Fitting candidates first (fastest predicted, or most headroom), then the rest by
+        how far they overshoot."""
+        return rank_estimates(self.estimates, RankOrder(order))
+
+
+def rank_estimates(
+    estimates: Sequence[MemoryEstimate], order: RankOrder = RankOrder.SPEED
+) -> list[MemoryEstimate]:
+    """Fitting candidates first: the fastest predicted by the step-time model (ties: more
+    headroom), or the most headroom first; then the rest by how far they overshoot."""
+    if order is RankOrder.HEADROOM:
+        return rank_candidates(estimates, by=RankOrder.HEADROOM.value)
+    return order_by_speed(rank_candidates(estimates, by=RankOrder.HEADROOM.value))
 
 
 def make_plan(request: PlanRequest) -> Plan:
@@ -418,18 +429,23 @@ def make_plan(request: PlanRequest) -> Plan:
     )
     if activations.note:
         notes.append(activations.note)
-    estimates = rank_candidates(
+    speed = SpeedModel.build(profile, built.model, request.hardware, workload, batch=built.batch)
+    if speed.flops.note:
+        notes.append(speed.flops.note)
+    if speed.note:
+        notes.append(speed.note)
+    estimates = speed.attach(
         estimate_all(profile, candidates, request.hardware, workload, activations=activations)
     )
     if opts.simulate:
         from autoshard.predict.simulate import refine_with_simulation
 
-        estimates = rank_candidates(  # simulated peaks can change fit and headroom
-            refine_with_simulation(
-                request.target, estimates, request.hardware, workload,
-                block_classes=profile.block_classes, count=opts.simulate,
-            )
+        simulated = refine_with_simulation(
+            request.target, rank_estimates(estimates), request.hardware, workload,
+            block_classes=profile.block_classes, count=opts.simulate,
         )  # fmt: skip
+        estimates = speed.attach(simulated)  # simulated peaks can change fit and headroom
+    estimates = rank_estimates(estimates)
     for note in notes:
         warnings.warn(note, PlanWarning, stacklevel=2)
     return Plan(
@@ -440,6 +456,7 @@ def make_plan(request: PlanRequest) -> Plan:
         candidates=tuple(candidates),
         activations=activations,
         estimates=tuple(estimates),
+        speed=speed,
         notes=tuple(notes),
     )
 
@@ -495,196 +512,3 @@ def _context_length(model: Any) -> int | None:
             if isinstance(value, int) and value > 0:
                 return value
     return None
-
-
-# --------------------------------------------------------------------------------------------
-# The decision, and the one Recommendation builder
-# --------------------------------------------------------------------------------------------
-
-
-def versions() -> dict[str, str]:
-    """The versions a recommendation was made with (written into every export's header)."""
-    out: dict[str, str] = {"torch": str(torch.__version__)}
-    for name in ("autoshard", "transformers", "lightning"):
-        with contextlib.suppress(PackageNotFoundError):
-            out[name] = version(name)
-    return out
-
-
-def build_recommendation(
-    plan: Plan,
-    chosen: Scored,
-    *,
-    runners_up: Sequence[Scored],
-    ruled_out: Sequence[Scored],
-    basis: str,
-    reasons: Sequence[str],
-) -> Recommendation:
-    """The only place a :class:`Recommendation` is made."""
-    return Recommendation(
-        profile=plan.profile,
-        hardware=plan.hardware,
-        workload=plan.workload.model_copy(
-            update={"micro_batch_size": chosen.candidate.micro_batch_size}
-        ),
-        chosen=chosen,
-        runners_up=tuple(runners_up),
-        ruled_out=tuple(ruled_out),
-        basis=basis,
-        reasons=(*reasons, *plan.notes),
-        versions=versions(),
-    )
-
-
-def decide(plan: Plan) -> Recommendation:
-    """The fitting candidate predicted to be fastest, with one reason per setting."""
-    ranked = plan.ranked()
-    fitting = [e for e in ranked if e.fits]
-    if not fitting:
-        closest = ranked[0] if ranked else None
-        detail = f"; closest: {closest.candidate.label()} ({closest.reason})" if closest else ""
-        hw = plan.hardware
-        raise ConfigError(
-            f"no configuration fits {hw.world_size} x {format_bytes(hw.gpu_memory)} GPUs "
-            f"({len(ranked)} estimated){detail}; add GPUs or nodes, or use a smaller "
-            "micro-batch or sequence"
-        )
-    best = fitting[0]
-    return build_recommendation(
-        plan,
-        Scored(candidate=best.candidate, estimate=best),
-        runners_up=[Scored(candidate=e.candidate, estimate=e) for e in fitting[1:5]],
-        ruled_out=[Scored(candidate=e.candidate, estimate=e) for e in ranked if not e.fits],
-        basis="estimate",
-        reasons=explain_estimate(best, plan),
-    )
-
-
-def throughput(result: TrialResult) -> float:
-    """What a trial is ranked by: tokens/s where the model has tokens, else samples/s."""
-    return float(result.tokens_per_s or result.samples_per_s or 0.0)
-
-
-def decide_from_trials(plan: Plan, results: Sequence[TrialResult]) -> Recommendation:
-    """The fastest measured configuration; runners-up; what was ruled out and why."""
-    by_label = {e.candidate.label(): e for e in plan.estimates}
-    ok = sorted((r for r in results if r.status is TrialStatus.OK), key=throughput, reverse=True)
-    if not ok:
-        reasons = "; ".join(sorted({f"{r.status.value}: {r.error}" for r in results})[:3])
-        raise ConfigError(
-            f"no configuration ran successfully ({len(results)} tried or ruled out: {reasons}); "
-            "see the worker logs in the output folder"
-        )
-
-    def scored(r: TrialResult) -> Scored:
-        return Scored(candidate=r.candidate, estimate=by_label.get(r.candidate.label()), trial=r)
-
-    best = ok[0]
-    return build_recommendation(
-        plan,
-        scored(best),
-        runners_up=[scored(r) for r in ok[1:5]],
-        ruled_out=[scored(r) for r in results if r.status is not TrialStatus.OK],
-        basis="trials",
-        reasons=explain_trials(best, ok, plan.profile),
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Reasons: one line per chosen setting
-# --------------------------------------------------------------------------------------------
-
-_SETTINGS = ("sharding", "checkpointing", "cpu_offload", "precision", "micro_batch_size")
-
-
-def _value(candidate: Candidate, name: str) -> str:
-    value = getattr(candidate, name)
-    if name == "checkpointing" and candidate.checkpointing is Checkpointing.EVERY_K:
-        return f"every {candidate.checkpoint_every} blocks"
-    return str(getattr(value, "value", value))
-
-
-def _differs_only_in(a: Candidate, b: Candidate, name: str) -> bool:
-    related = {
-        "sharding": {"sharding", "hybrid_mesh"},
-        "checkpointing": {"checkpointing", "checkpoint_every", "checkpoint_classes"},
-    }.get(name, {name})
-    da, db = a.model_dump(), b.model_dump()
-    return da != db and all(da[k] == db[k] for k in da if k not in related)
-
-
-def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
-    """Why each setting of ``best``: what its alternatives would need, or cost."""
-    c, hardware, profile = best.candidate, plan.hardware, plan.profile
-    b = best.breakdown
-    lines = [
-        f"predicted peak {format_bytes(best.gpu_peak)} per GPU of "
-        f"{format_bytes(hardware.usable_gpu_memory)} usable ({hardware.world_size} x "
-        f"{format_bytes(hardware.gpu_memory)}, {hardware.margin:.0%} margin): params "
-        f"{format_bytes(b.sharded_params)}, grads {format_bytes(b.gradients)}, optimizer "
-        f"{format_bytes(b.optimizer)}, gathered units {format_bytes(b.unsharded_params)}, "
-        f"activations {format_bytes(b.activations)}, temporaries {format_bytes(b.temporaries)}, "
-        f"allowance {format_bytes(b.allowance)}",
-        wrap_reason(c, profile),
-    ]
-    if profile.tied:
-        names = "; ".join(", ".join(g.names) for g in profile.tied)
-        lines.append(f"tied parameters ({names}) stay in one FSDP unit (the root)")
-    for name in _SETTINGS:
-        alternatives = [e for e in plan.estimates if _differs_only_in(e.candidate, c, name)]
-        chosen = _value(c, name)
-        too_big = sorted(
-            {f"{_value(e.candidate, name)} ({format_bytes(e.gpu_peak)})" for e in alternatives
-             if not e.fits}
-        )  # fmt: skip
-        slower = sorted({_value(e.candidate, name) for e in alternatives if e.fits})
-        parts = []
-        if too_big:
-            parts.append(f"does not fit with {', '.join(too_big)}")
-        if slower:
-            parts.append(f"fits but predicted slower with {', '.join(slower)}")
-        why = "; ".join(parts) or (
-            "offload is considered with FULL_SHARD only"
-            if name == "cpu_offload"
-            else "the only value considered (give batch_size to compare others)"
-            if name == "micro_batch_size"
-            else "the only value considered"
-        )
-        if name == "checkpointing" and c.checkpoint_classes:
-            chosen += f" of {{{', '.join(c.checkpoint_classes)}}}"
-        lines.append(f"{name} {chosen}: {why}")
-    lines.append(
-        f"limit_all_gathers={c.limit_all_gathers}, forward_prefetch={c.forward_prefetch}, "
-        f"backward_prefetch={c.backward_prefetch.value}, {c.optimizer.value} "
-        f"({c.optimizer_impl.value}): Lightning's defaults; they change speed a little, "
-        "memory by at most one unit; measure them with trials"
-    )
-    lines.append(
-        "basis: estimates only (no trial ran); run with trials to measure the leading candidates"
-    )
-    return lines
-
-
-def explain_trials(
-    best: TrialResult, ok: Sequence[TrialResult], profile: ModelProfile
-) -> list[str]:
-    """One line per chosen setting, with the measurement behind it."""
-    c = best.candidate
-    lines = [
-        f"fastest of {len(ok)} measured configurations: {best.step_time or 0:.3f} s/step, "
-        f"{throughput(best):,.0f} {'tokens' if best.tokens_per_s else 'samples'}/s on "
-        f"{best.world_size} {best.device} ranks",
-        wrap_reason(c, profile),
-    ]
-    for r in ok[1:]:
-        o = r.candidate
-        diff = [
-            f"{name}={_value(o, name)}"
-            for name in _SETTINGS
-            if getattr(o, name) != getattr(c, name)
-        ]
-        if len(diff) == 1:
-            lines.append(
-                f"{diff[0]} measured {throughput(best) / max(throughput(r), 1e-9):.2f}x slower"
-            )
-    return lines

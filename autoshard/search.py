@@ -5,8 +5,10 @@ single categorical parameter), so any optuna storage holds the whole study: a SQ
 output folder by default, or ``--storage`` (PostgreSQL for a study shared by several machines).
 
 The order is the estimator's: candidates predicted not to fit are never launched (recorded as
-PRUNED with the estimate's reason); the rest are tried fastest-expected first, and a candidate is
-skipped when a measured one dominates it:
+PRUNED with the estimate's reason); the rest are tried fastest-predicted first (the step-time
+model, :mod:`autoshard.predict.speed`), and after each successful trial the model is calibrated
+on the measurements and the untried candidates re-ranked (:func:`reorder_remaining`; not when
+CPU processes stand in for GPUs). A candidate is skipped when a measured one dominates it:
 - same configuration with less checkpointing / no offload already ran fine: more recompute or
   offload can only cost time, so it cannot be faster;
 - same configuration at a smaller micro-batch already ran out of memory: a larger one will too.
@@ -29,9 +31,12 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from autoshard.config import Candidate, Checkpointing, ProgressEvent, TuneOptions
-from autoshard.plan import Plan, decide_from_trials, throughput
+from autoshard.decide import decide_from_trials
+from autoshard.measure import speed_basis, throughput
+from autoshard.plan import Plan, rank_estimates
+from autoshard.predict.calibrate import Calibration, reorder_untried
+from autoshard.predict.speed import SpeedFactors
 from autoshard.results import MemoryEstimate, Recommendation, Scored, TrialResult, TrialStatus
-from autoshard.space import rank_candidates
 from autoshard.trials.group import WorkerGroup
 from autoshard.ui.files import write_report
 
@@ -42,39 +47,73 @@ STUDY_FILES = (
     "accelerate.yaml",
 )  # fmt: skip
 
-_CKPT_LEVEL = {Checkpointing.NONE: 0, Checkpointing.EVERY_K: 1, Checkpointing.ALL: 2}
+# The fields the dominance rules reason about; every other field must be equal.
+_CHECKPOINT_FIELDS = frozenset({"checkpointing", "checkpoint_every", "checkpoint_classes"})
+_SAVING_FIELDS = _CHECKPOINT_FIELDS | {"cpu_offload"}
+
+
+def _recompute_share(c: Candidate) -> float:
+    """Share of the checkpoint classes' blocks recomputed in backward."""
+    match c.checkpointing:
+        case Checkpointing.NONE:
+            return 0.0
+        case Checkpointing.EVERY_K:
+            return 1.0 / c.checkpoint_every
+        case Checkpointing.ALL:
+            return 1.0
+    raise AssertionError(c.checkpointing)
+
+
+def _same_except(a: Candidate, b: Candidate, fields: frozenset[str]) -> bool:
+    return a.model_dump(exclude=set(fields)) == b.model_dump(exclude=set(fields))
+
+
+def _saves_less_or_equal(a: Candidate, b: Candidate) -> bool | None:
+    """Whether ``a`` recomputes and offloads no more than ``b`` (None: not comparable, e.g.
+    checkpointing of different classes)."""
+    both_checkpoint = a.checkpointing is not Checkpointing.NONE and (
+        b.checkpointing is not Checkpointing.NONE
+    )
+    if both_checkpoint and a.checkpoint_classes != b.checkpoint_classes:
+        return None
+    return _recompute_share(a) <= _recompute_share(b) and a.cpu_offload <= b.cpu_offload
 
 
 def dominated_by(candidate: Candidate, done: Sequence[TrialResult]) -> TrialResult | None:
-    """A finished trial that makes trying ``candidate`` pointless (see the module docstring)."""
+    """A finished trial that makes trying ``candidate`` pointless (see the module docstring).
+
+    Each rule holds everything equal except what it reasons about: checkpointing and offload
+    (and, for an OOM, the micro-batch size). A different wrap policy, engine, precision,
+    sharding, reshard policy or optimizer implementation is never dominated.
+    """
     for r in done:
         o = r.candidate
-        same = (
-            o.engine == candidate.engine
-            and o.precision == candidate.precision
-            and o.sharding == candidate.sharding
-            and o.hybrid_mesh == candidate.hybrid_mesh
-        )
-        if not same:
+        if o == candidate:
             continue
-        saves_less = (
-            _CKPT_LEVEL[o.checkpointing] <= _CKPT_LEVEL[candidate.checkpointing]
-            and o.cpu_offload <= candidate.cpu_offload
-        )
-        same_batch = o.micro_batch_size == candidate.micro_batch_size
-        if r.status is TrialStatus.OK and saves_less and same_batch and o != candidate:
-            return r
-        saves_more = (
-            _CKPT_LEVEL[o.checkpointing] >= _CKPT_LEVEL[candidate.checkpointing]
-            and o.cpu_offload >= candidate.cpu_offload
-        )
+        # The same configuration with less recompute / no offload ran fine: more recompute or
+        # offload can only cost time.
         if (
-            r.status is TrialStatus.OOM
-            and saves_more
-            and o.micro_batch_size <= candidate.micro_batch_size
+            r.status is TrialStatus.OK
+            and _same_except(o, candidate, _SAVING_FIELDS)
+            and _saves_less_or_equal(o, candidate)
         ):
             return r
+        if r.status is TrialStatus.OOM and _same_except(
+            o, candidate, _SAVING_FIELDS | {"micro_batch_size"}
+        ):
+            # It ran out of memory while saving at least as much at no larger a micro-batch.
+            no_larger = o.micro_batch_size <= candidate.micro_batch_size
+            if _saves_less_or_equal(candidate, o) and no_larger:
+                return r
     return None
+
+
+def trial_order(plan: Plan, device: str) -> list[MemoryEstimate]:
+    """The order in which the study tries the candidates of ``plan``: fitting ones first, the
+    fastest predicted for the planned hardware first (on CPU workers standing in for GPUs too:
+    they check that the most promising configurations build, train and fit)."""
+    del device  # the order is the planned hardware's, wherever the trials run
+    return rank_estimates(plan.estimates)
 
 
 def study_name(plan: Plan) -> str:
@@ -88,15 +127,9 @@ def study_name(plan: Plan) -> str:
     return "autoshard-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def trial_order(plan: Plan, device: str) -> list[MemoryEstimate]:
-    """The order in which the study tries the candidates of ``plan`` on workers of ``device``:
-    fitting ones first, the most promising first."""
-    return rank_candidates(plan.estimates, device=device)
-
-
 def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
     """Run (or resume) the study of ``plan`` and return the fastest configuration that fits
-    (:func:`autoshard.plan.decide_from_trials`)."""
+    (:func:`autoshard.decide.decide_from_trials`)."""
     opts = options or TuneOptions()
     out_dir = Path(opts.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -138,11 +171,12 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
     log = out_dir / "trials.jsonl"
     cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
     launched = sum(1 for r in done.values() if r.status is not TrialStatus.PRUNED)
+    queue = [e for e in ranked if e.candidate.label() not in done]
+    queue, _ = reorder_remaining(queue, list(done.values()), plan)  # resumed trials
     with group:
-        for estimate in ranked:
+        while queue:
+            estimate = queue.pop(0)
             label = estimate.candidate.label()
-            if label in done:
-                continue
             if not estimate.fits:
                 result = TrialResult(
                     candidate=estimate.candidate, status=TrialStatus.PRUNED, error=estimate.reason
@@ -162,6 +196,9 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
                     warmup=opts.warmup,
                     steps=opts.steps,
                     memory_cap=cap,
+                    target_spread=opts.target_spread,
+                    max_steps=opts.max_steps,
+                    max_seconds=opts.max_seconds,
                 )
                 launched += 1
                 trial.set_user_attr(RESULT_ATTR, result.model_dump_json())
@@ -177,11 +214,31 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
                 ProgressEvent.DONE,
                 Scored(candidate=estimate.candidate, estimate=estimate, trial=result),
             )
+            if result.status is TrialStatus.OK:
+                queue, _ = reorder_remaining(queue, list(done.values()), plan)
 
     rec = decide_from_trials(plan, list(done.values()))
     (out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
     write_report(rec, out_dir, list(done.values()))
     return rec
+
+
+def reorder_remaining(
+    queue: Sequence[MemoryEstimate],
+    done: Sequence[TrialResult],
+    plan: Plan,
+) -> tuple[list[MemoryEstimate], Calibration[SpeedFactors] | None]:
+    """The untried candidates in the order to try them after the trials ``done``: the step-time
+    model calibrated on the measured ones, fastest predicted first
+    (:func:`autoshard.predict.calibrate.reorder_untried`).
+
+    Only when the trials ran on the kind of device planned for: CPU processes standing in for
+    GPUs say nothing about the GPUs' speed, so their order stays the uncalibrated model's."""
+    if speed_basis(plan.hardware, done) == "model" or not any(
+        r.status is TrialStatus.OK for r in done
+    ):
+        return list(queue), None
+    return reorder_untried(queue, done, plan.speed.predict, plan.speed.prior)
 
 
 def _record_pruned(

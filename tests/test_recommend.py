@@ -103,7 +103,7 @@ def test_recommend_module_object_explains_every_setting() -> None:
     rec = recommend(TiedLM(), batch=batch, gpus=4, gpu_memory="16GiB")
     c = rec.chosen.candidate
     assert rec.basis == "estimate"
-    assert c.wrap_classes == ("torch.nn.modules.transformer.TransformerEncoderLayer",)
+    assert rec.profile.wrap_policy == ("torch.nn.modules.transformer.TransformerEncoderLayer",)
     assert rec.workload.seq_len == 64 and c.micro_batch_size == 2
     text = "\n".join(rec.reasons)
     for setting in ("auto_wrap_policy", "sharding", "checkpointing", "cpu_offload", "precision",
@@ -171,5 +171,5 @@ def test_llama_8b_in_seconds() -> None:
 def test_target_string_with_kwargs() -> None:
     rec = recommend(f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny"}, gpus=2,
                     gpu_memory="8GiB", batch_size=1)  # fmt: skip
-    assert rec.chosen.candidate.wrap_classes == ("gpt.Block",)
+    assert rec.profile.wrap_policy == ("gpt.Block",)
     assert any(r.startswith("seq_len") for r in rec.reasons)  # assumed: said so
