@@ -364,8 +364,14 @@ def test_ranking_puts_the_fastest_first(net) -> None:
     profile, flops = net
     wrapped = Candidate(wrap_classes=WRAP)
     estimates = [
-        MemoryEstimate(candidate=c, method="analytic", gpu_peak=1, breakdown=MemoryBreakdown(),
-                       fits=True, headroom=1)  # fmt: skip
+        MemoryEstimate(
+            candidate=c,
+            method="analytic",
+            gpu_peak=1,
+            breakdown=MemoryBreakdown(),
+            fits=True,
+            headroom=1,
+        )
         for c in (wrapped.model_copy(update={"cpu_offload": True}), wrapped)
     ]
     hardware = ONE_NODE.model_copy(update={"gpu": "h100-sxm"})
