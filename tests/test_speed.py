@@ -220,19 +220,30 @@ def test_one_unit_overlaps_nothing(net) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_compute_is_flops_over_the_precision_peak(net) -> None:
-    profile, flops = net
+def test_flops_and_memory_traffic_of_linear_blocks(net) -> None:
+    _, flops = net
     # per sample: 6 Linears of 2 x D x D forward; backward twice that except the input
     # Linear's input gradient (the batch needs none)
     assert flops.forward == 6 * 2 * D * D
     assert flops.backward == (6 * 2 - 1) * 2 * D * D
-    for precision, peak in (("bf16-mixed", 1e12), ("32-true", 0.5e12)):
+    # each block's ReLU reads D floats and writes D; its backward reads the gradient and the
+    # output and writes the input's gradient; the matrix products count as FLOPs only
+    assert flops.block_forward_traffic == (2 * 4 * D,) * BLOCKS
+    assert flops.block_backward_traffic == (3 * 4 * D,) * BLOCKS
+
+
+def test_compute_is_flops_over_the_peak_and_traffic_over_the_memory(net) -> None:
+    profile, flops = net
+    for precision, peak, element in (("bf16-mixed", 1e12, 2), ("32-true", 0.5e12, 4)):
         candidate = Candidate(wrap_classes=WRAP, precision=precision, micro_batch_size=3)
         speed = predict_speed(
             profile, flops, candidate, ONE_NODE, WorkloadSpec(accumulate=2), EXACT, gpu=GPU
         )
-        assert speed.breakdown.compute_s == pytest.approx(2 * 3 * flops.total / peak)
-        assert speed.mfu == pytest.approx(speed.breakdown.compute_s / speed.step_time_s)
+        # traffic was counted in fp32: bf16 moves half the bytes; HBM is 1e12 bytes/s
+        hand = 2 * 3 * (flops.total / peak + flops.traffic * element / 4 / 1e12)
+        assert speed.breakdown.compute_s == pytest.approx(hand, rel=1e-9)
+        # MFU counts the FLOPs only
+        assert speed.mfu == pytest.approx(2 * 3 * flops.total / peak / speed.step_time_s)
 
 
 def test_fp32_runs_at_the_fp32_rate_unless_tf32() -> None:
@@ -254,7 +265,9 @@ def test_recompute_is_the_checkpointed_blocks_forward(net, checkpointing, every,
         micro_batch_size=2,
     )
     speed = predict_speed(profile, flops, candidate, ONE_NODE, WorkloadSpec(), EXACT, gpu=GPU)
-    hand = 2 * blocks * (2 * D * D) / 1e12  # micro-batch 2, 2 x D x D per block and sample
+    # micro-batch 2; per block and sample 2 x D x D FLOPs at 1e12 FLOP/s and its ReLU's
+    # traffic (2 x D values, 2 bytes each in bf16) at 1e12 bytes/s
+    hand = 2 * blocks * (2 * D * D / 1e12 + 2 * D * 2 / 1e12)
     assert speed.breakdown.recompute_s == pytest.approx(hand, rel=1e-9)
 
 

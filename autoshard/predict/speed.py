@@ -6,8 +6,11 @@ One optimizer step of one rank is the sum of
   dense peak at the candidate's precision (bf16/fp16 tensor cores under ``bf16-mixed``,
   ``16-mixed``, ``bf16-true``; under ``32-true`` the fp32 CUDA-core rate, because torch multiplies
   fp32 matrices at "highest" precision unless told otherwise and Lightning's ``32-true`` does not
-  tell it) times ``compute_efficiency``;
-- **recompute**: the forward FLOPs of the checkpointed blocks, again in backward;
+  tell it) times ``compute_efficiency``, plus the bytes the memory-bound operations move
+  (normalisations, activations, the loss, counted in the FLOP profile) over the GPU's memory
+  bandwidth times ``memory_efficiency`` (a roofline: an H100 has 3.2x an A100's FLOP/s but 1.6x
+  its bandwidth, so these operations take a larger share of its step);
+- **recompute**: the same for the forward of the checkpointed blocks, again in backward;
 - **exposed communication**: the collectives FSDP runs, on a timeline with the compute (two
   streams, :func:`timeline`): each unit's all-gather is issued when the unit before it starts
   computing (FSDP's prefetch), so it hides behind that unit's compute; a reduce-scatter starts
@@ -73,11 +76,12 @@ class SpeedFactors(Frozen):
         0.55,
         gt=0,
         le=1,
-        description="Achieved / dense peak FLOP/s for the counted FLOPs (matrix products and "
-        "attention; the element-wise work between them is folded in). Default: large-model "
-        "training on A100s reaches 50-57% model FLOPs utilisation (Megatron-LM, Korthikanti et "
-        "al. 2022: 52-56%; PyTorch's FSDP Llama 2 7B blog, 2024: 57%), which includes some "
-        "communication, so compute alone is at least that.",
+        description="Achieved / dense peak FLOP/s of the counted FLOPs (matrix products and "
+        "attention). Default: large-model training reaches 50-57% model FLOPs utilisation on "
+        "A100s (Megatron-LM, Korthikanti et al. 2022: 52-56%; PyTorch's FSDP Llama 2 7B blog, "
+        "2024: 57%) and 35-46% on H100s (the same blog; llm-foundry's MPT tables); the best "
+        "single large matrix product reaches 80-86% (Bekman's maximum achievable matmul FLOPS "
+        "table, ml-engineering).",
     )
     comm_efficiency: float = Field(
         0.75,
@@ -99,8 +103,9 @@ class SpeedFactors(Frozen):
         0.8,
         gt=0,
         le=1,
-        description="Achieved / peak device-memory bandwidth of the optimizer step's streaming "
-        "kernels (element-wise kernels reach 80-90% of HBM bandwidth).",
+        description="Achieved / peak device-memory bandwidth of the memory-bound work (the "
+        "model's element-wise operations and the optimizer step): large element-wise kernels "
+        "reach 80-90% of HBM bandwidth.",
     )
     host_efficiency: float = Field(
         0.8,
@@ -415,16 +420,22 @@ def checkpointed(candidate: Candidate, blocks: int) -> list[bool]:
             raise ValueError(f"unknown checkpointing {candidate.checkpointing!r}")
 
 
-def _block_flops(profile: ModelProfile, flops: FlopProfile) -> tuple[list[float], list[float]]:
-    """Forward and backward FLOPs per wrapped block: the profile's per block when it found the
-    same blocks, else the blocks' total spread over the analysed block count."""
+def _block_seconds(
+    profile: ModelProfile, flops: FlopProfile, flop_s: float, byte_s: float
+) -> tuple[list[float], list[float]]:
+    """Seconds of each wrapped block's forward and backward for one profiled sample (FLOPs
+    over ``flop_s`` plus memory traffic over ``byte_s``): the profile's per block when it found
+    the same blocks, else the blocks' total spread over the analysed block count."""
     count = profile.block_count
-    if len(flops.block_forward) == count:
-        return [float(f) for f in flops.block_forward], [float(b) for b in flops.block_backward]
-    if count == 0:
-        return [], []
-    fwd, bwd = sum(flops.block_forward) / count, sum(flops.block_backward) / count
-    return [fwd] * count, [bwd] * count
+    fwd_traffic = flops.block_forward_traffic or (0,) * len(flops.block_forward)
+    bwd_traffic = flops.block_backward_traffic or (0,) * len(flops.block_backward)
+    fwd = [f / flop_s + t / byte_s for f, t in zip(flops.block_forward, fwd_traffic, strict=True)]
+    bwd = [f / flop_s + t / byte_s for f, t in zip(flops.block_backward, bwd_traffic, strict=True)]
+    if len(fwd) == count:
+        return fwd, bwd
+    if count == 0:  # blocks the analysis does not wrap: their work in one piece
+        return ([sum(fwd)], [sum(bwd)]) if fwd else ([], [])
+    return [sum(fwd) / count] * count, [sum(bwd) / count] * count
 
 
 def predict_speed(
@@ -464,14 +475,18 @@ def predict_speed(
     candidate = as_run(candidate, hardware)
     mbs, accumulate = candidate.micro_batch_size, workload.accumulate
     peak = dense_flops(gpu, candidate.precision, tf32=tf32)
-    flop_rate = peak * factors.compute_efficiency / mbs  # seconds per profiled FLOP = 1 / this
+    # Seconds per profiled FLOP and per profiled byte (fp32) of memory-bound work, at the
+    # candidate's micro-batch: FLOPs and traffic are linear in it.
+    flop_s = peak * factors.compute_efficiency / mbs
+    _, cb = _element_bytes(candidate)
+    byte_s = gpu.hbm_bandwidth * factors.memory_efficiency * 4 / cb / mbs
     comm = _Collectives(candidate, hardware, gpu, factors)
 
-    fwd, bwd = _block_flops(profile, flops)
+    fwd, bwd = _block_seconds(profile, flops, flop_s, byte_s)
     blocks = len(fwd)
     recompute = [f if c else 0.0 for f, c in zip(fwd, checkpointed(candidate, blocks), strict=True)]
-    if blocks == 0 and candidate.checkpointing is not Checkpointing.NONE:
-        recompute = []
+    other_fwd = flops.other_forward / flop_s + flops.other_forward_traffic / byte_s
+    other_bwd = flops.other_backward / flop_s + flops.other_backward_traffic / byte_s
     params = float(profile.total_params)
     block_params = float(profile.block_params) if blocks else 0.0
     wrapped = not candidate.one_unit and blocks > 0
@@ -500,27 +515,27 @@ def predict_speed(
         if wrapped:
             forward = [
                 (gather(root_params), 0.0, 0.0),
-                *((gather(block_params), f / flop_rate, 0.0) for f in fwd),
-                (0.0, flops.other_forward / flop_rate, 0.0),
+                *((gather(block_params), f, 0.0) for f in fwd),
+                (0.0, other_fwd, 0.0),
             ]
             backward = [(gather(root_params) if root_regather else 0.0,
-                         flops.other_backward / flop_rate, 0.0)]  # fmt: skip
+                         other_bwd, 0.0)]  # fmt: skip
             for i in reversed(range(blocks)):
                 regathered = last_regather if i == blocks - 1 else regather
                 backward.append(
                     (
                         gather(block_params) if regathered else 0.0,
-                        (bwd[i] + recompute[i]) / flop_rate,
+                        bwd[i] + recompute[i],
                         red(block_params),
                     )
                 )
             backward.append((0.0, 0.0, red(root_params)))
         else:
-            forward = [(gather(params), flops.forward / flop_rate, 0.0)]
+            forward = [(gather(params), sum(fwd) + other_fwd, 0.0)]
             backward = [
                 (
                     gather(params) if root_regather else 0.0,
-                    (flops.backward + sum(recompute)) / flop_rate,
+                    sum(bwd) + other_bwd + sum(recompute),
                     red(params),
                 )
             ]
@@ -535,8 +550,8 @@ def predict_speed(
         quiet, quiet_comm = micro_batch(reduce=False)
         elapsed += (accumulate - 1) * quiet
         comm_s += (accumulate - 1) * quiet_comm
-    compute_s = accumulate * flops.total / flop_rate
-    recompute_s = accumulate * sum(recompute) / flop_rate
+    compute_s = accumulate * (sum(fwd) + sum(bwd) + other_fwd + other_bwd)
+    recompute_s = accumulate * sum(recompute)
     hidden_exposed = max(0.0, elapsed - compute_s - recompute_s)
     exposed = factors.overlap * hidden_exposed + (1 - factors.overlap) * comm_s
 
