@@ -87,6 +87,7 @@ EXACT = SpeedFactors(
     memory_efficiency=1.0,
     host_efficiency=1.0,
     host_memory_bandwidth=50e9,
+    op_overhead_s=0.0,
     overlap=0.0,
 )
 ONE_NODE = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
@@ -244,6 +245,29 @@ def test_compute_is_flops_over_the_peak_and_traffic_over_the_memory(net) -> None
         assert speed.breakdown.compute_s == pytest.approx(hand, rel=1e-9)
         # MFU counts the FLOPs only
         assert speed.mfu == pytest.approx(2 * 3 * flops.total / peak / speed.step_time_s)
+
+
+def test_a_small_model_is_bound_by_launching_its_operations(net) -> None:
+    profile, flops = net
+    # per sample: blocks 2 ops forward and 3 backward, the root 2 and 6 (with the loss); at
+    # 1 ms an operation the launches outlast the work on a GPU (which runs the kernels while
+    # the host launches the next ones), and add to it on a CPU (which does both in turn)
+    ops = BLOCKS * (2 + 3) + 2 + 6
+    assert sum(flops.block_forward_ops) + sum(flops.block_backward_ops) == BLOCKS * (2 + 3)
+    assert flops.other_forward_ops + flops.other_backward_ops == 2 + 6
+    slow_host = EXACT.model_copy(update={"op_overhead_s": 1e-3})
+    candidate = Candidate(wrap_classes=WRAP, micro_batch_size=4)
+    on_gpu = predict_speed(profile, flops, candidate, ONE_NODE, WorkloadSpec(), slow_host, gpu=GPU)
+    assert on_gpu.breakdown.compute_s == pytest.approx(ops * 1e-3, rel=1e-9)
+    device = predict_speed(profile, flops, candidate, ONE_NODE, WorkloadSpec(), EXACT, gpu=GPU)
+    cpu = GPU.model_copy(update={"id": "cpu-gloo"})
+    on_cpu = predict_speed(profile, flops, candidate, ONE_NODE, WorkloadSpec(), slow_host, gpu=cpu)
+    # (on the CPU entry bf16 element-wise work moves fp32 bytes: the traffic part doubles)
+    cpu_work = predict_speed(profile, flops, candidate, ONE_NODE, WorkloadSpec(), EXACT, gpu=cpu)
+    assert cpu_work.breakdown.compute_s > device.breakdown.compute_s
+    assert on_cpu.breakdown.compute_s == pytest.approx(
+        ops * 1e-3 + cpu_work.breakdown.compute_s, rel=1e-9
+    )
 
 
 def test_fp32_runs_at_the_fp32_rate_unless_tf32() -> None:

@@ -23,7 +23,7 @@ forward and backward. A 70B model costs one block and its embedding and head.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -88,6 +88,14 @@ class FlopProfile(BaseModel):
     )
     other_forward_traffic: int = Field(0, description="The same outside the blocks, forward.")
     other_backward_traffic: int = Field(0, description="The same outside the blocks, backward.")
+    block_forward_ops: tuple[int, ...] = Field(
+        (),
+        description="Operations (kernels) of each block's forward, at any micro-batch: what "
+        "launching them costs does not grow with the batch.",
+    )
+    block_backward_ops: tuple[int, ...] = Field((), description="The same for the backward.")
+    other_forward_ops: int = Field(0, description="The same outside the blocks, forward.")
+    other_backward_ops: int = Field(0, description="The same outside the blocks, backward.")
     measured: bool = Field(True, description="False when estimated as 6 x parameters x tokens.")
     note: str = Field("", description="Why the FLOPs were estimated, when they were.")
 
@@ -152,21 +160,19 @@ _CPU_ATTENTION = {
 
 
 class _Traffic(TorchDispatchMode):
-    """Bytes read and written by the operations that are not matrix products or attention:
-    each input tensor once and each output, as an eager kernel moves them through memory.
-    Views move nothing; neither do the stand-ins (``paused``)."""
+    """Operations that run a kernel (not views), and the bytes read and written by those that
+    are not matrix products or attention: each input tensor once and each output, as an eager
+    kernel moves them through memory. Allocating (``empty``) moves nothing."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes = 0
-        self.paused = False
+        self.ops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if self.paused or packet in _COMPUTE_BOUND:
-            return out
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         name = packet.__name__
         if not outs or name.startswith("empty") or name.startswith("new_empty"):
@@ -178,6 +184,9 @@ class _Traffic(TorchDispatchMode):
         storages = {t.untyped_storage()._cdata for t in ins.values()}
         if not in_place and any(t.untyped_storage()._cdata in storages for t in outs):
             return out  # a view of an input
+        self.ops += 1
+        if packet in _COMPUTE_BOUND:
+            return out
         written = 0 if in_place else sum(_nbytes(t) for t in outs)
         if name in ("embedding", "index_select"):  # reads the rows it returns, not the table
             read = written + sum(_nbytes(t) for t in ins.values() if not t.is_floating_point())
@@ -196,6 +205,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class _Counts(NamedTuple):
+    flops: int
+    traffic: int
+    ops: int
+
+    def __sub__(self, other: tuple[int, ...]) -> _Counts:
+        return _Counts(*(a - b for a, b in zip(self, other, strict=True)))
+
+
 class _Counter:
     """FLOPs (torch's counter, with CPU attention) and memory traffic, counted together."""
 
@@ -203,8 +221,8 @@ class _Counter:
         self.flop_counter = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
         self.traffic = _Traffic()
 
-    def totals(self) -> tuple[int, int]:
-        return self.flop_counter.get_total_flops(), self.traffic.bytes
+    def totals(self) -> _Counts:
+        return _Counts(self.flop_counter.get_total_flops(), self.traffic.bytes, self.traffic.ops)
 
     def __enter__(self) -> _Counter:
         self.flop_counter.__enter__()
@@ -258,12 +276,12 @@ def _float_outputs(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if _differentiable(t) and t.requires_grad]
 
 
-def _backward(output: Any, counter: _Counter | None = None) -> tuple[int, int]:
+def _backward(output: Any, counter: _Counter | None = None) -> _Counts:
     """Run the backward of every floating output (its gradients seeded with ones); return the
     counter's totals once the seeds are made, so that they are not counted as backward work."""
     outs = _float_outputs(output)
     seeds = [torch.ones_like(t) for t in outs]
-    before = counter.totals() if counter is not None else (0, 0)
+    before = counter.totals() if counter is not None else _Counts(0, 0, 0)
     if outs:
         torch.autograd.backward(outs, seeds)
     return before
@@ -334,9 +352,9 @@ def _count(
         batch = move_to(batch, torch.device("cpu"))
 
     counter = _Counter()
-    forward_counts: list[tuple[int, int]] = [(0, 0)] * len(blocks)
+    forward_counts: list[_Counts] = [_Counts(0, 0, 0)] * len(blocks)
     # (signature, input shapes) -> (the block, fresh inputs, output template, forward counts)
-    distinct: dict[Any, tuple[nn.Module, Any, Any, tuple[int, int]]] = {}
+    distinct: dict[Any, tuple[nn.Module, Any, Any, _Counts]] = {}
     keys: list[Any] = [None] * len(blocks)
 
     def standing_in(index: int, block: nn.Module) -> Any:
@@ -348,17 +366,12 @@ def _count(
             if key not in distinct:
                 if any(p.is_meta for p in block.parameters()):  # a repeat with a new input
                     _materialize(block, torch.float32, recurse=True)
-                flops, traffic = counter.totals()
+                before = counter.totals()
                 output = original(*args, **kwargs)
-                after = counter.totals()
-                counts = (after[0] - flops, after[1] - traffic)
+                counts = counter.totals() - before
                 distinct[key] = (block, _fresh_like((args, kwargs)), _fresh_like(output), counts)
             forward_counts[index] = distinct[key][3]
-            counter.traffic.paused = True  # the stand-in's fresh tensors move nothing
-            try:
-                return _stand_in(distinct[key][2], (args, kwargs))
-            finally:
-                counter.traffic.paused = False
+            return _stand_in(distinct[key][2], (args, kwargs))  # empty tensors: nothing counted
 
         stand_in_forward.original = original  # type: ignore[attr-defined]
         return stand_in_forward
@@ -372,29 +385,36 @@ def _count(
             _backward_of_loss(output, batch)
         total = counter.totals()
         # Each distinct block alone, its inner blocks (if any) still standing in.
-        backward_of: dict[Any, tuple[int, int]] = {}
+        backward_of: dict[Any, _Counts] = {}
         for key, (block, (args, kwargs), _, _) in distinct.items():
-            counter = _Counter()  # the inner stand-ins pause this one
+            counter = _Counter()
             with counter:
                 out = block.forward.original(*args, **kwargs)  # type: ignore[attr-defined]
                 before = _backward(out, counter)
-            after = counter.totals()
-            backward_of[key] = (after[0] - before[0], after[1] - before[1])
+            backward_of[key] = counter.totals() - before
             for p in block.parameters():
                 p.grad = None
     if blocks and any(k is None for k in keys):
         raise RuntimeError("some blocks did not run in the model's forward")
-    counted = [distinct[k][3] for k in distinct]
+    once = [d[3] for d in distinct.values()]  # each distinct block ran once in the model
+    blocks_once = _Counts(*(sum(c) for c in zip(*once, strict=True))) if once else _Counts(0, 0, 0)
+    other_forward = forward_total - blocks_once
+    other_backward = total - forward_total  # the blocks' backward stood in: nothing counted
+    backward_counts = [backward_of[k] for k in keys]
     return FlopProfile(
         seq_len=seq,
-        block_forward=tuple(f for f, _ in forward_counts),
-        block_backward=tuple(backward_of[k][0] for k in keys),
-        other_forward=forward_total[0] - sum(f for f, _ in counted),
-        other_backward=total[0] - forward_total[0],
-        block_forward_traffic=tuple(t for _, t in forward_counts),
-        block_backward_traffic=tuple(backward_of[k][1] for k in keys),
-        other_forward_traffic=forward_total[1] - sum(t for _, t in counted),
-        other_backward_traffic=total[1] - forward_total[1],
+        block_forward=tuple(c.flops for c in forward_counts),
+        block_backward=tuple(c.flops for c in backward_counts),
+        other_forward=other_forward.flops,
+        other_backward=other_backward.flops,
+        block_forward_traffic=tuple(c.traffic for c in forward_counts),
+        block_backward_traffic=tuple(c.traffic for c in backward_counts),
+        other_forward_traffic=other_forward.traffic,
+        other_backward_traffic=other_backward.traffic,
+        block_forward_ops=tuple(c.ops for c in forward_counts),
+        block_backward_ops=tuple(c.ops for c in backward_counts),
+        other_forward_ops=other_forward.ops,
+        other_backward_ops=other_backward.ops,
     )
 
 

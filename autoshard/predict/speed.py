@@ -122,6 +122,14 @@ class SpeedFactors(Frozen):
         "at the ~13 GB/s one core copies (measured on this project's Xeon VM); a dual-socket "
         "server's DRAM peaks at 400-600 GB/s.",
     )
+    op_overhead_s: float = Field(
+        10e-6,
+        ge=0,
+        description="Host seconds to issue one operation (Python, dispatcher, autograd, kernel "
+        "launch). A GPU runs the kernels meanwhile, so this bounds a small model's step from "
+        "below; CPU processes pay it on top of the work (measured at run time for cpu-gloo). "
+        "Default: eager PyTorch issues a CUDA operation in 5-10 us.",
+    )
     overlap: float = Field(
         1.0,
         ge=0,
@@ -133,14 +141,23 @@ class SpeedFactors(Frozen):
 
 DEFAULT_FACTORS = SpeedFactors()
 
-# gloo on CPU processes: FSDP waits for each collective on the calling thread (no side stream),
-# so nothing overlaps; the rest is calibrated by the trials.
-CPU_GLOO_FACTORS = SpeedFactors(overlap=0.0, compute_efficiency=0.5)
-
 
 def default_factors(gpu: GPUSpec) -> SpeedFactors:
-    """The uncalibrated factors for ``gpu``: one set for every GPU, another for CPU processes."""
-    return CPU_GLOO_FACTORS if gpu.id == "cpu-gloo" else DEFAULT_FACTORS
+    """The uncalibrated factors for ``gpu``: one set for every GPU, another for CPU processes
+    (gloo), where FSDP waits for each collective on the calling thread (no side stream), so
+    nothing overlaps, and issuing an operation costs what was measured here. The trials
+    calibrate the rest."""
+    if gpu.id != "cpu-gloo":
+        return DEFAULT_FACTORS
+    # Profiled here (torch.profiler, the tiny GPT's fp32 step on one thread): its matrix
+    # products ran at 40 GFLOP/s, a quarter of the 256 x 256 product's rate, and torch's CPU
+    # AdamW took 38 ms for 1.9M parameters, three times what its passes need at the copy rate.
+    return SpeedFactors(
+        compute_efficiency=0.3,
+        memory_efficiency=0.3,
+        overlap=0.0,
+        op_overhead_s=_measure_cpu()[3],
+    )
 
 
 # Bytes one optimizer step streams per parameter, per 4-byte element: a fused AdamW reads the
@@ -172,8 +189,8 @@ def speed_for(hardware: Hardware) -> tuple[GPUSpec, str]:
     """The catalogue entry to predict ``hardware``'s speed with, its bandwidths overridden as
     the hardware says, and a note when the entry was assumed rather than given.
 
-    CPU processes (``backend="gloo"``) get the ``cpu-gloo`` entry with this machine's matmul
-    FLOP/s and memory bandwidth measured once (a few milliseconds, cached).
+    CPU processes (``backend="gloo"``) get the ``cpu-gloo`` entry with this machine's FLOP/s
+    and memory bandwidth measured once (a few milliseconds, cached).
 
     >>> from autoshard import Hardware
     >>> from autoshard.predict.speed import speed_for
@@ -216,7 +233,7 @@ def detected_gpu() -> str | None:
 def measured_cpu(ranks: int = 1) -> GPUSpec:
     """The ``cpu-gloo`` entry with this CPU's speeds, as one of ``ranks`` one-thread processes
     sharing the machine's cores sees them (more ranks than cores share them)."""
-    flops32, flops16, bandwidth = _measure_cpu()
+    flops32, flops16, bandwidth, _ = _measure_cpu()
     share = min(1.0, (os.cpu_count() or 1) / max(ranks, 1))
     return CATALOGUE["cpu-gloo"].model_copy(
         update={
@@ -232,9 +249,10 @@ def measured_cpu(ranks: int = 1) -> GPUSpec:
 
 
 @functools.cache
-def _measure_cpu() -> tuple[float, float, float]:
-    """(fp32 matmul FLOP/s, bf16 matmul FLOP/s, copy bytes/s) of one thread, as the trial
-    workers run (OMP_NUM_THREADS=1). The best of a few repeats: other processes only slow it."""
+def _measure_cpu() -> tuple[float, float, float, float]:
+    """(fp32 matmul FLOP/s, bf16 matmul FLOP/s, copy bytes/s, seconds to issue one small
+    operation) of one thread, as the trial workers run (OMP_NUM_THREADS=1). The best of a few
+    repeats: other processes only slow it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -250,12 +268,19 @@ def _measure_cpu() -> tuple[float, float, float]:
         n = 256
         a32, b32 = torch.randn(n, n), torch.randn(n, n)
         a16, b16 = a32.bfloat16(), b32.bfloat16()
-        src = torch.empty(16 * 2**20, dtype=torch.uint8)
+        src = torch.empty(32 * 2**20, dtype=torch.uint8)  # beyond the caches
         dst = torch.empty_like(src)
+        one = torch.ones(1)
+
+        def small_ops() -> None:
+            for _ in range(200):
+                one.add(one)
+
         return (
             rate(lambda: torch.mm(a32, b32), 2 * n**3),
             rate(lambda: torch.mm(a16, b16), 2 * n**3),
             rate(lambda: dst.copy_(src), 2 * src.numel()),  # read and write
+            1 / rate(small_ops, 200),
         )
     finally:
         torch.set_num_threads(threads)
@@ -420,18 +445,54 @@ def checkpointed(candidate: Candidate, blocks: int) -> list[bool]:
             raise ValueError(f"unknown checkpointing {candidate.checkpointing!r}")
 
 
+class _Work:
+    """Seconds of a piece of one micro-batch's work on the device: its FLOPs (per profiled
+    sample) over the compute rate, its memory traffic over the memory rate, and launching its
+    operations. A GPU runs the kernels while the host launches the next ones, so the piece
+    takes the longer of the two (a small model is launch-bound); a CPU does both in turn."""
+
+    def __init__(self, flop_s: float, byte_s: float, op_s: float, *, host_is_device: bool):
+        self.flop_s, self.byte_s, self.op_s = flop_s, byte_s, op_s
+        self.host_is_device = host_is_device
+
+    def seconds(self, flops: float, traffic: float, ops: float) -> float:
+        device = flops / self.flop_s + traffic / self.byte_s
+        host = ops * self.op_s
+        return device + host if self.host_is_device else max(device, host)
+
+
+def _pad(values: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """A per-block count, or zeros where the profile has none (estimated FLOPs)."""
+    return values if len(values) == n else (0,) * n
+
+
 def _block_seconds(
-    profile: ModelProfile, flops: FlopProfile, flop_s: float, byte_s: float
+    profile: ModelProfile, flops: FlopProfile, work: _Work
 ) -> tuple[list[float], list[float]]:
-    """Seconds of each wrapped block's forward and backward for one profiled sample (FLOPs
-    over ``flop_s`` plus memory traffic over ``byte_s``): the profile's per block when it found
-    the same blocks, else the blocks' total spread over the analysed block count."""
+    """Seconds of each wrapped block's forward and backward in one micro-batch: the profile's
+    per block when it found the same blocks, else the blocks' total spread over the analysed
+    block count."""
+    n = len(flops.block_forward)
+    fwd = [
+        work.seconds(f, t, o)
+        for f, t, o in zip(
+            flops.block_forward,
+            _pad(flops.block_forward_traffic, n),
+            _pad(flops.block_forward_ops, n),
+            strict=True,
+        )
+    ]
+    bwd = [
+        work.seconds(f, t, o)
+        for f, t, o in zip(
+            flops.block_backward,
+            _pad(flops.block_backward_traffic, n),
+            _pad(flops.block_backward_ops, n),
+            strict=True,
+        )
+    ]
     count = profile.block_count
-    fwd_traffic = flops.block_forward_traffic or (0,) * len(flops.block_forward)
-    bwd_traffic = flops.block_backward_traffic or (0,) * len(flops.block_backward)
-    fwd = [f / flop_s + t / byte_s for f, t in zip(flops.block_forward, fwd_traffic, strict=True)]
-    bwd = [f / flop_s + t / byte_s for f, t in zip(flops.block_backward, bwd_traffic, strict=True)]
-    if len(fwd) == count:
+    if n == count:
         return fwd, bwd
     if count == 0:  # blocks the analysis does not wrap: their work in one piece
         return ([sum(fwd)], [sum(bwd)]) if fwd else ([], [])
@@ -479,14 +540,23 @@ def predict_speed(
     # candidate's micro-batch: FLOPs and traffic are linear in it.
     flop_s = peak * factors.compute_efficiency / mbs
     _, cb = _element_bytes(candidate)
+    if gpu.id == "cpu-gloo":
+        # CPU kernels compute bf16 element-wise work in fp32 and convert (measured here: the tiny
+        # GPT's step is 20% slower under bf16 autocast than in fp32): no fewer bytes per second.
+        cb = 4
     byte_s = gpu.hbm_bandwidth * factors.memory_efficiency * 4 / cb / mbs
     comm = _Collectives(candidate, hardware, gpu, factors)
 
-    fwd, bwd = _block_seconds(profile, flops, flop_s, byte_s)
+    work = _Work(flop_s, byte_s, factors.op_overhead_s, host_is_device=gpu.id == "cpu-gloo")
+    fwd, bwd = _block_seconds(profile, flops, work)
     blocks = len(fwd)
     recompute = [f if c else 0.0 for f, c in zip(fwd, checkpointed(candidate, blocks), strict=True)]
-    other_fwd = flops.other_forward / flop_s + flops.other_forward_traffic / byte_s
-    other_bwd = flops.other_backward / flop_s + flops.other_backward_traffic / byte_s
+    other_fwd = work.seconds(
+        flops.other_forward, flops.other_forward_traffic, flops.other_forward_ops
+    )
+    other_bwd = work.seconds(
+        flops.other_backward, flops.other_backward_traffic, flops.other_backward_ops
+    )
     params = float(profile.total_params)
     block_params = float(profile.block_params) if blocks else 0.0
     wrapped = not candidate.one_unit and blocks > 0
