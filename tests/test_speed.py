@@ -316,6 +316,10 @@ def test_offload_copies_shards_and_steps_on_the_host(net) -> None:
     fused = Candidate(wrap_classes=WRAP, optimizer_impl="fused")
     fused_speed = predict_speed(profile, flops, fused, ONE_NODE, WorkloadSpec(), EXACT, gpu=GPU)
     assert fused_speed.breakdown.optimizer_s == pytest.approx(shard * 28 / 1e12, rel=1e-9)
+    # bf16-true keeps parameters, gradients and states in 2 bytes
+    bf16 = Candidate(wrap_classes=WRAP, optimizer_impl="fused", precision="bf16-true")
+    bf16_speed = predict_speed(profile, flops, bf16, ONE_NODE, WorkloadSpec(), EXACT, gpu=GPU)
+    assert bf16_speed.breakdown.optimizer_s == pytest.approx(shard * 14 / 1e12, rel=1e-9)
 
 
 def test_the_step_is_the_sum_of_its_parts_and_throughput_follows(net) -> None:

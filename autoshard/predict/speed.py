@@ -174,10 +174,11 @@ _OPTIMIZER_PASSES = {
 
 
 def optimizer_bytes_per_param(candidate: Candidate) -> int:
-    """Bytes of memory traffic per parameter of one optimizer step (fp32 states)."""
+    """Bytes of memory traffic per parameter of one optimizer step: its passes over tensors of
+    the stored dtype (fp32, or bf16 under ``bf16-true``)."""
     fused, separate = _OPTIMIZER_PASSES[candidate.optimizer]
     passes = fused if candidate.optimizer_impl is OptimizerImpl.FUSED else separate
-    return 4 * passes
+    return _element_bytes(candidate)[0] * passes
 
 
 # ---------------------------------------------------------------------------------------------
