@@ -8,6 +8,9 @@ over its link: the volumes of each strategy, computed by hand below from the mod
 
 from __future__ import annotations
 
+import doctest
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -15,6 +18,8 @@ from torch import nn
 from autoshard.analyze import analyze_model
 from autoshard.config import Candidate, Hardware, WorkloadSpec
 from autoshard.gpus import CATALOGUE
+from autoshard.predict import flops as flops_module
+from autoshard.predict import speed as speed_module
 from autoshard.predict.flops import FlopProfile, profile_flops
 from autoshard.predict.speed import (
     SpeedFactors,
@@ -427,3 +432,10 @@ def test_ranking_puts_the_fastest_first(net) -> None:
 def test_a_flop_profile_round_trips_as_json(net) -> None:
     _, flops = net
     assert FlopProfile.model_validate_json(flops.model_dump_json()) == flops
+
+
+@pytest.mark.parametrize("module", [flops_module, speed_module], ids=["flops", "speed"])
+def test_the_examples_in_the_docstrings_run(module, monkeypatch) -> None:
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # they name examples/gpt.py
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 5 and result.failed == 0
