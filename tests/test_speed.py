@@ -370,6 +370,22 @@ def test_flops_of_a_transformer_block_match_the_formula() -> None:
     assert flops.other_backward == 2 * flops.other_forward
 
 
+@pytest.mark.parametrize("example", ["hf_gpt2", "hf_t5"])
+def test_hugging_face_models_are_counted_on_fake_tensors(example: str) -> None:
+    # GPT-2 and T5's decoder pass a key/value cache object to their blocks, holding tensors of
+    # the model's pass: both must be counted, not estimated.
+    pytest.importorskip("transformers")
+    from autoshard.analyze import analyze_target
+    from autoshard.target.resolve import TargetSpec
+
+    root = Path(__file__).resolve().parents[1]
+    profile, built = analyze_target(TargetSpec(spec=f"{root}/examples/{example}.py:build"))
+    flops = profile_flops(built.model, profile, WorkloadSpec(), batch=built.batch)
+    assert flops.measured, flops.note
+    assert len(flops.block_forward) == profile.block_count
+    assert all(b > f > 0 for f, b in zip(flops.block_forward, flops.block_backward, strict=True))
+
+
 def test_a_forward_that_cannot_run_on_fake_tensors_falls_back_to_six_n_t() -> None:
     class Opaque(nn.Module):
         def __init__(self) -> None:

@@ -386,14 +386,15 @@ def _count(
         total = counter.totals()
         # Each distinct block alone, its inner blocks (if any) still standing in.
         backward_of: dict[Any, _Counts] = {}
-        for key, (block, (args, kwargs), _, _) in distinct.items():
-            counter = _Counter()
-            with counter:
-                out = block.forward.original(*args, **kwargs)  # type: ignore[attr-defined]
-                before = _backward(out, counter)
-            backward_of[key] = counter.totals() - before
-            for p in block.parameters():
-                p.grad = None
+        for key, (block, inputs, _, _) in distinct.items():
+            try:
+                backward_of[key] = _backward_alone(block, inputs)
+            except RuntimeError:
+                # An object the block was given holds tensors of the model's pass, whose graph
+                # its backward has freed (a Hugging Face key/value cache: GPT-2 builds one in
+                # training unless its config says use_cache=False, T5's decoder even then):
+                # count the block without it.
+                backward_of[key] = _backward_alone(block, _without_objects(inputs))
     if blocks and any(k is None for k in keys):
         raise RuntimeError("some blocks did not run in the model's forward")
     once = [d[3] for d in distinct.values()]  # each distinct block ran once in the model
@@ -416,6 +417,34 @@ def _count(
         other_forward_ops=other_forward.ops,
         other_backward_ops=other_backward.ops,
     )
+
+
+def _backward_alone(block: nn.Module, inputs: Any) -> _Counts:
+    """What the backward of ``block`` alone counts, on fresh ``(args, kwargs)``."""
+    args, kwargs = inputs
+    counter = _Counter()
+    try:
+        with counter:
+            out = block.forward.original(*args, **kwargs)  # type: ignore[attr-defined]
+            before = _backward(out, counter)
+    finally:
+        for p in block.parameters():
+            p.grad = None
+    return counter.totals() - before
+
+
+def _without_objects(value: Any) -> Any:
+    """``value`` with every object that is not a tensor, a container or a plain value replaced
+    by None."""
+    if isinstance(value, torch.Tensor) or value is None:
+        return value
+    if isinstance(value, dict):
+        return type(value)({k: _without_objects(v) for k, v in value.items()})
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_without_objects(v) for v in value)
+    if isinstance(value, int | float | bool | str | torch.dtype | torch.device):
+        return value
+    return None
 
 
 def _backward_of_loss(output: Any, batch: Any) -> None:
