@@ -21,7 +21,7 @@ from autoshard.target.resolve import _import_file
 
 from .conftest import EXAMPLES, ROOT
 
-pytestmark = pytest.mark.filterwarnings("ignore::autoshard.api.NoGPUWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::autoshard.PlanWarning")
 
 HF = "transformers.models"
 FAMILIES = {
