@@ -161,6 +161,10 @@ def choose_from_trials(
 # Reasons: one line per chosen setting
 # --------------------------------------------------------------------------------------------
 
+# Predictions closer than this are not told apart in the reasons (the model's own error is far
+# larger: benchmarks/results/step_time_published.md).
+PREDICTED_TIE = 0.02
+
 _SETTINGS = ("sharding", "checkpointing", "cpu_offload", "precision", "micro_batch_size")
 
 
@@ -343,5 +347,11 @@ def explain_by_prediction(
         diff = _differences(best.candidate, r.candidate)
         other = _predicted_rate(r, by_label)
         if len(diff) == 1 and rate and other:
-            lines.append(f"{diff[0]} predicted {rate / other:.2f}x slower")
+            ratio = rate / other
+            # A model's few-percent difference is no result: say "about as fast", not "1.00x".
+            lines.append(
+                f"{diff[0]} predicted {ratio:.2f}x slower"
+                if ratio >= 1 + PREDICTED_TIE
+                else f"{diff[0]} predicted about as fast (within {PREDICTED_TIE:.0%})"
+            )
     return lines
