@@ -15,7 +15,7 @@ through :mod:`warnings` at every door; the command line prints each as one line.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from autoshard.config import (
 from autoshard.errors import ConfigError
 from autoshard.predict.activations import ActivationProfile, precisions_of, profile_activations
 from autoshard.predict.analytic import estimate_all
-from autoshard.predict.calibrate import SpeedModel, order_by_speed
+from autoshard.predict.calibrate import SpeedModel
 from autoshard.results import (
     MemoryEstimate,
     ModelProfile,
@@ -394,17 +394,7 @@ class Plan:
     def ranked(self, order: RankOrder | str = RankOrder.SPEED) -> list[MemoryEstimate]:
         """Fitting candidates first (fastest predicted, or most headroom), then the rest by
         how far they overshoot."""
-        return rank_estimates(self.estimates, RankOrder(order))
-
-
-def rank_estimates(
-    estimates: Sequence[MemoryEstimate], order: RankOrder = RankOrder.SPEED
-) -> list[MemoryEstimate]:
-    """Fitting candidates first: the fastest predicted by the step-time model (ties: more
-    headroom), or the most headroom first; then the rest by how far they overshoot."""
-    if order is RankOrder.HEADROOM:
-        return rank_candidates(estimates, by=RankOrder.HEADROOM.value)
-    return order_by_speed(rank_candidates(estimates, by=RankOrder.HEADROOM.value))
+        return rank_candidates(self.estimates, order)
 
 
 def make_plan(request: PlanRequest) -> Plan:
@@ -441,11 +431,11 @@ def make_plan(request: PlanRequest) -> Plan:
         from autoshard.predict.simulate import refine_with_simulation
 
         simulated = refine_with_simulation(
-            request.target, rank_estimates(estimates), request.hardware, workload,
+            request.target, rank_candidates(estimates), request.hardware, workload,
             block_classes=profile.block_classes, count=opts.simulate,
         )  # fmt: skip
         estimates = speed.attach(simulated)  # simulated peaks can change fit and headroom
-    estimates = rank_estimates(estimates)
+    estimates = rank_candidates(estimates)
     for note in notes:
         warnings.warn(note, PlanWarning, stacklevel=2)
     return Plan(

@@ -33,10 +33,11 @@ from optuna.trial import TrialState
 from autoshard.config import Candidate, Checkpointing, ProgressEvent, TuneOptions
 from autoshard.decide import decide_from_trials
 from autoshard.measure import speed_basis, throughput
-from autoshard.plan import Plan, rank_estimates
+from autoshard.plan import Plan
 from autoshard.predict.calibrate import Calibration, reorder_untried
 from autoshard.predict.speed import SpeedFactors
 from autoshard.results import MemoryEstimate, Recommendation, Scored, TrialResult, TrialStatus
+from autoshard.space import rank_candidates
 from autoshard.trials.group import WorkerGroup
 from autoshard.ui.files import write_report
 
@@ -113,7 +114,7 @@ def trial_order(plan: Plan, device: str) -> list[MemoryEstimate]:
     fastest predicted for the planned hardware first (on CPU workers standing in for GPUs too:
     they check that the most promising configurations build, train and fit)."""
     del device  # the order is the planned hardware's, wherever the trials run
-    return rank_estimates(plan.estimates)
+    return rank_candidates(plan.estimates)
 
 
 def study_name(plan: Plan) -> str:

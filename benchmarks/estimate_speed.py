@@ -32,8 +32,9 @@ def main() -> None:
     from autoshard.config import Hardware, WorkloadSpec
     from autoshard.predict.activations import precisions_of, profile_activations
     from autoshard.predict.analytic import estimate_all
+    from autoshard.predict.calibrate import SpeedModel
     from autoshard.predict.flops import profile_flops
-    from autoshard.predict.speed import predict_speeds
+    from autoshard.predict.speed import default_factors, speed_for
     from autoshard.space import enumerate_candidates
     from autoshard.target.resolve import TargetSpec
 
@@ -60,7 +61,9 @@ def main() -> None:
     flops = profile_flops(built.model, profile, workload)
     stages.append(("FLOP profile (fake tensors, one block)", time.perf_counter() - t))
     t = time.perf_counter()
-    estimates = predict_speeds(profile, flops, estimates, hardware, workload)
+    gpu, _ = speed_for(hardware)
+    model = SpeedModel(profile, flops, hardware, workload, gpu, default_factors(gpu))
+    estimates = model.attach(estimates)
     predicting = time.perf_counter() - t
     stages.append((f"predict the step time of {len(estimates)} candidates", predicting))
     t = time.perf_counter()

@@ -20,17 +20,18 @@ from autoshard.config import Candidate, Hardware, WorkloadSpec
 from autoshard.gpus import CATALOGUE
 from autoshard.predict import flops as flops_module
 from autoshard.predict import speed as speed_module
+from autoshard.predict.calibrate import SpeedModel
 from autoshard.predict.flops import FlopProfile, profile_flops
 from autoshard.predict.speed import (
     SpeedFactors,
+    default_factors,
     dense_flops,
     predict_speed,
-    predict_speeds,
     speed_for,
-    speed_rank_key,
     timeline,
 )
 from autoshard.results import MemoryBreakdown, MemoryEstimate
+from autoshard.space import rank_candidates
 
 D = 64  # width of every Linear
 BLOCKS = 4
@@ -437,9 +438,9 @@ def test_ranking_puts_the_fastest_first(net) -> None:
         for c in (wrapped.model_copy(update={"cpu_offload": True}), wrapped)
     ]
     hardware = ONE_NODE.model_copy(update={"gpu": "h100-sxm"})
-    ranked = sorted(
-        predict_speeds(profile, flops, estimates, hardware, WorkloadSpec()), key=speed_rank_key
-    )
+    gpu, _ = speed_for(hardware)
+    model = SpeedModel(profile, flops, hardware, WorkloadSpec(), gpu, default_factors(gpu))
+    ranked = rank_candidates(model.attach(estimates))
     assert [e.candidate.cpu_offload for e in ranked] == [False, True]
     assert all(e.speed is not None and e.speed.gpu == "h100-sxm" for e in ranked)
     assert estimates[0].speed is None  # copies: the inputs are unchanged

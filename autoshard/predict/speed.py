@@ -58,7 +58,7 @@ from autoshard.config import (
 from autoshard.gpus import CATALOGUE, DEFAULT_GPU, GPUSpec, gpu_spec, match_gpu_name
 from autoshard.predict.analytic import as_run
 from autoshard.predict.flops import FlopProfile
-from autoshard.results import MemoryEstimate, ModelProfile, SpeedBreakdown, SpeedEstimate
+from autoshard.results import ModelProfile, SpeedBreakdown, SpeedEstimate
 
 
 class SpeedFactors(Frozen):
@@ -667,51 +667,3 @@ def predict_speed(
         ),
         gpu=gpu.id,
     )
-
-
-def predict_speeds(
-    profile: ModelProfile,
-    flops: FlopProfile,
-    estimates: Sequence[MemoryEstimate],
-    hardware: Hardware,
-    workload: WorkloadSpec,
-    factors: SpeedFactors | None = None,
-) -> list[MemoryEstimate]:
-    """Copies of ``estimates`` with ``speed`` predicted (the GPU resolved once for all).
-
-    >>> from autoshard import Hardware, TargetSpec, WorkloadSpec, analyze_target
-    >>> from autoshard import enumerate_candidates, estimate_all, profile_activations
-    >>> from autoshard.predict.flops import profile_flops
-    >>> from autoshard.predict.speed import predict_speeds, speed_rank_key
-    >>> profile, built = analyze_target(
-    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
-    >>> gpus, workload = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30, gpu="h100-sxm"), \\
-    ...     WorkloadSpec(seq_len=128)
-    >>> candidates = enumerate_candidates(profile, gpus, workload)
-    >>> estimates = estimate_all(profile, candidates, gpus, workload,
-    ...                          activations=profile_activations(built.model, profile, workload))
-    >>> fast = sorted(predict_speeds(profile, profile_flops(built.model, profile, workload),
-    ...                              estimates, gpus, workload), key=speed_rank_key)
-    >>> fast[0].speed.gpu, fast[0].candidate.cpu_offload, fast[-1].candidate.cpu_offload
-    ('h100-sxm', False, True)
-    """
-    gpu, _ = speed_for(hardware)
-    factors = factors or default_factors(gpu)
-    return [
-        e.model_copy(
-            update={
-                "speed": predict_speed(
-                    profile, flops, e.candidate, hardware, workload, factors, gpu=gpu
-                )
-            }
-        )
-        for e in estimates
-    ]
-
-
-def speed_rank_key(estimate: MemoryEstimate) -> float:
-    """Sort key putting the highest predicted throughput first (``sorted(..., key=...)``);
-    estimates without a speed last."""
-    if estimate.speed is None:
-        return math.inf
-    return -estimate.speed.samples_per_s
