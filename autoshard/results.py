@@ -228,6 +228,11 @@ class TrialResult(Frozen):
     duration: float = Field(
         0.0, description="Wall seconds from the trial's request to its result (a launch excluded)."
     )
+    launch_seconds: float = Field(
+        0.0,
+        description="Wall seconds this trial waited for a fresh worker group to start before its "
+        "request (0 when the group was already up).",
+    )
     started_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
 
     @property

@@ -170,9 +170,10 @@ def hang_after_relaunch(folder: Path) -> Row:
         c = Candidate(wrap_classes=("faults.Block",), precision="32-true")
         def t(**kw):
             return TargetSpec(spec={FAULTS!r}, kwargs=kw)
+        w = WorkloadSpec(seq_len=16)
         with WorkerGroup(t(), log_dir=Path(sys.argv[1]), nproc=2, trial_timeout={TIMEOUT}) as g:
-            a = g.run(c, WorkloadSpec(seq_len=16), warmup=1, steps=2, target=t(fault="exit", rank=1))
-            b = g.run(c, WorkloadSpec(seq_len=16), warmup=1, steps=2, target=t(fault="hang", rank=1))
+            a = g.run(c, w, warmup=1, steps=2, target=t(fault="exit", rank=1))
+            b = g.run(c, w, warmup=1, steps=2, target=t(fault="hang", rank=1))
             print(json.dumps([a.model_dump(mode="json"), b.model_dump(mode="json"), g.launches]))
         """
     )

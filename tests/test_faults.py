@@ -6,6 +6,8 @@ The model is tests/targets/faults.py, which fails on demand inside workers only.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -51,6 +53,15 @@ def study_processes(marker: Path) -> list[str]:
     return [line for line in found.stdout.splitlines() if "pgrep" not in line]
 
 
+@pytest.fixture
+def reap(tmp_path):
+    """Whatever a failed test leaves running under its folder is killed afterwards."""
+    yield
+    for line in study_processes(tmp_path):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
 def wait_for(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -77,7 +88,7 @@ def read_trials(out: Path) -> list[TrialResult]:
 # --------------------------------------------------------------------------------------------
 
 
-def test_a_hang_in_the_first_trial_of_a_group_is_reported_in_time(tmp_path) -> None:
+def test_a_hang_in_the_first_trial_of_a_group_is_reported_in_time(tmp_path, reap) -> None:
     """Rank 1 hangs and rank 0 waits for it in a collective, in every group's first trial."""
     out, timeout = tmp_path / "out", 8.0
     command = tune_command(
@@ -134,7 +145,7 @@ time.sleep(3600)  # idle: the workers wait for the next request
 
 
 @pytest.mark.parametrize("state", ["idle", "mid_trial", "hung"])
-def test_no_process_outlives_a_driver_killed_with_sigkill(tmp_path, state: str) -> None:
+def test_no_process_outlives_a_driver_killed_with_sigkill(tmp_path, reap, state: str) -> None:
     out = tmp_path / "out"
     if state == "idle":
         driver = subprocess.Popen(
@@ -173,7 +184,8 @@ def test_an_exception_on_one_rank_is_the_trials_error(tmp_path, rank: int) -> No
     target = faulty(fault="raise", rank=rank, step=2, message=message)
     with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
         failed = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=target)
-        log = group.log_tail()
+        assert group.log_path is not None
+        log = group.log_path.read_text(errors="replace")
         assert failed.status is TrialStatus.ERROR and not failed.transient
         assert failed.error == f"rank {rank}: RuntimeError: {message}"
         assert failed.duration < group.agree_timeout + 20  # not the 120 s trial timeout
@@ -212,7 +224,7 @@ def test_a_rank_killed_by_a_signal_is_a_transient_error(tmp_path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_ctrl_c_during_a_hang_ends_the_study_at_once_in_one_line(tmp_path) -> None:
+def test_ctrl_c_during_a_hang_ends_the_study_at_once_in_one_line(tmp_path, reap) -> None:
     out = tmp_path / "out"
     driver = subprocess.Popen(
         tune_command(out, "--arg", "fault=hang", "--arg", "rank=1", timeout=300),

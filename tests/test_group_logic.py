@@ -6,6 +6,7 @@ test_faults.py (slow)."""
 from __future__ import annotations
 
 import _thread
+import contextlib
 import json
 import os
 import re
@@ -69,6 +70,27 @@ def test_messages_refuse_what_they_do_not_know() -> None:
         parse_request(json.dumps({"kind": "stop", "n": 0, "now": True}))  # extra field
     with pytest.raises(ValidationError):
         parse_request('{"kind": "reboot", "n": 0}')
+
+
+def test_a_reader_never_sees_part_of_a_file_being_written(tmp_path) -> None:
+    path, big = tmp_path / "result.json", {"losses": [0.123456789] * 50_000}
+    write_json_atomically(path, big)
+    done, partial = threading.Event(), []
+
+    def write() -> None:
+        for _ in range(40):
+            write_json_atomically(path, big)
+        done.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    while not done.is_set():
+        try:
+            json.loads(path.read_text())
+        except json.JSONDecodeError:
+            partial.append(1)
+    writer.join()
+    assert not partial
 
 
 def test_the_atomic_writer_leaves_no_part_and_keeps_the_old_file_on_failure(tmp_path) -> None:
@@ -260,7 +282,7 @@ def test_the_trial_timeout_holds_for_the_first_trial_of_a_slow_starting_group(tm
         result, took = _run(group)
     assert result.status is TrialStatus.TIMEOUT
     assert 1.5 <= result.duration < 2.5 and took < 5.5  # not 60 s of start timeout on top
-    assert group.launch_seconds is not None and group.launch_seconds >= 2.0
+    assert result.launch_seconds == group.launch_seconds and result.launch_seconds >= 2.0
     # the message says how long the trial really waited
     waited = re.search(r"no result after ([\d.]+) s \(trial timeout 1.5 s\)", result.error or "")
     assert waited and float(waited.group(1)) == pytest.approx(result.duration, abs=0.2)
@@ -291,6 +313,7 @@ def test_a_group_that_answers_runs_trial_after_trial_and_stops_cleanly(tmp_path)
         results = [_run(group)[0] for _ in range(3)]
         proc = group.proc
     assert [r.status for r in results] == [TrialStatus.OK] * 3 and group.launches == 1
+    assert results[0].launch_seconds > 0 and results[1].launch_seconds == 0  # (launched once)
     assert proc is not None and proc.returncode == 0  # the stop request, not a kill
 
 
@@ -323,13 +346,17 @@ def test_a_child_started_with_the_parent_death_signal_dies_with_its_parent(tmp_p
     parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, env=env)
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
-    assert alive(child)
-    parent.kill()  # kill -9: no cleanup runs in the parent
-    parent.wait()
-    deadline = time.monotonic() + 5
-    while _running(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _running(child)
+    try:
+        assert alive(child)
+        parent.kill()  # kill -9: no cleanup runs in the parent
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(child)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
     assert parent_death_preexec() is not None  # the main thread may ask for it...
     elsewhere: list[object] = []
     thread = threading.Thread(target=lambda: elsewhere.append(parent_death_preexec()))
@@ -344,16 +371,24 @@ def test_the_watchdog_ends_a_worker_whose_driver_is_gone() -> None:
         "import os, sys, time\n"
         "from autoshard.trials.lifeline import start_watchdog\n"
         f"start_watchdog({driver.pid}, os.getppid(), every=0.1)\n"
+        "print('watching', flush=True)\n"
         "time.sleep(600)\n"  # the main thread is busy: the watchdog does not need it
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    worker = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
-    time.sleep(1.5)  # imports
-    assert worker.poll() is None
-    driver.kill()
-    driver.wait()
-    assert worker.wait(timeout=5) == 1
-    assert worker.stderr is not None and b"is gone: exiting" in worker.stderr.read()
+    worker = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert worker.stdout is not None and worker.stdout.readline() == b"watching\n"
+        time.sleep(0.5)
+        assert worker.poll() is None
+        driver.kill()
+        driver.wait()
+        assert worker.wait(timeout=5) == 1
+        assert worker.stderr is not None and b"is gone: exiting" in worker.stderr.read()
+    finally:
+        worker.kill()
+        driver.kill()
 
 
 def _running(pid: int) -> bool:

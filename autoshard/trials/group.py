@@ -43,7 +43,7 @@ from types import TracebackType
 from pydantic import ValidationError
 
 from autoshard.config import Candidate, WorkloadSpec
-from autoshard.errors import ConfigError
+from autoshard.errors import AutoshardError, ConfigError
 from autoshard.results import TrialResult, TrialStatus
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.lifeline import kill_tree, parent_death_preexec
@@ -149,7 +149,13 @@ class WorkerGroup:
             if not self.rdzv_endpoint:
                 raise ConfigError("several nodes need --rdzv-endpoint host:port of node 0")
             host, _, port = self.rdzv_endpoint.rpartition(":")
-            rdzv = ["--rdzv-backend=static", f"--master-addr={host}", f"--master-port={port}"]
+            rdzv = [
+                "--rdzv-backend=static",
+                f"--master-addr={host}",
+                f"--master-port={port}",
+                # not torchrun's 600 s: a node whose node 0 is gone learns it within this
+                f"--rdzv-conf=timeout={max(1, int(self.start_timeout))}",
+            ]
         else:
             rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
         return [
@@ -238,15 +244,26 @@ class WorkerGroup:
 
         When node 0 kills its group after a crash or a hang, the workers here fail in their
         next collective and exit; they are launched again to join node 0's fresh group. A clean
-        exit (exit code 0) is node 0's stop request."""
+        exit (exit code 0) is node 0's stop request. A launch that cannot join a group within
+        ``start_timeout`` after this node had joined one means node 0 is gone (its driver was
+        killed): serving stops with :class:`AutoshardError`."""
         if self.node_rank == 0:
             raise ConfigError("node 0 drives the study; serve() is for the other nodes")
+        joined_before = False
         try:
             for _ in range(max_launches):
                 self.start()
                 assert self.proc is not None
                 if self.proc.wait() == 0:
                     break
+                joined = (self._control() / "joined.json").exists()
+                if joined_before and not joined:
+                    raise AutoshardError(
+                        f"node {self.node_rank}: node 0 ({self.rdzv_endpoint}) formed no worker "
+                        f"group within {self.start_timeout:g} s; its study is over or its driver "
+                        "was killed: stopped serving"
+                    )
+                joined_before = joined_before or joined
         finally:
             self.kill()
 
@@ -297,6 +314,7 @@ class WorkerGroup:
     ) -> TrialResult:
         if not self.alive():
             self.start()
+        launch_seconds = 0.0
         if self.ready is None:
             started = time.monotonic()
             why = self.wait_ready()
@@ -304,6 +322,7 @@ class WorkerGroup:
                 # The candidate never ran: that says nothing about it, so trying it again may
                 # work (a busy machine, a port taken between choosing it and binding it).
                 return self._crashed(candidate, started, None, why=why, transient=True)
+            launch_seconds = self.launch_seconds or 0.0
         n = self._n
         request = TrialRequest(
             n=n,
@@ -325,7 +344,8 @@ class WorkerGroup:
         deadline = started + self.trial_timeout
         while not result_path.exists():
             if not self.alive():
-                return self._crashed(candidate, started, n)
+                failed = self._crashed(candidate, started, n)
+                return failed.model_copy(update={"launch_seconds": launch_seconds})
             if time.monotonic() > deadline:
                 self.kill()
                 elapsed = time.monotonic() - started
@@ -334,11 +354,13 @@ class WorkerGroup:
                     f"no result after {elapsed:.1f} s (trial timeout {self.trial_timeout:g} s); "
                     "the worker group was killed"
                 )
-                return self._failed(candidate, TrialStatus.TIMEOUT, started, why, detail)
+                failed = self._failed(candidate, TrialStatus.TIMEOUT, started, why, detail)
+                return failed.model_copy(update={"launch_seconds": launch_seconds})
             time.sleep(POLL_SECONDS)
         self._busy = False
         reply = read_message(result_path, TrialReply)
         return TrialResult(
+            launch_seconds=launch_seconds,
             candidate=candidate,
             status=reply.status,
             device=self.device,

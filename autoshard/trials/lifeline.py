@@ -75,20 +75,24 @@ def alive(pid: int) -> bool:
 
 
 def start_watchdog(
-    driver_pid: int, parent_pid: int, *, every: float = WATCHDOG_SECONDS
+    driver_pid: int, parent_pid: int, *, every: float = WATCHDOG_SECONDS, grace: float = 2.0
 ) -> threading.Thread:
-    """A daemon thread that ends this process at once (``os._exit(1)``) when the driver or the
-    parent (torchrun) is gone. It needs nothing from the main thread, which may be stuck in a
-    collective: torch's collectives release the GIL while they wait, so this thread runs."""
+    """A daemon thread that ends this process (``os._exit(1)``) when the parent (torchrun) is
+    gone, or ``grace`` seconds after the driver is (time for an idle group to stop cleanly). It
+    needs nothing from the main thread, which may be stuck in a collective: torch's collectives
+    release the GIL while they wait, so this thread runs."""
 
     def watch() -> None:
+        driver_gone_at = None
         while True:
             time.sleep(every)
             gone = None
             if os.getppid() != parent_pid:
                 gone = f"its launcher (pid {parent_pid})"
             elif driver_pid and not alive(driver_pid):
-                gone = f"the driver (pid {driver_pid})"
+                driver_gone_at = driver_gone_at or time.monotonic()
+                if time.monotonic() - driver_gone_at >= grace:
+                    gone = f"the driver (pid {driver_pid})"
             if gone:
                 print(f"[autoshard worker {os.getpid()}] {gone} is gone: exiting", file=sys.stderr)
                 with contextlib.suppress(Exception):

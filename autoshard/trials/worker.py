@@ -53,7 +53,7 @@ from autoshard.target.step import (
     make_batch,
     with_labels,
 )
-from autoshard.trials.lifeline import die_with_parent, start_watchdog
+from autoshard.trials.lifeline import alive, die_with_parent, start_watchdog
 from autoshard.trials.protocol import (
     IdleTick,
     Launch,
@@ -349,11 +349,17 @@ def summarize(request: TrialRequest, per_rank: list[RankReport]) -> TrialReply:
 # ---------------------------------------------------------------------------------------------
 
 
-def next_request(control: Path, n: int, wait: float) -> TrialRequest | StopRequest | IdleTick:
-    """The driver's request ``n``, or an idle tick when none came within ``wait`` seconds."""
+def next_request(
+    control: Path, n: int, wait: float, driver_pid: int = 0
+) -> TrialRequest | StopRequest | IdleTick:
+    """The driver's request ``n``; an idle tick when none came within ``wait`` seconds; a stop
+    when the driver is gone. (That stop reaches every rank of every node as a clean one, before
+    the watchdogs end the processes: other nodes then stop serving instead of relaunching.)"""
     path = control / f"request-{n}.json"
     deadline = time.monotonic() + wait
     while not path.exists():
+        if driver_pid and not alive(driver_pid):
+            return StopRequest(n=n)
         if time.monotonic() > deadline:
             return IdleTick()
         time.sleep(POLL_SECONDS)
@@ -486,12 +492,14 @@ def serve(control: Path, launch: Launch) -> NoReturn:
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         write_json_atomically(control / "ready.json", Ready(world_size=world))
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # this node joined a group (see group.serve)
+        write_json_atomically(control / "joined.json", {"rank": rank})
     store = dist.distributed_c10d._get_default_store()
     tick = min(launch.idle_tick, launch.collective_timeout / 4)
     warmed: list[tuple[TargetSpec, Engine]] = []
     n = 0
     while True:
-        box: list[Any] = [next_request(control, n, tick) if rank == 0 else None]
+        box: list[Any] = [next_request(control, n, tick, launch.driver_pid) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         request = box[0]
         if isinstance(request, IdleTick):
