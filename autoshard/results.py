@@ -223,7 +223,19 @@ class TrialResult(Frozen):
     peak_reserved: tuple[int, ...] = Field((), description="Per-rank peak reserved bytes.")
     losses: tuple[float, ...] = Field((), description="Rank 0's loss at every step, in order.")
     error: str | None = None
-    duration: float = Field(0.0, description="Wall seconds of the whole trial.")
+    transient: bool = Field(
+        False,
+        description="The failure came from outside the trial (a rank killed by a signal, a "
+        "worker group that did not start): the same candidate may well run when tried again.",
+    )
+    duration: float = Field(
+        0.0, description="Wall seconds from the trial's request to its result (a launch excluded)."
+    )
+    launch_seconds: float = Field(
+        0.0,
+        description="Wall seconds this trial waited for a fresh worker group to start before its "
+        "request (0 when the group was already up).",
+    )
     started_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
 
     @property

@@ -120,7 +120,8 @@ def main() -> None:
         if found_at
         else "search did not try the grid's best (see tokens/s above for the gap)",
         f"per-trial overhead (wall - timed steps): median {statistics.median(overhead):.2f} s, "
-        f"max {max(overhead):.2f} s; first trial incl. group launch {grid[0].duration:.1f} s",
+        f"max {max(overhead):.2f} s; first trial incl. group launch "
+        f"{grid[0].duration + grid[0].launch_seconds:.1f} s",
     ]
     base = versus[1][1] or 1.0
     lines += [
