@@ -189,6 +189,12 @@ class TrialStatus(str, Enum):
     ERROR = "error"
     TIMEOUT = "timeout"
     PRUNED = "pruned"  # never launched: the estimate says it does not fit
+    SKIPPED = "skipped"  # never launched: a failed trial rules it out (autoshard.study.lessons)
+
+    @property
+    def launched(self) -> bool:
+        """Whether a trial with this status ran (pruned and skipped candidates never did)."""
+        return self not in (TrialStatus.PRUNED, TrialStatus.SKIPPED)
 
 
 class TrialResult(Frozen):
@@ -220,6 +226,11 @@ class TrialResult(Frozen):
     peak_reserved: tuple[int, ...] = Field((), description="Per-rank peak reserved bytes.")
     losses: tuple[float, ...] = Field((), description="Rank 0's loss at every step, in order.")
     error: str | None = None
+    transient: bool = Field(
+        False,
+        description="The failure came from outside the trial (a rank killed by a signal, a "
+        "worker group that did not start): the same candidate may well run when tried again.",
+    )
     duration: float = Field(0.0, description="Wall seconds of the whole trial.")
     started_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
 
@@ -267,6 +278,11 @@ class Recommendation(Frozen):
     reasons: tuple[str, ...] = Field((), description="Why each chosen setting, one line each.")
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     versions: dict[str, str] = Field(default_factory=dict, description="autoshard, torch, ...")
+    study: str | None = Field(
+        None,
+        description="Name of the study the trials came from (a fingerprint of the settings): "
+        "the records of trials.jsonl that belong to this recommendation.",
+    )
 
     # Thin doors to autoshard.emit (imported lazily: it needs torch, and lightning for some).
     def strategy(self, model: object = None) -> object:

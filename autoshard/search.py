@@ -1,38 +1,38 @@
 """The tuning study: estimate every candidate, try the promising ones for real, pick the fastest.
 
-This is the only module that imports optuna. One optuna trial per candidate (its label is the
-single categorical parameter), so any optuna storage holds the whole study: a SQLite file in the
-output folder by default, or ``--storage`` (PostgreSQL for a study shared by several machines).
+One optuna trial per candidate, in any optuna RDB storage: a SQLite file in the output folder by
+default, or ``--storage`` (PostgreSQL for a study shared by several drivers). The storage side
+(the study's name, ``trials.jsonl``, the folder's lock, claims, resuming, what failures teach)
+is :mod:`autoshard.study`; optuna is imported only when a study runs, not by ``import autoshard``.
 
 The order is the estimator's: candidates predicted not to fit are never launched (recorded as
-PRUNED with the estimate's reason); the rest are tried fastest-expected first, and a candidate is
+pruned with the estimate's reason); the rest are tried fastest-expected first, and a candidate is
 skipped when a measured one dominates it:
 - same configuration with less checkpointing / no offload already ran fine: more recompute or
   offload can only cost time, so it cannot be faster;
 - same configuration at a smaller micro-batch already ran out of memory: a larger one will too.
+Errors and timeouts rule out the candidates that share the failing setting
+(:mod:`autoshard.study.lessons`).
 
-Resuming: every finished trial is in the storage with its full TrialResult, and is appended to
-``trials.jsonl`` as soon as it ends. Running the same command again skips finished candidates;
-a trial left RUNNING by a killed process is marked FAIL and tried again.
+Resuming: every finished trial is appended to ``trials.jsonl`` (fsync'd) and then stored in the
+study. Running the same command again skips finished candidates; a trial left running by a
+killed process is tried again. Changed settings (batch sizes, precisions, hardware, ...) name a
+new study: nothing measured under other settings is reused.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 
-import optuna
 import torch
-from optuna.distributions import CategoricalDistribution
-from optuna.trial import TrialState
 
 from autoshard.analyze import analyze_target
 from autoshard.config import Candidate, Checkpointing, Engine, Hardware, Precision, WorkloadSpec
+from autoshard.errors import ConfigError, StorageError, StudyNotice
 from autoshard.predict.activations import precisions_of, profile_activations
 from autoshard.predict.analytic import estimate_all
 from autoshard.results import (
@@ -44,11 +44,12 @@ from autoshard.results import (
     TrialStatus,
 )
 from autoshard.space import enumerate_candidates, rank_candidates, wrap_reason
+from autoshard.study.loop import run_trials
+from autoshard.study.settings import StudySettings
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.group import WorkerGroup
 from autoshard.ui.files import write_report
 
-RESULT_ATTR = "autoshard_result"
 # What a study leaves in its output folder (besides study.db and the workers' logs).
 STUDY_FILES = (
     "trials.jsonl", "recommendation.json", "report.json", "report.html", "lightning.yaml",
@@ -115,22 +116,27 @@ class TuneOptions:
     steps: int = 3
     memory_cap: int | None = None
     skip_dominated: bool = True  # False runs every fitting candidate (the full grid)
+    wait: bool = False  # another run holds out_dir: wait for it instead of refusing
     on_event: Callable[[str, Scored], None] | None = field(default=None, repr=False)
+    # One line for the user (a repaired journal, a rebuilt database, waiting for a lock);
+    # default: a StudyNotice warning.
+    on_notice: Callable[[str], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)  # a str from a script or notebook works too
+        for flag, value, least in (
+            ("--trials", self.n_trials, 1),
+            ("--steps", self.steps, 1),
+            ("--warmup", self.warmup, 0),
+        ):
+            if value < least:
+                raise ConfigError(f"{flag} {value}: give {least} or more")
+        if self.trial_timeout <= 0:
+            raise ConfigError(f"--trial-timeout {self.trial_timeout:g}: give seconds, more than 0")
 
 
-def study_name(
-    target: TargetSpec, hardware: Hardware, workload: WorkloadSpec, engine: Engine
-) -> str:
-    """The same command gives the same study name, so that it resumes."""
-    key = json.dumps(
-        [target.model_dump(mode="json"), hardware.model_dump(mode="json"),
-         workload.model_dump(mode="json"), engine.value],
-        sort_keys=True,
-    )  # fmt: skip
-    return "autoshard-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+def _notice(line: str) -> None:
+    warnings.warn(line, StudyNotice, stacklevel=3)
 
 
 def tune(
@@ -155,139 +161,77 @@ def tune(
     ('trials', 'ok', 2)
     """
     opts = options or TuneOptions()
-    opts.out_dir.mkdir(parents=True, exist_ok=True)
-    profile, built = analyze_target(target)
-    candidates = enumerate_candidates(
-        profile,
-        hardware,
-        workload,
-        engine=opts.engine,
-        precisions=opts.precisions,
-        micro_batch_sizes=opts.micro_batch_sizes,
-    )
-    activations = profile_activations(
-        built.model, profile, workload, batch=built.batch, precisions=precisions_of(candidates)
-    )
-    group = WorkerGroup(
-        target,
-        log_dir=opts.out_dir / "workers",
-        nproc=opts.nproc,
-        nnodes=opts.nnodes,
-        rdzv_endpoint=opts.rdzv_endpoint,
-        trial_timeout=opts.trial_timeout,
-    )  # launched lazily, by the first trial
-    estimates = estimate_all(profile, candidates, hardware, workload, activations=activations)
-    ranked = rank_candidates(estimates, device=group.device)
-    by_label = {e.candidate.label(): e for e in ranked}
-    # Sorted, so that the distribution is the same whatever the order of trials (resuming).
-    distribution = CategoricalDistribution(sorted(by_label))
+    # Storage first (fast): a locked, unwritable or unreachable one fails before the model is
+    # analysed. optuna is imported here, where a study runs.
+    from autoshard.study.storage import open_store
 
-    optuna.logging.set_verbosity(logging.WARNING)
-    storage = opts.storage or f"sqlite:///{(opts.out_dir / 'study.db').resolve()}"
-    study = optuna.create_study(
-        study_name=study_name(target, hardware, workload, opts.engine),
-        storage=storage,
-        direction="maximize",
-        load_if_exists=True,
-    )
-    _fail_stale_running(study)
-    done = _finished_results(study)
-    emit = opts.on_event or (lambda kind, scored: None)
-    for result in done.values():
-        emit(
-            "resumed",
-            Scored(
-                candidate=result.candidate,
-                estimate=by_label.get(result.candidate.label()),
-                trial=result,
-            ),
+    notice = opts.on_notice or _notice
+    with open_store(opts.out_dir, opts.storage, wait=opts.wait, notice=notice) as store:
+        profile, built = analyze_target(target)
+        candidates = enumerate_candidates(
+            profile,
+            hardware,
+            workload,
+            engine=opts.engine,
+            precisions=opts.precisions,
+            micro_batch_sizes=opts.micro_batch_sizes,
         )
+        activations = profile_activations(
+            built.model, profile, workload, batch=built.batch, precisions=precisions_of(candidates)
+        )
+        group = WorkerGroup(
+            target,
+            log_dir=opts.out_dir / "workers",
+            nproc=opts.nproc,
+            nnodes=opts.nnodes,
+            rdzv_endpoint=opts.rdzv_endpoint,
+            trial_timeout=opts.trial_timeout,
+        )  # launched lazily, by the first trial
+        estimates = estimate_all(profile, candidates, hardware, workload, activations=activations)
+        ranked = rank_candidates(estimates, device=group.device)
 
-    log = opts.out_dir / "trials.jsonl"
-    cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
-    launched = sum(1 for r in done.values() if r.status is not TrialStatus.PRUNED)
-    with group:
-        for estimate in ranked:
-            label = estimate.candidate.label()
-            if label in done:
-                continue
-            if not estimate.fits:
-                result = TrialResult(
-                    candidate=estimate.candidate, status=TrialStatus.PRUNED, error=estimate.reason
-                )
-                _record_pruned(study, distribution, label, result, estimate)
-            else:
-                if launched >= opts.n_trials:
-                    continue
-                if opts.skip_dominated and dominated_by(estimate.candidate, list(done.values())):
-                    continue
-                emit("start", Scored(candidate=estimate.candidate, estimate=estimate))
-                study.enqueue_trial({"candidate": label})
-                trial = study.ask({"candidate": distribution})
-                result = group.run(
-                    estimate.candidate,
-                    workload,
-                    warmup=opts.warmup,
-                    steps=opts.steps,
-                    memory_cap=cap,
-                )
-                launched += 1
-                trial.set_user_attr(RESULT_ATTR, result.model_dump_json())
-                trial.set_user_attr("estimate", estimate.model_dump_json())
-                if result.status is TrialStatus.OK:
-                    study.tell(trial, _throughput(result))
-                else:
-                    study.tell(trial, state=TrialState.FAIL)
-            done[label] = result
-            with log.open("a") as fh:
-                fh.write(result.model_dump_json() + "\n")
-            emit("done", Scored(candidate=estimate.candidate, estimate=estimate, trial=result))
+        settings = StudySettings.of(
+            target, hardware, workload, engine=opts.engine, precisions=opts.precisions,
+            micro_batch_sizes=opts.micro_batch_sizes, memory_cap=opts.memory_cap,
+        )  # fmt: skip
+        store.open_study(settings, [c.label() for c in candidates])
+        cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
 
-    rec = recommend_from_trials(profile, hardware, workload, ranked, list(done.values()))
-    (opts.out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
-    write_report(rec, opts.out_dir, list(done.values()))
+        def run(candidate: Candidate) -> TrialResult:
+            return group.run(
+                candidate, workload, warmup=opts.warmup, steps=opts.steps, memory_cap=cap
+            )
+
+        with group:
+            results = run_trials(
+                store,
+                ranked,
+                run,
+                n_trials=opts.n_trials,
+                dominated=dominated_by if opts.skip_dominated else None,
+                emit=opts.on_event,
+            )
+        rec = recommend_from_trials(profile, hardware, workload, ranked, results)
+        rec = rec.model_copy(update={"study": store.name})
+        write_outputs(rec, opts.out_dir, results)
     return rec
+
+
+def write_outputs(rec: Recommendation, out_dir: Path, results: Sequence[TrialResult]) -> None:
+    """recommendation.json and the reports; a full disk or a lost folder is one line."""
+    try:
+        (out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
+        write_report(rec, out_dir, list(results))
+    except OSError as exc:
+        raise StorageError(
+            f"{out_dir}: cannot write the recommendation and reports ({exc.strerror or exc}); "
+            "the trials are recorded: free space or fix the folder, then run the same command "
+            "again to write them"
+        ) from None
 
 
 def _throughput(result: TrialResult) -> float:
     return float(result.tokens_per_s or result.samples_per_s or 0.0)
-
-
-def _record_pruned(
-    study: optuna.Study,
-    distribution: CategoricalDistribution,
-    label: str,
-    result: TrialResult,
-    estimate: MemoryEstimate,
-) -> None:
-    study.add_trial(
-        optuna.trial.create_trial(
-            state=TrialState.PRUNED,
-            params={"candidate": label},
-            distributions={"candidate": distribution},
-            user_attrs={
-                RESULT_ATTR: result.model_dump_json(),
-                "estimate": estimate.model_dump_json(),
-            },
-        )
-    )
-
-
-def _fail_stale_running(study: optuna.Study) -> None:
-    """A trial still RUNNING when the study opens was left by a killed process: its result was
-    never recorded, so it is marked FAIL and its candidate is tried again."""
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-
-
-def _finished_results(study: optuna.Study) -> dict[str, TrialResult]:
-    out: dict[str, TrialResult] = {}
-    for t in study.get_trials(deepcopy=False):
-        raw = t.user_attrs.get(RESULT_ATTR)
-        if raw and t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
-            result = TrialResult.model_validate_json(raw)
-            out[result.candidate.label()] = result
-    return out
 
 
 def recommend_from_trials(

@@ -17,6 +17,7 @@ _STYLE = {
     TrialStatus.ERROR: "red",
     TrialStatus.TIMEOUT: "red",
     TrialStatus.PRUNED: "dim",
+    TrialStatus.SKIPPED: "dim",
 }
 
 
@@ -74,11 +75,11 @@ class StudyProgress:
         t = scored.trial
         if t is not None and t.status is TrialStatus.OK:
             self.best = max(self.best, t.tokens_per_s or t.samples_per_s or 0.0)
-        if kind == "done" and t is not None and t.status is not TrialStatus.PRUNED:
+        if kind == "done" and t is not None and t.status.launched:
             self.bar.advance(self.task)
         if self.live is not None:
             self.live.update(self._render())
-        elif kind in ("done", "resumed") and t is not None and t.status is not TrialStatus.PRUNED:
+        elif kind in ("done", "resumed") and t is not None and t.status.launched:
             cells = _row(scored, self.best)
             prefix = "resumed " if kind == "resumed" else ""
             self.console.print(

@@ -33,6 +33,7 @@ STATUS_COLOURS = {
     TrialStatus.ERROR: "#c62828",
     TrialStatus.TIMEOUT: "#c62828",
     TrialStatus.PRUNED: "#757575",
+    TrialStatus.SKIPPED: "#9e9e9e",
 }
 
 
@@ -112,7 +113,7 @@ def print_summary(
                 note[:80],
             )
         console.print(alt)
-    n = sum(1 for t in trials_of(rec, trials) if t.status is not TrialStatus.PRUNED)
+    n = sum(1 for t in trials_of(rec, trials) if t.status.launched)
     if n:
         console.print(f"[dim]{n} trials ran; see report.html for charts[/]")
 
