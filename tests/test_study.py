@@ -617,3 +617,185 @@ def test_import_autoshard_does_not_import_optuna() -> None:
     code = "import sys, autoshard; print('optuna' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------------------------------------
+# Read-only folders and files: a read-only mount (root ignores file modes), else file modes
+# ---------------------------------------------------------------------------------------------
+
+
+def _mount(*args: str) -> bool:
+    return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def read_only(tmp_path: Path):
+    """make(path): make a folder or file read-only for this process, undone after the test."""
+    mounted: list[Path] = []
+
+    def make(path: Path) -> None:
+        if os.geteuid() != 0:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+            return
+        if not (_mount("--bind", str(path), str(path))):
+            pytest.skip("root without mount: cannot make anything read-only here")
+        mounted.append(path)
+        if not _mount("-o", "remount,ro,bind", str(path)):
+            pytest.skip("cannot remount read-only here")
+
+    yield make
+    for path in reversed(mounted):
+        subprocess.run(["umount", str(path)], capture_output=True)
+
+
+def test_a_read_only_out_is_one_line(tmp_path: Path, read_only) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    read_only(out)
+    with pytest.raises(StorageError) as info:
+        open_store(out, notice=lambda _: None)
+    assert f"--out {out}: cannot write there" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_read_only_study_db_is_one_line(tmp_path: Path, read_only) -> None:
+    study(tmp_path, space(), Runner(), n_trials=1)
+    read_only(tmp_path / "study.db")
+    with pytest.raises(StorageError) as info:
+        study(tmp_path, space(), Runner(), n_trials=2)
+    text = str(info.value)
+    assert "study.db" in text and "read-only" in text and "\n" not in text, text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--storage", "notaurl"], "not a database URL"),
+        (["--storage", "sqlite:////nonexistent/x.db"], "/nonexistent does not exist"),
+        (["--storage", "postgresql://nobody@127.0.0.1:9/x"], "127.0.0.1:9/x: "),
+        (["--out", "FILE"], "a file is in the way"),
+        (["--trials", "0"], "--trials 0: give 1 or more"),
+    ],
+)
+def test_storage_errors_through_the_command_line(cli, tmp_path: Path, args, message) -> None:
+    (tmp_path / "FILE").write_text("x")
+    args = [str(tmp_path / "FILE") if a == "FILE" else a for a in args]
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "out")]
+    code, _, err = cli(
+        "tune", "examples/gpt.py:build", "--arg", "size=tiny", "--gpu-memory", "1GiB", *args
+    )
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and message in errors[0], err
+    assert "Traceback" not in err
+
+
+def test_a_locked_out_through_the_command_line(cli, tmp_path: Path) -> None:
+    holder = hold_lock(tmp_path, 60)
+    try:
+        code, _, err = cli(
+            "tune", "examples/gpt.py:build", "--gpu-memory", "1GiB", "--out", str(tmp_path)
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and f"PID {holder.pid}" in errors[0], err
+
+
+# ---------------------------------------------------------------------------------------------
+# SLURM
+# ---------------------------------------------------------------------------------------------
+
+
+def test_slurm_settings_from_the_environment(monkeypatch) -> None:
+    from autoshard.errors import ConfigError
+    from autoshard.slurm import parse_nodelist, slurm_settings
+
+    monkeypatch.setenv("PATH", "")  # no scontrol: autoshard's own reading of the list
+    assert slurm_settings({}) is None
+    assert slurm_settings({"SLURM_JOB_ID": "7", "SLURM_NNODES": "2"}) is None  # salloc, no srun
+    step = {
+        "SLURM_JOB_ID": "123456",
+        "SLURM_NNODES": "4",
+        "SLURM_NODEID": "2",
+        "SLURM_NTASKS": "4",
+        "SLURM_JOB_NODELIST": "big,gpu[010-012]",
+        "SLURM_STEP_NODELIST": "gpu[009-012]",
+    }
+    assert slurm_settings(step) == {
+        "nodes": 4,
+        "node_rank": 2,
+        "rdzv_endpoint": f"gpu009:{29500 + 123456 % 2000}",  # the step's first node
+        "job_id": "123456",
+    }
+    assert slurm_settings({**step, "MASTER_PORT": "6000"})["rdzv_endpoint"] == "gpu009:6000"
+    with pytest.raises(ConfigError, match="--ntasks-per-node=1"):
+        slurm_settings({**step, "SLURM_NTASKS": "32"})
+    with pytest.raises(ConfigError, match="no node list"):
+        slurm_settings({k: v for k, v in step.items() if "NODELIST" not in k})
+    assert parse_nodelist("n[1-3],m[08-10,15]") == ["n1", "n2", "n3", "m08", "m09", "m10", "m15"]
+    assert parse_nodelist("r[1-2]-g[1-2]") == ["r1-g1", "r1-g2", "r2-g1", "r2-g2"]
+
+
+def test_slurm_uses_scontrol_when_there(tmp_path: Path, monkeypatch) -> None:
+    from autoshard.slurm import expand_nodelist
+
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\necho first-host\necho second-host\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert expand_nodelist("whatever[1-2]") == ["first-host", "second-host"]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 2 MiB tmpfs (root with mount only)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or not _mount("-t", "tmpfs", "-o", "size=2M", "tmpfs", str(disk)):
+        pytest.skip("cannot mount a small tmpfs here")
+    yield disk
+    subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def fill(folder: Path) -> Path:
+    """Write until the device is full."""
+    filler = folder / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, os.urandom(4096))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+@pytest.mark.parametrize("when", [1, 2])
+def test_a_real_full_disk_keeps_the_trial_that_just_ended(small_disk: Path, when: int) -> None:
+    # 1: the journal needs a new page for the record: the reserve makes room for it;
+    # 2: the record fits in the journal's last page and the database is the first to fail.
+    cands = space()
+    fillers: list[Path] = []
+    with open_store(small_disk, notice=lambda _: None) as store:
+        store.open_study(settings(), [c.label() for c in cands])
+
+        def run(c: Candidate) -> TrialResult:
+            if not fillers and len(journal(small_disk)) == when - 1:
+                fillers.append(fill(small_disk))  # the disk fills during this trial
+            return TrialResult(candidate=c, status="ok", tokens_per_s=5.0)
+
+        with pytest.raises(StorageError) as info:
+            run_trials(store, estimates(cands), run, n_trials=4)
+    text = str(info.value)
+    assert "free some space" in text and "\n" not in text, text
+    if when == 1:
+        assert "recorded in trials.jsonl in the space autoshard kept in reserve" in text
+    assert len(journal(small_disk)) == when  # every finished trial is recorded
+    fillers[0].unlink()  # the user frees space
+    rerun = Runner()
+    _, results = study(small_disk, cands, rerun, n_trials=4)
+    assert len(rerun.calls) == 4 - when
+    assert not {r.candidate.label() for r in journal(small_disk)[:when]} & set(rerun.calls)
+    assert sum(r.status.launched for r in results) == 4
