@@ -247,11 +247,7 @@ def recommend_from_trials(
     by_label = {e.candidate.label(): e for e in estimates}
     ok = sorted((r for r in results if r.status is TrialStatus.OK), key=_throughput, reverse=True)
     if not ok:
-        reasons = "; ".join(sorted({f"{r.status.value}: {r.error}" for r in results})[:3])
-        raise AutoshardError(
-            f"no configuration ran successfully ({len(results)} tried or ruled out: {reasons}); "
-            "see the worker logs in the output folder"
-        )
+        raise AutoshardError(nothing_ran(results))
 
     def scored(r: TrialResult) -> Scored:
         return Scored(candidate=r.candidate, estimate=by_label.get(r.candidate.label()), trial=r)
@@ -268,6 +264,33 @@ def recommend_from_trials(
         basis="trials",
         reasons=tuple(explain(best, ok, profile)),
         versions={"autoshard": version("autoshard"), "torch": torch.__version__},
+    )
+
+
+def nothing_ran(results: Sequence[TrialResult]) -> str:
+    """One line when no trial ran fine: the commonest failures of the trials that ran first
+    (a skipped or pruned candidate's reason repeats them)."""
+    from collections import Counter
+
+    from autoshard.study.lessons import signature
+
+    ran = [r for r in results if r.status.launched]
+    shown = {signature(r): r for r in ran}
+    counts = Counter(signature(r) for r in ran).most_common(2)
+    failures = "; ".join(
+        f"{n} x {shown[sig].status.value}: {' '.join((shown[sig].error or '').split())[:160]}"
+        for sig, n in counts
+    )
+    rest = len(results) - len(ran)
+    if not ran:
+        first = " ".join((results[0].error or "").split())[:160] if results else ""
+        return f"no configuration could run: all {len(results)} candidates were ruled out" + (
+            f" ({first})" if first else ""
+        )
+    return (
+        f"no configuration ran successfully: {len(ran)} trials failed ({failures})"
+        + (f", {rest} more candidates ruled out" if rest else "")
+        + "; see the worker logs in the output folder, under workers/"
     )
 
 

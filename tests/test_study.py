@@ -167,16 +167,32 @@ def test_changed_settings_start_a_new_study_and_the_same_resume(tmp_path: Path) 
 
 
 def test_load_result_reads_only_its_own_study(tmp_path: Path) -> None:
+    from autoshard.results import ModelProfile, Recommendation, Scored
     from autoshard.study.journal import record_line
-    from autoshard.ui.files import _read_trials
+    from autoshard.ui.files import load_result
 
     mine = TrialResult(candidate=Candidate(micro_batch_size=1), status="ok")
     other = TrialResult(candidate=Candidate(micro_batch_size=2), status="ok")
     (tmp_path / "trials.jsonl").write_bytes(
         record_line("autoshard-b", other) + record_line("autoshard-a", mine)
     )
-    assert _read_trials(tmp_path / "trials.jsonl", "autoshard-a") == [mine]
-    assert len(_read_trials(tmp_path / "trials.jsonl", None)) == 2  # an older recommendation
+    rec = Recommendation(
+        profile=ModelProfile(
+            target="t", model_class="m", total_params=1, trainable_params=1, param_bytes=4
+        ),
+        hardware=HARDWARE,
+        workload=WorkloadSpec(),
+        chosen=Scored(candidate=mine.candidate, trial=mine),
+        basis="trials",
+        study="autoshard-a",
+    )
+    (tmp_path / "recommendation.json").write_text(rec.model_dump_json())
+    assert load_result(tmp_path)[1] == [mine]
+    # A recommendation written before studies were named reads every record.
+    (tmp_path / "recommendation.json").write_text(
+        rec.model_copy(update={"study": None}).model_dump_json()
+    )
+    assert len(load_result(tmp_path)[1]) == 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +316,13 @@ def test_an_error_rules_out_the_larger_micro_batches_of_that_configuration() -> 
     untried = {c.label() for c in cands} - {failed.label()}
     lessons = learn(cands, [result], untried)
     assert set(lessons.ruled_out) == {failed.model_copy(update={"micro_batch_size": 4}).label()}
-    assert lessons.probe_from == failed  # nothing ran fine yet: probe away from it
+    # Nothing ran fine yet: the next trial should have as few of its settings as it can.
+    from autoshard.study.lessons import properties
+
+    same, least = lessons.suspects
+    assert least == 2 and same == {
+        n: v for n, v in properties(failed).items() if n in ("sharding", "precision")
+    }
 
 
 def test_the_same_error_twice_rules_out_the_shared_setting() -> None:

@@ -3,14 +3,9 @@ real PostgreSQL server, and changed settings through the command line (issue 15,
 
 from __future__ import annotations
 
-import glob
 import json
-import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +15,7 @@ from autoshard.config import Candidate
 from autoshard.study.journal import read_records
 
 from .conftest import EXAMPLES, ROOT
+from .postgres import binaries, postgres_server
 
 pytestmark = pytest.mark.slow
 
@@ -48,58 +44,14 @@ def launched(out: Path, study: str | None = None) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _pg_bin() -> Path | None:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    if found:
-        return Path(found[-1]).parent
-    initdb = shutil.which("initdb")
-    return Path(initdb).parent if initdb else None
-
-
 @pytest.fixture(scope="module")
 def postgres():
-    """A PostgreSQL server of its own in a temporary folder, on 127.0.0.1 only; yields a URL."""
+    """A PostgreSQL server of its own (tests/postgres.py); yields its URL."""
     pytest.importorskip("psycopg")
-    bin_dir = _pg_bin()
-    if bin_dir is None:
+    if binaries() is None:
         pytest.skip("no PostgreSQL binaries (initdb, pg_ctl) on this machine")
-    root = Path(tempfile.mkdtemp(prefix="autoshard-pg-"))
-    # initdb refuses to run as root: run the server as an unprivileged user.
-    run_as: list[str] = []
-    if os.geteuid() == 0:
-        os.chown(root, 65534, 65534)  # nobody
-        run_as = ["runuser", "-u", "nobody", "--"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    data = root / "data"
-
-    def pg(*cmd: str) -> None:
-        subprocess.run([*run_as, *cmd], check=True, capture_output=True, timeout=120)
-
-    pg(str(bin_dir / "initdb"), "-D", str(data), "-U", "autoshard", "--auth=trust", "-E", "UTF8")
-    options = f"-c listen_addresses=127.0.0.1 -p {port} -k {root} -c fsync=off"
-    pg(str(bin_dir / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(root / "log"), "-w",
-       "start")  # fmt: skip
-    try:
-        pg(
-            str(bin_dir / "createdb"),
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "-U",
-            "autoshard",
-            "study",
-        )
-        yield f"postgresql://autoshard@127.0.0.1:{port}/study"
-    finally:
-        subprocess.run(
-            [*run_as, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
-            capture_output=True,
-            timeout=60,
-        )
-        shutil.rmtree(root, ignore_errors=True)
+    with postgres_server() as url:
+        yield url
 
 
 def test_two_drivers_share_one_postgresql_study(postgres: str, tmp_path: Path) -> None:

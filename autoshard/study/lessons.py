@@ -13,9 +13,11 @@ transient crash, :func:`autoshard.study.view.is_transient`, teaches nothing: it 
    them are skipped, unless a configuration that has all of them ran fine. When the failing
    configurations share no setting and none has run fine, no candidate can avoid the error: the
    study stops with it in one line (:class:`~autoshard.errors.TrialsFailedError`).
-3. While nothing has run fine, the trial after a failure with a new error is the untried
-   candidate least like the failed one (a probe), so that an error every configuration raises
-   stops the study after two trials, not after every one allowed.
+3. While nothing has run fine, the next trial is a probe: the untried candidate with the fewest
+   of the settings suspected so far (those of the latest failure, or those its error's failures
+   all share). If it fails the same way, rule 2 narrows the suspects, or finds none and stops
+   the study: an error that every configuration raises stops it after two trials, not after
+   every one allowed.
 
 Only the settings that differ among the candidates count: settings every candidate shares
 cannot be avoided by choosing another.
@@ -41,7 +43,9 @@ class Lessons:
     """What the failures so far rule out, and whom the next trial should least resemble."""
 
     ruled_out: dict[str, str] = field(default_factory=dict)  # label -> why
-    probe_from: Candidate | None = None
+    # The settings suspected (varying ones, and a least micro-batch): the next trial should
+    # have as few of them as it can. None: no probe (something ran fine, or nothing failed).
+    suspects: tuple[dict[str, str], int | None] | None = None
 
 
 def properties(candidate: Candidate) -> dict[str, str]:
@@ -184,27 +188,31 @@ def learn(
             if c.label() in todo and space.has(c, same, least):
                 lessons.ruled_out.setdefault(c.label(), why)
 
-    # 3. probe away from a new error while nothing has run fine
+    # 3. while nothing has run fine, probe away from the latest error's suspects
     if failures and not fine:
         launched = [r for r in settled if r.status.launched]
         latest = max(launched, key=lambda r: r.started_at)
-        if teaches(latest) and len(groups[signature(latest)]) == 1:
-            lessons.probe_from = latest.candidate
+        if teaches(latest):
+            lessons.suspects = space.shared(f.candidate for f in groups[signature(latest)])
     return lessons
 
 
 def probe_order(
-    candidates: Sequence[Candidate], eligible: Sequence[Candidate], away_from: Candidate
+    candidates: Sequence[Candidate],
+    eligible: Sequence[Candidate],
+    suspects: tuple[dict[str, str], int | None],
 ) -> list[Candidate]:
-    """``eligible`` (in their order of preference), least like ``away_from`` first: fewest
-    shared varying settings, a smaller micro-batch counting as different."""
+    """``eligible`` (in their order of preference), those with the fewest ``suspects`` first."""
     space = _Space(candidates)
+    same, least = suspects
 
-    def likeness(c: Candidate) -> int:
-        same, least = space.shared((c, away_from))
-        return len(same) + (least is not None)
+    def overlap(c: Candidate) -> int:
+        props = space.of(c)
+        return sum(props.get(n) == v for n, v in same.items()) + (
+            least is not None and c.micro_batch_size >= least
+        )
 
-    return sorted(eligible, key=likeness)  # stable: ties keep the order of preference
+    return sorted(eligible, key=overlap)  # stable: ties keep the order of preference
 
 
 def _short(result: TrialResult, limit: int = 120) -> str:

@@ -9,8 +9,8 @@ Each turn, under the storage's claim lock (:meth:`autoshard.study.storage.StudyS
    can avoid an error;
 3. the next candidate is chosen: a transient crash's one retry first; then, while fewer than
    ``n_trials`` have been launched, the fastest-expected candidate that is neither settled,
-   running, ruled out nor dominated (:func:`autoshard.search.dominated_by`) — or, after a first
-   failure with a new error while nothing has run fine, the one least like the failed one;
+   running, ruled out nor dominated (:func:`autoshard.search.dominated_by`) — or, while
+   nothing has run fine, the one with the fewest of the settings the failures suspect;
 4. it is claimed (a RUNNING trial), and run once the lock is released.
 When nothing is left to claim while other drivers still run trials, the loop waits for them, so
 that every driver decides on every trial.
@@ -144,8 +144,8 @@ def _pick(
     ]
     if not eligible:
         return None
-    if lessons.probe_from is not None:
-        order = probe_order(candidates, [e.candidate for e in eligible], lessons.probe_from)
+    if lessons.suspects is not None:
+        order = probe_order(candidates, [e.candidate for e in eligible], lessons.suspects)
         by_candidate = {e.candidate.label(): e for e in eligible}
         return by_candidate[order[0].label()]
     return eligible[0]
