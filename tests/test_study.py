@@ -821,3 +821,77 @@ def test_a_real_full_disk_keeps_the_trial_that_just_ended(small_disk: Path, when
     assert len(rerun.calls) == 4 - when
     assert not {r.candidate.label() for r in journal(small_disk)[:when]} & set(rerun.calls)
     assert sum(r.status.launched for r in results) == 4
+
+
+def test_a_sqlite_storage_in_a_read_only_folder_is_one_line(tmp_path: Path, read_only) -> None:
+    folder = tmp_path / "db"
+    folder.mkdir()
+    read_only(folder)
+    with pytest.raises(StorageError) as info:
+        open_store(tmp_path / "out", f"sqlite:///{folder}/x.db", notice=lambda _: None)
+    assert "its folder must be writable" in str(info.value), info.value
+
+
+# ---------------------------------------------------------------------------------------------
+# A driver that is gone: its running trial is freed
+# ---------------------------------------------------------------------------------------------
+
+CLAIM_AND_HANG = """
+import sys, time
+sys.path.insert(0, sys.argv[3])
+from tests.test_study import settings, space
+from autoshard.study.storage import open_store
+cands = space()
+store = open_store(sys.argv[1], sys.argv[2], notice=lambda _: None)
+store.open_study(settings(), [c.label() for c in cands])
+with store.turn():
+    store.start(cands[0].label())
+print("claimed", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_drivers_candidate_is_run_by_another(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLAIM_AND_HANG, str(tmp_path / "gone"), storage, str(root)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "claimed"
+    finally:
+        proc.send_signal(signal.SIGKILL)  # kill -9 in the middle of its trial
+        proc.wait()
+    runner = Runner()
+    started = time.monotonic()
+    study(tmp_path / "alive", space(), runner, n_trials=3, storage=storage)
+    # Same machine, process gone: freed at once (no heartbeat grace period to wait for).
+    assert space()[0].label() in runner.calls and time.monotonic() - started < 20
+
+
+def test_a_silent_driver_elsewhere_is_failed_after_the_grace_period(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from autoshard.study import storage as storage_mod
+
+    monkeypatch.setattr(storage_mod, "GRACE_S", 1)
+    monkeypatch.setattr(storage_mod, "HEARTBEAT_S", 1)
+    cands = space()
+    shared = f"sqlite:///{tmp_path / 'shared.db'}"
+    with open_store(tmp_path / "other", shared, notice=lambda _: None) as elsewhere:
+        elsewhere.open_study(settings(), [c.label() for c in cands])
+        elsewhere.host = "another-machine"  # as if that driver ran on another machine
+        with elsewhere.turn():
+            ticket = elsewhere.start(cands[0].label())
+        elsewhere._stop_beat()  # its machine is lost: no more heartbeats
+        with open_store(tmp_path / "here", shared, notice=lambda _: None) as here:
+            here.open_study(settings(), [c.label() for c in cands])
+            with here.turn() as view:
+                assert cands[0].label() in view.running  # alive as far as anyone knows
+            time.sleep(2.5)
+            with here.turn() as view:
+                assert cands[0].label() not in view.running  # failed: free again
+        elsewhere._running = None
+        assert ticket.trial_id >= 0

@@ -57,7 +57,10 @@ def postgres():
 def test_two_drivers_share_one_postgresql_study(postgres: str, tmp_path: Path) -> None:
     """Two `autoshard tune` processes (own worker groups, own output folders), one study in
     PostgreSQL: no candidate runs twice, --trials counts both, both end with the same choice."""
-    args = ["--gpus", "1", "--batch-size", "1,2", "--trials", "4", "--storage", postgres, "--json"]
+    # Two precisions and two micro-batches: four candidates that no measured one dominates, so
+    # that --trials 4 is reached whatever the order in which the drivers finish.
+    args = ["--gpus", "1", "--batch-size", "1,2", "--precision", "bf16-mixed", "--trials", "4",
+            "--storage", postgres, "--json"]  # fmt: skip
     command = [sys.executable, "-m", "autoshard", "tune", *TINY, *QUICK, *args]
     drivers = {
         name: subprocess.Popen(

@@ -198,7 +198,13 @@ class ClaimLock:
     def __enter__(self) -> ClaimLock:
         if self.path is not None:
             if self.fd is None:
-                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                except OSError as exc:
+                    raise StorageError(
+                        f"{self.path}: cannot create the lock next to the study database "
+                        f"({exc.strerror or exc}); its folder must be writable"
+                    ) from None
             if fcntl is not None:
                 fcntl.flock(self.fd, fcntl.LOCK_EX)
             return self
@@ -273,12 +279,13 @@ def open_store(
     """Check and lock the output folder, repair its journal, open the storage (rebuilding a
     corrupt SQLite file). Fast: call it before the model is analysed. Use the store as a
     context manager (it holds the folder's lock)."""
+    given = check_storage(storage) if storage else None  # bad input: no folder made
     out = prepare_out(out_dir).resolve()
-    url = check_storage(storage) if storage else default_storage(out)
+    url = given or default_storage(out)
     shown = (
         f"--storage {make_url(url).render_as_string(hide_password=True)}"
-        if storage
-        else (str(out / DB_NAME))
+        if given
+        else str(out / DB_NAME)
     )
     lock = OutLock(out, wait=wait, notice=notice)
     lock.acquire()
