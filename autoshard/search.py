@@ -23,7 +23,8 @@ new study: nothing measured under other settings is reused.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -202,7 +203,7 @@ def tune(
                 candidate, workload, warmup=opts.warmup, steps=opts.steps, memory_cap=cap
             )
 
-        with group:
+        with _worker_files(opts.out_dir), group:
             results = run_trials(
                 store,
                 ranked,
@@ -215,6 +216,20 @@ def tune(
         rec = rec.model_copy(update={"study": store.name})
         write_outputs(rec, opts.out_dir, results)
     return rec
+
+
+@contextmanager
+def _worker_files(out_dir: Path) -> Iterator[None]:
+    """The worker group's requests, results and logs live in out_dir/workers: a disk that fills
+    or a folder that goes away mid-study is one line (the trial that was running had not
+    finished: the next run tries it again)."""
+    try:
+        yield
+    except OSError as exc:
+        raise StorageError(
+            f"{out_dir / 'workers'}: {exc.strerror or exc} while running a trial; free space or "
+            "fix the folder, then run the same command again to resume"
+        ) from None
 
 
 def write_outputs(rec: Recommendation, out_dir: Path, results: Sequence[TrialResult]) -> None:

@@ -895,3 +895,34 @@ def test_a_silent_driver_elsewhere_is_failed_after_the_grace_period(
                 assert cands[0].label() not in view.running  # failed: free again
         elsewhere._running = None
         assert ticket.trial_id >= 0
+
+
+def test_a_full_disk_under_the_worker_group_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    # The worker group's control files are in --out/workers: a full disk there (seen in
+    # benchmarks/faults_study.py) is a StorageError, and the interrupted trial runs again later.
+    import errno
+
+    import autoshard.search as search
+
+    class FullDiskGroup:
+        device = "cpu"
+
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")  # its stop request too
+
+        def run(self, *args, **kwargs) -> TrialResult:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(search, "WorkerGroup", FullDiskGroup)
+    options = search.TuneOptions(out_dir=tmp_path, n_trials=2, on_notice=lambda _: None)
+    with pytest.raises(StorageError) as info:
+        search.tune(TARGET, HARDWARE, WorkloadSpec(seq_len=8), options)
+    text = str(info.value)
+    assert "No space left on device while running a trial" in text and "\n" not in text
+    assert journal(tmp_path) == [] or all(not r.status.launched for r in journal(tmp_path))
