@@ -35,6 +35,7 @@ from autoshard.config import (
 )
 from autoshard.predict.activations import ActivationProfile, precision_bytes, rule_of_thumb
 from autoshard.results import MemoryBreakdown, MemoryEstimate, ModelProfile
+from autoshard.sharding import reshard_after_forward
 
 # What a CPU cannot see on a GPU: the CUDA context and cuBLAS workspace (about 0.5-1 GiB on
 # recent GPUs), NCCL's buffers, and the caching allocator's reserved-over-allocated slack.
@@ -104,6 +105,14 @@ def activation_bytes(candidate: Candidate, acts: ActivationProfile) -> tuple[int
     return int((saved + acts.other_bytes) * scale) + loss, int(recompute * scale)
 
 
+def kept_after_forward(candidate: Candidate, root: int, unit: int) -> int:
+    """Parameters an FSDP2 candidate keeps gathered from forward into backward, by its reshard
+    policy (:func:`autoshard.sharding.reshard_after_forward`): the root unit and, with
+    KEEP_ROOT_AND_LAST, the last block (``unit`` parameters; 0 without block units)."""
+    kept = 0 if reshard_after_forward(candidate, root=True) else root
+    return kept + (0 if reshard_after_forward(candidate, last=True) else unit)
+
+
 def first_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
     """What is still saved when the first block runs its backward: its own activations (its
     input under checkpointing) and what was saved before it (the embedding's)."""
@@ -164,9 +173,13 @@ def peak_moments(
         after_forward = 0
     else:
         unsharded = (2 * unit + root) * cb  # current + prefetched unit, and the root
-        # When the loss is computed, FSDP2 has resharded the root too; FSDP1 keeps the root
-        # gathered from forward into backward.
-        after_forward = root * cb if candidate.engine is Engine.FSDP1 else 0
+        # When the loss is computed, FSDP1 keeps the root gathered from forward into backward;
+        # FSDP2 keeps what its reshard policy keeps (the root, the last block), nothing with ALL.
+        after_forward = (
+            root * cb
+            if candidate.engine is Engine.FSDP1
+            else kept_after_forward(candidate, root, unit) * cb
+        )
     # Lightning's FSDP1 reduces in the compute dtype; FSDP2 here reduces in fp32 when mixed.
     fp32_reduce = mixed and candidate.engine is Engine.FSDP2 and candidate.reduce_dtype_fp32
     reduce_bytes = 4 if fp32_reduce else cb
