@@ -53,7 +53,9 @@ EXTRAPOLATE_ABOVE = 8
 TRACKED_STEPS = 2
 
 # Tracker categories -> breakdown fields. FSDP2's tracker knows FSDP's own kinds; FSDP1's
-# generic tracker does not (unsharded flat parameters and gradients show up as temporaries).
+# generic tracker does not: it books every flat parameter storage a module holds as
+# "Parameter", the gathered copies with the shards (split by :func:`_split_fsdp1_params`), and
+# unsharded gradients show up as temporaries.
 _KINDS = {
     "Sharded Param": "sharded_params",
     "Unsharded Param": "unsharded_params",
@@ -109,12 +111,14 @@ def track_training_peak(
 ) -> dict[str, int]:
     """Run ``steps`` training steps under torch's memory tracker; the per-kind bytes at the peak
     (key ``"Total"`` is the peak itself). Works on fake and on real tensors alike."""
+    sharded = 0
     if candidate.engine is Engine.FSDP2:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
         tracker: Any = FSDPMemTracker(model, optimizer)
         tracker.track_inputs((batch,))
     else:
+        sharded = _fsdp1_shard_bytes(model)
         tracker = _fsdp1_tracker()
         tracker.track_external(model, optimizer, batch)
     device = next(model.parameters()).device
@@ -133,7 +137,33 @@ def track_training_peak(
             del loss
             tracker.reset_mod_stats()  # per-module stats only; the global peak is kept
     (snapshot,) = tracker.get_tracker_snapshot("peak").values()
-    return {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
+    kinds = {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
+    return _split_fsdp1_params(kinds, sharded) if candidate.engine is Engine.FSDP1 else kinds
+
+
+def _fsdp1_shard_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's FSDP1 flat-parameter shards, taken before the first forward, while
+    every flat parameter still holds its shard (NO_SHARD: the whole parameter)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    total = 0
+    for module in FullyShardedDataParallel.fsdp_modules(model):
+        handle = getattr(module, "_handle", None)
+        if handle is not None:
+            flat = handle.flat_param
+            total += flat.numel() * flat.element_size()
+    return total
+
+
+def _split_fsdp1_params(kinds: dict[str, int], sharded: int) -> dict[str, int]:
+    """FSDP1's tracker books the gathered flat parameters (SHARD_GRAD_OP keeps the whole model
+    gathered through forward and backward; FULL_SHARD the root and a unit or two; mixed
+    precision's low-precision copies) as "Parameter", with the shards: at the peak the shards
+    are all alive, so whatever is above their bytes is gathered."""
+    params = kinds.pop("Parameter", 0)
+    kinds["Sharded Param"] = kinds.get("Sharded Param", 0) + min(params, sharded)
+    kinds["Unsharded Param"] = kinds.get("Unsharded Param", 0) + max(0, params - sharded)
+    return kinds
 
 
 def measure_training_peak(
