@@ -59,7 +59,7 @@ def grid(world: int) -> list[dict[str, Any]]:
     return points
 
 
-def run(shapes: list[str], worlds: list[int]) -> list[dict[str, Any]]:
+def run(shapes: list[str], worlds: list[int], only: str = "") -> list[dict[str, Any]]:
     from autoshard.analyze import analyze_target
     from autoshard.config import Candidate, Hardware, Precision, WorkloadSpec
     from autoshard.predict.activations import profile_activations
@@ -86,6 +86,8 @@ def run(shapes: list[str], worlds: list[int]) -> list[dict[str, Any]]:
                     micro_batch_size=mbs,
                     **point,
                 )
+                if only not in candidate.label():
+                    continue
                 start = time.perf_counter()
                 sim = simulate_memory(
                     target, candidate, hardware, workload, block_classes=profile.block_classes
@@ -135,13 +137,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--worlds", nargs="+", type=int, default=list(WORLDS))
+    parser.add_argument("--only", default="", help="Only configurations whose label has this.")
     parser.add_argument("--write", type=Path, help="Write the table as markdown here.")
     args = parser.parse_args()
     import torch
 
     warnings.simplefilter("ignore")
     start = time.perf_counter()
-    rows = run(args.shapes, args.worlds)
+    rows = run(args.shapes, args.worlds, args.only)
     seconds = time.perf_counter() - start
     table = report(rows)
     header = (

@@ -113,6 +113,17 @@ def kept_after_forward(candidate: Candidate, root: int, unit: int) -> int:
     return kept + (0 if reshard_after_forward(candidate, last=True) else unit)
 
 
+def last_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
+    """What the last block saved in forward (its input under checkpointing): freed when its
+    backward is done."""
+    acts = acts.at(candidate.precision)
+    if not acts.block_bytes:
+        return 0
+    ckpt = candidate.checkpointing is not Checkpointing.NONE
+    last = acts.block_input_bytes[-1] if ckpt and acts.block_input_bytes else acts.block_bytes[-1]
+    return int(last * acts.scale(candidate))
+
+
 def first_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
     """What is still saved when the first block runs its backward: its own activations (its
     input under checkpointing) and what was saved before it (the embedding's)."""
@@ -184,10 +195,14 @@ def peak_moments(
     fp32_reduce = mixed and candidate.engine is Engine.FSDP2 and candidate.reduce_dtype_fp32
     reduce_bytes = 4 if fp32_reduce else cb
     # the reduce-scatter input of one unit, and (resharding after forward) the next unit's
-    # all-gather output
-    gather = unit * cb if shard > 1 and candidate.sharding is not Sharding.SHARD_GRAD_OP else 0
-    if not wrapped and candidate.engine is Engine.FSDP2 and shard > 1:
-        gather = params * cb  # FSDP2 copies the one unit out of its all-gather buffer
+    # all-gather output: FSDP2 gathers into a buffer and copies each unit out of it; FSDP1
+    # gathers straight into the unit's padded flat parameter (counted as unsharded).
+    gather = 0
+    if shard > 1 and candidate.engine is Engine.FSDP2:
+        if not wrapped:
+            gather = params * cb  # the one unit, copied out of its all-gather buffer
+        elif candidate.sharding is not Sharding.SHARD_GRAD_OP:
+            gather = unit * cb
     comm = unit * reduce_bytes + gather
 
     # The gradients of a block's activations are made in the compute dtype, also where the
@@ -284,6 +299,21 @@ def peak_moments(
             "activations": first_block_bytes(candidate, acts),
         }
     )
+    if candidate.engine is Engine.FSDP1 and resharded:
+        # FSDP1 keeps the root gathered until the root's own backward at the very end, and a
+        # unit's flat gradient only appears when the unit's backward is done (the parameters'
+        # gradients flow through views of the flat parameter), after its temporaries are freed:
+        # it is reduced then (the block reduce-scatter moments). The worst block but the top is
+        # the second: its own unit, the first prefetched (simulated, torch 2.13).
+        blocks = max(profile.block_count, 1)
+        top_block = top_block.model_copy(update={"unsharded_params": unsharded, "comm_buffers": 0})
+        bottom_block = bottom_block.model_copy(
+            update={
+                "unsharded_params": unsharded,
+                "comm_buffers": 0,
+                "gradients": block_grads * max(blocks - 2, 0) // blocks,
+            }
+        )
     # 4. The root's backward, at the very end: the embedding's gradient completes the root's
     #    unsharded gradient, which is reduced (cast to the reduce dtype) into its shard; every
     #    block's gradient is already sharded. FSDP1 still holds the root gathered; FSDP2 has
@@ -308,12 +338,32 @@ def peak_moments(
         buffers=profile.buffer_bytes,
     )
     reduce_scatters = {}
-    if hardware.backend == "gloo" and shard > 1:
-        # gloo reduce-scatters a copy of its input (ProcessGroupGloo: +1x the input, measured
-        # around a bare collective; NCCL works in place, all-reduce copies nothing). Each copy
-        # lives while its unit's gradients are reduced: after the unit's backward temporaries
-        # are freed and, in FSDP1, after the unit is resharded (simulated with the copy).
-        if wrapped:
+    # gloo reduce-scatters a copy of its input (ProcessGroupGloo: +1x the input, measured around
+    # a bare collective; NCCL works in place, all-reduce copies nothing).
+    gloo_copy = hardware.backend == "gloo" and shard > 1
+    if candidate.engine is Engine.FSDP1 and resharded:
+        # A unit's flat gradient (and gloo's copy of it) is reduced once its backward is done:
+        # the top block's activations are freed by then, the others' still saved; the bottom
+        # block's are the last, with every other block's gradient in shards.
+        flat_grad = unit * reduce_bytes * (2 if gloo_copy else 1)
+        reduce_scatters["top block reduce-scatter"] = top_block.model_copy(
+            update={
+                "temporaries": 0,
+                "comm_buffers": flat_grad,
+                "activations": saved - loss_saved - last_block_bytes(candidate, acts),
+            }
+        )
+        reduce_scatters["bottom block reduce-scatter"] = bottom_block.model_copy(
+            update={
+                "temporaries": 0,
+                "comm_buffers": flat_grad,
+                "unsharded_params": (unit + root) * cb,
+            }
+        )
+    if gloo_copy:
+        # Each copy lives while its unit's gradients are reduced: after the unit's backward
+        # temporaries are freed (simulated with the copy).
+        if wrapped and not (candidate.engine is Engine.FSDP1 and resharded):
             last = bottom_block if resharded else top_block
             reduce_scatters["block reduce-scatter"] = last.model_copy(
                 update={"temporaries": 0, "comm_buffers": last.comm_buffers + unit * reduce_bytes}
