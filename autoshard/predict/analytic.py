@@ -302,9 +302,9 @@ def peak_moments(
     if candidate.engine is Engine.FSDP1 and resharded:
         # FSDP1 keeps the root gathered until the root's own backward at the very end, and a
         # unit's flat gradient only appears when the unit's backward is done (the parameters'
-        # gradients flow through views of the flat parameter), after its temporaries are freed:
-        # it is reduced then (the block reduce-scatter moments). The worst block but the top is
-        # the second: its own unit, the first prefetched (simulated, torch 2.13).
+        # gradients flow through views of the flat parameter), after its temporaries are freed
+        # (the block gradient moments). The worst block but the top is the second: its own
+        # unit, the first prefetched (simulated, torch 2.13).
         blocks = max(profile.block_count, 1)
         top_block = top_block.model_copy(update={"unsharded_params": unsharded, "comm_buffers": 0})
         bottom_block = bottom_block.model_copy(
@@ -341,29 +341,27 @@ def peak_moments(
     # gloo reduce-scatters a copy of its input (ProcessGroupGloo: +1x the input, measured around
     # a bare collective; NCCL works in place, all-reduce copies nothing).
     gloo_copy = hardware.backend == "gloo" and shard > 1
-    if candidate.engine is Engine.FSDP1 and resharded:
-        # A unit's flat gradient (and gloo's copy of it) is reduced once its backward is done:
+    if candidate.engine is Engine.FSDP1 and wrapped and shard > 1:
+        # A unit's backward ends with its parameters' gradients concatenated into the flat
+        # gradient (both alive), the unit still gathered (it is resharded next, then reduced):
         # the top block's activations are freed by then, the others' still saved; the bottom
         # block's are the last, with every other block's gradient in shards.
-        flat_grad = unit * reduce_bytes * (2 if gloo_copy else 1)
-        reduce_scatters["top block reduce-scatter"] = top_block.model_copy(
+        gradient = {"temporaries": 0, "comm_buffers": 2 * unit * reduce_bytes}
+        reduce_scatters["top block gradient"] = top_block.model_copy(
             update={
-                "temporaries": 0,
-                "comm_buffers": flat_grad,
+                **gradient,
+                "unsharded_params": unsharded if resharded else params * cb,
                 "activations": saved - loss_saved - last_block_bytes(candidate, acts),
             }
         )
-        reduce_scatters["bottom block reduce-scatter"] = bottom_block.model_copy(
-            update={
-                "temporaries": 0,
-                "comm_buffers": flat_grad,
-                "unsharded_params": (unit + root) * cb,
-            }
-        )
+        if resharded:
+            reduce_scatters["bottom block gradient"] = bottom_block.model_copy(
+                update={**gradient, "unsharded_params": (unit + root) * cb}
+            )
     if gloo_copy:
         # Each copy lives while its unit's gradients are reduced: after the unit's backward
         # temporaries are freed (simulated with the copy).
-        if wrapped and not (candidate.engine is Engine.FSDP1 and resharded):
+        if wrapped:
             last = bottom_block if resharded else top_block
             reduce_scatters["block reduce-scatter"] = last.model_copy(
                 update={"temporaries": 0, "comm_buffers": last.comm_buffers + unit * reduce_bytes}
