@@ -34,6 +34,7 @@ from typing import Any
 
 from autoshard.config import Candidate, WorkloadSpec
 from autoshard.errors import ConfigError
+from autoshard.measure import DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, DEFAULT_TARGET_SPREAD
 from autoshard.results import TrialResult, TrialStatus
 from autoshard.target.resolve import TargetSpec
 
@@ -226,8 +227,15 @@ class WorkerGroup:
         steps: int = 3,
         memory_cap: int | None = None,
         target: TargetSpec | None = None,
+        target_spread: float = DEFAULT_TARGET_SPREAD,
+        max_steps: int = DEFAULT_MAX_STEPS,
+        max_seconds: float = DEFAULT_MAX_SECONDS,
     ) -> TrialResult:
-        """Run one trial; a failure of any kind comes back as a TrialResult, never raised."""
+        """Run one trial; a failure of any kind comes back as a TrialResult, never raised.
+
+        At least ``steps`` steps are timed, then more until the median step time is known to
+        within ``target_spread`` (relative, 95% confidence) or ``max_steps`` / ``max_seconds``
+        of timed steps are spent (:func:`autoshard.measure.enough_steps`)."""
         started = time.monotonic()
         if not self.alive():
             self.start()
@@ -241,6 +249,9 @@ class WorkerGroup:
             # ran up to 1.5x slower with the same warm-up, so it gets two more.
             "warmup": warmup + (2 if self._n == 0 else 0),
             "steps": steps,
+            "target_spread": target_spread,
+            "max_steps": max_steps,
+            "max_seconds": max_seconds,
             "memory_cap": memory_cap,
         }
         self._write_request(request)
@@ -303,6 +314,7 @@ class WorkerGroup:
             world_size=data.get("world_size", self.world_size),
             step_time=data.get("step_time"),
             step_times=tuple(data.get("step_times") or ()),
+            step_time_spread=data.get("step_time_spread"),
             samples_per_s=data.get("samples_per_s"),
             tokens_per_s=data.get("tokens_per_s"),
             peak_allocated=tuple(data.get("peak_allocated") or ()),
