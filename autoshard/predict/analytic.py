@@ -255,9 +255,18 @@ def peak_moments(
     )
     # 1. The head's backward: the loss's backward is done (its log-probabilities freed), the
     #    logits' gradient alive, the root gathered again with the working set.
+    #    FSDP2 gathers the last block into its all-gather buffer meanwhile (prefetched), and
+    #    copies it out only when the block's backward starts (simulated, torch 2.13).
+    fsdp2_resharded = (
+        candidate.engine is Engine.FSDP2
+        and wrapped
+        and candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+    )
     head = MemoryBreakdown(
         sharded_params=sharded,
-        unsharded_params=unsharded,
+        unsharded_params=(
+            (root + kept_after_forward(candidate, 0, unit)) * cb if fsdp2_resharded else unsharded
+        ),
         optimizer=optimizer,
         comm_buffers=comm - unit * reduce_bytes,  # no block has reduced its gradients yet
         activations=saved - loss_saved,
