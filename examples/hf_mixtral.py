@@ -1,12 +1,13 @@
 """A Mixtral (mixture-of-experts) model from a Hugging Face ``MixtralConfig``: no weights are
 downloaded.
 
-    autoshard estimate examples/hf_mixtral.py:build --arg size=8x7b --gpus 8 --nodes 2 \\
-        --gpu-memory 80GiB --seq-len 4096
+    autoshard estimate examples/hf_mixtral.py:build --arg size=8x7b --arg seq_len=4096 \\
+        --arg batch_size=1 --gpus 8 --nodes 2 --gpu-memory 80GiB
 
     import autoshard
-    rec = autoshard.recommend("examples/hf_mixtral.py:build", kwargs={"size": "8x7b"},
-                              gpus=8, nodes=2, gpu_memory="80GiB", seq_len=4096)
+    rec = autoshard.recommend(
+        "examples/hf_mixtral.py:build", kwargs={"size": "8x7b", "seq_len": 4096, "batch_size": 1},
+        gpus=8, nodes=2, gpu_memory="80GiB")
 
 Block class: ``MixtralDecoderLayer`` (the model's ``_no_split_modules``); each block's feed-forward
 is ``num_local_experts`` experts, of which a router picks ``num_experts_per_tok`` per token.
