@@ -136,7 +136,7 @@ def test_dominance_rules() -> None:
         {"wrap_classes": ("x.B",)},  # per-block units against the whole model as one unit
         {"min_num_params": 100_000},
         {"optimizer_impl": "fused"},
-        {"reshard": "keep_root"},
+        {"engine": "fsdp2", "reshard": "keep_root"},
         {"forward_prefetch": True},
         {"backward_prefetch": "BACKWARD_POST"},
         {"limit_all_gathers": False},
