@@ -42,7 +42,13 @@ from types import TracebackType
 
 from pydantic import ValidationError
 
-from autoshard.config import Candidate, WorkloadSpec
+from autoshard.config import (
+    DEFAULT_MAX_SECONDS,
+    DEFAULT_MAX_STEPS,
+    DEFAULT_TARGET_SPREAD,
+    Candidate,
+    WorkloadSpec,
+)
 from autoshard.errors import AutoshardError, ConfigError
 from autoshard.results import TrialResult, TrialStatus
 from autoshard.target.resolve import TargetSpec
@@ -294,11 +300,20 @@ class WorkerGroup:
         steps: int = 3,
         memory_cap: int | None = None,
         target: TargetSpec | None = None,
+        target_spread: float = DEFAULT_TARGET_SPREAD,
+        max_steps: int = DEFAULT_MAX_STEPS,
+        max_seconds: float = DEFAULT_MAX_SECONDS,
     ) -> TrialResult:
         """Run one trial; a failure of any kind comes back as a TrialResult, never raised.
-        (Ctrl-C and other exceptions of the driver itself kill the group and go on.)"""
+        (Ctrl-C and other exceptions of the driver itself kill the group and go on.)
+
+        At least ``steps`` steps are timed, then more until the median step time is known to
+        within ``target_spread`` (relative, 95% confidence) or ``max_steps`` / ``max_seconds``
+        of timed steps are spent (:func:`autoshard.measure.enough_steps`)."""
+        budget = {"target_spread": target_spread, "max_steps": max_steps,
+                  "max_seconds": max_seconds}  # fmt: skip
         try:
-            return self._run(candidate, workload, warmup, steps, memory_cap, target)
+            return self._run(candidate, workload, warmup, steps, memory_cap, target, budget)
         except BaseException:
             self.kill()
             raise
@@ -311,6 +326,7 @@ class WorkerGroup:
         steps: int,
         memory_cap: int | None,
         target: TargetSpec | None,
+        budget: dict[str, float],
     ) -> TrialResult:
         if not self.alive():
             self.start()
@@ -335,6 +351,7 @@ class WorkerGroup:
             warmup=warmup + (2 if n == 0 else 0),
             steps=steps,
             memory_cap=memory_cap,
+            **budget,
         )
         self._busy = True
         started = time.monotonic()
@@ -367,6 +384,7 @@ class WorkerGroup:
             world_size=reply.world_size,
             step_time=reply.step_time,
             step_times=reply.step_times,
+            step_time_spread=reply.step_time_spread,
             samples_per_s=reply.samples_per_s,
             tokens_per_s=reply.tokens_per_s,
             peak_allocated=reply.peak_allocated,

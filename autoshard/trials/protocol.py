@@ -34,7 +34,14 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, TypeAdapter
 
-from autoshard.config import Candidate, Frozen, WorkloadSpec
+from autoshard.config import (
+    DEFAULT_MAX_SECONDS,
+    DEFAULT_MAX_STEPS,
+    DEFAULT_TARGET_SPREAD,
+    Candidate,
+    Frozen,
+    WorkloadSpec,
+)
 from autoshard.results import TrialStatus
 from autoshard.target.resolve import TargetSpec
 
@@ -79,7 +86,12 @@ class TrialRequest(Frozen):
     target: TargetSpec
     workload: WorkloadSpec
     warmup: int = Field(2, ge=0, description="Untimed steps before the timed ones.")
-    steps: int = Field(3, ge=1, description="Timed steps.")
+    steps: int = Field(3, ge=1, description="Timed steps at least.")
+    target_spread: float = Field(
+        DEFAULT_TARGET_SPREAD, gt=0, description="Time until the median is known to this."
+    )
+    max_steps: int = Field(DEFAULT_MAX_STEPS, ge=1, description="Most timed steps.")
+    max_seconds: float = Field(DEFAULT_MAX_SECONDS, gt=0, description="Most timed seconds.")
     memory_cap: int | None = Field(
         None, description="Bytes a rank may use at its peak; past it the trial is an OOM."
     )
@@ -136,6 +148,9 @@ class TrialReply(Frozen):
     world_size: int = Field(..., ge=1)
     step_times: tuple[float, ...] = Field((), description="Per step, the slowest rank's time.")
     step_time: float | None = Field(None, description="Median of step_times.")
+    step_time_spread: float | None = Field(
+        None, description="Relative half-width of the median's 95% interval."
+    )
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
     peak_allocated: tuple[int, ...] = ()

@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard.config import Candidate, Checkpointing, Engine, Precision, WorkloadSpec
+from autoshard.measure import enough_steps, median_spread
 from autoshard.results import TrialStatus
 from autoshard.sharding import apply_fsdp1, apply_fsdp2, compute_dtype, fsdp2_mesh, make_optimizer
 from autoshard.target.resolve import TargetSpec, build_target, load_callable
@@ -212,15 +214,7 @@ def _measure(request: TrialRequest, device: torch.device) -> dict[str, Any]:
         step()
     _check_cap(_peak_allocated(device, baseline), cap)
 
-    times = []
-    for _ in range(request.steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+    times = time_steps(step, device, request)
     allocated = _peak_allocated(device, baseline)
     reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else peak_rss()
     _check_cap(allocated, cap)
@@ -232,6 +226,36 @@ def _measure(request: TrialRequest, device: torch.device) -> dict[str, Any]:
         "tokens": batch_tokens(batch),
         "losses": [float(v) for v in losses],
     }
+
+
+def time_steps(
+    step: Callable[[], None], device: torch.device, request: TrialRequest
+) -> list[float]:
+    """Time steps until the median is known well enough (:func:`autoshard.measure.enough_steps`:
+    at least ``steps``, then a spread within ``target_spread`` or the budget spent).
+
+    Every rank records the slowest rank's time of each step (a step ends when the slowest rank
+    ends it), so every rank sees the same numbers and stops after the same step: the steps'
+    collectives stay matched. The all-reduce runs outside the timed region."""
+    times: list[float] = []
+    while not enough_steps(
+        times,
+        min_steps=request.steps,
+        target_spread=request.target_spread,
+        max_steps=max(request.steps, request.max_steps),
+        max_seconds=request.max_seconds,
+    ):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        elapsed = elapsed.to(_collective_device())
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed.item()))
+    return times
 
 
 def _peak_allocated(device: torch.device, baseline: int) -> int:
@@ -328,6 +352,7 @@ def summarize(request: TrialRequest, per_rank: list[RankReport]) -> TrialReply:
     # A step ends when the slowest rank ends it: take the per-step maximum over ranks.
     steps = [max(ts) for ts in zip(*(r.step_times for r in per_rank), strict=True)]
     median = statistics.median(steps)
+    spread = median_spread(steps)
     samples = sum(r.samples for r in per_rank)
     tokens = per_rank[0].tokens
     return TrialReply(
@@ -336,6 +361,7 @@ def summarize(request: TrialRequest, per_rank: list[RankReport]) -> TrialReply:
         world_size=world,
         step_times=tuple(steps),
         step_time=median,
+        step_time_spread=spread,
         samples_per_s=samples / median,
         tokens_per_s=(tokens * world / median) if tokens else None,
         peak_allocated=tuple(r.allocated for r in per_rank),
