@@ -88,7 +88,9 @@ class TrialRequest(Frozen):
     warmup: int = Field(2, ge=0, description="Untimed steps before the timed ones.")
     steps: int = Field(3, ge=1, description="Timed steps at least.")
     target_spread: float = Field(
-        DEFAULT_TARGET_SPREAD, gt=0, description="Time until the median is known to this."
+        DEFAULT_TARGET_SPREAD,
+        ge=0,
+        description="Time until the median is known to this (0: until the budget is spent).",
     )
     max_steps: int = Field(DEFAULT_MAX_STEPS, ge=1, description="Most timed steps.")
     max_seconds: float = Field(DEFAULT_MAX_SECONDS, gt=0, description="Most timed seconds.")
