@@ -11,7 +11,8 @@ itself on demand, in trial workers only); 2 gloo CPU processes. Columns:
 - trials lost or rerun: finished trials missing from trials.jsonl, or run twice;
 - processes left: processes of the study (found by its output folder in their command line)
   still running 10 s after the study ended or its driver was killed;
-- exit code of the command; lines shown: the lines the user saw on stderr, and the last one.
+- exit code of the command; lines shown: the lines the user saw on stderr (after Ctrl-C, for
+  that case), and the last one.
 
 Adding a row: write a function that takes a fresh folder and returns a :class:`Row`, and
 decorate it with ``@case("name", "what it injects")``. Rows are run in the order defined.
@@ -25,6 +26,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -243,7 +245,7 @@ def _kill_driver(folder: Path, state: str) -> Row:
     return Row(
         case="",
         detect=f"all {before - 1} gone in {gone:.1f} s" if not left else "-",
-        lost_or_rerun="- (the trial in flight dies with its driver)",
+        lost_or_rerun="- (a trial in flight dies with its driver)",
         processes_left=left,
         exit_code=-9,
         passed=left == 0 and before >= 4,
@@ -293,13 +295,21 @@ def ctrl_c(folder: Path) -> Row:
         tune_command(out, *fault_args(fault="hang", rank=1), timeout=300),
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    timed: list[tuple[float, str]] = []  # stderr's lines and when they came
+    assert driver.stderr is not None
+    stream = driver.stderr
+    reader = threading.Thread(
+        target=lambda: timed.extend((time.monotonic(), line.strip()) for line in stream)
+    )
+    reader.start()
     wait_for_trial(out)
     time.sleep(3)
-    driver.send_signal(signal.SIGINT)
     sent = time.monotonic()
-    _, stderr = driver.communicate(timeout=60)
+    driver.send_signal(signal.SIGINT)
+    driver.wait(timeout=60)
     took = time.monotonic() - sent
-    lines = shown(stderr)
+    reader.join()
+    lines = [text for at, text in timed if at >= sent and text]  # shown after Ctrl-C
     return Row(
         case="",
         detect=f"exited {took:.1f} s after Ctrl-C",
@@ -378,7 +388,11 @@ def main() -> None:
         args.write.write_text(
             f"# Fault matrix\n\n`{command} --write {args.write}`\n\n"
             f"2 gloo CPU processes, tests/targets/faults.py; hang cases with --trial-timeout "
-            f"{TIMEOUT:g}; processes counted {SETTLE:g} s after the end.\n\n{text}\n"
+            f"{TIMEOUT:g}; processes counted {SETTLE:g} s after the end.\n\n{text}\n\n"
+            "As it should: a hang reported within the trial timeout + 5 s, as a timeout; no "
+            "process left; an exception on one rank reported with its message, not as a hang; "
+            "Ctrl-C answered in under 3 s with one line and exit code 130; a rank killed by a "
+            "signal reported as transient.\n"
         )
     sys.exit(0 if all(r.passed for r in rows) else 1)
 

@@ -476,7 +476,13 @@ def warm_up(request: TrialRequest, device: torch.device) -> None:
     # the same code path as the trial, on a model that cannot fail on one rank only
     run_trial(
         TrialRequest(
-            n=request.n, candidate=tiny, target=WARM_TARGET, workload=WorkloadSpec(), warmup=0
+            n=request.n,
+            candidate=tiny,
+            target=WARM_TARGET,
+            workload=WorkloadSpec(),
+            warmup=0,
+            steps=1,
+            max_steps=1,  # one timed step: nothing is measured here
         ),
         device,
         quiet=True,
