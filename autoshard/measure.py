@@ -32,14 +32,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from autoshard.config import Hardware
+from autoshard.config import (
+    DEFAULT_MAX_SECONDS,
+    DEFAULT_MAX_STEPS,
+    DEFAULT_TARGET_SPREAD,
+    Hardware,
+)
 from autoshard.results import TrialResult, TrialStatus
 
 CONFIDENCE = 0.95
 MIN_STEPS_FOR_CONFIDENCE = 6  # the fewest samples whose order statistics reach 95% coverage
-DEFAULT_TARGET_SPREAD = 0.05
-DEFAULT_MAX_STEPS = 40
-DEFAULT_MAX_SECONDS = 30.0
 
 
 def _binomial_cdf_half(n: int, k: int) -> float:

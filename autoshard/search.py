@@ -23,46 +23,23 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from importlib.metadata import version
+from collections.abc import Sequence
 from pathlib import Path
 
 import optuna
-import torch
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-from autoshard.analyze import analyze_target
-from autoshard.config import Candidate, Checkpointing, Engine, Hardware, Precision, WorkloadSpec
-from autoshard.measure import (
-    DEFAULT_MAX_SECONDS,
-    DEFAULT_MAX_STEPS,
-    DEFAULT_TARGET_SPREAD,
-    compare,
-    is_tie,
-    rank_trials,
-    speed_basis,
-    spread_of,
-    trials_checked_line,
-)
-from autoshard.predict.activations import precisions_of, profile_activations
-from autoshard.predict.analytic import estimate_all
-from autoshard.predict.calibrate import Calibration, SpeedModel, order_by_speed, reorder_untried
+from autoshard.config import Candidate, Checkpointing, ProgressEvent, TuneOptions
+from autoshard.decide import decide_from_trials
+from autoshard.measure import speed_basis, throughput
+from autoshard.plan import Plan
+from autoshard.predict.calibrate import Calibration, reorder_untried
 from autoshard.predict.speed import SpeedFactors
-from autoshard.results import (
-    MemoryEstimate,
-    ModelProfile,
-    Recommendation,
-    Scored,
-    TrialResult,
-    TrialStatus,
-)
-from autoshard.space import enumerate_candidates, rank_candidates, wrap_reason
-from autoshard.target.resolve import TargetSpec
+from autoshard.results import MemoryEstimate, Recommendation, Scored, TrialResult, TrialStatus
+from autoshard.space import rank_candidates
 from autoshard.trials.group import WorkerGroup
 from autoshard.ui.files import write_report
-from autoshard.units import format_bytes
 
 RESULT_ATTR = "autoshard_result"
 # What a study leaves in its output folder (besides study.db and the workers' logs).
@@ -70,7 +47,6 @@ STUDY_FILES = (
     "trials.jsonl", "recommendation.json", "report.json", "report.html", "lightning.yaml",
     "accelerate.yaml",
 )  # fmt: skip
-DEFAULT_TRIALS = 12
 
 # The fields the dominance rules reason about; every other field must be equal.
 _CHECKPOINT_FIELDS = frozenset({"checkpointing", "checkpoint_every", "checkpoint_classes"})
@@ -133,107 +109,49 @@ def dominated_by(candidate: Candidate, done: Sequence[TrialResult]) -> TrialResu
     return None
 
 
-@dataclass
-class TuneOptions:
-    """How to run the study (what to plan for is Hardware and WorkloadSpec).
-
-    >>> from autoshard import TuneOptions
-    >>> options = TuneOptions(out_dir="runs/gpt-1b", n_trials=8, trial_timeout=120)
-    >>> options.out_dir, options.storage is None  # the study goes to runs/gpt-1b/study.db
-    (PosixPath('runs/gpt-1b'), True)
-    """
-
-    out_dir: Path = Path("autoshard-out")
-    storage: str | None = None
-    n_trials: int = DEFAULT_TRIALS
-    engine: Engine = Engine.FSDP1
-    precisions: tuple[Precision, ...] | None = None
-    micro_batch_sizes: tuple[int, ...] | None = None
-    nproc: int | None = None
-    nnodes: int = 1
-    rdzv_endpoint: str | None = None
-    trial_timeout: float = 300.0
-    warmup: int = 2
-    steps: int = 3  # the minimum timed steps; more until the spread is met
-    target_spread: float = DEFAULT_TARGET_SPREAD
-    max_steps: int = DEFAULT_MAX_STEPS
-    max_seconds: float = DEFAULT_MAX_SECONDS
-    memory_cap: int | None = None
-    skip_dominated: bool = True  # False runs every fitting candidate (the full grid)
-    on_event: Callable[[str, Scored], None] | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        self.out_dir = Path(self.out_dir)  # a str from a script or notebook works too
+def trial_order(plan: Plan, device: str) -> list[MemoryEstimate]:
+    """The order in which the study tries the candidates of ``plan``: fitting ones first, the
+    fastest predicted for the planned hardware first (on CPU workers standing in for GPUs too:
+    they check that the most promising configurations build, train and fit)."""
+    del device  # the order is the planned hardware's, wherever the trials run
+    return rank_candidates(plan.estimates)
 
 
-def study_name(
-    target: TargetSpec, hardware: Hardware, workload: WorkloadSpec, engine: Engine
-) -> str:
-    """The same command gives the same study name, so that it resumes."""
+def study_name(plan: Plan) -> str:
+    """The same inputs give the same study name, so that the study resumes."""
+    request = plan.request
     key = json.dumps(
-        [target.model_dump(mode="json"), hardware.model_dump(mode="json"),
-         workload.model_dump(mode="json"), engine.value],
+        [request.target.model_dump(mode="json"), request.hardware.model_dump(mode="json"),
+         plan.workload.model_dump(mode="json"), request.options.model_dump(mode="json")],
         sort_keys=True,
     )  # fmt: skip
     return "autoshard-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def tune(
-    target: TargetSpec,
-    hardware: Hardware,
-    workload: WorkloadSpec,
-    options: TuneOptions | None = None,
-) -> Recommendation:
-    """Run (or resume) the study and return the fastest configuration that fits.
-
-    Real FSDP trials in a worker group (2 gloo CPU processes here; about 20 s):
-
-    >>> import tempfile
-    >>> from autoshard import Hardware, TargetSpec, TuneOptions, WorkloadSpec, tune
-    >>> rec = tune(
-    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}),
-    ...     Hardware(gpus_per_node=2, gpu_memory=2 * 2**30, backend="gloo"),
-    ...     WorkloadSpec(seq_len=64),
-    ...     TuneOptions(out_dir=tempfile.mkdtemp(), n_trials=2, warmup=1, steps=2),
-    ... )
-    >>> rec.basis, rec.chosen.trial.status.value, rec.chosen.trial.world_size
-    ('trials', 'ok', 2)
-    """
+def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
+    """Run (or resume) the study of ``plan`` and return the fastest configuration that fits
+    (:func:`autoshard.decide.decide_from_trials`)."""
     opts = options or TuneOptions()
-    opts.out_dir.mkdir(parents=True, exist_ok=True)
-    profile, built = analyze_target(target)
-    candidates = enumerate_candidates(
-        profile,
-        hardware,
-        workload,
-        engine=opts.engine,
-        precisions=opts.precisions,
-        micro_batch_sizes=opts.micro_batch_sizes,
-    )
-    activations = profile_activations(
-        built.model, profile, workload, batch=built.batch, precisions=precisions_of(candidates)
-    )
+    out_dir = Path(opts.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hardware, workload = plan.hardware, plan.workload
     group = WorkerGroup(
-        target,
-        log_dir=opts.out_dir / "workers",
-        nproc=opts.nproc,
-        nnodes=opts.nnodes,
+        plan.request.target,
+        log_dir=out_dir / "workers",
+        nproc=opts.nproc or hardware.gpus_per_node,
+        nnodes=hardware.nodes,
         rdzv_endpoint=opts.rdzv_endpoint,
         trial_timeout=opts.trial_timeout,
     )  # launched lazily, by the first trial
-    speed = SpeedModel.build(profile, built.model, hardware, workload, batch=built.batch)
-    estimates = speed.attach(
-        estimate_all(profile, candidates, hardware, workload, activations=activations)
-    )
-    ranked = order_by_speed(rank_candidates(estimates, device=group.device))
+    ranked = trial_order(plan, group.device)
     by_label = {e.candidate.label(): e for e in ranked}
     # Sorted, so that the distribution is the same whatever the order of trials (resuming).
     distribution = CategoricalDistribution(sorted(by_label))
 
     optuna.logging.set_verbosity(logging.WARNING)
-    storage = opts.storage or f"sqlite:///{(opts.out_dir / 'study.db').resolve()}"
+    storage = opts.storage or f"sqlite:///{(out_dir / 'study.db').resolve()}"
     study = optuna.create_study(
-        study_name=study_name(target, hardware, workload, opts.engine),
+        study_name=study_name(plan),
         storage=storage,
         direction="maximize",
         load_if_exists=True,
@@ -243,7 +161,7 @@ def tune(
     emit = opts.on_event or (lambda kind, scored: None)
     for result in done.values():
         emit(
-            "resumed",
+            ProgressEvent.RESUMED,
             Scored(
                 candidate=result.candidate,
                 estimate=by_label.get(result.candidate.label()),
@@ -251,11 +169,11 @@ def tune(
             ),
         )
 
-    log = opts.out_dir / "trials.jsonl"
+    log = out_dir / "trials.jsonl"
     cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
     launched = sum(1 for r in done.values() if r.status is not TrialStatus.PRUNED)
     queue = [e for e in ranked if e.candidate.label() not in done]
-    queue, _ = reorder_remaining(queue, list(done.values()), speed, hardware)  # resumed trials
+    queue, _ = reorder_remaining(queue, list(done.values()), plan)  # resumed trials
     with group:
         while queue:
             estimate = queue.pop(0)
@@ -266,11 +184,11 @@ def tune(
                 )
                 _record_pruned(study, distribution, label, result, estimate)
             else:
-                if launched >= opts.n_trials:
+                if launched >= opts.trials:
                     continue
                 if opts.skip_dominated and dominated_by(estimate.candidate, list(done.values())):
                     continue
-                emit("start", Scored(candidate=estimate.candidate, estimate=estimate))
+                emit(ProgressEvent.START, Scored(candidate=estimate.candidate, estimate=estimate))
                 study.enqueue_trial({"candidate": label})
                 trial = study.ask({"candidate": distribution})
                 result = group.run(
@@ -287,30 +205,29 @@ def tune(
                 trial.set_user_attr(RESULT_ATTR, result.model_dump_json())
                 trial.set_user_attr("estimate", estimate.model_dump_json())
                 if result.status is TrialStatus.OK:
-                    study.tell(trial, _throughput(result))
+                    study.tell(trial, throughput(result))
                 else:
                     study.tell(trial, state=TrialState.FAIL)
             done[label] = result
-            by_label[label] = estimate  # with the prediction it was tried with
             with log.open("a") as fh:
                 fh.write(result.model_dump_json() + "\n")
-            emit("done", Scored(candidate=estimate.candidate, estimate=estimate, trial=result))
+            emit(
+                ProgressEvent.DONE,
+                Scored(candidate=estimate.candidate, estimate=estimate, trial=result),
+            )
             if result.status is TrialStatus.OK:
-                queue, _ = reorder_remaining(queue, list(done.values()), speed, hardware)
+                queue, _ = reorder_remaining(queue, list(done.values()), plan)
 
-    rec = recommend_from_trials(
-        profile, hardware, workload, list(by_label.values()), list(done.values())
-    )
-    (opts.out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
-    write_report(rec, opts.out_dir, list(done.values()))
+    rec = decide_from_trials(plan, list(done.values()))
+    (out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
+    write_report(rec, out_dir, list(done.values()))
     return rec
 
 
 def reorder_remaining(
     queue: Sequence[MemoryEstimate],
     done: Sequence[TrialResult],
-    speed: SpeedModel,
-    hardware: Hardware,
+    plan: Plan,
 ) -> tuple[list[MemoryEstimate], Calibration[SpeedFactors] | None]:
     """The untried candidates in the order to try them after the trials ``done``: the step-time
     model calibrated on the measured ones, fastest predicted first
@@ -318,13 +235,11 @@ def reorder_remaining(
 
     Only when the trials ran on the kind of device planned for: CPU processes standing in for
     GPUs say nothing about the GPUs' speed, so their order stays the uncalibrated model's."""
-    if speed_basis(hardware, done) == "model" or not any(r.status is TrialStatus.OK for r in done):
+    if speed_basis(plan.hardware, done) == "model" or not any(
+        r.status is TrialStatus.OK for r in done
+    ):
         return list(queue), None
-    return reorder_untried(queue, done, speed.predict, speed.prior)
-
-
-def _throughput(result: TrialResult) -> float:
-    return float(result.tokens_per_s or result.samples_per_s or 0.0)
+    return reorder_untried(queue, done, plan.speed.predict, plan.speed.prior)
 
 
 def _record_pruned(
@@ -362,172 +277,3 @@ def _finished_results(study: optuna.Study) -> dict[str, TrialResult]:
             result = TrialResult.model_validate_json(raw)
             out[result.candidate.label()] = result
     return out
-
-
-def recommend_from_trials(
-    profile: ModelProfile,
-    hardware: Hardware,
-    workload: WorkloadSpec,
-    estimates: Sequence[MemoryEstimate],
-    results: Sequence[TrialResult],
-) -> Recommendation:
-    """The best configuration that ran; every other trial as a runner-up or ruled out.
-
-    Which is best depends on where the trials ran (:func:`autoshard.measure.speed_basis`): on the
-    planned hardware, the fastest measured, a tie within noise going to more headroom
-    (:func:`autoshard.measure.rank_trials`); on CPU processes while planning for GPUs, the
-    trials only show that a configuration builds, trains and fits, and the fastest of those
-    predicted by the speed model for the planned GPUs wins.
-    """
-    from autoshard.errors import AutoshardError
-
-    by_label = {e.candidate.label(): e for e in estimates}
-    if not any(r.status is TrialStatus.OK for r in results):
-        reasons = "; ".join(sorted({f"{r.status.value}: {r.error}" for r in results})[:3])
-        raise AutoshardError(
-            f"no configuration ran successfully ({len(results)} tried or ruled out: {reasons}); "
-            "see the worker logs in the output folder"
-        )
-
-    def scored(r: TrialResult) -> Scored:
-        return Scored(candidate=r.candidate, estimate=by_label.get(r.candidate.label()), trial=r)
-
-    predicted = any(_predicted_rate(r, by_label) for r in results if r.status is TrialStatus.OK)
-    if speed_basis(hardware, results) == "model" and predicted:
-        ok = rank_by_prediction(results, by_label)
-        why = explain_by_prediction(ok, by_label, hardware, profile)
-    else:
-        ok = rank_trials(results)
-        why = explain(ok[0], ok, profile)
-    failed = [r for r in results if r.status is not TrialStatus.OK]
-    return Recommendation(
-        profile=profile,
-        hardware=hardware,
-        workload=workload,
-        chosen=scored(ok[0]),
-        runners_up=tuple(scored(r) for r in ok[1:]),  # all of them: the report lists every trial
-        ruled_out=tuple(scored(r) for r in failed),
-        basis="trials",
-        reasons=tuple(why),
-        versions={"autoshard": version("autoshard"), "torch": torch.__version__},
-    )
-
-
-_EXPLAINED = ("sharding", "checkpointing", "cpu_offload", "precision", "micro_batch_size")
-
-
-def _show(value: object) -> str:
-    return str(getattr(value, "value", value))
-
-
-def _differences(chosen: Candidate, other: Candidate) -> list[str]:
-    """The explained settings in which ``other`` differs from ``chosen``, as name=value."""
-    diff = [
-        f"{name}={_show(getattr(other, name))}"
-        for name in _EXPLAINED
-        if getattr(other, name) != getattr(chosen, name)
-    ]
-    if (other.wrap_classes, other.min_num_params) != (chosen.wrap_classes, chosen.min_num_params):
-        diff.append(
-            "auto_wrap_policy="
-            + (
-                "none (one unit)"
-                if other.one_unit
-                else ",".join(c.rsplit(".", 1)[-1] for c in other.wrap_classes)
-                or f"size>={other.min_num_params:,}"
-            )
-        )
-    return diff
-
-
-def explain(best: TrialResult, ok: Sequence[TrialResult], profile: ModelProfile) -> list[str]:
-    """One line per chosen setting, with the measurement behind it. A difference within the
-    two trials' noise is called a tie, never a win (:func:`autoshard.measure.compare`)."""
-    c = best.candidate
-    unit = "tokens" if best.tokens_per_s else "samples"
-    measured = (
-        f"{best.step_time or 0:.3f} s/step (±{spread_of(best):.0%}), {_throughput(best):,.0f} "
-        f"{unit}/s on {best.world_size} {best.device} ranks"
-    )
-    fastest = max(ok, key=_throughput)
-    tied = [r for r in ok if r is not fastest and is_tie(fastest, r)]
-    if fastest is best and not tied:
-        first = f"fastest of {len(ok)} measured configurations: {measured}"
-    else:
-        noise = spread_of(fastest) + max(spread_of(r) for r in [best, *tied])
-        first = (
-            f"tie within noise (±{noise:.0%}) between {len(tied) + 1} of {len(ok)} measured "
-            f"configurations, chosen by headroom (peak {format_bytes(best.max_allocated or 0)}): "
-            f"{measured}"
-        )
-    lines = [first, wrap_reason(c, profile)]
-    for r in ok:
-        if r is best:
-            continue
-        diff = _differences(c, r.candidate)
-        if len(diff) != 1:
-            continue
-        outcome = compare(best, r)
-        if outcome.tie:
-            lines.append(f"{diff[0]}: tie within noise (±{outcome.noise:.0%})")
-        elif outcome.winner is best:
-            lines.append(f"{diff[0]} measured {outcome.ratio:.2f}x slower")
-    return lines
-
-
-# ---------------------------------------------------------------------------------------------
-# CPU trials for GPUs: the trials check, the model ranks
-# ---------------------------------------------------------------------------------------------
-
-
-def _predicted_rate(r: TrialResult, by_label: dict[str, MemoryEstimate]) -> float | None:
-    e = by_label.get(r.candidate.label())
-    return e.speed.samples_per_s if e is not None and e.speed is not None else None
-
-
-def rank_by_prediction(
-    results: Sequence[TrialResult], by_label: dict[str, MemoryEstimate]
-) -> list[TrialResult]:
-    """Successful trials, the fastest predicted first (equal predictions: more measured
-    headroom first); trials without a prediction last, by measured throughput."""
-    ok = [r for r in results if r.status is TrialStatus.OK]
-    return sorted(
-        ok,
-        key=lambda r: (
-            _predicted_rate(r, by_label) is not None,
-            _predicted_rate(r, by_label) or _throughput(r),
-            -(r.max_allocated or 0),
-        ),
-        reverse=True,
-    )
-
-
-def explain_by_prediction(
-    ok: Sequence[TrialResult],
-    by_label: dict[str, MemoryEstimate],
-    hardware: Hardware,
-    profile: ModelProfile,
-) -> list[str]:
-    """Why the chosen one, when CPU trials checked the configurations and the model ranked."""
-    best = ok[0]
-    rate = _predicted_rate(best, by_label)
-    speed = by_label[best.candidate.label()].speed if rate is not None else None
-    lines = [trials_checked_line(hardware, speed.gpu if speed else None)]
-    if speed is not None:
-        per_gpu = (
-            f", {speed.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
-            if speed.tokens_per_s_per_gpu
-            else ""
-        )
-        mfu = f", MFU {speed.mfu:.0%}" if speed.mfu else ""
-        lines.append(
-            f"fastest predicted of {len(ok)} configurations that ran: "
-            f"{speed.step_time_s:.3f} s/step{per_gpu}{mfu}"
-        )
-    lines.append(wrap_reason(best.candidate, profile))
-    for r in ok[1:]:
-        diff = _differences(best.candidate, r.candidate)
-        other = _predicted_rate(r, by_label)
-        if len(diff) == 1 and rate and other:
-            lines.append(f"{diff[0]} predicted {rate / other:.2f}x slower")
-    return lines

@@ -5,6 +5,7 @@ candidates when a measurement says so."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -218,7 +219,8 @@ def test_the_study_recalibrates_on_its_own_device_only(gpt_tiny) -> None:
                         step_time=speed.predict(c, slow).step_time_s)
             for c in ran
         ]  # fmt: skip
-        again, calibration = reorder_remaining(queue, trials, speed, hardware)
+        plan = SimpleNamespace(hardware=hardware, speed=speed)  # what reordering reads
+        again, calibration = reorder_remaining(queue, trials, plan)  # type: ignore[arg-type]
         if reorders:
             assert calibration is not None and "memory_efficiency" in calibration.fitted
             assert [e.candidate for e in again] == [per_block, one_unit]

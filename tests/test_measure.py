@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from autoshard.config import Candidate, Hardware, Sharding, WorkloadSpec
+from autoshard.decide import choose_from_trials as recommend_from_trials
 from autoshard.measure import (
     compare,
     enough_steps,
@@ -20,7 +21,6 @@ from autoshard.measure import (
     speed_basis,
 )
 from autoshard.results import MemoryEstimate, SpeedEstimate, TrialResult, TrialStatus
-from autoshard.search import recommend_from_trials
 from tests.test_emit import PROFILE, estimate
 
 GIB = 1024**3

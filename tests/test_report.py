@@ -70,25 +70,31 @@ def test_load_tune_output_folder(tmp_path: Path) -> None:
     assert load_result(tmp_path) == (rec, trials)
 
 
-def test_load_estimate_json_picks_the_first_that_fits(tmp_path: Path) -> None:
+def test_load_estimate_json_reads_the_decision_it_carries(tmp_path: Path) -> None:
+    """Export never chooses: it reads the pipeline's decision out of `estimate --json`, even
+    when the list is ordered otherwise (here the first fitting estimate is a runner-up)."""
     rec = make_rec(basis="estimate")
-    ests = [s.estimate for s in (*rec.ruled_out, rec.chosen, *rec.runners_up)]
+    ests = [s.estimate for s in (*rec.ruled_out, *rec.runners_up, rec.chosen)]
     data = {
         "profile": rec.profile.model_dump(mode="json"),
         "hardware": rec.hardware.model_dump(mode="json"),
         "workload": rec.workload.model_dump(mode="json"),
+        "recommendation": rec.model_dump(mode="json"),
         "estimates": [e.model_dump(mode="json") for e in ests if e],
     }
     path = tmp_path / "estimate.json"
     path.write_text(json.dumps(data))
     back, trials = load_result(path)
-    assert back.basis == "estimate" and trials == []
+    assert back == rec and trials == []
     first_fit = next(e for e in ests if e and e.fits)
-    assert back.chosen.candidate == first_fit.candidate
-    assert all(not s.estimate.fits for s in back.ruled_out if s.estimate)
-    del data["profile"]
+    assert first_fit.candidate != rec.chosen.candidate  # the list's order was not used
+    data["recommendation"] = None
     path.write_text(json.dumps(data))
-    with pytest.raises(ResultError, match="no model profile"):
+    with pytest.raises(ResultError, match="no candidate fits"):
+        load_result(path)
+    del data["recommendation"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultError, match="carries no recommendation"):
         load_result(path)
 
 
@@ -283,7 +289,7 @@ def test_export_cli(cli, tmp_path: Path) -> None:
     ("args", "match"),
     [
         (["nowhere"], "nowhere: no such file or folder"),
-        (["OUT", "--format", "toml"], "--format 'toml': choose one of lightning"),
+        (["OUT", "--format", "toml"], "--format toml: choose one of lightning"),
         (["OUT", "-o", "/nonexistent-dir/x.yaml"], "cannot write"),
     ],
 )

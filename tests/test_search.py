@@ -12,12 +12,13 @@ import time
 import pytest
 
 from autoshard.analyze import analyze_target
+from autoshard.api import tune
 from autoshard.config import Engine, Hardware, Precision, WorkloadSpec
 from autoshard.measure import rank_trials
 from autoshard.predict.activations import profile_activations
 from autoshard.predict.analytic import estimate_all
 from autoshard.results import TrialResult, TrialStatus
-from autoshard.search import TuneOptions, dominated_by, tune
+from autoshard.search import dominated_by
 from autoshard.space import enumerate_candidates
 
 from .conftest import EXAMPLES, ROOT
@@ -41,11 +42,12 @@ def test_study_prunes_by_estimate_and_picks_the_fastest_measured(tmp_path, examp
     # offload cannot run on a CPU-only torch): the others must be pruned, never launched.
     peaks = sorted(e.gpu_peak for e in estimates if not e.candidate.cpu_offload)
     memory = int((peaks[2] + 1) / 0.95) + 1
-    hardware = Hardware(gpus_per_node=2, gpu_memory=memory, backend="gloo")
-    options = TuneOptions(
-        out_dir=tmp_path, n_trials=3, precisions=(Precision.FP32,), nproc=2, memory_cap=4 * GIB
-    )
-    rec = tune(examples_gpt_tiny, hardware, workload, options)
+    options = dict(
+        gpus=2, gpu="cpu-gloo", gpu_memory=memory, precision="32-true", seq_len=32,
+        batch_size=1, trials=3,
+        out_dir=tmp_path, memory_cap=4 * GIB,
+    )  # fmt: skip
+    rec = tune(examples_gpt_tiny, **options)
 
     trials = read_trials(tmp_path / "trials.jsonl")
     pruned = [t for t in trials if t["status"] == "pruned"]
@@ -64,7 +66,7 @@ def test_study_prunes_by_estimate_and_picks_the_fastest_measured(tmp_path, examp
     assert len(list((tmp_path / "workers").glob("group-*.log"))) == 1
 
     # The same study again: everything is finished, nothing is launched or rerun.
-    again = tune(examples_gpt_tiny, hardware, workload, options)
+    again = tune(examples_gpt_tiny, **options)
     assert again.chosen.candidate == rec.chosen.candidate
     assert len(read_trials(tmp_path / "trials.jsonl")) == len(trials)
     assert len(list((tmp_path / "workers").glob("group-*.log"))) == 1
@@ -178,19 +180,19 @@ def test_tune_cli_bad_input_is_one_line(cli) -> None:
     gpt = f"{EXAMPLES}/gpt.py:build"
     for args, message in [
         (["--gpu-memory", "lots"], "cannot read 'lots' as a size"),
-        (["--gpu-memory", "1GiB", "--batch-size", "0"], "--batch-size '0'"),
+        (["--gpu-memory", "1GiB", "--batch-size", "0"], "--batch-size 0"),
         (["--gpu-memory", "1GiB", "--engine", "deepspeed"], "choose one of fsdp1, fsdp2"),
-        (["--gpu-memory", "1GiB", "--precision", "fp8"], "--precision 'fp8'"),
+        (["--gpu-memory", "1GiB", "--precision", "fp8"], "--precision fp8"),
     ]:
         code, out, err = cli("tune", gpt, "--arg", "size=tiny", *args)
         assert code == 1, (args, out, err)
         assert message in err and "Traceback" not in err
 
 
-def test_tune_cli_without_gpu_asks_for_gpu_memory(cli) -> None:
+def test_tune_cli_without_gpu_says_which_gpu_it_plans_for(cli, tmp_path) -> None:
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: its memory is the default")
-    code, _, err = cli("tune", f"{EXAMPLES}/gpt.py:build")
-    assert code == 1 and "--gpu-memory" in err
+    code, _, err = cli("tune", f"{EXAMPLES}/gpt.py:build", "--gpus", "0")
+    assert code == 1 and "--gpus 0" in err and "Traceback" not in err

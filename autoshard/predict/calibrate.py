@@ -41,7 +41,7 @@ import annotated_types
 import numpy as np
 from pydantic import BaseModel
 
-from autoshard.config import Candidate, Hardware, WorkloadSpec
+from autoshard.config import Candidate, Hardware, RankOrder, WorkloadSpec
 from autoshard.gpus import GPUSpec
 from autoshard.predict.flops import FlopProfile, profile_flops
 from autoshard.predict.speed import SpeedFactors, default_factors, predict_speed, speed_for
@@ -52,6 +52,7 @@ from autoshard.results import (
     TrialResult,
     TrialStatus,
 )
+from autoshard.space import rank_candidates
 
 F = TypeVar("F", bound=BaseModel)
 Predict = Callable[[Candidate, F], SpeedEstimate]
@@ -290,11 +291,6 @@ def fit_factors(
 # ---------------------------------------------------------------------------------------------
 
 
-def predicted_rate(estimate: MemoryEstimate) -> float:
-    """Predicted samples/s of all ranks (0 where there is no speed estimate)."""
-    return estimate.speed.samples_per_s if estimate.speed is not None else 0.0
-
-
 def repredict(
     estimates: Sequence[MemoryEstimate], predict: Predict[F], factors: F, *, calibrated: bool
 ) -> list[MemoryEstimate]:
@@ -307,10 +303,9 @@ def repredict(
 
 
 def order_by_speed(estimates: Sequence[MemoryEstimate]) -> list[MemoryEstimate]:
-    """Fitting candidates fastest predicted first (ties: more headroom first), then the rest in
-    their given order."""
-    fits = sorted((e for e in estimates if e.fits), key=lambda e: (-predicted_rate(e), -e.headroom))
-    return fits + [e for e in estimates if not e.fits]
+    """Fitting candidates fastest predicted first (ties: more headroom first), then the rest
+    (:func:`autoshard.space.rank_candidates`, the one order of every door)."""
+    return rank_candidates(estimates, RankOrder.SPEED)
 
 
 @dataclass(frozen=True)
@@ -334,6 +329,7 @@ class SpeedModel:
     workload: WorkloadSpec
     gpu: GPUSpec
     prior: SpeedFactors
+    note: str = ""  # what was assumed about the GPU (said by the pipeline as a warning)
 
     @classmethod
     def build(
@@ -346,8 +342,8 @@ class SpeedModel:
     ) -> SpeedModel:
         """Count the FLOPs of ``meta_model`` (built on the meta device) and resolve the GPU."""
         flops = profile_flops(meta_model, profile, workload, batch=batch)
-        gpu, _ = speed_for(hardware)
-        return cls(profile, flops, hardware, workload, gpu, default_factors(gpu))
+        gpu, note = speed_for(hardware)
+        return cls(profile, flops, hardware, workload, gpu, default_factors(gpu), note)
 
     def predict(self, candidate: Candidate, factors: SpeedFactors) -> SpeedEstimate:
         return predict_speed(

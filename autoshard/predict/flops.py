@@ -7,6 +7,12 @@ counts them with torch's ``FlopCounterMode`` (matrix products, convolutions, att
 block and outside the blocks. FLOPs are linear in the micro-batch but attention is quadratic in
 the sequence, so the profile is taken at the real sequence length and scaled by micro-batch only.
 
+Beside the FLOPs it counts the bytes the other operations read and write (normalisations,
+activations, residual additions, casts, the loss: everything that is not a matrix product or
+attention). Run one kernel each in eager PyTorch, they are bound by memory bandwidth, not FLOP/s:
+on a GPU whose FLOP/s outgrew its memory bandwidth (an H100 has 3.2x an A100's FLOP/s and 1.6x
+its bandwidth; an L4 120 TFLOP/s against 300 GB/s) they take a larger share of the step.
+
 Repeated blocks (same class and shapes, same input shapes) are counted once, the way
 :mod:`autoshard.predict.activations` profiles them: in the model's forward, every block is
 replaced by a stand-in that returns outputs of the right shapes and a zero gradient, so the
@@ -17,14 +23,20 @@ forward and backward. A 70B model costs one block and its embedding and head.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
 from autoshard.config import WorkloadSpec
 from autoshard.predict.activations import (
@@ -66,6 +78,24 @@ class FlopProfile(BaseModel):
     )
     other_forward: int = Field(0, description="Forward FLOPs outside the blocks (embedding, head).")
     other_backward: int = Field(0, description="Backward FLOPs outside the blocks.")
+    block_forward_traffic: tuple[int, ...] = Field(
+        (),
+        description="Bytes the forward's memory-bound operations of each block read and write, "
+        "in fp32 (the step-time model scales them to the compute dtype).",
+    )
+    block_backward_traffic: tuple[int, ...] = Field(
+        (), description="The same for each block's backward."
+    )
+    other_forward_traffic: int = Field(0, description="The same outside the blocks, forward.")
+    other_backward_traffic: int = Field(0, description="The same outside the blocks, backward.")
+    block_forward_ops: tuple[int, ...] = Field(
+        (),
+        description="Operations (kernels) of each block's forward, at any micro-batch: what "
+        "launching them costs does not grow with the batch.",
+    )
+    block_backward_ops: tuple[int, ...] = Field((), description="The same for the backward.")
+    other_forward_ops: int = Field(0, description="The same outside the blocks, forward.")
+    other_backward_ops: int = Field(0, description="The same outside the blocks, backward.")
     measured: bool = Field(True, description="False when estimated as 6 x parameters x tokens.")
     note: str = Field("", description="Why the FLOPs were estimated, when they were.")
 
@@ -83,6 +113,16 @@ class FlopProfile(BaseModel):
     def total(self) -> int:
         """Forward and backward FLOPs of one sample (what a step computes without recompute)."""
         return self.forward + self.backward
+
+    @property
+    def traffic(self) -> int:
+        """Bytes (fp32) of the memory-bound operations of one sample's forward and backward."""
+        return (
+            sum(self.block_forward_traffic)
+            + sum(self.block_backward_traffic)
+            + self.other_forward_traffic
+            + self.other_backward_traffic
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,8 +159,79 @@ _CPU_ATTENTION = {
 }
 
 
-def _counter() -> FlopCounterMode:
-    return FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
+class _Traffic(TorchDispatchMode):
+    """Operations that run a kernel (not views), and the bytes read and written by those that
+    are not matrix products or attention: each input tensor once and each output, as an eager
+    kernel moves them through memory. Allocating (``empty``) moves nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        name = packet.__name__
+        if not outs or name.startswith("empty") or name.startswith("new_empty"):
+            return out
+        ins = {id(t): t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        in_place = any(
+            r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns
+        )
+        storages = {t.untyped_storage()._cdata for t in ins.values()}
+        if not in_place and any(t.untyped_storage()._cdata in storages for t in outs):
+            return out  # a view of an input
+        self.ops += 1
+        if packet in _COMPUTE_BOUND:
+            return out
+        written = 0 if in_place else sum(_nbytes(t) for t in outs)
+        if name in ("embedding", "index_select"):  # reads the rows it returns, not the table
+            read = written + sum(_nbytes(t) for t in ins.values() if not t.is_floating_point())
+        elif name.endswith("_like"):  # zeros_like, ones_like...: the input gives a shape only
+            read = 0
+        else:
+            read = sum(_nbytes(t) for t in ins.values())
+        self.bytes += read + written
+        return out
+
+
+_COMPUTE_BOUND = set(flop_registry) | set(_CPU_ATTENTION)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Counts(NamedTuple):
+    flops: int
+    traffic: int
+    ops: int
+
+    def __sub__(self, other: tuple[int, ...]) -> _Counts:
+        return _Counts(*(a - b for a, b in zip(self, other, strict=True)))
+
+
+class _Counter:
+    """FLOPs (torch's counter, with CPU attention) and memory traffic, counted together."""
+
+    def __init__(self) -> None:
+        self.flop_counter = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
+        self.traffic = _Traffic()
+
+    def totals(self) -> _Counts:
+        return _Counts(self.flop_counter.get_total_flops(), self.traffic.bytes, self.traffic.ops)
+
+    def __enter__(self) -> _Counter:
+        self.flop_counter.__enter__()
+        self.traffic.__enter__()  # innermost: sees each operation once, before any decomposition
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.traffic.__exit__(*exc)
+        self.flop_counter.__exit__(*exc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +242,7 @@ def _counter() -> FlopCounterMode:
 class _StandIn(torch.autograd.Function):
     """A block's outputs without its computation: fresh tensors of the recorded shapes that
     depend on the block's inputs, so the backward still reaches what came before the block
-    (a patch embedding's convolution), with a zero gradient that costs no FLOPs."""
+    (a patch embedding's convolution), with a gradient that costs no FLOPs and moves no memory."""
 
     @staticmethod
     def forward(ctx: Any, templates: tuple[torch.Tensor, ...], *inputs: torch.Tensor) -> Any:
@@ -140,7 +251,8 @@ class _StandIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        return (None, *(torch.zeros(shape, dtype=dtype) for shape, dtype in ctx.inputs))
+        # On fake tensors a gradient's values do not matter: an empty one moves no memory.
+        return (None, *(torch.empty(shape, dtype=dtype) for shape, dtype in ctx.inputs))
 
 
 def _stand_in(template: Any, args: Any) -> Any:
@@ -164,10 +276,15 @@ def _float_outputs(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if _differentiable(t) and t.requires_grad]
 
 
-def _backward(output: Any) -> None:
+def _backward(output: Any, counter: _Counter | None = None) -> _Counts:
+    """Run the backward of every floating output (its gradients seeded with ones); return the
+    counter's totals once the seeds are made, so that they are not counted as backward work."""
     outs = _float_outputs(output)
+    seeds = [torch.ones_like(t) for t in outs]
+    before = counter.totals() if counter is not None else _Counts(0, 0, 0)
     if outs:
-        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        torch.autograd.backward(outs, seeds)
+    return before
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,10 +351,10 @@ def _count(
                 _materialize(module, torch.float32, recurse=False)
         batch = move_to(batch, torch.device("cpu"))
 
-    counter = _counter()
-    forward_flops = [0] * len(blocks)
-    # (signature, input shapes) -> (the block, fresh inputs, output template, forward FLOPs)
-    distinct: dict[Any, tuple[nn.Module, Any, Any, int]] = {}
+    counter = _Counter()
+    forward_counts: list[_Counts] = [_Counts(0, 0, 0)] * len(blocks)
+    # (signature, input shapes) -> (the block, fresh inputs, output template, forward counts)
+    distinct: dict[Any, tuple[nn.Module, Any, Any, _Counts]] = {}
     keys: list[Any] = [None] * len(blocks)
 
     def standing_in(index: int, block: nn.Module) -> Any:
@@ -249,12 +366,12 @@ def _count(
             if key not in distinct:
                 if any(p.is_meta for p in block.parameters()):  # a repeat with a new input
                     _materialize(block, torch.float32, recurse=True)
-                before = counter.get_total_flops()
+                before = counter.totals()
                 output = original(*args, **kwargs)
-                flops = counter.get_total_flops() - before
-                distinct[key] = (block, _fresh_like((args, kwargs)), _fresh_like(output), flops)
-            forward_flops[index] = distinct[key][3]
-            return _stand_in(distinct[key][2], (args, kwargs))
+                counts = counter.totals() - before
+                distinct[key] = (block, _fresh_like((args, kwargs)), _fresh_like(output), counts)
+            forward_counts[index] = distinct[key][3]
+            return _stand_in(distinct[key][2], (args, kwargs))  # empty tensors: nothing counted
 
         stand_in_forward.original = original  # type: ignore[attr-defined]
         return stand_in_forward
@@ -264,29 +381,70 @@ def _count(
     with fake:
         with counter:
             output = forward(model, batch)
-            forward_total = counter.get_total_flops()
+            forward_total = counter.totals()
             _backward_of_loss(output, batch)
-        total = counter.get_total_flops()
+        total = counter.totals()
         # Each distinct block alone, its inner blocks (if any) still standing in.
-        backward_of: dict[Any, int] = {}
-        for key, (block, (args, kwargs), _, _) in distinct.items():
-            alone = _counter()
-            with alone:
-                out = block.forward.original(*args, **kwargs)  # type: ignore[attr-defined]
-                before = alone.get_total_flops()
-                _backward(out)
-            backward_of[key] = alone.get_total_flops() - before
-            for p in block.parameters():
-                p.grad = None
+        backward_of: dict[Any, _Counts] = {}
+        for key, (block, inputs, _, _) in distinct.items():
+            try:
+                backward_of[key] = _backward_alone(block, inputs)
+            except RuntimeError:
+                # An object the block was given holds tensors of the model's pass, whose graph
+                # its backward has freed (a Hugging Face key/value cache: GPT-2 builds one in
+                # training unless its config says use_cache=False, T5's decoder even then):
+                # count the block without it.
+                backward_of[key] = _backward_alone(block, _without_objects(inputs))
     if blocks and any(k is None for k in keys):
         raise RuntimeError("some blocks did not run in the model's forward")
+    once = [d[3] for d in distinct.values()]  # each distinct block ran once in the model
+    blocks_once = _Counts(*(sum(c) for c in zip(*once, strict=True))) if once else _Counts(0, 0, 0)
+    other_forward = forward_total - blocks_once
+    other_backward = total - forward_total  # the blocks' backward stood in: nothing counted
+    backward_counts = [backward_of[k] for k in keys]
     return FlopProfile(
         seq_len=seq,
-        block_forward=tuple(forward_flops),
-        block_backward=tuple(backward_of[k] for k in keys),
-        other_forward=forward_total - sum(distinct[k][3] for k in distinct),
-        other_backward=total - forward_total,
+        block_forward=tuple(c.flops for c in forward_counts),
+        block_backward=tuple(c.flops for c in backward_counts),
+        other_forward=other_forward.flops,
+        other_backward=other_backward.flops,
+        block_forward_traffic=tuple(c.traffic for c in forward_counts),
+        block_backward_traffic=tuple(c.traffic for c in backward_counts),
+        other_forward_traffic=other_forward.traffic,
+        other_backward_traffic=other_backward.traffic,
+        block_forward_ops=tuple(c.ops for c in forward_counts),
+        block_backward_ops=tuple(c.ops for c in backward_counts),
+        other_forward_ops=other_forward.ops,
+        other_backward_ops=other_backward.ops,
     )
+
+
+def _backward_alone(block: nn.Module, inputs: Any) -> _Counts:
+    """What the backward of ``block`` alone counts, on fresh ``(args, kwargs)``."""
+    args, kwargs = inputs
+    counter = _Counter()
+    try:
+        with counter:
+            out = block.forward.original(*args, **kwargs)  # type: ignore[attr-defined]
+            before = _backward(out, counter)
+    finally:
+        for p in block.parameters():
+            p.grad = None
+    return counter.totals() - before
+
+
+def _without_objects(value: Any) -> Any:
+    """``value`` with every object that is not a tensor, a container or a plain value replaced
+    by None."""
+    if isinstance(value, torch.Tensor) or value is None:
+        return value
+    if isinstance(value, dict):
+        return type(value)({k: _without_objects(v) for k, v in value.items()})
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_without_objects(v) for v in value)
+    if isinstance(value, int | float | bool | str | torch.dtype | torch.device):
+        return value
+    return None
 
 
 def _backward_of_loss(output: Any, batch: Any) -> None:

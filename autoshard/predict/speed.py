@@ -6,8 +6,11 @@ One optimizer step of one rank is the sum of
   dense peak at the candidate's precision (bf16/fp16 tensor cores under ``bf16-mixed``,
   ``16-mixed``, ``bf16-true``; under ``32-true`` the fp32 CUDA-core rate, because torch multiplies
   fp32 matrices at "highest" precision unless told otherwise and Lightning's ``32-true`` does not
-  tell it) times ``compute_efficiency``;
-- **recompute**: the forward FLOPs of the checkpointed blocks, again in backward;
+  tell it) times ``compute_efficiency``, plus the bytes the memory-bound operations move
+  (normalisations, activations, the loss, counted in the FLOP profile) over the GPU's memory
+  bandwidth times ``memory_efficiency`` (a roofline: an H100 has 3.2x an A100's FLOP/s but 1.6x
+  its bandwidth, so these operations take a larger share of its step);
+- **recompute**: the same for the forward of the checkpointed blocks, again in backward;
 - **exposed communication**: the collectives FSDP runs, on a timeline with the compute (two
   streams, :func:`timeline`): each unit's all-gather is issued when the unit before it starts
   computing (FSDP's prefetch), so it hides behind that unit's compute; a reduce-scatter starts
@@ -55,7 +58,7 @@ from autoshard.config import (
 from autoshard.gpus import CATALOGUE, DEFAULT_GPU, GPUSpec, gpu_spec, match_gpu_name
 from autoshard.predict.analytic import as_run
 from autoshard.predict.flops import FlopProfile
-from autoshard.results import MemoryEstimate, ModelProfile, SpeedBreakdown, SpeedEstimate
+from autoshard.results import ModelProfile, SpeedBreakdown, SpeedEstimate
 
 
 class SpeedFactors(Frozen):
@@ -73,11 +76,12 @@ class SpeedFactors(Frozen):
         0.55,
         gt=0,
         le=1,
-        description="Achieved / dense peak FLOP/s for the counted FLOPs (matrix products and "
-        "attention; the element-wise work between them is folded in). Default: large-model "
-        "training on A100s reaches 50-57% model FLOPs utilisation (Megatron-LM, Korthikanti et "
-        "al. 2022: 52-56%; PyTorch's FSDP Llama 2 7B blog, 2024: 57%), which includes some "
-        "communication, so compute alone is at least that.",
+        description="Achieved / dense peak FLOP/s of the counted FLOPs (matrix products and "
+        "attention). Default: large-model training reaches 50-57% model FLOPs utilisation on "
+        "A100s (Megatron-LM, Korthikanti et al. 2022: 52-56%; PyTorch's FSDP Llama 2 7B blog, "
+        "2024: 57%) and 35-46% on H100s (the same blog; llm-foundry's MPT tables); the best "
+        "single large matrix product reaches 80-86% (Bekman's maximum achievable matmul FLOPS "
+        "table, ml-engineering).",
     )
     comm_efficiency: float = Field(
         0.75,
@@ -99,8 +103,9 @@ class SpeedFactors(Frozen):
         0.8,
         gt=0,
         le=1,
-        description="Achieved / peak device-memory bandwidth of the optimizer step's streaming "
-        "kernels (element-wise kernels reach 80-90% of HBM bandwidth).",
+        description="Achieved / peak device-memory bandwidth of the memory-bound work (the "
+        "model's element-wise operations and the optimizer step): large element-wise kernels "
+        "reach 80-90% of HBM bandwidth.",
     )
     host_efficiency: float = Field(
         0.8,
@@ -117,6 +122,14 @@ class SpeedFactors(Frozen):
         "at the ~13 GB/s one core copies (measured on this project's Xeon VM); a dual-socket "
         "server's DRAM peaks at 400-600 GB/s.",
     )
+    op_overhead_s: float = Field(
+        10e-6,
+        ge=0,
+        description="Host seconds to issue one operation (Python, dispatcher, autograd, kernel "
+        "launch). A GPU runs the kernels meanwhile, so this bounds a small model's step from "
+        "below; CPU processes pay it on top of the work (measured at run time for cpu-gloo). "
+        "Default: eager PyTorch issues a CUDA operation in 5-10 us.",
+    )
     overlap: float = Field(
         1.0,
         ge=0,
@@ -128,14 +141,25 @@ class SpeedFactors(Frozen):
 
 DEFAULT_FACTORS = SpeedFactors()
 
-# gloo on CPU processes: FSDP waits for each collective on the calling thread (no side stream),
-# so nothing overlaps; the rest is calibrated by the trials.
-CPU_GLOO_FACTORS = SpeedFactors(overlap=0.0, compute_efficiency=0.5)
-
 
 def default_factors(gpu: GPUSpec) -> SpeedFactors:
-    """The uncalibrated factors for ``gpu``: one set for every GPU, another for CPU processes."""
-    return CPU_GLOO_FACTORS if gpu.id == "cpu-gloo" else DEFAULT_FACTORS
+    """The uncalibrated factors for ``gpu``: one set for every GPU, another for CPU processes
+    (gloo), where FSDP waits for each collective on the calling thread (no side stream), so
+    nothing overlaps, and issuing an operation costs what was measured here. The trials
+    calibrate the rest."""
+    if gpu.id != "cpu-gloo":
+        return DEFAULT_FACTORS
+    # Profiled here (torch.profiler, the tiny GPT's fp32 step on one thread, the machine
+    # otherwise idle): its matrix products ran at 130 GFLOP/s against the 256 x 256 product's
+    # 185, and torch's CPU AdamW streamed its 20 passes at 14 GB/s against a 54 GB/s copy.
+    # A 4 KB all-gather between 2 gloo processes took 1.2 ms, a 4 KB reduce-scatter 0.4 ms.
+    return SpeedFactors(
+        compute_efficiency=0.7,
+        memory_efficiency=0.25,
+        collective_latency_s=1e-3,
+        overlap=0.0,
+        op_overhead_s=_measure_cpu()[3],
+    )
 
 
 # Bytes one optimizer step streams per parameter, per 4-byte element: a fused AdamW reads the
@@ -152,10 +176,11 @@ _OPTIMIZER_PASSES = {
 
 
 def optimizer_bytes_per_param(candidate: Candidate) -> int:
-    """Bytes of memory traffic per parameter of one optimizer step (fp32 states)."""
+    """Bytes of memory traffic per parameter of one optimizer step: its passes over tensors of
+    the stored dtype (fp32, or bf16 under ``bf16-true``)."""
     fused, separate = _OPTIMIZER_PASSES[candidate.optimizer]
     passes = fused if candidate.optimizer_impl is OptimizerImpl.FUSED else separate
-    return 4 * passes
+    return _element_bytes(candidate)[0] * passes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,8 +192,8 @@ def speed_for(hardware: Hardware) -> tuple[GPUSpec, str]:
     """The catalogue entry to predict ``hardware``'s speed with, its bandwidths overridden as
     the hardware says, and a note when the entry was assumed rather than given.
 
-    CPU processes (``backend="gloo"``) get the ``cpu-gloo`` entry with this machine's matmul
-    FLOP/s and memory bandwidth measured once (a few milliseconds, cached).
+    CPU processes (``backend="gloo"``) get the ``cpu-gloo`` entry with this machine's FLOP/s
+    and memory bandwidth measured once (a few milliseconds, cached).
 
     >>> from autoshard import Hardware
     >>> from autoshard.predict.speed import speed_for
@@ -211,7 +236,11 @@ def detected_gpu() -> str | None:
 def measured_cpu(ranks: int = 1) -> GPUSpec:
     """The ``cpu-gloo`` entry with this CPU's speeds, as one of ``ranks`` one-thread processes
     sharing the machine's cores sees them (more ranks than cores share them)."""
-    flops32, flops16, bandwidth = _measure_cpu()
+    flops32, flops16, bandwidth, _ = _measure_cpu()
+    # A bare bf16 product can outrun fp32 (AMX: 3.6x here), but a bf16-autocast step casts
+    # every weight and activation (1,068 copies in the tiny GPT's step) and ran 25% slower than
+    # its fp32 step here: bf16 is given no more than the fp32 rate.
+    flops16 = min(flops16, flops32)
     share = min(1.0, (os.cpu_count() or 1) / max(ranks, 1))
     return CATALOGUE["cpu-gloo"].model_copy(
         update={
@@ -227,9 +256,10 @@ def measured_cpu(ranks: int = 1) -> GPUSpec:
 
 
 @functools.cache
-def _measure_cpu() -> tuple[float, float, float]:
-    """(fp32 matmul FLOP/s, bf16 matmul FLOP/s, copy bytes/s) of one thread, as the trial
-    workers run (OMP_NUM_THREADS=1). The best of a few repeats: other processes only slow it."""
+def _measure_cpu() -> tuple[float, float, float, float]:
+    """(fp32 matmul FLOP/s, bf16 matmul FLOP/s, copy bytes/s, seconds to issue one small
+    operation) of one thread, as the trial workers run (OMP_NUM_THREADS=1). The best of a few
+    repeats: other processes only slow it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -245,12 +275,19 @@ def _measure_cpu() -> tuple[float, float, float]:
         n = 256
         a32, b32 = torch.randn(n, n), torch.randn(n, n)
         a16, b16 = a32.bfloat16(), b32.bfloat16()
-        src = torch.empty(16 * 2**20, dtype=torch.uint8)
+        src = torch.empty(32 * 2**20, dtype=torch.uint8)  # beyond the caches
         dst = torch.empty_like(src)
+        one = torch.ones(1)
+
+        def small_ops() -> None:
+            for _ in range(200):
+                one.add(one)
+
         return (
             rate(lambda: torch.mm(a32, b32), 2 * n**3),
             rate(lambda: torch.mm(a16, b16), 2 * n**3),
             rate(lambda: dst.copy_(src), 2 * src.numel()),  # read and write
+            1 / rate(small_ops, 200),
         )
     finally:
         torch.set_num_threads(threads)
@@ -415,16 +452,58 @@ def checkpointed(candidate: Candidate, blocks: int) -> list[bool]:
             raise ValueError(f"unknown checkpointing {candidate.checkpointing!r}")
 
 
-def _block_flops(profile: ModelProfile, flops: FlopProfile) -> tuple[list[float], list[float]]:
-    """Forward and backward FLOPs per wrapped block: the profile's per block when it found the
-    same blocks, else the blocks' total spread over the analysed block count."""
+class _Work:
+    """Seconds of a piece of one micro-batch's work on the device: its FLOPs (per profiled
+    sample) over the compute rate, its memory traffic over the memory rate, and launching its
+    operations. A GPU runs the kernels while the host launches the next ones, so the piece
+    takes the longer of the two (a small model is launch-bound); a CPU does both in turn."""
+
+    def __init__(self, flop_s: float, byte_s: float, op_s: float, *, host_is_device: bool):
+        self.flop_s, self.byte_s, self.op_s = flop_s, byte_s, op_s
+        self.host_is_device = host_is_device
+
+    def seconds(self, flops: float, traffic: float, ops: float) -> float:
+        device = flops / self.flop_s + traffic / self.byte_s
+        host = ops * self.op_s
+        return device + host if self.host_is_device else max(device, host)
+
+
+def _pad(values: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """A per-block count, or zeros where the profile has none (estimated FLOPs)."""
+    return values if len(values) == n else (0,) * n
+
+
+def _block_seconds(
+    profile: ModelProfile, flops: FlopProfile, work: _Work
+) -> tuple[list[float], list[float]]:
+    """Seconds of each wrapped block's forward and backward in one micro-batch: the profile's
+    per block when it found the same blocks, else the blocks' total spread over the analysed
+    block count."""
+    n = len(flops.block_forward)
+    fwd = [
+        work.seconds(f, t, o)
+        for f, t, o in zip(
+            flops.block_forward,
+            _pad(flops.block_forward_traffic, n),
+            _pad(flops.block_forward_ops, n),
+            strict=True,
+        )
+    ]
+    bwd = [
+        work.seconds(f, t, o)
+        for f, t, o in zip(
+            flops.block_backward,
+            _pad(flops.block_backward_traffic, n),
+            _pad(flops.block_backward_ops, n),
+            strict=True,
+        )
+    ]
     count = profile.block_count
-    if len(flops.block_forward) == count:
-        return [float(f) for f in flops.block_forward], [float(b) for b in flops.block_backward]
-    if count == 0:
-        return [], []
-    fwd, bwd = sum(flops.block_forward) / count, sum(flops.block_backward) / count
-    return [fwd] * count, [bwd] * count
+    if n == count:
+        return fwd, bwd
+    if count == 0:  # blocks the analysis does not wrap: their work in one piece
+        return ([sum(fwd)], [sum(bwd)]) if fwd else ([], [])
+    return [sum(fwd) / count] * count, [sum(bwd) / count] * count
 
 
 def predict_speed(
@@ -464,14 +543,27 @@ def predict_speed(
     candidate = as_run(candidate, hardware)
     mbs, accumulate = candidate.micro_batch_size, workload.accumulate
     peak = dense_flops(gpu, candidate.precision, tf32=tf32)
-    flop_rate = peak * factors.compute_efficiency / mbs  # seconds per profiled FLOP = 1 / this
+    # Seconds per profiled FLOP and per profiled byte (fp32) of memory-bound work, at the
+    # candidate's micro-batch: FLOPs and traffic are linear in it.
+    flop_s = peak * factors.compute_efficiency / mbs
+    _, cb = _element_bytes(candidate)
+    if gpu.id == "cpu-gloo":
+        # CPU kernels compute bf16 element-wise work in fp32 and convert (measured here: the tiny
+        # GPT's step is 20% slower under bf16 autocast than in fp32): no fewer bytes per second.
+        cb = 4
+    byte_s = gpu.hbm_bandwidth * factors.memory_efficiency * 4 / cb / mbs
     comm = _Collectives(candidate, hardware, gpu, factors)
 
-    fwd, bwd = _block_flops(profile, flops)
+    work = _Work(flop_s, byte_s, factors.op_overhead_s, host_is_device=gpu.id == "cpu-gloo")
+    fwd, bwd = _block_seconds(profile, flops, work)
     blocks = len(fwd)
     recompute = [f if c else 0.0 for f, c in zip(fwd, checkpointed(candidate, blocks), strict=True)]
-    if blocks == 0 and candidate.checkpointing is not Checkpointing.NONE:
-        recompute = []
+    other_fwd = work.seconds(
+        flops.other_forward, flops.other_forward_traffic, flops.other_forward_ops
+    )
+    other_bwd = work.seconds(
+        flops.other_backward, flops.other_backward_traffic, flops.other_backward_ops
+    )
     params = float(profile.total_params)
     block_params = float(profile.block_params) if blocks else 0.0
     wrapped = not candidate.one_unit and blocks > 0
@@ -500,27 +592,27 @@ def predict_speed(
         if wrapped:
             forward = [
                 (gather(root_params), 0.0, 0.0),
-                *((gather(block_params), f / flop_rate, 0.0) for f in fwd),
-                (0.0, flops.other_forward / flop_rate, 0.0),
+                *((gather(block_params), f, 0.0) for f in fwd),
+                (0.0, other_fwd, 0.0),
             ]
             backward = [(gather(root_params) if root_regather else 0.0,
-                         flops.other_backward / flop_rate, 0.0)]  # fmt: skip
+                         other_bwd, 0.0)]  # fmt: skip
             for i in reversed(range(blocks)):
                 regathered = last_regather if i == blocks - 1 else regather
                 backward.append(
                     (
                         gather(block_params) if regathered else 0.0,
-                        (bwd[i] + recompute[i]) / flop_rate,
+                        bwd[i] + recompute[i],
                         red(block_params),
                     )
                 )
             backward.append((0.0, 0.0, red(root_params)))
         else:
-            forward = [(gather(params), flops.forward / flop_rate, 0.0)]
+            forward = [(gather(params), sum(fwd) + other_fwd, 0.0)]
             backward = [
                 (
                     gather(params) if root_regather else 0.0,
-                    (flops.backward + sum(recompute)) / flop_rate,
+                    sum(bwd) + other_bwd + sum(recompute),
                     red(params),
                 )
             ]
@@ -535,8 +627,8 @@ def predict_speed(
         quiet, quiet_comm = micro_batch(reduce=False)
         elapsed += (accumulate - 1) * quiet
         comm_s += (accumulate - 1) * quiet_comm
-    compute_s = accumulate * flops.total / flop_rate
-    recompute_s = accumulate * sum(recompute) / flop_rate
+    compute_s = accumulate * (sum(fwd) + sum(bwd) + other_fwd + other_bwd)
+    recompute_s = accumulate * sum(recompute)
     hidden_exposed = max(0.0, elapsed - compute_s - recompute_s)
     exposed = factors.overlap * hidden_exposed + (1 - factors.overlap) * comm_s
 
@@ -575,51 +667,3 @@ def predict_speed(
         ),
         gpu=gpu.id,
     )
-
-
-def predict_speeds(
-    profile: ModelProfile,
-    flops: FlopProfile,
-    estimates: Sequence[MemoryEstimate],
-    hardware: Hardware,
-    workload: WorkloadSpec,
-    factors: SpeedFactors | None = None,
-) -> list[MemoryEstimate]:
-    """Copies of ``estimates`` with ``speed`` predicted (the GPU resolved once for all).
-
-    >>> from autoshard import Hardware, TargetSpec, WorkloadSpec, analyze_target
-    >>> from autoshard import enumerate_candidates, estimate_all, profile_activations
-    >>> from autoshard.predict.flops import profile_flops
-    >>> from autoshard.predict.speed import predict_speeds, speed_rank_key
-    >>> profile, built = analyze_target(
-    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
-    >>> gpus, workload = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30, gpu="h100-sxm"), \\
-    ...     WorkloadSpec(seq_len=128)
-    >>> candidates = enumerate_candidates(profile, gpus, workload)
-    >>> estimates = estimate_all(profile, candidates, gpus, workload,
-    ...                          activations=profile_activations(built.model, profile, workload))
-    >>> fast = sorted(predict_speeds(profile, profile_flops(built.model, profile, workload),
-    ...                              estimates, gpus, workload), key=speed_rank_key)
-    >>> fast[0].speed.gpu, fast[0].candidate.cpu_offload, fast[-1].candidate.cpu_offload
-    ('h100-sxm', False, True)
-    """
-    gpu, _ = speed_for(hardware)
-    factors = factors or default_factors(gpu)
-    return [
-        e.model_copy(
-            update={
-                "speed": predict_speed(
-                    profile, flops, e.candidate, hardware, workload, factors, gpu=gpu
-                )
-            }
-        )
-        for e in estimates
-    ]
-
-
-def speed_rank_key(estimate: MemoryEstimate) -> float:
-    """Sort key putting the highest predicted throughput first (``sorted(..., key=...)``);
-    estimates without a speed last."""
-    if estimate.speed is None:
-        return math.inf
-    return -estimate.speed.samples_per_s

@@ -8,6 +8,7 @@ import html
 import math
 from collections.abc import Sequence
 
+from autoshard.config import Hardware
 from autoshard.errors import AutoshardError
 from autoshard.measure import speed_basis, spread_of
 from autoshard.results import MemoryEstimate, Recommendation, TrialResult, TrialStatus
@@ -483,3 +484,42 @@ def render_html(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str:
 <h2>Lightning CLI</h2><pre>{_esc(yaml_text)}</pre>
 </body></html>
 """
+
+
+def recommendation_html(rec: Recommendation) -> str:
+    """A notebook cell's view of a recommendation: the choice, its settings, why."""
+    settings = "".join(
+        f"<tr><th style='text-align:left'>{_esc(k)}</th><td style='text-align:left'>{_esc(v)}"
+        "</td></tr>"
+        for k, v in settings_of(rec).items()
+    )
+    reasons = "".join(f"<li>{_esc(r)}</li>" for r in rec.reasons[:12])
+    return (
+        f"<div><b>autoshard recommends {_esc(rec.chosen.candidate.label())}</b> "
+        f"<span>(by {_esc(rec.basis)})</span><table>{settings}</table>"
+        f"<details><summary>why</summary><ul>{reasons}</ul></details></div>"
+    )
+
+
+def estimates_html(estimates: Sequence[MemoryEstimate], hardware: Hardware | None) -> str:
+    """A notebook cell's view of a list of estimates: one row per candidate."""
+    head = ("configuration", "fits", "GPU peak", "headroom", "tokens/s/GPU", "MFU")
+    rows = ["<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
+    for e in estimates:
+        s = e.speed
+        cells = (
+            e.candidate.label(),
+            "yes" if e.fits else "no",
+            format_bytes(e.gpu_peak),
+            format_bytes(e.headroom),
+            f"{s.tokens_per_s_per_gpu:,.0f}" if s and s.tokens_per_s_per_gpu else "",
+            f"{s.mfu:.0%}" if s and s.mfu is not None else "",
+        )
+        rows.append("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>")
+    title = ""
+    if hardware is not None:
+        title = (
+            f"<p>{hardware.nodes} x {hardware.gpus_per_node} GPUs of "
+            f"{_esc(format_bytes(hardware.gpu_memory))}; fitting candidates first</p>"
+        )
+    return f"<div>{title}<table>{''.join(rows)}</table></div>"

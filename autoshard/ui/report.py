@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from autoshard.config import Hardware
 from autoshard.measure import speed_basis, spread_of, trials_checked_line
@@ -196,6 +197,19 @@ def print_summary(
     n = sum(1 for t in trials_of(rec, trials) if t.status is not TrialStatus.PRUNED)
     if n:
         console.print(f"[dim]{n} trials ran; see report.html for charts[/]")
+
+
+def summary_renderable(rec: Recommendation) -> Group:
+    """A short rich rendering (notebooks, ``rich.print(rec)``): the choice and its settings."""
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="dim")
+    table.add_column()
+    for key, value in settings_of(rec).items():
+        table.add_row(key, value)
+    head = Text.from_markup(
+        f"[bold green]Recommended[/] ({rec.basis}): [bold]{rec.chosen.candidate.label()}[/]"
+    )
+    return Group(head, table)
 
 
 def settings_of(rec: Recommendation) -> dict[str, str]:
