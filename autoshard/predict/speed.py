@@ -152,11 +152,13 @@ def default_factors(gpu: GPUSpec) -> SpeedFactors:
     # Profiled here (torch.profiler, the tiny GPT's fp32 step on one thread, the machine
     # otherwise idle): its matrix products ran at 130 GFLOP/s against the 256 x 256 product's
     # 185, and torch's CPU AdamW streamed its 20 passes at 14 GB/s against a 54 GB/s copy.
-    # A 4 KB all-gather between 2 gloo processes took 1.2 ms, a 4 KB reduce-scatter 0.4 ms.
+    # A 4 KB all-gather between 2 gloo processes took 1.2 ms of wall time, a 4 KB
+    # reduce-scatter 0.4 ms; CPU trials time CPU seconds (autoshard.trials.worker.time_steps),
+    # and in those a 1 KB all-gather cost 0.075 ms.
     return SpeedFactors(
         compute_efficiency=0.7,
         memory_efficiency=0.25,
-        collective_latency_s=1e-3,
+        collective_latency_s=1e-4,
         overlap=0.0,
         op_overhead_s=_measure_cpu()[3],
     )
