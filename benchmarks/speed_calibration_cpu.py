@@ -144,7 +144,9 @@ def main() -> None:
         f"bf16 {gpu.bf16_flops / 1e9:.0f} GFLOP/s, copy {gpu.hbm_bandwidth / 1e9:.1f} GB/s "
         "per process",
         f"trials in the tuner's order (fastest predicted first), at least {run['steps']} timed "
-        f"steps, until the median is known to 5%; {run['wall']:.0f} s in all; load average "
+        "steps, until the median is known to 5%, in CPU seconds of the rank processes (as every "
+        "CPU trial: wall time on shared cores measures the other jobs' load; the cpu-gloo "
+        f"rates are probed in CPU seconds too); {run['wall']:.0f} s in all; load average "
         f"{run['load_before']:.2f} before, {run['load_after']:.2f} after (2 cores, shared with "
         "other jobs)",
         "",
