@@ -14,6 +14,9 @@ stuck in a collective): the kernel kills it when torchrun dies (``PR_SET_PDEATHS
 watchdog thread that needs nothing from the main thread ends it when the driver or torchrun is
 gone, and no collective waits longer than the trial timeout allows.
 
+Time: the median of the timed steps, on CUDA in wall seconds, on CPU in the process's CPU
+seconds (see :func:`time_steps`), with the spread of that median.
+
 Memory: on CUDA the allocator's ``max_memory_allocated`` / ``max_memory_reserved`` over the whole
 trial. On CPU, the process memory: "allocated" is how far the trial raised the process's peak
 resident set above where it started (model, optimizer state, activations, buffers), "reserved" the
@@ -236,7 +239,14 @@ def time_steps(
 
     Every rank records the slowest rank's time of each step (a step ends when the slowest rank
     ends it), so every rank sees the same numbers and stops after the same step: the steps'
-    collectives stay matched. The all-reduce runs outside the timed region."""
+    collectives stay matched. The all-reduce runs outside the timed region.
+
+    On CPU the time is the process's CPU seconds (all its threads, user and system: compute,
+    gloo's copies and socket work), not wall seconds: on a machine shared with other jobs a CPU
+    process's wall time measures their load as much as the configuration. Measured here on 2
+    busy cores (load 5-7), the same configuration's median wall time moved 2-5x between three
+    repetitions (75-175 ms), its CPU time by 5% (46-49 ms)."""
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
     times: list[float] = []
     while not enough_steps(
         times,
@@ -247,11 +257,11 @@ def time_steps(
     ):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        elapsed = torch.tensor([clock() - start], dtype=torch.float64)
         elapsed = elapsed.to(_collective_device())
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed.item()))
