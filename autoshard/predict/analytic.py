@@ -27,6 +27,7 @@ from autoshard.config import (
     Checkpointing,
     Engine,
     Hardware,
+    Loop,
     Optimizer,
     OptimizerImpl,
     Precision,
@@ -116,6 +117,43 @@ def first_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
     return int((first + acts.other_bytes) * scale)
 
 
+OPTIMIZER_STATES = {Optimizer.ADAMW: 2, Optimizer.ADAM: 2, Optimizer.SGD: 1}
+
+
+def gradient_params(profile: ModelProfile, candidate: Candidate) -> tuple[int, int, int]:
+    """The parameters that carry a gradient: (all, the root unit's, the largest block unit's).
+
+    Frozen parameters (``requires_grad=False``) carry none under FSDP2, whose gradients are per
+    parameter. FSDP1 flattens each unit into one parameter whose gradient covers the whole unit
+    as soon as one of its parameters trains (``use_orig_params=True`` allows mixing; frozen
+    entries are zero-filled): a unit gets a gradient of its full size or none (measured on fake
+    tensors: a frozen embedding in the root unit keeps the root's whole gradient)."""
+    params = profile.total_params
+    wrapped = not candidate.one_unit
+    root = profile.root_unit_params if wrapped else params
+    unit = max(profile.block_params, 1) if wrapped else 0
+    if candidate.engine is Engine.FSDP2:
+        root_frozen = profile.root_frozen_params if wrapped else profile.frozen_params
+        return (
+            profile.trainable_params,
+            max(0, root - root_frozen),
+            max(0, unit - profile.block_frozen_params) if wrapped else 0,
+        )
+    if not wrapped:
+        return (
+            (params if profile.trainable_params else 0),
+            (root if profile.trainable_params else 0),
+            0,
+        )
+    trained_root = root if root > profile.root_frozen_params else 0
+    blocks = max(profile.block_count, 1)
+    trained_blocks = (params - root) * (blocks - profile.frozen_blocks) // blocks
+    trained_unit = (
+        unit if profile.frozen_blocks < profile.block_count or not profile.block_count else 0
+    )
+    return trained_root + trained_blocks, trained_root, trained_unit
+
+
 def peak_moments(
     profile: ModelProfile,
     candidate: Candidate,
@@ -150,10 +188,12 @@ def peak_moments(
     root = profile.root_unit_params if wrapped else params
     mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
 
+    # Frozen parameters carry no gradient and no optimizer state (gradient_params).
+    trained, trained_root, trained_unit = gradient_params(profile, candidate)
     sharded = params * stored // shard
-    grads = params * stored // shard
-    states = {Optimizer.ADAMW: 2, Optimizer.ADAM: 2, Optimizer.SGD: 1}[candidate.optimizer]
-    optimizer = states * params * stored // shard
+    grads = trained * stored // shard
+    states = OPTIMIZER_STATES[candidate.optimizer]
+    optimizer = states * profile.trainable_params * stored // shard
 
     if candidate.sharding is Sharding.SHARD_GRAD_OP:
         unsharded = params * cb  # kept gathered from forward to backward
@@ -175,7 +215,7 @@ def peak_moments(
     gather = unit * cb if shard > 1 and candidate.sharding is not Sharding.SHARD_GRAD_OP else 0
     if not wrapped and candidate.engine is Engine.FSDP2 and shard > 1:
         gather = params * cb  # FSDP2 copies the one unit out of its all-gather buffer
-    comm = unit * reduce_bytes + gather
+    comm = trained_unit * reduce_bytes + gather
 
     # The gradients of a block's activations are made in the compute dtype, also where the
     # forward saved an fp32 upcast: sized from the fp32 profile when there is one.
@@ -199,13 +239,14 @@ def peak_moments(
         # the logits' gradient in fp32 (cross-entropy)
         logits = candidate.micro_batch_size * workload.seq_len * profile.vocab_size * 4
     foreach = (
-        params * stored // shard
+        profile.trainable_params * stored // shard
         if candidate.optimizer_impl is OptimizerImpl.FOREACH
         and candidate.optimizer is not Optimizer.SGD
         else 0
     )
 
-    block_grads = (params - root) * stored // shard  # the blocks' gradients, reduced to shards
+    # the blocks' gradients, reduced to shards
+    block_grads = (trained - trained_root) * stored // shard
     host = 0
     if candidate.cpu_offload:
         # parameters, gradients and optimizer state live in host memory; the GPU keeps the
@@ -231,7 +272,7 @@ def peak_moments(
         sharded_params=sharded,
         unsharded_params=unsharded,
         optimizer=optimizer,
-        comm_buffers=comm - unit * reduce_bytes,  # no block has reduced its gradients yet
+        comm_buffers=comm - trained_unit * reduce_bytes,  # no block has reduced its gradients yet
         activations=saved - loss_saved,
         temporaries=logits,
         buffers=profile.buffer_bytes,
@@ -280,9 +321,9 @@ def peak_moments(
     root_backward = MemoryBreakdown(
         sharded_params=sharded,
         unsharded_params=root * cb if gathered_root or (mixed and shard == 1) else 0,
-        gradients=block_grads + root * cb,
+        gradients=block_grads + trained_root * cb,
         optimizer=optimizer,
-        comm_buffers=root * reduce_bytes if shard > 1 or reduce_bytes != cb else 0,
+        comm_buffers=trained_root * reduce_bytes if shard > 1 or reduce_bytes != cb else 0,
         activations=int(acts.other_bytes * scale),
         buffers=profile.buffer_bytes,
     )
@@ -303,13 +344,16 @@ def peak_moments(
         if wrapped:
             last = bottom_block if resharded else top_block
             reduce_scatters["block reduce-scatter"] = last.model_copy(
-                update={"temporaries": 0, "comm_buffers": last.comm_buffers + unit * reduce_bytes}
+                update={
+                    "temporaries": 0,
+                    "comm_buffers": last.comm_buffers + trained_unit * reduce_bytes,
+                }
             )
         reduce_scatters["root reduce-scatter"] = root_backward.model_copy(
             update={
                 "unsharded_params": root_backward.unsharded_params
                 - (root * cb if gathered_root else 0),
-                "comm_buffers": root_backward.comm_buffers + root * reduce_bytes,
+                "comm_buffers": root_backward.comm_buffers + trained_root * reduce_bytes,
             }
         )
     moments = {
@@ -321,7 +365,152 @@ def peak_moments(
         "optimizer step": step,
         **reduce_scatters,
     }
+    moments.update(loop_moments(moments, profile, candidate, hardware, workload, acts))
     return moments, host
+
+
+def skips_gradient_sync(candidate: Candidate, workload: WorkloadSpec) -> bool:
+    """Whether the micro-batches before the last keep unsharded gradients instead of reducing
+    them (:mod:`autoshard.loop`): a plain loop does (FSDP1 ``no_sync``, FSDP2
+    ``set_requires_gradient_sync(False)``); Lightning's Trainer only for FSDP1."""
+    if workload.accumulate == 1:
+        return False
+    return workload.loop is Loop.PLAIN or candidate.engine is Engine.FSDP1
+
+
+def accumulated_gradient_bytes(
+    profile: ModelProfile, candidate: Candidate, hardware: Hardware
+) -> int:
+    """Bytes of the unsharded gradients kept between micro-batches when the sync is skipped.
+
+    FSDP1 keeps each unit's whole flat gradient in the compute dtype; FSDP2 keeps each
+    parameter's in the reduce dtype (fp32 under mixed precision with an fp32 reduce)."""
+    candidate = as_run(candidate, hardware)
+    _, cb = precision_bytes(candidate.precision)
+    trained, _, _ = gradient_params(profile, candidate)
+    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    if candidate.engine is Engine.FSDP2 and mixed and candidate.reduce_dtype_fp32:
+        return trained * 4
+    return trained * cb
+
+
+def forward_moments(
+    moments: dict[str, MemoryBreakdown],
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    acts: ActivationProfile,
+) -> dict[str, MemoryBreakdown]:
+    """Moments of the forward, which hold the peak only when gradients are alive through it
+    (Lightning's order, accumulation; see :func:`loop_moments`). Without gradients each is below
+    a backward moment that holds the same working set and more. Measured on fake tensors (torch
+    2.13, the tracker's snapshot at every module's forward):
+
+    - the end of forward, inside the loss: the logits in the compute dtype, their fp32 copy (a
+      cast, or the non-contiguous shifted slice of a micro-batch above 1) and the fp32
+      log-probabilities (counted with the saved activations);
+    - FSDP2: the last block's all-gather (its buffer beside the previous unit's, which FSDP2
+      keeps until the root's forward ends, with every earlier block's activations saved), the
+      end of the last block's forward, and the end of the root's forward (the logits made, the
+      root still gathered: FSDP2 gathers a copy even with NO_SHARD);
+    - FSDP1 with resharding units: the end of the last block's forward (FSDP1 gathers into the
+      flat parameter itself: no buffer)."""
+    candidate = as_run(candidate, hardware)
+    _, cb = precision_bytes(candidate.precision)
+    loss = moments["loss"]
+    logits = loss.temporaries // 2  # the fp32 logits' size (see peak_moments)
+    copied = cb != 4 or candidate.micro_batch_size > 1
+    out = {
+        "forward end": loss.model_copy(
+            update={"temporaries": logits * cb // 4 + (logits if copied else 0)}
+        )
+    }
+    at = acts.at(candidate.precision)
+    scale = at.scale(candidate)
+    saved = loss.activations
+    through_blocks = saved - candidate.micro_batch_size * at.loss_bytes
+    last = int(at.block_bytes[-1] * scale) if at.block_bytes else 0
+    params = profile.total_params
+    one_unit = candidate.one_unit
+    unit = 0 if one_unit else profile.block_params * cb
+    root = params * cb if one_unit else profile.root_unit_params * cb
+    keeps_all = candidate.sharding is Sharding.SHARD_GRAD_OP
+    base = loss.model_copy(update={"temporaries": 0})
+    if candidate.engine is Engine.FSDP2:
+        gathered = params * cb if keeps_all or one_unit else root + unit
+        buffer = 0 if shard_size(candidate, hardware) == 1 else (unit or root)
+        out["last block all-gather"] = base.model_copy(
+            update={
+                "unsharded_params": gathered,
+                "activations": through_blocks - last,
+                "comm_buffers": 2 * buffer,
+            }
+        )
+        out["last block forward"] = base.model_copy(
+            update={
+                "unsharded_params": gathered,
+                "activations": through_blocks,
+                "comm_buffers": buffer,
+            }
+        )
+        out["root forward end"] = base.model_copy(
+            update={
+                "unsharded_params": params * cb if keeps_all else root,
+                "activations": saved,
+                "comm_buffers": buffer,
+            }
+        )
+    elif candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD) and not one_unit:
+        out["last block forward"] = base.model_copy(
+            update={"unsharded_params": root + unit, "activations": through_blocks}
+        )
+    return out
+
+
+def loop_moments(
+    moments: dict[str, MemoryBreakdown],
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    acts: ActivationProfile,
+) -> dict[str, MemoryBreakdown]:
+    """The moments the user's loop adds to those of one plain step (forward, backward, step,
+    ``zero_grad(set_to_none=True)``), named apart.
+
+    - Lightning's order zeroes the gradients after the next forward: that forward runs with the
+      last step's (sharded) gradients allocated.
+    - Accumulation: the later micro-batches run forward and backward with the gradients of the
+      earlier ones: kept unsharded when the sync is skipped (:func:`skips_gradient_sync`), or
+      reduced into the sharded gradients, which then stay allocated through every backward."""
+    sharded_grads = moments["optimizer step"].gradients  # 0 when offloaded to the host
+    forward = forward_moments(moments, profile, candidate, hardware, acts)
+    out: dict[str, MemoryBreakdown] = {}
+    if workload.loop is Loop.LIGHTNING:
+        alive = dict(forward)
+        if candidate.engine is Engine.FSDP1 and candidate.sharding is not Sharding.SHARD_GRAD_OP:
+            # zero_grad() sets the original parameters' gradients to None, but the flat
+            # parameters' sharded gradients live on until the root's pre-backward hook, which
+            # runs once the loss's backward reaches the logits (measured on fake tensors;
+            # SHARD_GRAD_OP, whose units are all gathered then, frees them at zero_grad).
+            alive["loss"] = moments["loss"]
+        for name, m in alive.items():
+            out[f"{name}, last step's gradients"] = m.model_copy(
+                update={"gradients": m.gradients + sharded_grads}
+            )
+    if workload.accumulate == 1:
+        return out
+    steps = {**forward, **{k: v for k, v in moments.items() if k != "optimizer step"}}
+    if skips_gradient_sync(candidate, workload):
+        kept = accumulated_gradient_bytes(profile, candidate, hardware)
+        for name, m in steps.items():
+            out[f"accumulating {name}"] = m.model_copy(update={"gradients": m.gradients + kept})
+    else:
+        for name, m in steps.items():
+            out[f"accumulating {name}"] = m.model_copy(
+                update={"gradients": max(m.gradients, sharded_grads)}
+            )
+    return out
 
 
 def estimate_memory(

@@ -31,19 +31,19 @@ from torch import nn
 
 from autoshard.config import Candidate, Engine, Hardware, Precision, Sharding, WorkloadSpec
 from autoshard.errors import ConfigError
+from autoshard.loop import autocast_for, optimizer_step
 from autoshard.predict.analytic import allowance
 from autoshard.results import MemoryBreakdown, MemoryEstimate
 from autoshard.sharding import (
     apply_fsdp1,
     apply_fsdp2,
-    compute_dtype,
     fsdp2_mesh,
     hybrid_mesh,
     make_optimizer,
     wrap_classes_of,
 )
 from autoshard.target.resolve import TargetSpec, build_target, load_callable
-from autoshard.target.step import compute_loss, find_loss_fn, forward, make_batch, with_labels
+from autoshard.target.step import find_loss_fn, make_batch, with_labels
 
 # Models deeper than EXTRAPOLATE_ABOVE blocks are simulated with EXTRAPOLATE_FROM blocks and one
 # more, and extrapolated (the peak is affine in depth from 4 blocks up).
@@ -91,11 +91,41 @@ def _fsdp1_tracker() -> Any:
         ) -> tuple[int, int]:
             leaf = all(p.is_leaf for p in module.parameters())
             result: tuple[int, int] = super()._track_module_params_and_buffers(
-                module, install_grad_hooks and leaf
+                module, install_grad_hooks and leaf and _all_trainable(module)
             )
+            if install_grad_hooks and leaf:
+                _label_gradients(self, module)
             return result
 
     return FSDP1MemTracker()
+
+
+def _all_trainable(module: nn.Module) -> bool:
+    return all(p.requires_grad for p in module.parameters())
+
+
+def _label_gradients(tracker: Any, module: nn.Module) -> None:
+    """Label the gradients of the trainable parameters of a module that also holds frozen ones.
+
+    torch's ``MemTracker`` hooks every parameter, and ``register_hook`` refuses a tensor that
+    does not require grad ("cannot register a hook on a tensor that doesn't require gradient"):
+    frozen parameters (fine-tuning, LoRA) get no hook, the trainable ones get the tracker's."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    if _all_trainable(module):
+        return  # the tracker hooked them itself
+    handles = tracker._param_to_grad_hook_handles
+    for param in module.parameters():
+        if not param.requires_grad or handles.get(param) is not None:
+            continue
+
+        def label(grad: torch.Tensor) -> None:
+            tracker._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+        handles[param] = (
+            param.register_hook(label),
+            param.register_post_accumulate_grad_hook(lambda p, label=label: label(p.grad)),
+        )
 
 
 def track_training_peak(
@@ -106,9 +136,13 @@ def track_training_peak(
     *,
     loss_fn: Any = None,
     steps: int = TRACKED_STEPS,
+    workload: WorkloadSpec | None = None,
 ) -> dict[str, int]:
-    """Run ``steps`` training steps under torch's memory tracker; the per-kind bytes at the peak
-    (key ``"Total"`` is the peak itself). Works on fake and on real tensors alike."""
+    """Run ``steps`` optimizer steps, in the order of ``workload``'s loop and with its
+    accumulation (:func:`autoshard.loop.optimizer_step`), under torch's memory tracker; the
+    per-kind bytes at the peak (key ``"Total"`` is the peak itself). Works on fake and on real
+    tensors alike."""
+    workload = workload or WorkloadSpec()
     if candidate.engine is Engine.FSDP2:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -117,20 +151,10 @@ def track_training_peak(
     else:
         tracker = _fsdp1_tracker()
         tracker.track_external(model, optimizer, batch)
-    device = next(model.parameters()).device
-    autocast = (
-        torch.autocast(device.type, dtype=compute_dtype(candidate.precision))
-        if candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
-        else contextlib.nullcontext()
-    )
+    autocast = autocast_for(candidate, next(model.parameters()).device)
     with tracker, warnings_off():
         for _ in range(steps):
-            with autocast:
-                loss = compute_loss(forward(model, batch), batch, loss_fn)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            del loss
+            optimizer_step(model, optimizer, batch, workload, autocast=autocast, loss_fn=loss_fn)
             tracker.reset_mod_stats()  # per-module stats only; the global peak is kept
     (snapshot,) = tracker.get_tracker_snapshot("peak").values()
     return {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
@@ -150,7 +174,9 @@ def measure_training_peak(
         model, optimizer, batch, loss_fn = build_for_training(
             target, candidate, device, workload.seq_len
         )
-        return track_training_peak(model, optimizer, batch, candidate, loss_fn=loss_fn)
+        return track_training_peak(
+            model, optimizer, batch, candidate, loss_fn=loss_fn, workload=workload
+        )
 
 
 @contextlib.contextmanager
@@ -309,7 +335,9 @@ def _simulate_once(
                 device=cpu,
             )
             batch = with_labels(model, batch)
-            return track_training_peak(model, optimizer, batch, candidate, loss_fn=loss_fn)
+            return track_training_peak(
+                model, optimizer, batch, candidate, loss_fn=loss_fn, workload=workload
+            )
 
 
 def simulate_memory(

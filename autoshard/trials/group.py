@@ -236,6 +236,9 @@ class WorkerGroup:
             "candidate": candidate.model_dump(mode="json"),
             "target": (target or self.target).model_dump(mode="json"),
             "seq_len": workload.seq_len,
+            # the user's loop order and accumulation, run by the worker's step
+            "loop": workload.loop.value,
+            "accumulate": workload.accumulate,
             # The first trial of a fresh group also warms up the workers themselves (thread
             # pools, the allocator, the communicator's connections): measured here, its steps
             # ran up to 1.5x slower with the same warm-up, so it gets two more.

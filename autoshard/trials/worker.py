@@ -35,16 +35,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.config import Candidate, Engine, Precision
+from autoshard.config import Candidate, Engine, Loop, Precision, WorkloadSpec
+from autoshard.loop import autocast_for, optimizer_step
 from autoshard.results import TrialStatus
-from autoshard.sharding import apply_fsdp1, apply_fsdp2, compute_dtype, fsdp2_mesh, make_optimizer
+from autoshard.sharding import apply_fsdp1, apply_fsdp2, fsdp2_mesh, make_optimizer
 from autoshard.target.resolve import TargetSpec, build_target, load_callable
 from autoshard.target.step import (
     batch_samples,
     batch_tokens,
-    compute_loss,
     find_loss_fn,
-    forward,
     make_batch,
     with_labels,
 )
@@ -165,21 +164,18 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
         if cap:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    workload = workload_of(request)
     model, optimizer, batch, loss_fn = build_for_training(
-        target, candidate, device, request.get("seq_len")
+        target, candidate, device, workload.seq_len
     )
-    autocast = _autocast(candidate, device)
+    autocast = autocast_for(candidate, device)
 
     losses: list[torch.Tensor] = []
 
     def step() -> None:
-        with autocast:
-            output = forward(model, batch)
-            loss = compute_loss(output, batch, loss_fn)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())  # read after timing: .item() would synchronise
+        # the user's loop order and accumulation: what the trial measures is what the run holds
+        loss = optimizer_step(model, optimizer, batch, workload, autocast=autocast, loss_fn=loss_fn)
+        losses.append(loss)  # read after timing: .item() would synchronise
 
     for _ in range(max(1, request["warmup"])):
         step()
@@ -201,8 +197,9 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
         "step_times": times,
         "allocated": int(allocated),
         "reserved": int(reserved),
-        "samples": batch_samples(batch),
-        "tokens": batch_tokens(batch),
+        # a timed step is one optimizer step: every accumulated micro-batch
+        "samples": batch_samples(batch) * workload.accumulate,
+        "tokens": (batch_tokens(batch) or 0) * workload.accumulate or None,
         "losses": [float(v) for v in losses],
     }
 
@@ -235,12 +232,13 @@ def _collective_device() -> torch.device:
     )
 
 
-def _autocast(candidate: Candidate, device: torch.device) -> Any:
-    # FSDP's MixedPrecision casts parameters; autocast also runs ops outside wrapped units
-    # (the loss) in the compute dtype, as Lightning's precision plugin does.
-    if candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED):
-        return torch.autocast(device.type, dtype=compute_dtype(candidate.precision))
-    return torch.autocast(device.type, enabled=False)
+def workload_of(request: dict[str, Any]) -> WorkloadSpec:
+    """The workload a trial request asks for (a request without a loop: the Trainer's)."""
+    return WorkloadSpec(
+        seq_len=request.get("seq_len"),
+        loop=request.get("loop", Loop.LIGHTNING.value),
+        accumulate=request.get("accumulate", 1),
+    )
 
 
 def _one_line(exc: BaseException) -> str:
