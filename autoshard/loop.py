@@ -26,7 +26,7 @@ The order decides which tensors are alive together (:class:`autoshard.config.Loo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -86,12 +86,15 @@ def optimizer_step(
     *,
     autocast: Any,
     loss_fn: LossFn | None = None,
+    after_micro_batch: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """One optimizer step of ``workload.accumulate`` micro-batches (each ``batch``) in the order
     of ``workload.loop``; returns the step's loss, detached (the mean over the micro-batches).
 
     ``autocast`` is a context manager, entered around each forward and loss (reusable:
-    :func:`autocast_for`)."""
+    :func:`autocast_for`); ``after_micro_batch`` is called after each micro-batch's backward
+    (torch's memory trackers must reset their per-module statistics before a module runs
+    again)."""
     n = workload.accumulate
     skip = _skips_sync(model, workload.loop) and n > 1
     total = torch.zeros((), device=_device_of(model))
@@ -108,6 +111,8 @@ def optimizer_step(
             loss.backward()
         total = total + loss.detach()
         del loss
+        if after_micro_batch is not None and i < n - 1:
+            after_micro_batch()
     optimizer.step()
     if workload.loop is Loop.PLAIN:
         optimizer.zero_grad(set_to_none=True)

@@ -31,6 +31,7 @@ from autoshard.config import (
     Optimizer,
     OptimizerImpl,
     Precision,
+    Reshard,
     Sharding,
     WorkloadSpec,
 )
@@ -480,9 +481,10 @@ def loop_moments(
 
     - Lightning's order zeroes the gradients after the next forward: that forward runs with the
       last step's (sharded) gradients allocated.
-    - Accumulation: the later micro-batches run forward and backward with the gradients of the
-      earlier ones: kept unsharded when the sync is skipped (:func:`skips_gradient_sync`), or
-      reduced into the sharded gradients, which then stay allocated through every backward."""
+    - Accumulation: the later micro-batches run with the gradients of the earlier ones: kept
+      unsharded when the sync is skipped (:func:`skips_gradient_sync`,
+      :func:`no_sync_moments`), or reduced into the sharded gradients, which then stay
+      allocated through every forward and backward (:func:`synced_accumulation_moments`)."""
     sharded_grads = moments["optimizer step"].gradients  # 0 when offloaded to the host
     forward = forward_moments(moments, profile, candidate, hardware, acts)
     out: dict[str, MemoryBreakdown] = {}
@@ -500,17 +502,234 @@ def loop_moments(
             )
     if workload.accumulate == 1:
         return out
-    steps = {**forward, **{k: v for k, v in moments.items() if k != "optimizer step"}}
     if skips_gradient_sync(candidate, workload):
-        kept = accumulated_gradient_bytes(profile, candidate, hardware)
-        for name, m in steps.items():
-            out[f"accumulating {name}"] = m.model_copy(update={"gradients": m.gradients + kept})
+        out.update(no_sync_moments(moments, forward, profile, candidate, hardware, acts))
     else:
-        for name, m in steps.items():
-            out[f"accumulating {name}"] = m.model_copy(
-                update={"gradients": max(m.gradients, sharded_grads)}
+        out.update(
+            synced_accumulation_moments(moments, forward, profile, candidate, hardware, acts)
+        )
+    return out
+
+
+def _reduce_bytes(candidate: Candidate) -> int:
+    """Bytes per element of a gradient reduce (as in :func:`peak_moments`)."""
+    _, cb = precision_bytes(candidate.precision)
+    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    fp32_reduce = mixed and candidate.engine is Engine.FSDP2 and candidate.reduce_dtype_fp32
+    return 4 if fp32_reduce else cb
+
+
+def _head_params(profile: ModelProfile) -> int:
+    """Parameters of the output head (vocabulary x hidden), whose gradient is made first in
+    backward and waits in the root unit until the root's backward ends; 0 without one."""
+    if profile.vocab_size and profile.hidden_size and profile.root_unit_params:
+        return min(profile.vocab_size * profile.hidden_size, profile.root_unit_params)
+    return 0
+
+
+def no_sync_moments(
+    moments: dict[str, MemoryBreakdown],
+    forward: dict[str, MemoryBreakdown],
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    acts: ActivationProfile,
+) -> dict[str, MemoryBreakdown]:
+    """Accumulation with the sync skipped (FSDP1 ``no_sync``, FSDP2
+    ``set_requires_gradient_sync(False)``): every micro-batch after the first runs forward and
+    backward beside the unsharded gradients of all the units that train
+    (:func:`accumulated_gradient_bytes`); only the last reduces them.
+
+    Measured on fake tensors (torch 2.13): a non-final micro-batch's block backward holds its
+    unit's fresh gradients beside the kept ones until they are added in (FSDP1 also
+    concatenates its unit's gradients into a flat one: twice the unit; FSDP2 under mixed
+    precision upcasts them to fp32 first), and the head's gradient, which waits in the root
+    unit; FSDP1 keeps the root gathered until the root's backward ends, FSDP2 re-gathers it at
+    backward's start with the prefetched unit's all-gather buffer beside it. No reduce-scatter
+    runs in these micro-batches. The last micro-batch reduces the top block with every other
+    unit's gradients still unsharded."""
+    candidate = as_run(candidate, hardware)
+    _, cb = precision_bytes(candidate.precision)
+    kept = accumulated_gradient_bytes(profile, candidate, hardware)
+    _, trained_root, trained_unit = gradient_params(profile, candidate)
+    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    upcast = candidate.engine is Engine.FSDP2 and mixed and candidate.reduce_dtype_fp32
+    at = acts.at(candidate.precision)
+    scale = at.scale(candidate)
+    last = int(at.block_bytes[-1] * scale) if at.block_bytes else 0
+    head = moments["head backward"]
+    through_blocks = head.activations  # saved, less the loss's log-probabilities
+    one_unit = candidate.one_unit
+    unit = 0 if one_unit else profile.block_params
+    root = profile.total_params if one_unit else profile.root_unit_params
+    gathers = shard_size(candidate, hardware) > 1 or mixed
+    # the head's gradient waits in the root unit for its flat gradient (FSDP1) or its upcast
+    # (FSDP2 mixed); FSDP2 without an upcast adds it into the kept gradient at once
+    waits = candidate.engine is Engine.FSDP1 or upcast
+    head_grad = _head_params(profile) * cb if trained_root and waits else 0
+
+    def fresh(n: int) -> int:  # a unit's new gradients before they join the kept ones
+        if candidate.engine is Engine.FSDP1:
+            return 2 * n * cb
+        # FSDP2 without an upcast: autograd adds into the kept gradient in place
+        return n * cb + n * 4 if upcast else 0
+
+    out = {
+        f"accumulating {name}": m.model_copy(update={"gradients": m.gradients + kept})
+        for name, m in {**forward, "loss": moments["loss"], "head backward": head}.items()
+    }
+    if candidate.engine is Engine.FSDP1:
+        gathered_units = (root + 2 * unit) * cb if gathers else 0
+        buffers = 0
+    else:
+        gathered_units = (root + unit) * cb if gathers else 0
+        buffers = unit * cb if shard_size(candidate, hardware) > 1 else 0
+    if candidate.sharding is Sharding.SHARD_GRAD_OP:
+        gathered_units = profile.total_params * cb  # nothing is freed between micro-batches
+    base = head.model_copy(update={"comm_buffers": 0, "temporaries": 0, "gradients": kept})
+    if not one_unit:
+        out["accumulating block backward"] = base.model_copy(
+            update={
+                "unsharded_params": gathered_units,
+                "comm_buffers": buffers,
+                "activations": through_blocks - last,
+                "temporaries": head_grad + fresh(trained_unit),
+            }
+        )
+    out["accumulating root backward"] = base.model_copy(
+        update={
+            "unsharded_params": root * cb if gathers else 0,
+            "activations": int(at.other_bytes * scale),
+            "temporaries": fresh(trained_root),
+        }
+    )
+    start = backward_start_moment(out["accumulating head backward"], profile, candidate, hardware)
+    if start is not None:
+        out["accumulating backward start"] = start
+    # The last micro-batch: the top block reduces its gradients (and gloo copies the reduce
+    # input) while every other unit's are still unsharded.
+    top = moments["top block backward"]
+    sync = top.model_copy(update={"gradients": top.gradients + kept})
+    out["synchronising top block backward"] = sync
+    if hardware.backend == "gloo" and shard_size(candidate, hardware) > 1:
+        out["synchronising block reduce-scatter"] = sync.model_copy(
+            update={
+                "temporaries": 0,
+                "comm_buffers": sync.comm_buffers + trained_unit * _reduce_bytes(candidate),
+            }
+        )
+    return out
+
+
+def _last_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
+    at = acts.at(candidate.precision)
+    return int(at.block_bytes[-1] * at.scale(candidate)) if at.block_bytes else 0
+
+
+def synced_accumulation_moments(
+    moments: dict[str, MemoryBreakdown],
+    forward: dict[str, MemoryBreakdown],
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    acts: ActivationProfile,
+) -> dict[str, MemoryBreakdown]:
+    """Accumulation without skipping the sync (Lightning's Trainer with FSDP2): every
+    micro-batch reduces into the sharded gradients, which stay allocated through the later
+    micro-batches' forwards and backwards. FSDP2 re-gathers the root at backward's start: its
+    all-gather buffer beside the copy, with the sharded gradients alive (measured on fake
+    tensors)."""
+    candidate = as_run(candidate, hardware)
+    stored, cb = precision_bytes(candidate.precision)
+    shard = shard_size(candidate, hardware)
+    sharded_grads = moments["optimizer step"].gradients
+    _, trained_root, trained_unit = gradient_params(profile, candidate)
+    block_grads = moments["optimizer step"].gradients - trained_root * stored // shard
+    reduce = _reduce_bytes(candidate)
+    out = {
+        f"accumulating {name}": m.model_copy(update={"gradients": m.gradients + sharded_grads})
+        for name, m in forward.items()
+    }
+    for name, m in moments.items():
+        if name == "optimizer step":
+            continue
+        # the moment's unsharded gradients beside every unit's sharded ones (a reduce-scatter
+        # output is added in after the collective, past the moment's peak)
+        unsharded_grads = max(0, m.gradients - block_grads) if sharded_grads else m.gradients
+        out[f"accumulating {name}"] = m.model_copy(
+            update={"gradients": sharded_grads + unsharded_grads}
+        )
+    start = backward_start_moment(out["accumulating head backward"], profile, candidate, hardware)
+    if start is not None:
+        out["accumulating backward start"] = start
+    if candidate.engine is Engine.FSDP2 and not candidate.one_unit:
+        # The second block from the top: its fresh gradients and the top block's reduce-scatter
+        # input beside the head's gradient waiting in the root (measured on fake tensors).
+        head = moments["head backward"]
+        block = profile.block_params * cb
+        out["accumulating block backward"] = head.model_copy(
+            update={
+                "gradients": sharded_grads + trained_unit * reduce // shard,
+                "unsharded_params": (profile.root_unit_params + profile.block_params) * cb,
+                "comm_buffers": block if shard > 1 else 0,
+                "activations": head.activations - 2 * _last_block_bytes(candidate, acts),
+                "temporaries": _head_params(profile) * cb * (trained_root > 0)
+                + trained_unit * (cb + reduce),
+            }
+        )
+    if candidate.engine is Engine.FSDP2 and candidate.sharding in (
+        Sharding.NO_SHARD,
+        Sharding.HYBRID_SHARD,
+    ):
+        # With a replicate dimension every unit's reduced gradients wait until backward ends
+        # before they are added into the sharded ones (measured on fake tensors: a second set
+        # of gradients builds up through backward).
+        step = moments["optimizer step"]
+        unit = 0 if candidate.one_unit else profile.block_params
+        root = profile.total_params if candidate.one_unit else profile.root_unit_params
+        out["accumulating backward end"] = step.model_copy(
+            update={
+                "unsharded_params": (root + unit) * cb,  # FSDP2 gathers copies, also at 1 shard
+                "gradients": sharded_grads
+                + gradient_params(profile, candidate)[0] * reduce // shard,
+                "temporaries": 0,
+                "activations": moments["root backward"].activations,
+            }
+        )
+        m = out["accumulating root backward"]
+        waiting = (gradient_params(profile, candidate)[0] - trained_root) * reduce // shard
+        out["accumulating root backward, reduced gradients waiting"] = m.model_copy(
+            update={"gradients": m.gradients + waiting}
+        )
+    if candidate.engine is Engine.FSDP2 and shard == 1 and reduce == cb:
+        # FSDP2 copies the gradients into a reduce-scatter input even over a shard dimension
+        # of 1 (NO_SHARD replicates on a (world, 1) mesh), then all-reduces; peak_moments
+        # counts that copy only where it casts
+        for name in ("accumulating root backward",):
+            m = out[name]
+            out[name] = m.model_copy(
+                update={"comm_buffers": m.comm_buffers + trained_root * reduce}
             )
     return out
+
+
+def backward_start_moment(
+    head: MemoryBreakdown, profile: ModelProfile, candidate: Candidate, hardware: Hardware
+) -> MemoryBreakdown | None:
+    """FSDP2 re-gathers a root it resharded after forward when backward starts: the root's
+    all-gather buffer beside its copy, before the head's backward (measured on fake tensors).
+    ``head`` is the head's backward moment; None where the root is not re-gathered."""
+    candidate = as_run(candidate, hardware)
+    if not (
+        candidate.engine is Engine.FSDP2
+        and candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+        and shard_size(candidate, hardware) > 1
+        and candidate.reshard is Reshard.ALL
+    ):
+        return None
+    _, cb = precision_bytes(candidate.precision)
+    root = profile.total_params if candidate.one_unit else profile.root_unit_params
+    return head.model_copy(update={"unsharded_params": root * cb, "comm_buffers": root * cb})
 
 
 def estimate_memory(

@@ -154,8 +154,17 @@ def track_training_peak(
     autocast = autocast_for(candidate, next(model.parameters()).device)
     with tracker, warnings_off():
         for _ in range(steps):
-            optimizer_step(model, optimizer, batch, workload, autocast=autocast, loss_fn=loss_fn)
-            tracker.reset_mod_stats()  # per-module stats only; the global peak is kept
+            # per-module stats are reset before a module runs again; the global peak is kept
+            optimizer_step(
+                model,
+                optimizer,
+                batch,
+                workload,
+                autocast=autocast,
+                loss_fn=loss_fn,
+                after_micro_batch=tracker.reset_mod_stats,
+            )
+            tracker.reset_mod_stats()
     (snapshot,) = tracker.get_tracker_snapshot("peak").values()
     return {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
 
