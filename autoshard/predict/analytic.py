@@ -576,15 +576,30 @@ def no_sync_moments(
 
     out = {
         f"accumulating {name}": m.model_copy(update={"gradients": m.gradients + kept})
-        for name, m in {**forward, "loss": moments["loss"], "head backward": head}.items()
+        for name, m in {**forward, "loss": moments["loss"]}.items()
     }
+    # The head's backward: its weight's fresh gradient (one tensor) beside the logits' gradient
+    # before it joins the kept one; FSDP2 holds the root gathered, also with NO_SHARD.
+    fsdp2_root = root * cb if candidate.engine is Engine.FSDP2 else 0
+    head_kept = head.model_copy(
+        update={
+            "gradients": head.gradients + kept,
+            "unsharded_params": max(head.unsharded_params, fsdp2_root),
+        }
+    )
+    out["accumulating head backward"] = head_kept.model_copy(
+        update={
+            "temporaries": head.temporaries + (_head_params(profile) * cb if trained_root else 0)
+        }
+    )
     if candidate.engine is Engine.FSDP1:
         gathered_units = (root + 2 * unit) * cb if gathers else 0
         buffers = 0
     else:
         gathered_units = (root + unit) * cb if gathers else 0
         buffers = unit * cb if shard_size(candidate, hardware) > 1 else 0
-    if candidate.sharding is Sharding.SHARD_GRAD_OP:
+    keeps_all = candidate.sharding is Sharding.SHARD_GRAD_OP
+    if keeps_all:
         gathered_units = profile.total_params * cb  # nothing is freed between micro-batches
     base = head.model_copy(update={"comm_buffers": 0, "temporaries": 0, "gradients": kept})
     if not one_unit:
@@ -598,12 +613,12 @@ def no_sync_moments(
         )
     out["accumulating root backward"] = base.model_copy(
         update={
-            "unsharded_params": root * cb if gathers else 0,
+            "unsharded_params": gathered_units if keeps_all else root * cb if gathers else 0,
             "activations": int(at.other_bytes * scale),
             "temporaries": fresh(trained_root),
         }
     )
-    start = backward_start_moment(out["accumulating head backward"], profile, candidate, hardware)
+    start = backward_start_moment(head_kept, profile, candidate, hardware)
     if start is not None:
         out["accumulating backward start"] = start
     # The last micro-batch: the top block reduces its gradients (and gloo copies the reduce
@@ -730,6 +745,55 @@ def backward_start_moment(
     _, cb = precision_bytes(candidate.precision)
     root = profile.total_params if candidate.one_unit else profile.root_unit_params
     return head.model_copy(update={"unsharded_params": root * cb, "comm_buffers": root * cb})
+
+
+def needs_simulation(
+    profile: ModelProfile, candidate: Candidate, workload: WorkloadSpec
+) -> str | None:
+    """Why the analytic estimate of ``candidate`` would be a guess, in one line, or None when
+    it is modelled (and checked by ``benchmarks/estimate_accuracy.py``). Where it returns a
+    reason, estimate by simulation (:func:`autoshard.predict.simulate.simulate_memory`) or, for
+    CPU offload, which cannot be simulated on a CPU, by a trial.
+
+    >>> from autoshard import Candidate, WorkloadSpec, analyze_model
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    >>> model[0].requires_grad_(False)  # doctest: +ELLIPSIS
+    Linear(...)
+    >>> profile = analyze_model(model)
+    >>> needs_simulation(profile, Candidate(), WorkloadSpec()) is None
+    True
+    >>> needs_simulation(profile, Candidate(min_num_params=10), WorkloadSpec())[:46]
+    'frozen parameters under a size-based wrap poli'
+    """
+    if candidate.optimizer not in OPTIMIZER_STATES:
+        return (
+            f"the analytic estimate does not know the state of optimizer "
+            f"{candidate.optimizer.value!r}; simulate it"
+        )
+    if workload.loop not in (Loop.LIGHTNING, Loop.PLAIN):
+        return f"the training loop {workload.loop.value!r} is not modelled; simulate it"
+    if (
+        profile.frozen_params
+        and candidate.engine is Engine.FSDP1
+        and not candidate.one_unit
+        and not candidate.wrap_classes
+    ):
+        return (
+            "frozen parameters under a size-based wrap policy: which FSDP1 units train (and so "
+            "hold a full flat gradient) is not known before wrapping; simulate it"
+        )
+    if workload.accumulate > 1 and candidate.cpu_offload:
+        return (
+            "gradient accumulation with CPU offload is not modelled (where the kept gradients "
+            "live depends on the engine); measure it with a trial"
+        )
+    if workload.accumulate > 1 and candidate.sharding is Sharding.HYBRID_SHARD:
+        return (
+            "gradient accumulation with HYBRID_SHARD is not checked against a measurement; "
+            "simulate it"
+        )
+    return None
 
 
 def estimate_memory(
