@@ -173,6 +173,7 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
     cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
     launched = sum(1 for r in done.values() if r.status is not TrialStatus.PRUNED)
     queue = [e for e in ranked if e.candidate.label() not in done]
+    tried_with: dict[str, MemoryEstimate] = {}
     queue, _ = reorder_remaining(queue, list(done.values()), plan)  # resumed trials
     with group:
         while queue:
@@ -209,6 +210,7 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
                 else:
                     study.tell(trial, state=TrialState.FAIL)
             done[label] = result
+            tried_with[label] = estimate  # with the prediction it was tried with
             with log.open("a") as fh:
                 fh.write(result.model_dump_json() + "\n")
             emit(
@@ -218,7 +220,7 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
             if result.status is TrialStatus.OK:
                 queue, _ = reorder_remaining(queue, list(done.values()), plan)
 
-    rec = decide_from_trials(plan, list(done.values()))
+    rec = decide_from_trials(plan, list(done.values()), tried_with)
     (out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
     write_report(rec, out_dir, list(done.values()))
     return rec
