@@ -157,6 +157,8 @@ class Candidate(Frozen):
             raise ValueError("hybrid_mesh is only meaningful with HYBRID_SHARD")
         if self.checkpointing is not Checkpointing.NONE and not self.checkpoint_classes:
             raise ValueError("activation checkpointing needs checkpoint_classes")
+        if self.reshard is not Reshard.ALL and self.engine is not Engine.FSDP2:
+            raise ValueError(f"reshard={self.reshard.value} needs engine fsdp2 (FSDP1: all)")
         return self
 
     @property
@@ -177,6 +179,8 @@ class Candidate(Frozen):
             parts.append(f"ckpt/{self.checkpoint_every}")
         if self.cpu_offload:
             parts.append("offload")
+        if self.reshard is not Reshard.ALL:
+            parts.append(self.reshard.value.replace("_", "-"))
         if self.one_unit:
             parts.append("nowrap")
         elif not self.wrap_classes:
@@ -349,6 +353,15 @@ class TuneOptions(Frozen):
     skip_dominated: bool = Field(
         True, description="Skip candidates a measured one makes pointless (False: full grid)."
     )
+    wait: bool = Field(
+        False, description="Another run holds the output folder: wait for it instead of refusing."
+    )
     on_event: Callable[..., None] | None = Field(
         None, exclude=True, description="Called with (ProgressEvent, Scored) as trials go."
+    )
+    on_notice: Callable[[str], None] | None = Field(
+        None,
+        exclude=True,
+        description="Called with one line about the study's storage (a repaired journal, a "
+        "rebuilt database, a wait for a lock); default: a StudyNotice warning.",
     )

@@ -34,6 +34,25 @@ def test_simulated_sharded_terms_by_hand() -> None:
     assert e.gpu_peak == b.total and b.allowance > 0
 
 
+@pytest.mark.parametrize("engine", ["fsdp1", "fsdp2"])
+def test_gathered_parameters_are_booked_as_unsharded(engine: str) -> None:
+    """SHARD_GRAD_OP keeps the whole model gathered through forward and backward: at the peak
+    each rank holds its quarter as shards and (nearly) every parameter gathered in the compute
+    dtype (bf16 here), and the breakdown says which is which (FSDP1's generic tracker once booked the
+    gathered copy as sharded: "sharded params 15.7 GiB, unsharded 0 B" on a 7B model)."""
+    params = 8 * 256 * 256
+    hw = Hardware(gpus_per_node=4, gpu_memory=80 * GIB)
+    for sharding in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        c = Candidate(engine=engine, wrap_classes=BLOCK, sharding=sharding)
+        b = simulate_memory(STACK, c, hw, WorkloadSpec()).breakdown
+        assert b.sharded_params == params * 4 // 4, (sharding, b)
+        gathered = params * 2  # all 8 blocks in bf16
+        if sharding == "SHARD_GRAD_OP":  # all gathered (FSDP2 frees each block after backward)
+            assert b.unsharded_params >= gathered * 7 // 8, b
+        else:  # resharded: a block or two at a time
+            assert b.unsharded_params <= gathered * 2 // 8, b
+
+
 def test_more_ranks_never_raise_the_simulated_peak() -> None:
     c = Candidate(engine="fsdp2", wrap_classes=BLOCK, precision="32-true")
     previous = None

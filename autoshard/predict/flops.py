@@ -46,6 +46,7 @@ from autoshard.predict.activations import (
     _shapes,
     _signature,
 )
+from autoshard.predict.fakes import experts_for_fake_tensors, fake_forward_support
 from autoshard.results import ModelProfile
 from autoshard.target.step import compute_loss, find_vocab_size, forward, move_to
 
@@ -321,7 +322,8 @@ def profile_flops(
             if find_vocab_size(model) is None or workload.seq_len is None:
                 raise ValueError("no example batch and no sequence length")
             batch = torch.zeros(1, workload.seq_len, dtype=torch.long)
-        return _count(model, profile, batch, workload.seq_len)
+        with fake_forward_support():  # fp32 grouped_mm experts; torch's tracebacks kept out
+            return _count(model, profile, batch, workload.seq_len)
     except Exception as exc:  # a forward that cannot run on fake tensors: estimate, say so
         why = f"{type(exc).__name__}: {exc}".splitlines()[0]
         return six_n_t(profile, workload, why)
@@ -334,6 +336,7 @@ def _count(
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     model = copy.deepcopy(meta_model)  # a meta copy costs nothing
+    experts_for_fake_tensors(model)  # an eager experts loop: the same rows as grouped_mm
     block_types = tuple(wrap_classes_of(model, profile.checkpoint_policy))
     blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
     signatures = {id(block): _signature(block) for block in blocks}

@@ -32,6 +32,7 @@ from torch import nn
 from autoshard.config import Candidate, Engine, Hardware, Precision, Sharding, WorkloadSpec
 from autoshard.errors import ConfigError
 from autoshard.predict.analytic import allowance
+from autoshard.predict.fakes import experts_for_fake_tensors, fake_forward_support
 from autoshard.results import MemoryBreakdown, MemoryEstimate
 from autoshard.sharding import (
     apply_fsdp1,
@@ -53,7 +54,9 @@ EXTRAPOLATE_ABOVE = 8
 TRACKED_STEPS = 2
 
 # Tracker categories -> breakdown fields. FSDP2's tracker knows FSDP's own kinds; FSDP1's
-# generic tracker does not (unsharded flat parameters and gradients show up as temporaries).
+# generic tracker does not: it books every flat parameter storage a module holds as
+# "Parameter", the gathered copies with the shards (split by :func:`_split_fsdp1_params`), and
+# unsharded gradients show up as temporaries.
 _KINDS = {
     "Sharded Param": "sharded_params",
     "Unsharded Param": "unsharded_params",
@@ -109,12 +112,31 @@ def track_training_peak(
 ) -> dict[str, int]:
     """Run ``steps`` training steps under torch's memory tracker; the per-kind bytes at the peak
     (key ``"Total"`` is the peak itself). Works on fake and on real tensors alike."""
+    phases = track_training_phases(model, optimizer, batch, candidate, loss_fn=loss_fn, steps=steps)
+    return max(phases.values(), key=lambda kinds: kinds.get("Total", 0))
+
+
+def track_training_phases(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    candidate: Candidate,
+    *,
+    loss_fn: Any = None,
+    steps: int = TRACKED_STEPS,
+) -> dict[str, dict[str, int]]:
+    """:func:`track_training_peak`, phase by phase: the per-kind bytes at the peak of the
+    optimizer steps and at the peak of the rest of the loop (forward and backward), each the
+    larger over the steps. Phases grow at different rates with depth, so a simulation of a
+    few blocks extrapolates each on its own (:func:`simulate_memory`)."""
+    sharded = 0
     if candidate.engine is Engine.FSDP2:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
         tracker: Any = FSDPMemTracker(model, optimizer)
         tracker.track_inputs((batch,))
     else:
+        sharded = _fsdp1_shard_bytes(model)
         tracker = _fsdp1_tracker()
         tracker.track_external(model, optimizer, batch)
     device = next(model.parameters()).device
@@ -123,17 +145,74 @@ def track_training_peak(
         if candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
         else contextlib.nullcontext()
     )
-    with tracker, warnings_off():
-        for _ in range(steps):
-            with autocast:
-                loss = compute_loss(forward(model, batch), batch, loss_fn)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            del loss
-            tracker.reset_mod_stats()  # per-module stats only; the global peak is kept
-    (snapshot,) = tracker.get_tracker_snapshot("peak").values()
-    return {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
+    phases: dict[str, dict[str, int]] = {}
+
+    def close(phase: str) -> None:
+        # the phase's peak, then a fresh peak from the current bytes for the next phase
+        (snapshot,) = tracker.get_tracker_snapshot("peak").values()
+        kinds = {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
+        if kinds.get("Total", 0) > phases.get(phase, {}).get("Total", -1):
+            phases[phase] = kinds
+        _restart_peak(tracker)
+
+    hooks = [
+        optimizer.register_step_pre_hook(lambda *_: close(LOOP_PHASE)),
+        optimizer.register_step_post_hook(lambda *_: close(STEP_PHASE)),
+    ]
+    try:
+        with tracker, warnings_off():
+            for _ in range(steps):
+                with autocast:
+                    loss = compute_loss(forward(model, batch), batch, loss_fn)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                del loss
+                tracker.reset_mod_stats()  # per-module stats only; the global peak is kept
+            close(LOOP_PHASE)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if candidate.engine is Engine.FSDP1:
+        phases = {phase: _split_fsdp1_params(kinds, sharded) for phase, kinds in phases.items()}
+    return phases
+
+
+LOOP_PHASE, STEP_PHASE = "forward and backward", "optimizer step"
+
+
+def _restart_peak(tracker: Any) -> None:
+    # torch's trackers keep one peak for their whole run and have no reset (torch 2.13): start
+    # it again from the current bytes, as their __enter__ does.
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+    tracker._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in tracker._peak_mem_snap.items()}
+
+
+def _fsdp1_shard_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's FSDP1 flat-parameter shards, taken before the first forward, while
+    every flat parameter still holds its shard (NO_SHARD: the whole parameter)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    total = 0
+    for module in FullyShardedDataParallel.fsdp_modules(model):
+        handle = getattr(module, "_handle", None)
+        if handle is not None:
+            flat = handle.flat_param
+            total += flat.numel() * flat.element_size()
+    return total
+
+
+def _split_fsdp1_params(kinds: dict[str, int], sharded: int) -> dict[str, int]:
+    """FSDP1's tracker books the gathered flat parameters (SHARD_GRAD_OP keeps the whole model
+    gathered through forward and backward; FULL_SHARD the root and a unit or two; mixed
+    precision's low-precision copies) as "Parameter", with the shards: at the peak the shards
+    are all alive, so whatever is above their bytes is gathered."""
+    params = kinds.pop("Parameter", 0)
+    kinds["Sharded Param"] = kinds.get("Sharded Param", 0) + min(params, sharded)
+    kinds["Unsharded Param"] = kinds.get("Unsharded Param", 0) + max(0, params - sharded)
+    return kinds
 
 
 def measure_training_peak(
@@ -270,7 +349,7 @@ def _simulate_once(
     hardware: Hardware,
     workload: WorkloadSpec,
     loss_fn: Any,
-) -> dict[str, int]:
+) -> dict[str, dict[str, int]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cpu = torch.device("cpu")
@@ -285,9 +364,10 @@ def _simulate_once(
             mesh = None
         # Built inside the fake mode, not copied from meta: ``to_empty`` cannot swap tied
         # parameters into fake tensors, and FSDP1 needs a model that is not on meta.
-        with FakeTensorMode(allow_non_fake_inputs=True), warnings_off():
+        with fake_forward_support(), FakeTensorMode(allow_non_fake_inputs=True), warnings_off():
             built = build_target(target, device=cpu)
             model = built.model
+            experts_for_fake_tensors(model)  # the profile's note says so
             if depth is not None:
                 truncate_blocks(model, block_classes, depth)
             if candidate.precision is Precision.BF16_TRUE:
@@ -309,7 +389,7 @@ def _simulate_once(
                 device=cpu,
             )
             batch = with_labels(model, batch)
-            return track_training_peak(model, optimizer, batch, candidate, loss_fn=loss_fn)
+            return track_training_phases(model, optimizer, batch, candidate, loss_fn=loss_fn)
 
 
 def simulate_memory(
@@ -348,30 +428,43 @@ def simulate_memory(
     found = block_list(built.model, block_classes) if extrapolate else None
     depth = len(getattr(*found)) if found else 0
 
-    def run(blocks: int | None) -> dict[str, int]:
+    def run(blocks: int | None) -> dict[str, dict[str, int]]:
         return _simulate_once(target, blocks, block_classes, candidate, hardware, workload, loss_fn)
 
     if found and depth > EXTRAPOLATE_ABOVE:
         k = EXTRAPOLATE_FROM
-        low = run(k)
-        high = run(k + 1)
-        kinds = {
-            key: max(0, low.get(key, 0) + (depth - k) * (high.get(key, 0) - low.get(key, 0)))
-            for key in set(low) | set(high)
+        low, high = run(k), run(k + 1)
+        # Each phase's peak is affine in depth, but at different rates: the optimizer step
+        # grows by a block's parameters, gradients and states, forward and backward by less
+        # on many ranks. Extrapolated on its own, each phase can overtake the other (a 7B
+        # shape at 8 ranks with checkpointing peaks in backward at 4 and 5 blocks, in the
+        # optimizer step at 32: one extrapolated peak was 5% low).
+        phases = {
+            phase: _extrapolate(low[phase], high[phase], depth - k)
+            for phase in low.keys() & high.keys()
         }
-        # The two depths may peak at different moments: the total extrapolates exactly, the
-        # split by kind only roughly, so the kinds are scaled to add up to the total.
-        parts = sum(v for key, v in kinds.items() if key != "Total")
-        if parts:
-            kinds = {
-                key: v if key == "Total" else v * kinds["Total"] // parts
-                for key, v in kinds.items()
-            }
         how = f"simulated {k} and {k + 1} of {depth} blocks, extrapolated"
     else:
-        kinds = run(None)
+        phases = run(None)
         how = "simulated"
+    kinds = max(phases.values(), key=lambda kinds: kinds.get("Total", 0))
     return _estimate(candidate, hardware, kinds, how)
+
+
+def _extrapolate(low: dict[str, int], high: dict[str, int], more: int) -> dict[str, int]:
+    """The per-kind bytes of a phase ``more`` blocks deeper than ``low`` (``high``: one deeper)."""
+    kinds = {
+        key: max(0, low.get(key, 0) + more * (high.get(key, 0) - low.get(key, 0)))
+        for key in set(low) | set(high)
+    }
+    # The two depths may peak at different moments of the phase: the total extrapolates
+    # exactly, the split by kind only roughly, so the kinds are scaled to add up to the total.
+    parts = sum(v for key, v in kinds.items() if key != "Total")
+    if parts:
+        kinds = {
+            key: v if key == "Total" else v * kinds["Total"] // parts for key, v in kinds.items()
+        }
+    return kinds
 
 
 def _estimate(
