@@ -14,7 +14,7 @@ step-time model's fastest for the planned GPUs wins among those.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -107,10 +107,20 @@ def decide(plan: Plan) -> Recommendation:
     )
 
 
-def decide_from_trials(plan: Plan, results: Sequence[TrialResult]) -> Recommendation:
-    """The best configuration that ran; every other trial as a runner-up or ruled out."""
+def decide_from_trials(
+    plan: Plan,
+    results: Sequence[TrialResult],
+    tried_with: Mapping[str, MemoryEstimate] | None = None,
+) -> Recommendation:
+    """The best configuration that ran; every other trial as a runner-up or ruled out.
+
+    ``tried_with``: by candidate label, the estimate each trial was launched with, whose speed
+    the calibrated model predicted just before it ran; it replaces the plan's (uncalibrated)
+    estimate, so that the report puts each trial against its own prediction."""
+    tried_with = tried_with or {}
+    estimates = [tried_with.get(e.candidate.label(), e) for e in plan.estimates]
     return choose_from_trials(
-        plan.profile, plan.hardware, plan.workload, plan.estimates, results, notes=plan.notes
+        plan.profile, plan.hardware, plan.workload, estimates, results, notes=plan.notes
     )
 
 

@@ -151,17 +151,37 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
         store.open_study(settings, [c.label() for c in plan.candidates])
         cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
 
+        # The latest (calibrated) prediction of each candidate: the one a trial is tried with,
+        # which the report puts against its measurement.
+        predicted: dict[str, MemoryEstimate] = {}
+        tried_with: dict[str, MemoryEstimate] = {}
+
         def run(candidate: Candidate) -> TrialResult:
+            label = candidate.label()
+            if label in predicted:
+                tried_with[label] = predicted[label]
             return group.run(
                 candidate, workload, warmup=opts.warmup, steps=opts.steps, memory_cap=cap,
                 target_spread=opts.target_spread, max_steps=opts.max_steps,
                 max_seconds=opts.max_seconds,
             )  # fmt: skip
 
+        fitted: dict[tuple[object, ...], list[MemoryEstimate]] = {}
+
         def reorder(
             untried: Sequence[MemoryEstimate], done: Sequence[TrialResult]
         ) -> list[MemoryEstimate]:
-            return reorder_remaining(untried, done, plan)[0]
+            # The loop asks every round; a fit takes a second or two, so it is redone only when
+            # a new measurement came in.
+            key = (
+                tuple(e.candidate.label() for e in untried),
+                *sorted((r.candidate.label(), r.step_time) for r in done if r.step_time),
+            )
+            if key not in fitted:
+                fitted[key] = reorder_remaining(untried, done, plan)[0]
+            order = fitted[key]
+            predicted.update((e.candidate.label(), e) for e in order)
+            return order
 
         with _worker_files(out_dir), group:
             results = run_trials(
@@ -173,7 +193,7 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
                 emit=opts.on_event,
                 reorder=reorder,
             )
-        rec = decide_from_trials(plan, results)
+        rec = decide_from_trials(plan, results, tried_with)
         rec = rec.model_copy(update={"study": store.name})
         write_outputs(rec, out_dir, results)
     return rec

@@ -217,3 +217,24 @@ def test_the_module_examples_run() -> None:
 
     result = doctest.testmod(autoshard.measure, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 8 and result.failed == 0
+
+
+def test_each_trial_is_reported_against_the_prediction_it_was_tried_with() -> None:
+    """The study re-predicts untried candidates after each trial (calibrated): the
+    recommendation carries those predictions, not the plan's first ones."""
+    from types import SimpleNamespace
+
+    from autoshard.decide import decide_from_trials
+
+    first, second = run(0.100, spread=0.01), run(0.130, sharding=Sharding.SHARD_GRAD_OP)
+    plan_estimates = [with_speed(estimate(t.candidate), 100.0) for t in (first, second)]
+    calibrated = with_speed(estimate(second.candidate), 31.0)
+    calibrated = calibrated.model_copy(
+        update={"speed": calibrated.speed.model_copy(update={"calibrated": True})}
+    )
+    plan = SimpleNamespace(profile=PROFILE, hardware=HARDWARE, workload=WORKLOAD,
+                           estimates=plan_estimates, notes=())  # fmt: skip
+    rec = decide_from_trials(plan, [first, second], {second.candidate.label(): calibrated})
+    by_trial = {s.trial.candidate.label(): s.estimate for s in (rec.chosen, *rec.runners_up)}
+    assert by_trial[second.candidate.label()] == calibrated
+    assert by_trial[first.candidate.label()] == plan_estimates[0]

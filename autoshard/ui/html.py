@@ -116,7 +116,7 @@ def memory_chart(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str
         + [m for _, _, _, m in rows if m is not None]
     )
     top = max([limit, content] + [e.gpu_peak for _, _, e, _ in rows if e])
-    label_w, plot_w, bar_h, gap, head = 290, 470, 18, 10, 48
+    label_w, plot_w, bar_h, gap, head = 330, 440, 18, 10, 48
     x0 = label_w
     axis = _Axis(x0, plot_w, content, top)
     bottom = head + len(rows) * (bar_h + gap)
@@ -197,14 +197,23 @@ def memory_chart(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str
         )
     legend_y = bottom + 30
     if axis.broken:
-        out.append(
-            f'<text x="{x0}" y="{legend_y}" class="s dim">to scale up to '
-            f"{_esc(format_bytes(axis.cut))}; compressed beyond the break (//), where the "
-            "allowance (hatched: CUDA context, NCCL,</text>"
-            f'<text x="{x0}" y="{legend_y + 14}" class="s dim">allocator slack, not measured by '
-            "CPU trials) and the device limit would squeeze the rest into a sliver</text>"
+        allowance = any(e is not None and e.breakdown.allowance for _, _, e, _ in rows)
+        lines = (
+            [
+                f"to scale up to {format_bytes(axis.cut)}; compressed beyond the break (//), "
+                "where the allowance (hatched: CUDA context, NCCL,",
+                "allocator slack, not measured by CPU trials) and the device limit would "
+                "squeeze the rest into a sliver",
+            ]
+            if allowance
+            else [
+                f"to scale up to {format_bytes(axis.cut)}; compressed beyond the break (//), "
+                "where the device limit would squeeze the rest into a sliver"
+            ]
         )
-        legend_y += 32
+        for k, line in enumerate(lines):
+            out.append(f'<text x="{x0}" y="{legend_y + 14 * k}" class="s dim">{_esc(line)}</text>')
+        legend_y += 14 * len(lines) + 4
     lx = x0
     for term, colour in KIND_COLOURS.items():
         fill = "url(#hatch)" if term == "allowance" else colour
@@ -239,7 +248,7 @@ def speed_chart(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str:
     unit = next((u for *_, u in rows if u), "samples/s")
     device = predicted_device(rec)
     where = next((t.device for t in ran if t.status is TrialStatus.OK), "")
-    label_w, panel_w, bar_h, gap, head = 290, 480 if shared else 250, 9, 12, 56
+    label_w, panel_w, bar_h, gap, head = 330, 460 if shared else 240, 9, 12, 56
     x0 = label_w
     bottom = head + len(rows) * (2 * bar_h + gap)
     width = label_w + (panel_w if shared else 2 * panel_w + 40) + 150
