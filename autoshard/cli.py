@@ -337,10 +337,17 @@ def tune(
             options_from,
         )
         from autoshard.search import STUDY_FILES, run_study
+        from autoshard.slurm import slurm_settings
         from autoshard.ui.files import load_result
         from autoshard.ui.progress import StudyProgress
         from autoshard.ui.report import print_summary
 
+        # Under SLURM (`srun autoshard tune ...`) the nodes, this node's rank and the rendezvous
+        # come from the job's environment, unless given as flags.
+        slurm = slurm_settings(os.environ)
+        if slurm is not None:
+            for name in ("nodes", "node_rank", "rdzv_endpoint"):
+                options.setdefault(name, str(slurm[name]))
         plan_values, tune_values = _split(options)
         opts = options_from(PlanOptions, plan_values, cli=True)
         tune_opts = options_from(TuneOptions, tune_values, cli=True)

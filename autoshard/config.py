@@ -353,6 +353,15 @@ class TuneOptions(Frozen):
     skip_dominated: bool = Field(
         True, description="Skip candidates a measured one makes pointless (False: full grid)."
     )
+    wait: bool = Field(
+        False, description="Another run holds the output folder: wait for it instead of refusing."
+    )
     on_event: Callable[..., None] | None = Field(
         None, exclude=True, description="Called with (ProgressEvent, Scored) as trials go."
+    )
+    on_notice: Callable[[str], None] | None = Field(
+        None,
+        exclude=True,
+        description="Called with one line about the study's storage (a repaired journal, a "
+        "rebuilt database, a wait for a lock); default: a StudyNotice warning.",
     )

@@ -20,7 +20,7 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 
 from autoshard.config import Candidate, Checkpointing, Hardware, WorkloadSpec
-from autoshard.errors import ConfigError
+from autoshard.errors import ConfigError, TrialsFailedError
 from autoshard.measure import (
     compare,
     is_tie,
@@ -126,11 +126,7 @@ def choose_from_trials(
     """:func:`decide_from_trials` from the plan's parts (what a test or a reader of old results
     has)."""
     if not any(r.status is TrialStatus.OK for r in results):
-        reasons = "; ".join(sorted({f"{r.status.value}: {r.error}" for r in results})[:3])
-        raise ConfigError(
-            f"no configuration ran successfully ({len(results)} tried or ruled out: {reasons}); "
-            "see the worker logs in the output folder"
-        )
+        raise TrialsFailedError(nothing_ran(results))
     by_label = {e.candidate.label(): e for e in estimates}
 
     def scored(r: TrialResult) -> Scored:
@@ -355,3 +351,30 @@ def explain_by_prediction(
                 else f"{diff[0]} predicted about as fast (within {PREDICTED_TIE:.0%})"
             )
     return lines
+
+
+def nothing_ran(results: Sequence[TrialResult]) -> str:
+    """One line when no trial ran fine: the commonest failures of the trials that ran first
+    (a skipped or pruned candidate's reason repeats them)."""
+    from collections import Counter
+
+    from autoshard.study.lessons import signature
+
+    ran = [r for r in results if r.status.launched]
+    shown = {signature(r): r for r in ran}
+    counts = Counter(signature(r) for r in ran).most_common(2)
+    failures = "; ".join(
+        f"{n} x {shown[sig].status.value}: {' '.join((shown[sig].error or '').split())[:160]}"
+        for sig, n in counts
+    )
+    rest = len(results) - len(ran)
+    if not ran:
+        first = " ".join((results[0].error or "").split())[:160] if results else ""
+        return f"no configuration could run: all {len(results)} candidates were ruled out" + (
+            f" ({first})" if first else ""
+        )
+    return (
+        f"no configuration ran successfully: {len(ran)} trials failed ({failures})"
+        + (f", {rest} more candidates ruled out" if rest else "")
+        + "; see the worker logs in the output folder, under workers/"
+    )

@@ -416,7 +416,10 @@ _ENTRIES: tuple[GPUSpec, ...] = (
         tf32_flops=0.15 * TFLOPS,
         fp32_flops=0.15 * TFLOPS,
         hbm_bandwidth=15 * GB,
-        intra_node_bandwidth=0.25 * GB,
+        # In CPU seconds, as CPU trials time their steps (autoshard.trials.worker.time_steps):
+        # a 1-8 MiB gloo all-gather between 2 processes here cost 1.5-2 GB/s of CPU time, while
+        # its wall time (0.4-1 GB/s, 0.25 on the busiest runs) waits on the other processes.
+        intra_node_bandwidth=1.5 * GB,
         intra_node_link="gloo over loopback TCP between processes on one host",
         inter_node_bandwidth=10 * Gbit,
         host_link_bandwidth=15 * GB,

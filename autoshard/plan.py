@@ -239,8 +239,12 @@ def validation_message(exc: ValidationError, values: Mapping[str, Any], *, cli: 
     if error["type"] == "enum" and "expected" in ctx:
         choices = str(ctx["expected"]).replace("'", "").replace(" or ", ", ")
         message = f"choose one of {choices}"
-    elif "greater_than" in error["type"] or "less_than" in error["type"]:
-        message = f"must be {message.removeprefix('Input should be ')}"
+    elif error["type"] == "greater_than_equal":
+        message = f"give {ctx['ge']} or more"
+    elif error["type"] == "greater_than":
+        message = f"give more than {ctx['gt']}"
+    elif error["type"] in ("less_than", "less_than_equal"):
+        message = f"give less than {ctx.get('lt', ctx.get('le'))}"
     return f"{flag} {given}: {message}"
 
 

@@ -192,6 +192,12 @@ class TrialStatus(str, Enum):
     ERROR = "error"
     TIMEOUT = "timeout"
     PRUNED = "pruned"  # never launched: the estimate says it does not fit
+    SKIPPED = "skipped"  # never launched: a failed trial rules it out (autoshard.study.lessons)
+
+    @property
+    def launched(self) -> bool:
+        """Whether a trial with this status ran (pruned and skipped candidates never did)."""
+        return self not in (TrialStatus.PRUNED, TrialStatus.SKIPPED)
 
 
 class TrialResult(Frozen):
@@ -223,7 +229,19 @@ class TrialResult(Frozen):
     peak_reserved: tuple[int, ...] = Field((), description="Per-rank peak reserved bytes.")
     losses: tuple[float, ...] = Field((), description="Rank 0's loss at every step, in order.")
     error: str | None = None
-    duration: float = Field(0.0, description="Wall seconds of the whole trial.")
+    transient: bool = Field(
+        False,
+        description="The failure came from outside the trial (a rank killed by a signal, a "
+        "worker group that did not start): the same candidate may well run when tried again.",
+    )
+    duration: float = Field(
+        0.0, description="Wall seconds from the trial's request to its result (a launch excluded)."
+    )
+    launch_seconds: float = Field(
+        0.0,
+        description="Wall seconds this trial waited for a fresh worker group to start before its "
+        "request (0 when the group was already up).",
+    )
     started_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
 
     @property
@@ -270,6 +288,11 @@ class Recommendation(Frozen):
     reasons: tuple[str, ...] = Field((), description="Why each chosen setting, one line each.")
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     versions: dict[str, str] = Field(default_factory=dict, description="autoshard, torch, ...")
+    study: str | None = Field(
+        None,
+        description="Name of the study the trials came from (a fingerprint of the settings): "
+        "the records of trials.jsonl that belong to this recommendation.",
+    )
 
     # Thin doors to autoshard.emit (imported lazily: it needs torch, and lightning for some).
     def strategy(self, model: object = None) -> object:

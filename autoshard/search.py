@@ -1,47 +1,47 @@
 """The tuning study: estimate every candidate, try the promising ones for real, pick the fastest.
 
-This is the only module that imports optuna. One optuna trial per candidate (its label is the
-single categorical parameter), so any optuna storage holds the whole study: a SQLite file in the
-output folder by default, or ``--storage`` (PostgreSQL for a study shared by several machines).
+One optuna trial per candidate, in any optuna RDB storage: a SQLite file in the output folder by
+default, or ``--storage`` (PostgreSQL for a study shared by several drivers). The storage side
+(the study's name, ``trials.jsonl``, the folder's lock, claims, resuming, what failures teach)
+is :mod:`autoshard.study`; optuna is imported only when a study runs, not by ``import autoshard``.
 
 The order is the estimator's: candidates predicted not to fit are never launched (recorded as
-PRUNED with the estimate's reason); the rest are tried fastest-predicted first (the step-time
-model, :mod:`autoshard.predict.speed`), and after each successful trial the model is calibrated
-on the measurements and the untried candidates re-ranked (:func:`reorder_remaining`; not when
-CPU processes stand in for GPUs). A candidate is skipped when a measured one dominates it:
+pruned with the estimate's reason); the rest are tried fastest-predicted first (the step-time
+model, re-ranked after each successful trial by the model calibrated on the measurements, unless
+CPU processes stand in for GPUs), and a candidate is skipped when a measured one dominates it:
 - same configuration with less checkpointing / no offload already ran fine: more recompute or
   offload can only cost time, so it cannot be faster;
 - same configuration at a smaller micro-batch already ran out of memory: a larger one will too.
+Errors and timeouts rule out the candidates that share the failing setting
+(:mod:`autoshard.study.lessons`).
 
-Resuming: every finished trial is in the storage with its full TrialResult, and is appended to
-``trials.jsonl`` as soon as it ends. Running the same command again skips finished candidates;
-a trial left RUNNING by a killed process is marked FAIL and tried again.
+Resuming: every finished trial is appended to ``trials.jsonl`` (fsync'd) and then stored in the
+study. Running the same command again skips finished candidates; a trial left running by a
+killed process is tried again. Changed settings (batch sizes, precisions, hardware, ...) name a
+new study: nothing measured under other settings is reused.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
-import optuna
-from optuna.distributions import CategoricalDistribution
-from optuna.trial import TrialState
-
-from autoshard.config import Candidate, Checkpointing, ProgressEvent, TuneOptions
+from autoshard.config import Candidate, Checkpointing, TuneOptions
 from autoshard.decide import decide_from_trials
-from autoshard.measure import speed_basis, throughput
+from autoshard.errors import StorageError, StudyNotice
+from autoshard.measure import speed_basis
 from autoshard.plan import Plan
 from autoshard.predict.calibrate import Calibration, reorder_untried
 from autoshard.predict.speed import SpeedFactors
-from autoshard.results import MemoryEstimate, Recommendation, Scored, TrialResult, TrialStatus
+from autoshard.results import MemoryEstimate, Recommendation, TrialResult, TrialStatus
 from autoshard.space import rank_candidates
+from autoshard.study.loop import run_trials
+from autoshard.study.settings import StudySettings
 from autoshard.trials.group import WorkerGroup
 from autoshard.ui.files import write_report
 
-RESULT_ATTR = "autoshard_result"
 # What a study leaves in its output folder (besides study.db and the workers' logs).
 STUDY_FILES = (
     "trials.jsonl", "recommendation.json", "report.json", "report.html", "lightning.yaml",
@@ -117,110 +117,65 @@ def trial_order(plan: Plan, device: str) -> list[MemoryEstimate]:
     return rank_candidates(plan.estimates)
 
 
-def study_name(plan: Plan) -> str:
-    """The same inputs give the same study name, so that the study resumes."""
-    request = plan.request
-    key = json.dumps(
-        [request.target.model_dump(mode="json"), request.hardware.model_dump(mode="json"),
-         plan.workload.model_dump(mode="json"), request.options.model_dump(mode="json")],
-        sort_keys=True,
-    )  # fmt: skip
-    return "autoshard-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+def _notice(line: str) -> None:
+    warnings.warn(line, StudyNotice, stacklevel=3)
 
 
 def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
-    """Run (or resume) the study of ``plan`` and return the fastest configuration that fits
+    """Run (or resume) the study of ``plan`` and return the best configuration that ran
     (:func:`autoshard.decide.decide_from_trials`)."""
     opts = options or TuneOptions()
     out_dir = Path(opts.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # Storage first (fast): a locked, unwritable or unreachable one fails in one line before a
+    # worker starts. optuna is imported here, where a study runs.
+    from autoshard.study.storage import open_store
+
+    notice = opts.on_notice or _notice
     hardware, workload = plan.hardware, plan.workload
-    group = WorkerGroup(
-        plan.request.target,
-        log_dir=out_dir / "workers",
-        nproc=opts.nproc or hardware.gpus_per_node,
-        nnodes=hardware.nodes,
-        rdzv_endpoint=opts.rdzv_endpoint,
-        trial_timeout=opts.trial_timeout,
-    )  # launched lazily, by the first trial
-    ranked = trial_order(plan, group.device)
-    by_label = {e.candidate.label(): e for e in ranked}
-    # Sorted, so that the distribution is the same whatever the order of trials (resuming).
-    distribution = CategoricalDistribution(sorted(by_label))
+    with open_store(out_dir, opts.storage, wait=opts.wait, notice=notice) as store:
+        group = WorkerGroup(
+            plan.request.target,
+            log_dir=out_dir / "workers",
+            nproc=opts.nproc or hardware.gpus_per_node,
+            nnodes=hardware.nodes,
+            rdzv_endpoint=opts.rdzv_endpoint,
+            trial_timeout=opts.trial_timeout,
+        )  # launched lazily, by the first trial
+        ranked = trial_order(plan, group.device)
+        request = plan.request.options
+        settings = StudySettings.of(
+            plan.request.target, hardware, workload, engine=request.engine,
+            precisions=request.precision, micro_batch_sizes=sorted({c.micro_batch_size
+            for c in plan.candidates}), memory_cap=opts.memory_cap,
+        )  # fmt: skip
+        store.open_study(settings, [c.label() for c in plan.candidates])
+        cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
 
-    optuna.logging.set_verbosity(logging.WARNING)
-    storage = opts.storage or f"sqlite:///{(out_dir / 'study.db').resolve()}"
-    study = optuna.create_study(
-        study_name=study_name(plan),
-        storage=storage,
-        direction="maximize",
-        load_if_exists=True,
-    )
-    _fail_stale_running(study)
-    done = _finished_results(study)
-    emit = opts.on_event or (lambda kind, scored: None)
-    for result in done.values():
-        emit(
-            ProgressEvent.RESUMED,
-            Scored(
-                candidate=result.candidate,
-                estimate=by_label.get(result.candidate.label()),
-                trial=result,
-            ),
-        )
+        def run(candidate: Candidate) -> TrialResult:
+            return group.run(
+                candidate, workload, warmup=opts.warmup, steps=opts.steps, memory_cap=cap,
+                target_spread=opts.target_spread, max_steps=opts.max_steps,
+                max_seconds=opts.max_seconds,
+            )  # fmt: skip
 
-    log = out_dir / "trials.jsonl"
-    cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
-    launched = sum(1 for r in done.values() if r.status is not TrialStatus.PRUNED)
-    queue = [e for e in ranked if e.candidate.label() not in done]
-    queue, _ = reorder_remaining(queue, list(done.values()), plan)  # resumed trials
-    with group:
-        while queue:
-            estimate = queue.pop(0)
-            label = estimate.candidate.label()
-            if not estimate.fits:
-                result = TrialResult(
-                    candidate=estimate.candidate, status=TrialStatus.PRUNED, error=estimate.reason
-                )
-                _record_pruned(study, distribution, label, result, estimate)
-            else:
-                if launched >= opts.trials:
-                    continue
-                if opts.skip_dominated and dominated_by(estimate.candidate, list(done.values())):
-                    continue
-                emit(ProgressEvent.START, Scored(candidate=estimate.candidate, estimate=estimate))
-                study.enqueue_trial({"candidate": label})
-                trial = study.ask({"candidate": distribution})
-                result = group.run(
-                    estimate.candidate,
-                    workload,
-                    warmup=opts.warmup,
-                    steps=opts.steps,
-                    memory_cap=cap,
-                    target_spread=opts.target_spread,
-                    max_steps=opts.max_steps,
-                    max_seconds=opts.max_seconds,
-                )
-                launched += 1
-                trial.set_user_attr(RESULT_ATTR, result.model_dump_json())
-                trial.set_user_attr("estimate", estimate.model_dump_json())
-                if result.status is TrialStatus.OK:
-                    study.tell(trial, throughput(result))
-                else:
-                    study.tell(trial, state=TrialState.FAIL)
-            done[label] = result
-            with log.open("a") as fh:
-                fh.write(result.model_dump_json() + "\n")
-            emit(
-                ProgressEvent.DONE,
-                Scored(candidate=estimate.candidate, estimate=estimate, trial=result),
+        def reorder(
+            untried: Sequence[MemoryEstimate], done: Sequence[TrialResult]
+        ) -> list[MemoryEstimate]:
+            return reorder_remaining(untried, done, plan)[0]
+
+        with _worker_files(out_dir), group:
+            results = run_trials(
+                store,
+                ranked,
+                run,
+                n_trials=opts.trials,
+                dominated=dominated_by if opts.skip_dominated else None,
+                emit=opts.on_event,
+                reorder=reorder,
             )
-            if result.status is TrialStatus.OK:
-                queue, _ = reorder_remaining(queue, list(done.values()), plan)
-
-    rec = decide_from_trials(plan, list(done.values()))
-    (out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
-    write_report(rec, out_dir, list(done.values()))
+        rec = decide_from_trials(plan, results)
+        rec = rec.model_copy(update={"study": store.name})
+        write_outputs(rec, out_dir, results)
     return rec
 
 
@@ -242,38 +197,28 @@ def reorder_remaining(
     return reorder_untried(queue, done, plan.speed.predict, plan.speed.prior)
 
 
-def _record_pruned(
-    study: optuna.Study,
-    distribution: CategoricalDistribution,
-    label: str,
-    result: TrialResult,
-    estimate: MemoryEstimate,
-) -> None:
-    study.add_trial(
-        optuna.trial.create_trial(
-            state=TrialState.PRUNED,
-            params={"candidate": label},
-            distributions={"candidate": distribution},
-            user_attrs={
-                RESULT_ATTR: result.model_dump_json(),
-                "estimate": estimate.model_dump_json(),
-            },
-        )
-    )
+@contextmanager
+def _worker_files(out_dir: Path) -> Iterator[None]:
+    """The worker group's requests, results and logs live in out_dir/workers: a disk that fills
+    or a folder that goes away mid-study is one line (the trial that was running had not
+    finished: the next run tries it again)."""
+    try:
+        yield
+    except OSError as exc:
+        raise StorageError(
+            f"{out_dir / 'workers'}: {exc.strerror or exc} while running a trial; free space or "
+            "fix the folder, then run the same command again to resume"
+        ) from None
 
 
-def _fail_stale_running(study: optuna.Study) -> None:
-    """A trial still RUNNING when the study opens was left by a killed process: its result was
-    never recorded, so it is marked FAIL and its candidate is tried again."""
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-
-
-def _finished_results(study: optuna.Study) -> dict[str, TrialResult]:
-    out: dict[str, TrialResult] = {}
-    for t in study.get_trials(deepcopy=False):
-        raw = t.user_attrs.get(RESULT_ATTR)
-        if raw and t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
-            result = TrialResult.model_validate_json(raw)
-            out[result.candidate.label()] = result
-    return out
+def write_outputs(rec: Recommendation, out_dir: Path, results: Sequence[TrialResult]) -> None:
+    """recommendation.json and the reports; a full disk or a lost folder is one line."""
+    try:
+        (out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
+        write_report(rec, out_dir, list(results))
+    except OSError as exc:
+        raise StorageError(
+            f"{out_dir}: cannot write the recommendation and reports ({exc.strerror or exc}); "
+            "the trials are recorded: free space or fix the folder, then run the same command "
+            "again to write them"
+        ) from None

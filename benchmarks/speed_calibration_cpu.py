@@ -7,7 +7,9 @@ CPU grid predicts the other nine within 25%. The CPU is the ``cpu-gloo`` catalog
 machine's one-thread matmul and copy rates, measured once); the grid is examples/gpt.py
 size=tiny on 2 gloo processes, varying sharding, wrap policy, checkpointing, micro-batch and
 precision. The trials run in the order the tuner would run them (fastest predicted by the
-uncalibrated model first), each timed until its median is known to 5% (or 40 steps); then
+uncalibrated model first), each timed until its median is known to 5% (or 40 steps), in CPU
+seconds of the processes as every CPU trial is (wall time on shared cores measures the other
+jobs' load); then
 the factors are fitted on the first three (:func:`autoshard.predict.calibrate.fit_factors`) and
 the other nine predicted. Also printed: the uncalibrated model's error, and the fit on all 12
 (how well the model's form can match this machine at best).
@@ -64,22 +66,16 @@ def main() -> None:
 
     from autoshard.analyze import analyze_target
     from autoshard.config import Candidate, Hardware, WorkloadSpec
-    from autoshard.predict.calibrate import Calibration, Point, fit_factors
-    from autoshard.predict.flops import profile_flops
-    from autoshard.predict.speed import SpeedFactors, default_factors, predict_speed, speed_for
-    from autoshard.results import SpeedEstimate
+    from autoshard.predict.calibrate import Calibration, Point, SpeedModel, fit_factors
+    from autoshard.predict.speed import SpeedFactors
     from autoshard.target.resolve import TargetSpec
 
     target = TargetSpec(spec=TARGET, kwargs={"size": "tiny"})
     workload = WorkloadSpec(seq_len=SEQ_LEN)
     hardware = Hardware(gpus_per_node=2, gpu_memory=8 * 2**30, backend="gloo")
     profile, built = analyze_target(target)
-    flops = profile_flops(built.model, profile, workload)
-    gpu, _ = speed_for(hardware)
-    prior = default_factors(gpu)
-
-    def predict(c: Candidate, factors: SpeedFactors) -> SpeedEstimate:
-        return predict_speed(profile, flops, c, hardware, workload, factors, gpu=gpu)
+    model = SpeedModel.build(profile, built.model, hardware, workload)
+    gpu, prior, predict = model.gpu, model.prior, model.predict
 
     blocks = profile.wrap_policy
     candidates = [
@@ -148,7 +144,9 @@ def main() -> None:
         f"bf16 {gpu.bf16_flops / 1e9:.0f} GFLOP/s, copy {gpu.hbm_bandwidth / 1e9:.1f} GB/s "
         "per process",
         f"trials in the tuner's order (fastest predicted first), at least {run['steps']} timed "
-        f"steps, until the median is known to 5%; {run['wall']:.0f} s in all; load average "
+        "steps, until the median is known to 5%, in CPU seconds of the rank processes (as every "
+        "CPU trial: wall time on shared cores measures the other jobs' load; the cpu-gloo "
+        f"rates are probed in CPU seconds too); {run['wall']:.0f} s in all; load average "
         f"{run['load_before']:.2f} before, {run['load_after']:.2f} after (2 cores, shared with "
         "other jobs)",
         "",

@@ -160,8 +160,16 @@ def peak_moments(
     ...     profile, Candidate(wrap_classes=profile.wrap_policy),
     ...     Hardware(gpus_per_node=8, gpu_memory=80 * 2**30), workload,
     ...     profile_activations(built.model, profile, workload))
-    >>> print(*moments, sep=", ")
-    loss, head backward, top block backward, bottom block backward, root backward, optimizer step
+    >>> for moment in moments:
+    ...     print(moment)
+    loss
+    head backward
+    top block backward
+    bottom block backward
+    root backward
+    optimizer step
+    top block gradient
+    bottom block gradient
     >>> host  # nothing offloaded
     0
     """

@@ -241,6 +241,22 @@ def _solve(
     return theta, cost
 
 
+def _best_addition(
+    points: Sequence[Point],
+    predict: Predict[F],
+    prior: F,
+    chosen: Sequence[str],
+    options: Sequence[tuple[str, ...]],
+    iterations: int,
+) -> tuple[tuple[str, ...], np.ndarray, float]:
+    """The option (factors to add) that fits best: (factors, log factors, cost). Options come
+    dominant-first; the first within 5% of the best wins."""
+    tries = [(added, *_solve(points, predict, prior, [*chosen, *added], iterations))
+             for added in options]  # fmt: skip
+    least = min(c for _, _, c in tries)
+    return next(x for x in tries if x[2] <= least * 1.05 + 1e-15)
+
+
 def fit_factors(
     points: Sequence[Point],
     predict: Predict[F],
@@ -255,7 +271,9 @@ def fit_factors(
     ``prior`` but NOT_FITTED). Factors are added one at a time (forward selection): each round
     adds the one that lowers the squared log error most (among near-equals, the dominant one),
     up to ``max(1, n - 1)`` factors, and stops when the next would lower it by less than a
-    fifth (the points cannot tell it from noise).
+    fifth (the points cannot tell it from noise). A round where no single factor helps tries
+    pairs: two terms can pull in opposite directions (faster compute and slower collectives
+    both, measured on 12 CPU trials), where either alone makes some points worse.
     """
     points = tuple(points)
     before = [math.exp(v) for v in _log_times(points, predict, prior)] if points else []
@@ -263,16 +281,17 @@ def fit_factors(
     chosen: list[str] = []
     theta = np.zeros(0)
     _, cost = _solve(points, predict, prior, chosen, iterations) if points else (theta, 0.0)
-    while pool and len(chosen) < max(1, len(points) - 1) and cost > 1e-12:
-        tries = [(name, *_solve(points, predict, prior, [*chosen, name], iterations))
-                 for name in pool]  # fmt: skip
-        least = min(c for _, _, c in tries)
-        # pool is dominant-first: the first within 5% of the best fit wins
-        name, t, c = next(x for x in tries if x[2] <= least * 1.05 + 1e-15)
+    limit = max(1, len(points) - 1)
+    while pool and len(chosen) < limit and cost > 1e-12:
+        step = _best_addition(points, predict, prior, chosen, [(n,) for n in pool], iterations)
+        if step[2] > 0.8 * cost and len(chosen) + 2 <= limit and len(pool) >= 2:
+            pairs = [(a, b) for i, a in enumerate(pool) for b in pool[i + 1 :]]
+            step = _best_addition(points, predict, prior, chosen, pairs, iterations)
+        added, t, c = step
         if c > 0.8 * cost:
             break
-        chosen.append(name)
-        pool.remove(name)
+        chosen.extend(added)
+        pool = [n for n in pool if n not in added]
         theta, cost = t, c
     factors = _with(prior, chosen, theta)
     after = [math.exp(v) for v in _log_times(points, predict, factors)]

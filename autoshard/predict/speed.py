@@ -152,11 +152,13 @@ def default_factors(gpu: GPUSpec) -> SpeedFactors:
     # Profiled here (torch.profiler, the tiny GPT's fp32 step on one thread, the machine
     # otherwise idle): its matrix products ran at 130 GFLOP/s against the 256 x 256 product's
     # 185, and torch's CPU AdamW streamed its 20 passes at 14 GB/s against a 54 GB/s copy.
-    # A 4 KB all-gather between 2 gloo processes took 1.2 ms, a 4 KB reduce-scatter 0.4 ms.
+    # A 4 KB all-gather between 2 gloo processes took 1.2 ms of wall time, a 4 KB
+    # reduce-scatter 0.4 ms; CPU trials time CPU seconds (autoshard.trials.worker.time_steps),
+    # and in those a 1 KB all-gather cost 0.075 ms.
     return SpeedFactors(
         compute_efficiency=0.7,
         memory_efficiency=0.25,
-        collective_latency_s=1e-3,
+        collective_latency_s=1e-4,
         overlap=0.0,
         op_overhead_s=_measure_cpu()[3],
     )
@@ -265,12 +267,15 @@ def _measure_cpu() -> tuple[float, float, float, float]:
     try:
 
         def rate(fn: object, work: float, repeats: int = 5) -> float:
+            # This thread's CPU seconds, as CPU trials time their steps: in wall seconds the
+            # machine's other jobs set the rates (a 32 MiB copy at 2.4 GB/s at load 8 on 2
+            # cores, 54 GB/s idle), and every prediction for CPU processes with them.
             best = math.inf
             for _ in range(repeats):
-                start = time.perf_counter()
+                start = time.thread_time()
                 fn()  # type: ignore[operator]
-                best = min(best, time.perf_counter() - start)
-            return work / best
+                best = min(best, time.thread_time() - start)
+            return work / max(best, 1e-9)
 
         n = 256
         a32, b32 = torch.randn(n, n), torch.randn(n, n)

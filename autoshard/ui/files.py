@@ -54,7 +54,8 @@ def write_report(
 
 def load_result(path: Path | str) -> tuple[Recommendation, list[TrialResult]]:
     """Read what ``tune`` or ``estimate`` wrote: an output folder (report.json, or
-    recommendation.json + trials.jsonl) or one of those JSON files."""
+    recommendation.json + the records of its study in trials.jsonl) or one of those JSON
+    files."""
     p = Path(path)
     if p.is_dir():
         for name in ("report.json", "recommendation.json"):
@@ -83,23 +84,18 @@ def _from_json(data: Any, p: Path) -> tuple[Recommendation, list[TrialResult]]:
         return rec, [TrialResult.model_validate(t) for t in data.get("trials", [])]
     if "chosen" in data and "profile" in data:
         rec = Recommendation.model_validate(data)
-        return rec, _read_trials(p.with_name("trials.jsonl"))
+        return rec, _read_trials(p.with_name("trials.jsonl"), rec.study)
     if "estimates" in data:
         return _from_estimates(data, p), []
     raise ResultError(f"{p}: not an autoshard result (from `tune` or `estimate --json`)")
 
 
-def _read_trials(path: Path) -> list[TrialResult]:
-    if not path.is_file():
-        return []
-    out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(TrialResult.model_validate_json(line))
-            except ValidationError:
-                raise ResultError(f"{path}:{n}: not a trial record") from None
-    return out
+def _read_trials(path: Path, study: str | None) -> list[TrialResult]:
+    """The recommendation's own trials: one folder may hold the records of several studies
+    (tuned again with other settings); a recommendation without a study name (older) reads all."""
+    from autoshard.study.journal import read_records
+
+    return read_records(path, study, error=ResultError)
 
 
 def _from_estimates(data: dict[str, Any], p: Path) -> Recommendation:

@@ -18,6 +18,7 @@ _STYLE = {
     TrialStatus.ERROR: "red",
     TrialStatus.TIMEOUT: "red",
     TrialStatus.PRUNED: "dim",
+    TrialStatus.SKIPPED: "dim",
 }
 
 
@@ -75,17 +76,17 @@ class StudyProgress:
         t = scored.trial
         if t is not None and t.status is TrialStatus.OK:
             self.best = max(self.best, t.tokens_per_s or t.samples_per_s or 0.0)
-        if kind is ProgressEvent.DONE and t is not None and t.status is not TrialStatus.PRUNED:
+        if kind == ProgressEvent.DONE and t is not None and t.status.launched:
             self.bar.advance(self.task)
         if self.live is not None:
             self.live.update(self._render())
         elif (
             kind in (ProgressEvent.DONE, ProgressEvent.RESUMED)
             and t is not None
-            and t.status is not TrialStatus.PRUNED
+            and t.status.launched
         ):
             cells = _row(scored, self.best)
-            prefix = "resumed " if kind is ProgressEvent.RESUMED else ""
+            prefix = "resumed " if kind == ProgressEvent.RESUMED else ""
             self.console.print(
                 f"{prefix}trial: " + "  ".join(c for c in cells if c), highlight=False
             )

@@ -36,6 +36,7 @@ STATUS_COLOURS = {
     TrialStatus.ERROR: "#c62828",
     TrialStatus.TIMEOUT: "#c62828",
     TrialStatus.PRUNED: "#757575",
+    TrialStatus.SKIPPED: "#9e9e9e",
 }
 
 
@@ -194,7 +195,7 @@ def print_summary(
                 "" if ok or kind == "chosen" else why_ruled_out(s)[:60],
             )
         console.print(alt)
-    n = sum(1 for t in trials_of(rec, trials) if t.status is not TrialStatus.PRUNED)
+    n = sum(1 for t in trials_of(rec, trials) if t.status.launched)
     if n:
         console.print(f"[dim]{n} trials ran; see report.html for charts[/]")
 
