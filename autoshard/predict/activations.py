@@ -60,6 +60,11 @@ class ActivationProfile(BaseModel):
     loss_bytes: int = Field(
         0, description="The loss's fp32 log-probabilities, per sample (fp32 at every precision)."
     )
+    loss_in_forward: bool = Field(
+        False,
+        description="The model computes its loss in forward (a Hugging Face model given "
+        "labels): the loss's saved tensors are counted in loss_bytes, not other_bytes.",
+    )
     measured: bool = Field(True, description="False when the fake forward failed (estimated).")
     note: str = ""
     others: tuple[ActivationProfile, ...] = Field(
@@ -329,9 +334,15 @@ def _profile_once(
             out = forward(model, batch)
         logits = getattr(out, "logits", out)
         loss = 0
+        in_forward = False
         if isinstance(logits, torch.Tensor) and logits.requires_grad:
             # the loss saves the log-probabilities of the logits, in fp32 even under autocast
             loss = logits.numel() * 4
+            in_forward = isinstance(getattr(out, "loss", None), torch.Tensor)
+            if in_forward:
+                # The model computed its loss in forward (a Hugging Face model given labels):
+                # what the loss saved is counted outside the blocks already; it is the loss's.
+                other = max(0, other - loss)
     return ActivationProfile(
         seq_len=seq,
         precision=precision,
@@ -339,6 +350,7 @@ def _profile_once(
         block_input_bytes=tuple(inputs[: len(blocks)]),
         other_bytes=other,
         loss_bytes=loss,
+        loss_in_forward=in_forward,
         note=note,
     )
 

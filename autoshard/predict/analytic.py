@@ -107,6 +107,11 @@ def activation_bytes(candidate: Candidate, acts: ActivationProfile) -> tuple[int
     return int((saved + acts.other_bytes) * scale) + loss, int(recompute * scale)
 
 
+def resharded_sharding(candidate: Candidate) -> bool:
+    """Whether the candidate's units are freed after forward and gathered again in backward."""
+    return candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+
+
 def kept_after_forward(candidate: Candidate, root: int, unit: int) -> int:
     """Parameters an FSDP2 candidate keeps gathered from forward into backward, by its reshard
     policy (:func:`autoshard.sharding.reshard_after_forward`): the root unit and, with
@@ -298,10 +303,27 @@ def peak_moments(
     # gradients are set to None after each step, so backward starts without any.
     # 0. The loss, at the end of forward: every activation saved; the logits, their shifted
     #    copy (or fp32 cast) and the log-probabilities alive together.
+    #    A model that computes its loss in forward (a Hugging Face model given labels) has the
+    #    root's backward hooks on the loss itself: the root is gathered and the last block
+    #    prefetched before the loss's backward, beside its temporaries (simulated).
+    early = acts.loss_in_forward and wrapped and resharded_sharding(candidate)
     loss_moment = MemoryBreakdown(
         sharded_params=sharded,
-        unsharded_params=after_forward,
+        unsharded_params=(
+            (
+                root
+                + (
+                    unit
+                    if candidate.engine is Engine.FSDP1
+                    else kept_after_forward(candidate, 0, unit)
+                )
+            )
+            * cb
+            if early
+            else after_forward
+        ),
         optimizer=optimizer,
+        comm_buffers=gather if early else 0,
         activations=saved,
         temporaries=2 * logits,
         buffers=profile.buffer_bytes,
@@ -332,11 +354,12 @@ def peak_moments(
     if not wrapped:  # the one unit stays gathered through backward
         top_block = head.model_copy(update={"temporaries": block_backward})
     elif resharded:
-        # The root is resharded once the head's backward is done (torch 2.13, measured on fake
-        # tensors): the blocks run without the root gathered or its gradient unsharded.
+        # The block being computed, the next one gathering into its all-gather buffer, and the
+        # root, gathered from the head's backward until its own at the very end (torch 2.13,
+        # simulated: FSDP2 holds the root and one block unsharded during the blocks' backward).
         top_block = head.model_copy(
             update={
-                "unsharded_params": unsharded - root * cb,
+                "unsharded_params": (unit + root) * cb,
                 "temporaries": block_backward,
             }
         )
@@ -354,11 +377,15 @@ def peak_moments(
     # 3. The bottom block's backward: the other blocks' activations are freed and their
     #    gradients reduced into shards; the root (the embedding) is prefetched in place of a
     #    next block. (SHARD_GRAD_OP holds everything all along: the top block is worse.)
+    blocks = max(profile.block_count, 1)
     bottom_block = top_block.model_copy(
         update={
             "unsharded_params": (unit + root) * cb,
-            "gradients": block_grads,
+            # every block's gradient in shards but its own
+            "gradients": block_grads * (blocks - 1) // blocks,
             "activations": first_block_bytes(candidate, acts),
+            # the block above's reduce-scatter; nothing left to prefetch (the root is gathered)
+            "comm_buffers": comm - gather if wrapped else comm,
         }
     )
     if candidate.engine is Engine.FSDP1 and resharded:
@@ -367,7 +394,6 @@ def peak_moments(
         # gradients flow through views of the flat parameter), after its temporaries are freed
         # (the block gradient moments). The worst block but the top is the second: its own
         # unit, the first prefetched (simulated, torch 2.13).
-        blocks = max(profile.block_count, 1)
         top_block = top_block.model_copy(update={"unsharded_params": unsharded, "comm_buffers": 0})
         bottom_block = bottom_block.model_copy(
             update={
