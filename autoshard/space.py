@@ -16,10 +16,10 @@ from autoshard.config import (
     Engine,
     Hardware,
     Precision,
+    RankOrder,
     Sharding,
     WorkloadSpec,
 )
-from autoshard.errors import ConfigError
 from autoshard.results import MemoryEstimate, ModelProfile
 
 
@@ -135,54 +135,26 @@ def enumerate_candidates(
     return out
 
 
-# Expected relative step time of each choice (lower is faster), from the Lightning FSDP guide's
-# recipe and common measurements; used only to order trials, never to choose.
-_SHARDING_COST = {
-    Sharding.NO_SHARD: 1.0,
-    Sharding.SHARD_GRAD_OP: 1.05,
-    Sharding.HYBRID_SHARD: 1.1,
-    Sharding.FULL_SHARD: 1.15,
-}
-_CKPT_COST = {Checkpointing.NONE: 1.0, Checkpointing.EVERY_K: 1.15, Checkpointing.ALL: 1.33}
-
-
-def expected_cost(candidate: Candidate, device: str = "cuda") -> float:
-    """Expected time per sample, relative: the ordering heuristic of the search.
-
-    On GPUs, 16-bit compute is about twice as fast as fp32 (tensor cores); on CPUs without
-    bf16 matrix units it is the other way round (measured here: 3-4x slower), so CPU trials
-    try fp32 first."""
-    cost = _SHARDING_COST[candidate.sharding]
-    if candidate.one_unit:
-        # One unit has the fewest collectives but overlaps none of them with compute: on GPUs
-        # the guide's per-block units win for all but small models, so it is tried after them.
-        # On CPU workers (gloo, no overlap to lose) it measured fastest (tune_cpu.md).
-        cost *= 0.9 if device == "cpu" else 1.1
-    cost *= _CKPT_COST[candidate.checkpointing]
-    cost *= 3.0 if candidate.cpu_offload else 1.0
-    low_precision = candidate.precision is not Precision.FP32
-    cost *= 2.0 if low_precision == (device == "cpu") else 1.0
-    return cost / candidate.micro_batch_size**0.3
-
-
-RANK_ORDERS = ("speed", "headroom")
-
-
-def check_rank_order(by: str, name: str = "by") -> None:
-    """One line naming the bad order and the good ones (``name``: how the caller spells it)."""
-    if by not in RANK_ORDERS:
-        raise ConfigError(f"{name} {by}: give one of {', '.join(RANK_ORDERS)}")
+def predicted_rate(estimate: MemoryEstimate) -> float:
+    """Predicted samples/s of all ranks (0 where the step-time model made no prediction)."""
+    return estimate.speed.samples_per_s if estimate.speed is not None else 0.0
 
 
 def rank_candidates(
-    estimates: Sequence[MemoryEstimate], device: str = "cuda", by: str = "speed"
+    estimates: Sequence[MemoryEstimate], by: RankOrder | str = RankOrder.SPEED
 ) -> list[MemoryEstimate]:
-    """Fitting candidates first: fastest expected first (on ``device``), or with ``by="headroom"``
-    the most headroom first; then the rest by overshoot."""
-    check_rank_order(by)
-    fits = sorted(
-        (e for e in estimates if e.fits),
-        key=lambda e: -e.headroom if by == "headroom" else expected_cost(e.candidate, device),
-    )
+    """Fitting candidates first: the fastest predicted by the step-time model first (equal
+    predictions: more headroom first), or with ``by="headroom"`` the most headroom first; then
+    the rest by how far they overshoot.
+
+    One order for every door: ``recommend``, ``estimate``, export and the study's trial order."""
+    order = RankOrder(by)
+
+    def key(e: MemoryEstimate) -> tuple[float, float]:
+        if order is RankOrder.HEADROOM:
+            return (-e.headroom, 0.0)
+        return (-predicted_rate(e), -e.headroom)
+
+    fits = sorted((e for e in estimates if e.fits), key=key)
     rest = sorted((e for e in estimates if not e.fits), key=lambda e: -e.headroom)
     return fits + rest

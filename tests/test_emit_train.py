@@ -21,12 +21,12 @@ def train(rec_path: str, steps: int = 4) -> dict[str, object]:
     import gpt
     import torch
     import torch.nn.functional as F
-    from autoshard.emit.runtime.runtime import apply_checkpointing
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from autoshard.config import Engine
+    from autoshard.emit.runtime import apply_checkpointing
     from autoshard.results import Recommendation
 
     rec = Recommendation.model_validate_json(Path(rec_path).read_text())

@@ -209,7 +209,8 @@ def test_estimate_in_code_and_on_the_command_line_with_simulation(cli, tmp_path)
     code, out, err = cli("export", path, "--format", "lightning")
     assert code == 0, err
     strategy = yaml.safe_load(out)["trainer"]["strategy"]
-    assert strategy["init_args"]["auto_wrap_policy"] == ["gpt.Block"]
+    chosen = data["recommendation"]["chosen"]["candidate"]  # export writes the decision
+    assert strategy["init_args"].get("auto_wrap_policy", []) == chosen["wrap_classes"]
 
     code, _, err = cli("estimate", target, "--arg", "size=tiny", "--simulate", "-1")
     assert code == 1 and "--simulate -1" in err

@@ -919,10 +919,14 @@ def test_a_full_disk_under_the_worker_group_is_one_line(tmp_path: Path, monkeypa
         def run(self, *args, **kwargs) -> TrialResult:
             raise OSError(errno.ENOSPC, "No space left on device")
 
+    import autoshard
+
     monkeypatch.setattr(search, "WorkerGroup", FullDiskGroup)
-    options = search.TuneOptions(out_dir=tmp_path, n_trials=2, on_notice=lambda _: None)
     with pytest.raises(StorageError) as info:
-        search.tune(TARGET, HARDWARE, WorkloadSpec(seq_len=8), options)
+        autoshard.tune(
+            TARGET, gpus=2, gpu="cpu-gloo", gpu_memory="4GiB", seq_len=8, batch_size=1,
+            out_dir=tmp_path, trials=2, on_notice=lambda _: None,
+        )  # fmt: skip
     text = str(info.value)
     assert "No space left on device while running a trial" in text and "\n" not in text
     assert journal(tmp_path) == [] or all(not r.status.launched for r in journal(tmp_path))

@@ -7,7 +7,8 @@ was made and by which version.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -18,11 +19,19 @@ from autoshard.emit.runtime import (
     trainer_kwargs,
 )
 from autoshard.errors import ConfigError
-from autoshard.results import Recommendation
 from autoshard.units import format_bytes
 
-Format = Literal["lightning", "accelerate", "json"]
-FORMATS: tuple[str, ...] = ("lightning", "accelerate", "json")
+if TYPE_CHECKING:  # annotations only: results imports emit (lazily), not the reverse
+    from autoshard.results import Recommendation
+
+
+class ExportFormat(str, Enum):
+    """What ``autoshard export --format`` and ``Recommendation.to_yaml`` write."""
+
+    LIGHTNING = "lightning"  # Lightning CLI YAML (trainer.strategy + precision, devices, ...)
+    ACCELERATE = "accelerate"  # accelerate config YAML with fsdp_config
+    JSON = "json"  # the Recommendation itself
+
 
 _ACCELERATE_PRECISION = {
     Precision.FP32: "no",
@@ -214,14 +223,17 @@ def to_json(rec: Recommendation) -> str:
     return json.dumps(rec.model_dump(mode="json"), indent=2) + "\n"
 
 
-def render(rec: Recommendation, fmt: str) -> str:
+def render(rec: Recommendation, fmt: ExportFormat | str) -> str:
     """The recommendation in ``fmt``: lightning, accelerate or json."""
-    match fmt:
-        case "lightning":
+    try:
+        kind = ExportFormat(fmt)
+    except ValueError:
+        choices = ", ".join(f.value for f in ExportFormat)
+        raise ConfigError(f"--format {fmt}: choose one of {choices}") from None
+    match kind:
+        case ExportFormat.LIGHTNING:
             return lightning_cli_yaml(rec)
-        case "accelerate":
+        case ExportFormat.ACCELERATE:
             return accelerate_yaml(rec)
-        case "json":
+        case ExportFormat.JSON:
             return to_json(rec)
-        case _:
-            raise ConfigError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")

@@ -25,13 +25,14 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
-from autoshard.config import Candidate
+from autoshard.config import Candidate, ProgressEvent
 from autoshard.results import MemoryEstimate, Scored, TrialResult, TrialStatus
 from autoshard.study.lessons import Lessons, learn, probe_order
 from autoshard.study.view import StudyView, Ticket, identity
 
-Emit = Callable[[str, Scored], None]
+Emit = Callable[[ProgressEvent, Scored], None]
 Dominated = Callable[[Candidate, Sequence[TrialResult]], TrialResult | None]
+Reorder = Callable[[Sequence[MemoryEstimate], Sequence[TrialResult]], list[MemoryEstimate]]
 WAIT_S = 2.0  # how often a driver with nothing to claim looks again while others run trials
 
 
@@ -60,6 +61,7 @@ def run_trials(
     dominated: Dominated | None = None,
     emit: Emit | None = None,
     wait_s: float = WAIT_S,
+    reorder: Reorder | None = None,
 ) -> list[TrialResult]:
     """Run the study (see the module docstring); returns the result that settles each
     candidate, every driver's, in the order the storage recorded them."""
@@ -68,7 +70,7 @@ def run_trials(
     candidates = [e.candidate for e in ranked]
     seen: set[tuple[str, str]] = set()
 
-    def announce(view: StudyView, kind: str) -> None:
+    def announce(view: StudyView, kind: ProgressEvent) -> None:
         for result in view.settled().values():
             if identity(result) not in seen:
                 seen.add(identity(result))
@@ -79,10 +81,10 @@ def run_trials(
         with store.turn() as view:
             if first:
                 _record_pruned(store, ranked, view)
-                announce(view, "resumed")
+                announce(view, ProgressEvent.RESUMED)
                 first = False
             else:
-                announce(view, "done")  # other drivers' trials
+                announce(view, ProgressEvent.DONE)  # other drivers' trials
             settled = view.settled()
             untried = {
                 label
@@ -96,8 +98,10 @@ def run_trials(
                 )
                 store.record(skipped, by_label[label].model_dump_json())
                 view.add(skipped)
-            announce(view, "done")
-            choice = _pick(view, ranked, candidates, lessons, n_trials, dominated)
+            announce(view, ProgressEvent.DONE)
+            # The order to try the rest in, after what was measured (a calibrated speed model).
+            order = reorder(ranked, list(settled.values())) if reorder else ranked
+            choice = _pick(view, order, candidates, lessons, n_trials, dominated)
             ticket = None
             if choice is not None:
                 ticket = store.start(choice.candidate.label(), choice.model_dump_json())
@@ -106,7 +110,7 @@ def run_trials(
         if choice is None or ticket is None:
             time.sleep(wait_s)
             continue
-        tell("start", Scored(candidate=choice.candidate, estimate=choice))
+        tell(ProgressEvent.START, Scored(candidate=choice.candidate, estimate=choice))
         try:
             result = run(choice.candidate)
         except BaseException:
@@ -114,7 +118,7 @@ def run_trials(
             raise
         store.finish(ticket, result)
         seen.add(identity(result))
-        tell("done", _scored(result, by_label))
+        tell(ProgressEvent.DONE, _scored(result, by_label))
     return list(store.view().settled().values())
 
 

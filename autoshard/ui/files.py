@@ -14,10 +14,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from autoshard.errors import AutoshardError, ResultError
-from autoshard.results import MemoryEstimate, Recommendation, Scored, TrialResult
+from autoshard.results import Recommendation, TrialResult
 from autoshard.ui.html import render_html
 from autoshard.ui.report import report_data
-from autoshard.units import format_bytes
 
 # ---------------------------------------------------------------------------------------------
 # Files
@@ -100,30 +99,13 @@ def _read_trials(path: Path, study: str | None) -> list[TrialResult]:
 
 
 def _from_estimates(data: dict[str, Any], p: Path) -> Recommendation:
-    """``estimate --json``: the fastest-expected candidate that fits (the list is ranked)."""
-    from autoshard.config import Hardware, WorkloadSpec
-    from autoshard.results import ModelProfile
-
-    if "profile" not in data:
+    """``estimate --json``: the pipeline's decision that it carries (the same as ``recommend()``
+    for the same inputs); never a choice made here."""
+    if "recommendation" not in data:
         raise ResultError(
-            f"{p}: this estimate JSON has no model profile; re-run `autoshard estimate --json` "
-            "with this version, or export from a `tune` output folder"
+            f"{p}: this estimate JSON carries no recommendation (written by an older "
+            "autoshard); run `autoshard estimate --json` again"
         )
-    estimates = [MemoryEstimate.model_validate(e) for e in data["estimates"]]
-    fitting = [e for e in estimates if e.fits]
-    if not fitting:
+    if data["recommendation"] is None:
         raise ResultError(f"{p}: no candidate fits in this estimate; nothing to export")
-    best = fitting[0]
-    return Recommendation(
-        profile=ModelProfile.model_validate(data["profile"]),
-        hardware=Hardware.model_validate(data["hardware"]),
-        workload=WorkloadSpec.model_validate(data["workload"]),
-        chosen=Scored(candidate=best.candidate, estimate=best),
-        runners_up=tuple(Scored(candidate=e.candidate, estimate=e) for e in fitting[1:4]),
-        ruled_out=tuple(Scored(candidate=e.candidate, estimate=e) for e in estimates if not e.fits),
-        basis="estimate",
-        reasons=(
-            f"fastest expected of {len(fitting)} candidates predicted to fit "
-            f"({format_bytes(best.gpu_peak)} per rank)",
-        ),
-    )
+    return Recommendation.model_validate(data["recommendation"])
