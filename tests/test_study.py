@@ -930,3 +930,20 @@ def test_a_full_disk_under_the_worker_group_is_one_line(tmp_path: Path, monkeypa
     text = str(info.value)
     assert "No space left on device while running a trial" in text and "\n" not in text
     assert journal(tmp_path) == [] or all(not r.status.launched for r in journal(tmp_path))
+
+
+def test_hangs_are_one_failure_whatever_their_message_says() -> None:
+    # A timeout's detail is the workers' last log line, e.g. an earlier trial's error (seen in
+    # benchmarks/faults_study.py): two hangs still teach together.
+    cands = space()
+    a, b = [c for c in cands if c.micro_batch_size == 4 and c.precision.value == "32-true"][:2]
+    hangs = [
+        TrialResult(candidate=a, status="timeout", error="no result after 15.1 s; killed"),
+        TrialResult(
+            candidate=b, status="timeout", error="no result after 15.0 s; killed: RuntimeError: x"
+        ),
+    ]
+    ok = TrialResult(candidate=cands[0], status="ok")  # 32-true, micro-batch 1
+    untried = {c.label() for c in cands} - {a.label(), b.label(), ok.candidate.label()}
+    ruled = learn(cands, [*hangs, ok], untried).ruled_out
+    assert any("micro-batch >= 4" in why for why in ruled.values()), ruled

@@ -71,7 +71,10 @@ def properties(candidate: Candidate) -> dict[str, str]:
 
 def signature(result: TrialResult) -> str:
     """The failure with its numbers blanked out: the same error at another step, rank, address
-    or size is the same error."""
+    or size is the same error. Every hang is the same failure: its message's detail is whatever
+    the workers' log said last (an earlier trial's error, a warning), not why it hung."""
+    if result.status is TrialStatus.TIMEOUT:
+        return TrialStatus.TIMEOUT.value
     text = re.sub(r"0x[0-9a-fA-F]+|\d+(\.\d+)?", "#", (result.error or "").lower())
     return f"{result.status.value}: {' '.join(text.split())[:240]}"
 
