@@ -27,6 +27,7 @@ from pathlib import Path
 import autoshard
 from autoshard.config import Candidate, Precision, WorkloadSpec
 from autoshard.results import TrialStatus
+from autoshard.study.journal import read_records
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.group import WorkerGroup, default_nproc
 
@@ -50,12 +51,8 @@ def run(skip_dominated: bool, n_trials: int, out: Path, target: TargetSpec, seq:
         memory_cap=None if device == "cuda" else 8 * 1024**3,
     )  # fmt: skip
     wall = time.perf_counter() - start
-    from autoshard.results import TrialResult
 
-    trials = [
-        TrialResult.model_validate_json(line)
-        for line in (out / "trials.jsonl").read_text().splitlines()
-    ]
+    trials = read_records(out / "trials.jsonl")
     launched = [t for t in trials if t.status is not TrialStatus.PRUNED]
     return rec, launched, wall
 

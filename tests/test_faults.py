@@ -20,6 +20,7 @@ import pytest
 
 from autoshard.config import Candidate, WorkloadSpec
 from autoshard.results import TrialResult, TrialStatus
+from autoshard.study.journal import read_records
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.group import WorkerGroup
 
@@ -79,8 +80,7 @@ def timed_lines(stream) -> list[tuple[float, str]]:
 
 def read_trials(out: Path) -> list[TrialResult]:
     log = out / "trials.jsonl"
-    lines = log.read_text().splitlines() if log.exists() else []
-    return [TrialResult.model_validate_json(line) for line in lines]
+    return list(read_records(log)) if log.exists() else []
 
 
 # --------------------------------------------------------------------------------------------
