@@ -88,7 +88,7 @@ def describe_reshard(c: Candidate) -> str:
 
     >>> from autoshard import Candidate
     >>> describe_reshard(Candidate(engine="fsdp2", wrap_classes=("gpt.Block",),
-    ...                            reshard="keep_root"))[:62]
+    ...                            reshard="keep_root"))[:63]
     'reshard policy keep_root: the root stays gathered after forward'
     """
     if c.engine is not Engine.FSDP2:
