@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from torch import nn
 
@@ -104,6 +105,7 @@ def analyze_model(
     block_modules = [m for m in model.modules() if class_path(type(m)) in block_set]
     in_blocks = _union_size(block_modules)
     block_params = max((params_of[id(m)][1] for m in block_modules), default=0)
+    frozen = _frozen_split(model, block_modules)
 
     warnings = list(extra_warnings)
     wrap_min: int | None = None
@@ -157,6 +159,10 @@ def analyze_model(
         model_class=class_path(type(model)),
         total_params=total,
         trainable_params=trainable,
+        frozen_params=total - trainable,
+        root_frozen_params=frozen.root,
+        block_frozen_params=frozen.block,
+        frozen_blocks=frozen.blocks,
         param_bytes=param_bytes,
         buffer_bytes=buffer_bytes,
         param_dtype=dtypes.most_common(1)[0][0] if dtypes else "float32",
@@ -180,6 +186,33 @@ def analyze_model(
         warnings=tuple(warnings),
         seconds=time.perf_counter() - start,
     )
+
+
+class _Frozen(NamedTuple):
+    root: int  # frozen parameters outside the blocks
+    block: int  # frozen parameters of the largest block that trains
+    blocks: int  # blocks with no trainable parameter
+
+
+def _frozen_split(model: nn.Module, block_modules: list[nn.Module]) -> _Frozen:
+    """Where the frozen parameters (``requires_grad=False``) are: what FSDP1's flat gradients
+    and FSDP2's per-parameter gradients depend on."""
+    in_blocks: set[int] = set()
+    largest: tuple[int, int] = (-1, 0)  # (params, frozen) of the largest training block
+    frozen_blocks = 0
+    for block in block_modules:
+        params = list(block.parameters())
+        in_blocks.update(id(p) for p in params)
+        frozen = sum(p.numel() for p in params if not p.requires_grad)
+        size = sum(p.numel() for p in params)
+        if frozen == size:
+            frozen_blocks += 1
+        elif size > largest[0]:
+            largest = (size, frozen)
+    root = sum(
+        p.numel() for p in model.parameters() if not p.requires_grad and id(p) not in in_blocks
+    )
+    return _Frozen(root=root, block=largest[1], blocks=frozen_blocks)
 
 
 def _find_tied(model: nn.Module) -> list[TiedGroup]:
@@ -216,11 +249,12 @@ def _unique_params_per_module(model: nn.Module) -> dict[int, tuple[set[int], int
     return out
 
 
-def _union_size(modules: Iterable[nn.Module]) -> int:
+def _union_size(modules: Iterable[nn.Module], *, frozen_only: bool = False) -> int:
     seen: dict[int, int] = {}
     for m in modules:
         for p in m.parameters():
-            seen[id(p)] = p.numel()
+            if not (frozen_only and p.requires_grad):
+                seen[id(p)] = p.numel()
     return sum(seen.values())
 
 
@@ -244,6 +278,7 @@ def _class_stats(
                 params_each=max(sizes),
                 params_smallest=min(sizes) if min(sizes) != max(sizes) else None,
                 params_total=union,
+                frozen_total=_union_size(mods, frozen_only=True),
                 share=union / total if total else 0.0,
             )
         )

@@ -213,5 +213,10 @@ def tune(
     opts = options_from(PlanOptions, plan_values)
     tune_opts = options_from(TuneOptions, tune_values)
     out_dir = Path(tune_opts.out_dir)
+    from autoshard.study.storage import check_storage, prepare_out
+
+    prepare_out(out_dir)  # a bad folder or storage is one error before the analysis
+    if tune_opts.storage:
+        check_storage(tune_opts.storage)
     request = make_request(model, opts, kwargs=kwargs, batch=batch, out_dir=out_dir, trials=True)
     return run_study(make_plan(request), tune_opts)

@@ -26,6 +26,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from pydantic import BaseModel
 from rich.console import Console
+from rich.markup import escape
 
 from autoshard.config import RankOrder, TuneOptions
 from autoshard.errors import AutoshardError, ConfigError
@@ -123,7 +124,9 @@ def _run(fn: Callable[[], T], debug: bool) -> T:
     except AutoshardError as exc:
         if debug:
             raise
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(
+            f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True
+        )
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         if debug:
@@ -143,7 +146,7 @@ def _print_json(data: Any) -> None:
 # Flags spelled otherwise than their field, for the commands' history and brevity.
 FLAG_NAMES = {"out_dir": "--out", "batch_size": "--batch-size"}
 # Fields that are not flags (set by code, not by people).
-NOT_FLAGS = {"on_event", "memory_cap", "skip_dominated", "nproc"}
+NOT_FLAGS = {"on_event", "on_notice", "memory_cap", "skip_dominated", "nproc"}
 
 
 def _flag(name: str) -> str:
@@ -179,6 +182,19 @@ def option_parameters(
     out = []
     for name, field in model.model_fields.items():
         if name in skip:
+            continue
+        if field.annotation in (bool, "bool"):
+            out.append(
+                inspect.Parameter(
+                    name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=None,
+                    annotation=Annotated[
+                        bool | None,
+                        typer.Option(_flag(name), help=_help(field), show_default=False),
+                    ],
+                )
+            )
             continue
         out.append(
             inspect.Parameter(
@@ -373,11 +389,23 @@ def tune(
                 rdzv_endpoint=tune_opts.rdzv_endpoint,
             ).serve()
             return
+        from autoshard.study.storage import check_storage, prepare_out
+
+        # The storage first (fast): a bad --out or --storage is one line before the analysis.
+        prepare_out(out)
+        if tune_opts.storage:
+            check_storage(tune_opts.storage)
         request = make_request(target, opts, kwargs=kwargs, out_dir=out, trials=True)
         plan = make_plan(request)
         progress_console = err_console if as_json else console
+
+        def notice(line: str) -> None:
+            err_console.print(f"[yellow]note:[/] {escape(line)}", highlight=False, soft_wrap=True)
+
         with StudyProgress(progress_console, total=tune_opts.trials) as progress:
-            rec = run_study(plan, tune_opts.model_copy(update={"on_event": progress}))
+            rec = run_study(
+                plan, tune_opts.model_copy(update={"on_event": progress, "on_notice": notice})
+            )
         if as_json:
             sys.stdout.write(rec.model_dump_json(indent=2) + "\n")
         else:

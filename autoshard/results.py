@@ -34,6 +34,9 @@ class ClassStat(Frozen):
     params_total: int = Field(
         ..., description="Unique parameters under all instances (nested instances counted once)."
     )
+    frozen_total: int = Field(
+        0, description="Of params_total, the frozen ones (requires_grad=False)."
+    )
     share: float = Field(..., description="params_total / total parameters of the model.")
 
 
@@ -74,6 +77,18 @@ class ModelProfile(Frozen):
     model_class: str = Field(..., description="Class path of the root module.")
     total_params: int = Field(..., description="Unique parameters (tied ones once).")
     trainable_params: int
+    frozen_params: int = Field(
+        0, description="Parameters with requires_grad=False: no gradient, no optimizer state."
+    )
+    root_frozen_params: int = Field(
+        0, description="Frozen parameters outside the repeated blocks (in the root unit)."
+    )
+    block_frozen_params: int = Field(
+        0, description="Frozen parameters of the largest block that has trainable ones."
+    )
+    frozen_blocks: int = Field(
+        0, description="Blocks with no trainable parameter (LoRA: usually none; they all adapt)."
+    )
     param_bytes: int = Field(..., description="Bytes of the parameters in their built dtype.")
     buffer_bytes: int = Field(0, description="Bytes of registered buffers.")
     param_dtype: str = Field("float32", description="Most common parameter dtype.")

@@ -27,9 +27,11 @@ from autoshard.config import (
     Checkpointing,
     Engine,
     Hardware,
+    Loop,
     Optimizer,
     OptimizerImpl,
     Precision,
+    Reshard,
     Sharding,
     WorkloadSpec,
 )
@@ -136,6 +138,43 @@ def first_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
     return int((first + acts.other_bytes) * scale)
 
 
+OPTIMIZER_STATES = {Optimizer.ADAMW: 2, Optimizer.ADAM: 2, Optimizer.SGD: 1}
+
+
+def gradient_params(profile: ModelProfile, candidate: Candidate) -> tuple[int, int, int]:
+    """The parameters that carry a gradient: (all, the root unit's, the largest block unit's).
+
+    Frozen parameters (``requires_grad=False``) carry none under FSDP2, whose gradients are per
+    parameter. FSDP1 flattens each unit into one parameter whose gradient covers the whole unit
+    as soon as one of its parameters trains (``use_orig_params=True`` allows mixing; frozen
+    entries are zero-filled): a unit gets a gradient of its full size or none (measured on fake
+    tensors: a frozen embedding in the root unit keeps the root's whole gradient)."""
+    params = profile.total_params
+    wrapped = not candidate.one_unit
+    root = profile.root_unit_params if wrapped else params
+    unit = max(profile.block_params, 1) if wrapped else 0
+    if candidate.engine is Engine.FSDP2:
+        root_frozen = profile.root_frozen_params if wrapped else profile.frozen_params
+        return (
+            profile.trainable_params,
+            max(0, root - root_frozen),
+            max(0, unit - profile.block_frozen_params) if wrapped else 0,
+        )
+    if not wrapped:
+        return (
+            (params if profile.trainable_params else 0),
+            (root if profile.trainable_params else 0),
+            0,
+        )
+    trained_root = root if root > profile.root_frozen_params else 0
+    blocks = max(profile.block_count, 1)
+    trained_blocks = (params - root) * (blocks - profile.frozen_blocks) // blocks
+    trained_unit = (
+        unit if profile.frozen_blocks < profile.block_count or not profile.block_count else 0
+    )
+    return trained_root + trained_blocks, trained_root, trained_unit
+
+
 def peak_moments(
     profile: ModelProfile,
     candidate: Candidate,
@@ -165,6 +204,9 @@ def peak_moments(
     optimizer step
     top block gradient
     bottom block gradient
+    forward end, last step's gradients
+    last block forward, last step's gradients
+    loss, last step's gradients
     >>> host  # nothing offloaded
     0
     """
@@ -178,10 +220,12 @@ def peak_moments(
     root = profile.root_unit_params if wrapped else params
     mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
 
+    # Frozen parameters carry no gradient and no optimizer state (gradient_params).
+    trained, trained_root, trained_unit = gradient_params(profile, candidate)
     sharded = params * stored // shard
-    grads = params * stored // shard
-    states = {Optimizer.ADAMW: 2, Optimizer.ADAM: 2, Optimizer.SGD: 1}[candidate.optimizer]
-    optimizer = states * params * stored // shard
+    grads = trained * stored // shard
+    states = OPTIMIZER_STATES[candidate.optimizer]
+    optimizer = states * profile.trainable_params * stored // shard
 
     if candidate.sharding is Sharding.SHARD_GRAD_OP:
         unsharded = params * cb  # kept gathered from forward to backward
@@ -211,7 +255,7 @@ def peak_moments(
             gather = params * cb  # the one unit, copied out of its all-gather buffer
         elif candidate.sharding is not Sharding.SHARD_GRAD_OP:
             gather = unit * cb
-    comm = unit * reduce_bytes + gather
+    comm = trained_unit * reduce_bytes + gather
 
     # The gradients of a block's activations are made in the compute dtype, also where the
     # forward saved an fp32 upcast: sized from the fp32 profile when there is one.
@@ -235,13 +279,14 @@ def peak_moments(
         # the logits' gradient in fp32 (cross-entropy)
         logits = candidate.micro_batch_size * workload.seq_len * profile.vocab_size * 4
     foreach = (
-        params * stored // shard
+        profile.trainable_params * stored // shard
         if candidate.optimizer_impl is OptimizerImpl.FOREACH
         and candidate.optimizer is not Optimizer.SGD
         else 0
     )
 
-    block_grads = (params - root) * stored // shard  # the blocks' gradients, reduced to shards
+    # the blocks' gradients, reduced to shards
+    block_grads = (trained - trained_root) * stored // shard
     host = 0
     if candidate.cpu_offload:
         # parameters, gradients and optimizer state live in host memory; the GPU keeps the
@@ -276,7 +321,7 @@ def peak_moments(
             (root + kept_after_forward(candidate, 0, unit)) * cb if fsdp2_resharded else unsharded
         ),
         optimizer=optimizer,
-        comm_buffers=comm - unit * reduce_bytes,  # no block has reduced its gradients yet
+        comm_buffers=comm - trained_unit * reduce_bytes,  # no block has reduced its gradients yet
         activations=saved - loss_saved,
         temporaries=logits,
         buffers=profile.buffer_bytes,
@@ -340,9 +385,9 @@ def peak_moments(
     root_backward = MemoryBreakdown(
         sharded_params=sharded,
         unsharded_params=root * cb if gathered_root or (mixed and shard == 1) else 0,
-        gradients=block_grads + root * cb,
+        gradients=block_grads + trained_root * cb,
         optimizer=optimizer,
-        comm_buffers=root * reduce_bytes if shard > 1 or reduce_bytes != cb else 0,
+        comm_buffers=trained_root * reduce_bytes if shard > 1 or reduce_bytes != cb else 0,
         activations=int(acts.other_bytes * scale),
         buffers=profile.buffer_bytes,
     )
@@ -381,13 +426,16 @@ def peak_moments(
         if wrapped:
             last = bottom_block if resharded else top_block
             reduce_scatters["block reduce-scatter"] = last.model_copy(
-                update={"temporaries": 0, "comm_buffers": last.comm_buffers + unit * reduce_bytes}
+                update={
+                    "temporaries": 0,
+                    "comm_buffers": last.comm_buffers + trained_unit * reduce_bytes,
+                }
             )
         reduce_scatters["root reduce-scatter"] = root_backward.model_copy(
             update={
                 "unsharded_params": root_backward.unsharded_params
                 - (root * cb if gathered_root else 0),
-                "comm_buffers": root_backward.comm_buffers + root * reduce_bytes,
+                "comm_buffers": root_backward.comm_buffers + trained_root * reduce_bytes,
             }
         )
     moments = {
@@ -399,7 +447,434 @@ def peak_moments(
         "optimizer step": step,
         **reduce_scatters,
     }
+    moments.update(loop_moments(moments, profile, candidate, hardware, workload, acts))
     return moments, host
+
+
+def skips_gradient_sync(candidate: Candidate, workload: WorkloadSpec) -> bool:
+    """Whether the micro-batches before the last keep unsharded gradients instead of reducing
+    them (:mod:`autoshard.loop`): a plain loop does (FSDP1 ``no_sync``, FSDP2
+    ``set_requires_gradient_sync(False)``); Lightning's Trainer only for FSDP1."""
+    if workload.accumulate == 1:
+        return False
+    return workload.loop is Loop.PLAIN or candidate.engine is Engine.FSDP1
+
+
+def accumulated_gradient_bytes(
+    profile: ModelProfile, candidate: Candidate, hardware: Hardware
+) -> int:
+    """Bytes of the unsharded gradients kept between micro-batches when the sync is skipped.
+
+    FSDP1 keeps each unit's whole flat gradient in the compute dtype; FSDP2 keeps each
+    parameter's in the reduce dtype (fp32 under mixed precision with an fp32 reduce)."""
+    candidate = as_run(candidate, hardware)
+    _, cb = precision_bytes(candidate.precision)
+    trained, _, _ = gradient_params(profile, candidate)
+    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    if candidate.engine is Engine.FSDP2 and mixed and candidate.reduce_dtype_fp32:
+        return trained * 4
+    return trained * cb
+
+
+def forward_moments(
+    moments: dict[str, MemoryBreakdown],
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    acts: ActivationProfile,
+) -> dict[str, MemoryBreakdown]:
+    """Moments of the forward, which hold the peak only when gradients are alive through it
+    (Lightning's order, accumulation; see :func:`loop_moments`). Without gradients each is below
+    a backward moment that holds the same working set and more. Measured on fake tensors (torch
+    2.13, the tracker's snapshot at every module's forward):
+
+    - the end of forward, inside the loss: the logits in the compute dtype, their fp32 copy (a
+      cast, or the non-contiguous shifted slice of a micro-batch above 1) and the fp32
+      log-probabilities (counted with the saved activations);
+    - FSDP2: the last block's all-gather (its buffer beside the previous unit's, which FSDP2
+      keeps until the root's forward ends, with every earlier block's activations saved), the
+      end of the last block's forward, and the end of the root's forward (the logits made, the
+      root still gathered: FSDP2 gathers a copy even with NO_SHARD);
+    - FSDP1 with resharding units: the end of the last block's forward (FSDP1 gathers into the
+      flat parameter itself: no buffer)."""
+    candidate = as_run(candidate, hardware)
+    _, cb = precision_bytes(candidate.precision)
+    loss = moments["loss"]
+    logits = loss.temporaries // 2  # the fp32 logits' size (see peak_moments)
+    copied = cb != 4 or candidate.micro_batch_size > 1
+    out = {
+        "forward end": loss.model_copy(
+            update={"temporaries": logits * cb // 4 + (logits if copied else 0)}
+        )
+    }
+    at = acts.at(candidate.precision)
+    scale = at.scale(candidate)
+    saved = loss.activations
+    through_blocks = saved - candidate.micro_batch_size * at.loss_bytes
+    last = int(at.block_bytes[-1] * scale) if at.block_bytes else 0
+    params = profile.total_params
+    one_unit = candidate.one_unit
+    unit = 0 if one_unit else profile.block_params * cb
+    root = params * cb if one_unit else profile.root_unit_params * cb
+    keeps_all = candidate.sharding is Sharding.SHARD_GRAD_OP
+    base = loss.model_copy(update={"temporaries": 0})
+    if candidate.engine is Engine.FSDP2:
+        gathered = params * cb if keeps_all or one_unit else root + unit
+        buffer = 0 if shard_size(candidate, hardware) == 1 else (unit or root)
+        out["last block all-gather"] = base.model_copy(
+            update={
+                "unsharded_params": gathered,
+                "activations": through_blocks - last,
+                "comm_buffers": 2 * buffer,
+            }
+        )
+        out["last block forward"] = base.model_copy(
+            update={
+                "unsharded_params": gathered,
+                "activations": through_blocks,
+                "comm_buffers": buffer,
+            }
+        )
+        out["root forward end"] = base.model_copy(
+            update={
+                "unsharded_params": params * cb if keeps_all else root,
+                "activations": saved,
+                "comm_buffers": buffer,
+            }
+        )
+    elif candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD) and not one_unit:
+        out["last block forward"] = base.model_copy(
+            update={"unsharded_params": root + unit, "activations": through_blocks}
+        )
+    return out
+
+
+def loop_moments(
+    moments: dict[str, MemoryBreakdown],
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    acts: ActivationProfile,
+) -> dict[str, MemoryBreakdown]:
+    """The moments the user's loop adds to those of one plain step (forward, backward, step,
+    ``zero_grad(set_to_none=True)``), named apart.
+
+    - Lightning's order zeroes the gradients after the next forward: that forward runs with the
+      last step's (sharded) gradients allocated.
+    - Accumulation: the later micro-batches run with the gradients of the earlier ones: kept
+      unsharded when the sync is skipped (:func:`skips_gradient_sync`,
+      :func:`no_sync_moments`), or reduced into the sharded gradients, which then stay
+      allocated through every forward and backward (:func:`synced_accumulation_moments`)."""
+    sharded_grads = moments["optimizer step"].gradients  # 0 when offloaded to the host
+    forward = forward_moments(moments, profile, candidate, hardware, acts)
+    out: dict[str, MemoryBreakdown] = {}
+    if workload.loop is Loop.LIGHTNING:
+        alive = dict(forward)
+        if candidate.engine is Engine.FSDP1 and candidate.sharding is not Sharding.SHARD_GRAD_OP:
+            # zero_grad() sets the original parameters' gradients to None, but the flat
+            # parameters' sharded gradients live on until the root's pre-backward hook, which
+            # runs once the loss's backward reaches the logits (measured on fake tensors;
+            # SHARD_GRAD_OP, whose units are all gathered then, frees them at zero_grad).
+            alive["loss"] = moments["loss"]
+        for name, m in alive.items():
+            out[f"{name}, last step's gradients"] = m.model_copy(
+                update={"gradients": m.gradients + sharded_grads}
+            )
+    if workload.accumulate == 1:
+        return out
+    if skips_gradient_sync(candidate, workload):
+        out.update(no_sync_moments(moments, forward, profile, candidate, hardware, acts))
+    else:
+        out.update(
+            synced_accumulation_moments(moments, forward, profile, candidate, hardware, acts)
+        )
+    return out
+
+
+def _reduce_bytes(candidate: Candidate) -> int:
+    """Bytes per element of a gradient reduce (as in :func:`peak_moments`)."""
+    _, cb = precision_bytes(candidate.precision)
+    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    fp32_reduce = mixed and candidate.engine is Engine.FSDP2 and candidate.reduce_dtype_fp32
+    return 4 if fp32_reduce else cb
+
+
+def _head_params(profile: ModelProfile) -> int:
+    """Parameters of the output head (vocabulary x hidden), whose gradient is made first in
+    backward and waits in the root unit until the root's backward ends; 0 without one."""
+    if profile.vocab_size and profile.hidden_size and profile.root_unit_params:
+        return min(profile.vocab_size * profile.hidden_size, profile.root_unit_params)
+    return 0
+
+
+def no_sync_moments(
+    moments: dict[str, MemoryBreakdown],
+    forward: dict[str, MemoryBreakdown],
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    acts: ActivationProfile,
+) -> dict[str, MemoryBreakdown]:
+    """Accumulation with the sync skipped (FSDP1 ``no_sync``, FSDP2
+    ``set_requires_gradient_sync(False)``): every micro-batch after the first runs forward and
+    backward beside the unsharded gradients of all the units that train
+    (:func:`accumulated_gradient_bytes`); only the last reduces them.
+
+    Measured on fake tensors (torch 2.13): a non-final micro-batch's block backward holds its
+    unit's fresh gradients beside the kept ones until they are added in (FSDP1 also
+    concatenates its unit's gradients into a flat one: twice the unit; FSDP2 under mixed
+    precision upcasts them to fp32 first), and the head's gradient, which waits in the root
+    unit; FSDP1 keeps the root gathered until the root's backward ends, FSDP2 re-gathers it at
+    backward's start with the prefetched unit's all-gather buffer beside it. No reduce-scatter
+    runs in these micro-batches. The last micro-batch reduces the top block with every other
+    unit's gradients still unsharded."""
+    candidate = as_run(candidate, hardware)
+    _, cb = precision_bytes(candidate.precision)
+    kept = accumulated_gradient_bytes(profile, candidate, hardware)
+    _, trained_root, trained_unit = gradient_params(profile, candidate)
+    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    upcast = candidate.engine is Engine.FSDP2 and mixed and candidate.reduce_dtype_fp32
+    at = acts.at(candidate.precision)
+    scale = at.scale(candidate)
+    last = int(at.block_bytes[-1] * scale) if at.block_bytes else 0
+    head = moments["head backward"]
+    through_blocks = head.activations  # saved, less the loss's log-probabilities
+    one_unit = candidate.one_unit
+    unit = 0 if one_unit else profile.block_params
+    root = profile.total_params if one_unit else profile.root_unit_params
+    gathers = shard_size(candidate, hardware) > 1 or mixed
+    # the head's gradient waits in the root unit for its flat gradient (FSDP1) or its upcast
+    # (FSDP2 mixed); FSDP2 without an upcast adds it into the kept gradient at once
+    waits = candidate.engine is Engine.FSDP1 or upcast
+    head_grad = _head_params(profile) * cb if trained_root and waits else 0
+
+    def fresh(n: int) -> int:  # a unit's new gradients before they join the kept ones
+        if candidate.engine is Engine.FSDP1:
+            return 2 * n * cb
+        # FSDP2 without an upcast: autograd adds into the kept gradient in place
+        return n * cb + n * 4 if upcast else 0
+
+    out = {
+        f"accumulating {name}": m.model_copy(update={"gradients": m.gradients + kept})
+        for name, m in {**forward, "loss": moments["loss"]}.items()
+    }
+    # The head's backward: its weight's fresh gradient (one tensor) beside the logits' gradient
+    # before it joins the kept one; FSDP2 holds the root gathered, also with NO_SHARD.
+    fsdp2_root = root * cb if candidate.engine is Engine.FSDP2 else 0
+    head_kept = head.model_copy(
+        update={
+            "gradients": head.gradients + kept,
+            "unsharded_params": max(head.unsharded_params, fsdp2_root),
+        }
+    )
+    out["accumulating head backward"] = head_kept.model_copy(
+        update={
+            "temporaries": head.temporaries + (_head_params(profile) * cb if trained_root else 0)
+        }
+    )
+    if candidate.engine is Engine.FSDP1:
+        gathered_units = (root + 2 * unit) * cb if gathers else 0
+        buffers = 0
+    else:
+        gathered_units = (root + unit) * cb if gathers else 0
+        buffers = unit * cb if shard_size(candidate, hardware) > 1 else 0
+    keeps_all = candidate.sharding is Sharding.SHARD_GRAD_OP
+    if keeps_all:
+        gathered_units = profile.total_params * cb  # nothing is freed between micro-batches
+    base = head.model_copy(update={"comm_buffers": 0, "temporaries": 0, "gradients": kept})
+    if not one_unit:
+        out["accumulating block backward"] = base.model_copy(
+            update={
+                "unsharded_params": gathered_units,
+                "comm_buffers": buffers,
+                "activations": through_blocks - last,
+                "temporaries": head_grad + fresh(trained_unit),
+            }
+        )
+    out["accumulating root backward"] = base.model_copy(
+        update={
+            "unsharded_params": gathered_units if keeps_all else root * cb if gathers else 0,
+            "activations": int(at.other_bytes * scale),
+            "temporaries": fresh(trained_root),
+        }
+    )
+    start = backward_start_moment(head_kept, profile, candidate, hardware)
+    if start is not None:
+        out["accumulating backward start"] = start
+    # The last micro-batch: the top block reduces its gradients (and gloo copies the reduce
+    # input) while every other unit's are still unsharded.
+    top = moments["top block backward"]
+    sync = top.model_copy(update={"gradients": top.gradients + kept})
+    out["synchronising top block backward"] = sync
+    if hardware.backend == "gloo" and shard_size(candidate, hardware) > 1:
+        out["synchronising block reduce-scatter"] = sync.model_copy(
+            update={
+                "temporaries": 0,
+                "comm_buffers": sync.comm_buffers + trained_unit * _reduce_bytes(candidate),
+            }
+        )
+    return out
+
+
+def _last_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
+    at = acts.at(candidate.precision)
+    return int(at.block_bytes[-1] * at.scale(candidate)) if at.block_bytes else 0
+
+
+def synced_accumulation_moments(
+    moments: dict[str, MemoryBreakdown],
+    forward: dict[str, MemoryBreakdown],
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    acts: ActivationProfile,
+) -> dict[str, MemoryBreakdown]:
+    """Accumulation without skipping the sync (Lightning's Trainer with FSDP2): every
+    micro-batch reduces into the sharded gradients, which stay allocated through the later
+    micro-batches' forwards and backwards. FSDP2 re-gathers the root at backward's start: its
+    all-gather buffer beside the copy, with the sharded gradients alive (measured on fake
+    tensors)."""
+    candidate = as_run(candidate, hardware)
+    stored, cb = precision_bytes(candidate.precision)
+    shard = shard_size(candidate, hardware)
+    sharded_grads = moments["optimizer step"].gradients
+    _, trained_root, trained_unit = gradient_params(profile, candidate)
+    block_grads = moments["optimizer step"].gradients - trained_root * stored // shard
+    reduce = _reduce_bytes(candidate)
+    out = {
+        f"accumulating {name}": m.model_copy(update={"gradients": m.gradients + sharded_grads})
+        for name, m in forward.items()
+    }
+    for name, m in moments.items():
+        if name == "optimizer step":
+            continue
+        # the moment's unsharded gradients beside every unit's sharded ones (a reduce-scatter
+        # output is added in after the collective, past the moment's peak)
+        unsharded_grads = max(0, m.gradients - block_grads) if sharded_grads else m.gradients
+        out[f"accumulating {name}"] = m.model_copy(
+            update={"gradients": sharded_grads + unsharded_grads}
+        )
+    start = backward_start_moment(out["accumulating head backward"], profile, candidate, hardware)
+    if start is not None:
+        out["accumulating backward start"] = start
+    if candidate.engine is Engine.FSDP2 and not candidate.one_unit:
+        # The second block from the top: its fresh gradients and the top block's reduce-scatter
+        # input beside the head's gradient waiting in the root (measured on fake tensors).
+        head = moments["head backward"]
+        block = profile.block_params * cb
+        out["accumulating block backward"] = head.model_copy(
+            update={
+                "gradients": sharded_grads + trained_unit * reduce // shard,
+                "unsharded_params": (profile.root_unit_params + profile.block_params) * cb,
+                "comm_buffers": block if shard > 1 else 0,
+                "activations": head.activations - 2 * _last_block_bytes(candidate, acts),
+                "temporaries": _head_params(profile) * cb * (trained_root > 0)
+                + trained_unit * (cb + reduce),
+            }
+        )
+    if candidate.engine is Engine.FSDP2 and candidate.sharding in (
+        Sharding.NO_SHARD,
+        Sharding.HYBRID_SHARD,
+    ):
+        # With a replicate dimension every unit's reduced gradients wait until backward ends
+        # before they are added into the sharded ones (measured on fake tensors: a second set
+        # of gradients builds up through backward).
+        step = moments["optimizer step"]
+        unit = 0 if candidate.one_unit else profile.block_params
+        root = profile.total_params if candidate.one_unit else profile.root_unit_params
+        out["accumulating backward end"] = step.model_copy(
+            update={
+                "unsharded_params": (root + unit) * cb,  # FSDP2 gathers copies, also at 1 shard
+                "gradients": sharded_grads
+                + gradient_params(profile, candidate)[0] * reduce // shard,
+                "temporaries": 0,
+                "activations": moments["root backward"].activations,
+            }
+        )
+        m = out["accumulating root backward"]
+        waiting = (gradient_params(profile, candidate)[0] - trained_root) * reduce // shard
+        out["accumulating root backward, reduced gradients waiting"] = m.model_copy(
+            update={"gradients": m.gradients + waiting}
+        )
+    if candidate.engine is Engine.FSDP2 and shard == 1 and reduce == cb:
+        # FSDP2 copies the gradients into a reduce-scatter input even over a shard dimension
+        # of 1 (NO_SHARD replicates on a (world, 1) mesh), then all-reduces; peak_moments
+        # counts that copy only where it casts
+        for name in ("accumulating root backward",):
+            m = out[name]
+            out[name] = m.model_copy(
+                update={"comm_buffers": m.comm_buffers + trained_root * reduce}
+            )
+    return out
+
+
+def backward_start_moment(
+    head: MemoryBreakdown, profile: ModelProfile, candidate: Candidate, hardware: Hardware
+) -> MemoryBreakdown | None:
+    """FSDP2 re-gathers a root it resharded after forward when backward starts: the root's
+    all-gather buffer beside its copy, before the head's backward (measured on fake tensors).
+    ``head`` is the head's backward moment; None where the root is not re-gathered."""
+    candidate = as_run(candidate, hardware)
+    if not (
+        candidate.engine is Engine.FSDP2
+        and candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+        and shard_size(candidate, hardware) > 1
+        and candidate.reshard is Reshard.ALL
+    ):
+        return None
+    _, cb = precision_bytes(candidate.precision)
+    root = profile.total_params if candidate.one_unit else profile.root_unit_params
+    return head.model_copy(update={"unsharded_params": root * cb, "comm_buffers": root * cb})
+
+
+def needs_simulation(
+    profile: ModelProfile, candidate: Candidate, workload: WorkloadSpec
+) -> str | None:
+    """Why the analytic estimate of ``candidate`` would be a guess, in one line, or None when
+    it is modelled (and checked by ``benchmarks/estimate_accuracy.py``). Where it returns a
+    reason, estimate by simulation (:func:`autoshard.predict.simulate.simulate_memory`) or, for
+    CPU offload, which cannot be simulated on a CPU, by a trial.
+
+    >>> from autoshard import Candidate, WorkloadSpec, analyze_model
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    >>> model[0].requires_grad_(False)  # doctest: +ELLIPSIS
+    Linear(...)
+    >>> profile = analyze_model(model)
+    >>> needs_simulation(profile, Candidate(), WorkloadSpec()) is None
+    True
+    >>> needs_simulation(profile, Candidate(min_num_params=10), WorkloadSpec())[:46]
+    'frozen parameters under a size-based wrap poli'
+    """
+    if candidate.optimizer not in OPTIMIZER_STATES:
+        return (
+            f"the analytic estimate does not know the state of optimizer "
+            f"{candidate.optimizer.value!r}; simulate it"
+        )
+    if workload.loop not in (Loop.LIGHTNING, Loop.PLAIN):
+        return f"the training loop {workload.loop.value!r} is not modelled; simulate it"
+    if (
+        profile.frozen_params
+        and candidate.engine is Engine.FSDP1
+        and not candidate.one_unit
+        and not candidate.wrap_classes
+    ):
+        return (
+            "frozen parameters under a size-based wrap policy: which FSDP1 units train (and so "
+            "hold a full flat gradient) is not known before wrapping; simulate it"
+        )
+    if workload.accumulate > 1 and candidate.cpu_offload:
+        return (
+            "gradient accumulation with CPU offload is not modelled (where the kept gradients "
+            "live depends on the engine); measure it with a trial"
+        )
+    if workload.accumulate > 1 and candidate.sharding is Sharding.HYBRID_SHARD:
+        return (
+            "gradient accumulation with HYBRID_SHARD is not checked against a measurement; "
+            "simulate it"
+        )
+    return None
 
 
 def estimate_memory(

@@ -31,20 +31,20 @@ from torch import nn
 
 from autoshard.config import Candidate, Engine, Hardware, Precision, Sharding, WorkloadSpec
 from autoshard.errors import ConfigError
+from autoshard.loop import autocast_for, optimizer_step
 from autoshard.predict.analytic import allowance
 from autoshard.predict.fakes import experts_for_fake_tensors, fake_forward_support
 from autoshard.results import MemoryBreakdown, MemoryEstimate
 from autoshard.sharding import (
     apply_fsdp1,
     apply_fsdp2,
-    compute_dtype,
     fsdp2_mesh,
     hybrid_mesh,
     make_optimizer,
     wrap_classes_of,
 )
 from autoshard.target.resolve import TargetSpec, build_target, load_callable
-from autoshard.target.step import compute_loss, find_loss_fn, forward, make_batch, with_labels
+from autoshard.target.step import find_loss_fn, make_batch, with_labels
 
 # Models deeper than EXTRAPOLATE_ABOVE blocks are simulated with EXTRAPOLATE_FROM blocks and one
 # more, and extrapolated (the peak is affine in depth from 4 blocks up).
@@ -94,11 +94,41 @@ def _fsdp1_tracker() -> Any:
         ) -> tuple[int, int]:
             leaf = all(p.is_leaf for p in module.parameters())
             result: tuple[int, int] = super()._track_module_params_and_buffers(
-                module, install_grad_hooks and leaf
+                module, install_grad_hooks and leaf and _all_trainable(module)
             )
+            if install_grad_hooks and leaf:
+                _label_gradients(self, module)
             return result
 
     return FSDP1MemTracker()
+
+
+def _all_trainable(module: nn.Module) -> bool:
+    return all(p.requires_grad for p in module.parameters())
+
+
+def _label_gradients(tracker: Any, module: nn.Module) -> None:
+    """Label the gradients of the trainable parameters of a module that also holds frozen ones.
+
+    torch's ``MemTracker`` hooks every parameter, and ``register_hook`` refuses a tensor that
+    does not require grad ("cannot register a hook on a tensor that doesn't require gradient"):
+    frozen parameters (fine-tuning, LoRA) get no hook, the trainable ones get the tracker's."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    if _all_trainable(module):
+        return  # the tracker hooked them itself
+    handles = tracker._param_to_grad_hook_handles
+    for param in module.parameters():
+        if not param.requires_grad or handles.get(param) is not None:
+            continue
+
+        def label(grad: torch.Tensor) -> None:
+            tracker._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+        handles[param] = (
+            param.register_hook(label),
+            param.register_post_accumulate_grad_hook(lambda p, label=label: label(p.grad)),
+        )
 
 
 def track_training_peak(
@@ -109,10 +139,15 @@ def track_training_peak(
     *,
     loss_fn: Any = None,
     steps: int = TRACKED_STEPS,
+    workload: WorkloadSpec | None = None,
 ) -> dict[str, int]:
-    """Run ``steps`` training steps under torch's memory tracker; the per-kind bytes at the peak
-    (key ``"Total"`` is the peak itself). Works on fake and on real tensors alike."""
-    phases = track_training_phases(model, optimizer, batch, candidate, loss_fn=loss_fn, steps=steps)
+    """Run ``steps`` optimizer steps, in the order of ``workload``'s loop and with its
+    accumulation (:func:`autoshard.loop.optimizer_step`), under torch's memory tracker; the
+    per-kind bytes at the peak (key ``"Total"`` is the peak itself). Works on fake and on real
+    tensors alike."""
+    phases = track_training_phases(
+        model, optimizer, batch, candidate, loss_fn=loss_fn, steps=steps, workload=workload
+    )
     return max(phases.values(), key=lambda kinds: kinds.get("Total", 0))
 
 
@@ -124,12 +159,14 @@ def track_training_phases(
     *,
     loss_fn: Any = None,
     steps: int = TRACKED_STEPS,
+    workload: WorkloadSpec | None = None,
 ) -> dict[str, dict[str, int]]:
     """:func:`track_training_peak`, phase by phase: the per-kind bytes at the peak of the
     optimizer steps and at the peak of the rest of the loop (forward and backward), each the
     larger over the steps. Phases grow at different rates with depth, so a simulation of a
     few blocks extrapolates each on its own (:func:`simulate_memory`)."""
     sharded = 0
+    workload = workload or WorkloadSpec()
     if candidate.engine is Engine.FSDP2:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -139,12 +176,7 @@ def track_training_phases(
         sharded = _fsdp1_shard_bytes(model)
         tracker = _fsdp1_tracker()
         tracker.track_external(model, optimizer, batch)
-    device = next(model.parameters()).device
-    autocast = (
-        torch.autocast(device.type, dtype=compute_dtype(candidate.precision))
-        if candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
-        else contextlib.nullcontext()
-    )
+    autocast = autocast_for(candidate, next(model.parameters()).device)
     phases: dict[str, dict[str, int]] = {}
 
     def close(phase: str) -> None:
@@ -162,13 +194,18 @@ def track_training_phases(
     try:
         with tracker, warnings_off():
             for _ in range(steps):
-                with autocast:
-                    loss = compute_loss(forward(model, batch), batch, loss_fn)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                del loss
-                tracker.reset_mod_stats()  # per-module stats only; the global peak is kept
+                # the user's loop order and accumulation (autoshard.loop); per-module stats are
+                # reset before a module runs again, the global peak is kept
+                optimizer_step(
+                    model,
+                    optimizer,
+                    batch,
+                    workload,
+                    autocast=autocast,
+                    loss_fn=loss_fn,
+                    after_micro_batch=tracker.reset_mod_stats,
+                )
+                tracker.reset_mod_stats()
             close(LOOP_PHASE)
     finally:
         for hook in hooks:
@@ -229,7 +266,9 @@ def measure_training_peak(
         model, optimizer, batch, loss_fn = build_for_training(
             target, candidate, device, workload.seq_len
         )
-        return track_training_peak(model, optimizer, batch, candidate, loss_fn=loss_fn)
+        return track_training_peak(
+            model, optimizer, batch, candidate, loss_fn=loss_fn, workload=workload
+        )
 
 
 @contextlib.contextmanager
@@ -389,7 +428,9 @@ def _simulate_once(
                 device=cpu,
             )
             batch = with_labels(model, batch)
-            return track_training_phases(model, optimizer, batch, candidate, loss_fn=loss_fn)
+            return track_training_phases(
+                model, optimizer, batch, candidate, loss_fn=loss_fn, workload=workload
+            )
 
 
 def simulate_memory(

@@ -45,9 +45,10 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard.config import Candidate, Checkpointing, Engine, Precision, WorkloadSpec
+from autoshard.loop import autocast_for, optimizer_step
 from autoshard.measure import enough_steps, median_spread
 from autoshard.results import TrialStatus
-from autoshard.sharding import apply_fsdp1, apply_fsdp2, compute_dtype, fsdp2_mesh, make_optimizer
+from autoshard.sharding import apply_fsdp1, apply_fsdp2, fsdp2_mesh, make_optimizer
 from autoshard.target.resolve import TargetSpec, build_target, load_callable
 from autoshard.target.step import (
     batch_samples,
@@ -197,21 +198,18 @@ def _measure(request: TrialRequest, device: torch.device) -> dict[str, Any]:
         if cap:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    workload = request.workload
     model, optimizer, batch, loss_fn = build_for_training(
-        target, candidate, device, request.workload.seq_len
+        target, candidate, device, workload.seq_len
     )
-    autocast = _autocast(candidate, device)
+    autocast = autocast_for(candidate, device)
 
     losses: list[torch.Tensor] = []
 
     def step() -> None:
-        with autocast:
-            output = forward(model, batch)
-            loss = compute_loss(output, batch, loss_fn)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())  # read after timing: .item() would synchronise
+        # the user's loop order and accumulation: what the trial measures is what the run holds
+        loss = optimizer_step(model, optimizer, batch, workload, autocast=autocast, loss_fn=loss_fn)
+        losses.append(loss)  # read after timing: .item() would synchronise
 
     for _ in range(max(1, request.warmup)):
         step()
@@ -225,8 +223,9 @@ def _measure(request: TrialRequest, device: torch.device) -> dict[str, Any]:
         "step_times": times,
         "allocated": int(allocated),
         "reserved": int(reserved),
-        "samples": batch_samples(batch),
-        "tokens": batch_tokens(batch),
+        # a timed step is one optimizer step: every accumulated micro-batch
+        "samples": batch_samples(batch) * workload.accumulate,
+        "tokens": (batch_tokens(batch) or 0) * workload.accumulate or None,
         "losses": [float(v) for v in losses],
     }
 
@@ -294,14 +293,6 @@ def _collective_device() -> torch.device:
         if dist.get_backend() == "nccl"
         else (torch.device("cpu"))
     )
-
-
-def _autocast(candidate: Candidate, device: torch.device) -> Any:
-    # FSDP's MixedPrecision casts parameters; autocast also runs ops outside wrapped units
-    # (the loss) in the compute dtype, as Lightning's precision plugin does.
-    if candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED):
-        return torch.autocast(device.type, dtype=compute_dtype(candidate.precision))
-    return torch.autocast(device.type, enabled=False)
 
 
 def _one_line(exc: BaseException) -> str:
