@@ -178,33 +178,20 @@ def _enums_in(annotation: Any) -> list[type[Enum]]:
 def option_parameters(
     model: type[BaseModel], skip: set[str] = NOT_FLAGS
 ) -> list[inspect.Parameter]:
-    """One ``--flag TEXT`` per field of ``model``: typer hands over text, pydantic validates."""
+    """One ``--flag TEXT`` per field of ``model`` (a switch for a boolean one): typer hands over
+    text, pydantic validates."""
     out = []
     for name, field in model.model_fields.items():
         if name in skip:
             continue
-        if field.annotation in (bool, "bool"):
-            out.append(
-                inspect.Parameter(
-                    name,
-                    inspect.Parameter.KEYWORD_ONLY,
-                    default=None,
-                    annotation=Annotated[
-                        bool | None,
-                        typer.Option(_flag(name), help=_help(field), show_default=False),
-                    ],
-                )
-            )
-            continue
+        kind: Any = bool | None if field.annotation is bool else str | None
+        option = typer.Option(_flag(name), help=_help(field), show_default=False)
         out.append(
             inspect.Parameter(
                 name,
                 inspect.Parameter.KEYWORD_ONLY,
                 default=None,
-                annotation=Annotated[
-                    str | None,
-                    typer.Option(_flag(name), help=_help(field), show_default=False),
-                ],
+                annotation=Annotated[kind, option],
             )
         )
     return out
