@@ -3,9 +3,10 @@ export and the reports) goes through here, so the same inputs give the same answ
 
     PlanOptions (what the user said: flags or keyword arguments, validated once)
       -> PlanRequest (resolved: target, hardware, workload, engine, precisions, sizes)
-      -> make_plan: build on meta, analyse, candidates, activation profile, estimates, ranking
-      -> decide (estimates only) or decide_from_trials (after a study)
-      -> Recommendation (one builder: :func:`build_recommendation`)
+      -> make_plan: build on meta, analyse, candidates, activation profile, estimates, the
+         step-time model's speed of each, ranking (one order: space.rank_candidates)
+      -> autoshard.decide: decide (estimates only) or decide_from_trials (after a study)
+      -> Recommendation (one builder: autoshard.decide.build_recommendation)
 
 Every fallback that changes a number (an assumed sequence length, activations guessed because
 the forward cannot run on fake tensors, an assumed GPU model) is a :class:`PlanWarning`, raised
@@ -38,10 +39,7 @@ from autoshard.errors import ConfigError
 from autoshard.predict.activations import ActivationProfile, precisions_of, profile_activations
 from autoshard.predict.analytic import estimate_all
 from autoshard.predict.calibrate import SpeedModel
-from autoshard.results import (
-    MemoryEstimate,
-    ModelProfile,
-)
+from autoshard.results import MemoryEstimate, ModelProfile
 from autoshard.space import enumerate_candidates, rank_candidates
 from autoshard.target.adapters import to_target
 from autoshard.target.resolve import BuiltModel, TargetSpec, build_target
