@@ -109,11 +109,10 @@ def dominated_by(candidate: Candidate, done: Sequence[TrialResult]) -> TrialResu
     return None
 
 
-def trial_order(plan: Plan, device: str) -> list[MemoryEstimate]:
+def trial_order(plan: Plan) -> list[MemoryEstimate]:
     """The order in which the study tries the candidates of ``plan``: fitting ones first, the
     fastest predicted for the planned hardware first (on CPU workers standing in for GPUs too:
     they check that the most promising configurations build, train and fit)."""
-    del device  # the order is the planned hardware's, wherever the trials run
     return rank_candidates(plan.estimates)
 
 
@@ -141,7 +140,7 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
             rdzv_endpoint=opts.rdzv_endpoint,
             trial_timeout=opts.trial_timeout,
         )  # launched lazily, by the first trial
-        ranked = trial_order(plan, group.device)
+        ranked = trial_order(plan)  # the planned hardware's order, wherever trials run
         request = plan.request.options
         settings = StudySettings.of(
             plan.request.target, hardware, workload, engine=request.engine,

@@ -101,9 +101,8 @@ def test_seventy_b_on_eight_nodes_never_offloads(cli, tmp_path: Path) -> None:
     plan = make_plan(
         make_request(target, PlanOptions(**options), kwargs=kwargs)  # type: ignore[arg-type]
     )
-    for device in ("cuda", "cpu"):
-        first = trial_order(plan, device)[0]
-        assert first.fits and not first.candidate.cpu_offload, device
+    first = trial_order(plan)[0]
+    assert first.fits and not first.candidate.cpu_offload
     offloads = [e for e in plan.ranked() if e.fits and e.candidate.cpu_offload]
     fitting = [e for e in plan.ranked() if e.fits]
     assert offloads and fitting.index(offloads[0]) > 0  # offload fits, yet it comes later
