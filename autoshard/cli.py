@@ -277,8 +277,9 @@ def estimate(
     sort: Annotated[
         str,
         typer.Option(
-            help="Order of the fitting candidates: speed (fastest predicted first) or headroom "
-            "(most memory left first). Candidates that do not fit always come last."
+            help="Order of the fitting candidates: speed (fastest predicted first; predictions "
+            "within 5% are a tie, most headroom first) or headroom (most memory left first). "
+            "Candidates that do not fit always come last."
         ),
     ] = RankOrder.SPEED.value,
     as_json: JsonOpt = False,

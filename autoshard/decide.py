@@ -39,7 +39,7 @@ from autoshard.results import (
     TrialResult,
     TrialStatus,
 )
-from autoshard.space import wrap_reason
+from autoshard.space import PREDICTED_TIE, predicted_rate, tie_ranked, wrap_reason
 from autoshard.units import format_bytes
 
 
@@ -167,10 +167,6 @@ def choose_from_trials(
 # Reasons: one line per chosen setting
 # --------------------------------------------------------------------------------------------
 
-# Predictions closer than this are not told apart in the reasons (the model's own error is far
-# larger: benchmarks/results/step_time_published.md).
-PREDICTED_TIE = 0.02
-
 _SETTINGS = ("sharding", "checkpointing", "cpu_offload", "precision", "micro_batch_size")
 
 
@@ -188,6 +184,12 @@ def _differs_only_in(a: Candidate, b: Candidate, name: str) -> bool:
     }.get(name, {name})
     da, db = a.model_dump(), b.model_dump()
     return da != db and all(da[k] == db[k] for k in da if k not in related)
+
+
+def _tied_with_less_room(other: MemoryEstimate, best: MemoryEstimate) -> bool:
+    # The tie rule of space.rank_candidates, seen from the chosen one.
+    rate = predicted_rate(best)
+    return predicted_rate(other) >= rate * (1 - PREDICTED_TIE) and other.headroom <= best.headroom
 
 
 def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
@@ -214,12 +216,19 @@ def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
             {f"{_value(e.candidate, name)} ({format_bytes(e.gpu_peak)})" for e in alternatives
              if not e.fits}
         )  # fmt: skip
-        slower = sorted({_value(e.candidate, name) for e in alternatives if e.fits})
+        fitting = [e for e in alternatives if e.fits]
+        tied = sorted({_value(e.candidate, name) for e in fitting if _tied_with_less_room(e, best)})
+        slower = sorted({_value(e.candidate, name) for e in fitting} - set(tied))
         parts = []
         if too_big:
             parts.append(f"does not fit with {', '.join(too_big)}")
         if slower:
             parts.append(f"fits but predicted slower with {', '.join(slower)}")
+        if tied:
+            parts.append(
+                f"predicted within {PREDICTED_TIE:.0%} (a tie) but with less headroom with "
+                f"{', '.join(tied)}"
+            )
         why = "; ".join(parts) or (
             "offload is considered with FULL_SHARD only"
             if name == "cpu_offload"
@@ -312,17 +321,21 @@ def _predicted_rate(r: TrialResult, by_label: dict[str, MemoryEstimate]) -> floa
 def rank_by_prediction(
     results: Sequence[TrialResult], by_label: dict[str, MemoryEstimate]
 ) -> list[TrialResult]:
-    """Successful trials, the fastest predicted first (equal predictions: more measured
-    headroom first); trials without a prediction last, by measured throughput."""
+    """Successful trials by predicted speed, with the tie rule of every door
+    (:func:`autoshard.space.tie_ranked`: within the model's resolution, more measured headroom
+    first); trials without a prediction last, by measured throughput."""
     ok = [r for r in results if r.status is TrialStatus.OK]
-    return sorted(
-        ok,
-        key=lambda r: (
-            _predicted_rate(r, by_label) is not None,
-            _predicted_rate(r, by_label) or throughput(r),
-            -(r.max_allocated or 0),
-        ),
-        reverse=True,
+    predicted = [r for r in ok if _predicted_rate(r, by_label) is not None]
+    unpredicted = sorted(
+        (r for r in ok if _predicted_rate(r, by_label) is None), key=throughput, reverse=True
+    )
+    return (
+        tie_ranked(
+            predicted,
+            lambda r: _predicted_rate(r, by_label) or 0.0,
+            lambda r: -(r.max_allocated or 0),
+        )
+        + unpredicted
     )
 
 

@@ -30,7 +30,7 @@ from autoshard.predict.speed import (
     speed_for,
     timeline,
 )
-from autoshard.results import MemoryBreakdown, MemoryEstimate
+from autoshard.results import MemoryBreakdown, MemoryEstimate, SpeedEstimate
 from autoshard.space import rank_candidates
 
 D = 64  # width of every Linear
@@ -444,6 +444,32 @@ def test_ranking_puts_the_fastest_first(net) -> None:
     assert [e.candidate.cpu_offload for e in ranked] == [False, True]
     assert all(e.speed is not None and e.speed.gpu == "h100-sxm" for e in ranked)
     assert estimates[0].speed is None  # copies: the inputs are unchanged
+
+
+def _predicted(mbs: int, samples_per_s: float, headroom: int, fits: bool = True) -> MemoryEstimate:
+    return MemoryEstimate(
+        candidate=Candidate(wrap_classes=WRAP, micro_batch_size=mbs),
+        method="analytic",
+        gpu_peak=1,
+        breakdown=MemoryBreakdown(),
+        fits=fits,
+        headroom=headroom,
+        speed=SpeedEstimate(step_time_s=1 / samples_per_s, samples_per_s=samples_per_s),
+    )
+
+
+def test_predictions_within_the_models_resolution_are_a_tie_that_goes_to_headroom() -> None:
+    # 7B on 8 x H100: mbs 2 predicted 4% faster than mbs 1 but at the edge of memory
+    edge, roomy, slow, big = (
+        _predicted(2, 100.0, headroom=1),
+        _predicted(1, 96.0, headroom=30),
+        _predicted(4, 80.0, headroom=50),
+        _predicted(8, 120.0, headroom=-5, fits=False),
+    )
+    ranked = rank_candidates([edge, slow, big, roomy])
+    assert [e.candidate.micro_batch_size for e in ranked] == [1, 2, 4, 8]
+    # beyond the tie, speed decides whatever the headroom
+    assert rank_candidates([_predicted(2, 100.0, 1), _predicted(1, 94.0, 30)])[0].headroom == 1
 
 
 def test_a_flop_profile_round_trips_as_json(net) -> None:

@@ -10,6 +10,7 @@ from rich.table import Table
 from autoshard.config import Hardware, RankOrder
 from autoshard.predict.analytic import ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES
 from autoshard.results import MemoryEstimate, ModelProfile
+from autoshard.space import PREDICTED_TIE
 from autoshard.units import format_bytes, format_count
 
 CLASS_ROWS = 12
@@ -136,7 +137,11 @@ def estimates_table(
     limit: int | None = None,
 ) -> Table:
     """Every candidate in the order given (fitting ones first, then by ``order``)."""
-    by = "most headroom first" if order is RankOrder.HEADROOM else "fastest predicted first"
+    by = (
+        "most headroom first"
+        if order is RankOrder.HEADROOM
+        else (f"fastest predicted first (within {PREDICTED_TIE:.0%}, a tie: most headroom first)")
+    )
     title = "Per-GPU memory"
     if hardware is not None:
         title += (
