@@ -12,7 +12,8 @@ from autoshard.plan import NoGPUWarning, PlanOptions, PlanWarning, detect_hardwa
 from autoshard.predict.activations import ActivationProfile, profile_activations
 from autoshard.predict.analytic import estimate_all, estimate_memory, peak_moments
 from autoshard.predict.simulate import simulate_memory
-from autoshard.results import MemoryEstimate, ModelProfile, Recommendation, TrialResult
+from autoshard.recommendation import Recommendation
+from autoshard.results import MemoryEstimate, ModelProfile, TrialResult
 from autoshard.space import enumerate_candidates
 from autoshard.target.resolve import TargetSpec
 

@@ -17,7 +17,8 @@ from autoshard.config import RankOrder, TuneOptions
 from autoshard.decide import decide
 from autoshard.errors import ConfigError
 from autoshard.plan import Plan, PlanOptions, make_plan, make_request, options_from
-from autoshard.results import MemoryEstimate, Recommendation
+from autoshard.recommendation import Recommendation
+from autoshard.results import MemoryEstimate
 
 __all__ = ["Estimates", "estimate", "estimates_for", "recommend", "tune"]
 

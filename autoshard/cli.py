@@ -340,9 +340,9 @@ def tune(
             make_request,
             options_from,
         )
+        from autoshard.recommendation import load_result
         from autoshard.search import STUDY_FILES, run_study
         from autoshard.slurm import slurm_settings
-        from autoshard.ui.files import load_result
         from autoshard.ui.progress import StudyProgress
         from autoshard.ui.report import print_summary
 
@@ -424,7 +424,7 @@ def export(
 
     def work() -> None:
         from autoshard.emit import render
-        from autoshard.ui.files import load_result
+        from autoshard.recommendation import load_result
 
         rec, _ = load_result(result)
         text = render(rec, fmt)

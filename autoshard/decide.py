@@ -31,14 +31,8 @@ from autoshard.measure import (
     trials_checked_line,
 )
 from autoshard.plan import Plan
-from autoshard.results import (
-    MemoryEstimate,
-    ModelProfile,
-    Recommendation,
-    Scored,
-    TrialResult,
-    TrialStatus,
-)
+from autoshard.recommendation import Recommendation
+from autoshard.results import MemoryEstimate, ModelProfile, Scored, TrialResult, TrialStatus
 from autoshard.space import PREDICTED_TIE, predicted_rate, tie_ranked, wrap_reason
 from autoshard.units import format_bytes
 

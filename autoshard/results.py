@@ -1,7 +1,9 @@
 """What autoshard's stages produce, as immutable, JSON-serialisable data: ``analyze`` makes a
 :class:`ModelProfile`; the estimator a :class:`MemoryEstimate` per candidate; a trial a
-:class:`TrialResult`; the pipeline (:mod:`autoshard.plan`) a :class:`Recommendation`, which
-``emit`` and ``ui`` turn into strategies, YAML and reports. Data only: no stage logic here.
+:class:`TrialResult`; the decision (:mod:`autoshard.decide`) a :class:`Decision`, which ``emit``
+and ``ui`` turn into strategies, YAML and reports. Data only: no stage logic here, and no import
+of ``emit`` or ``ui``: the user holds a decision as :class:`autoshard.Recommendation`
+(:mod:`autoshard.recommendation`, a floor above them), which adds the doors to both.
 """
 
 from __future__ import annotations
@@ -272,23 +274,11 @@ class Scored(Frozen):
     trial: TrialResult | None = None
 
 
-class Recommendation(Frozen):
-    """autoshard's answer: the chosen configuration, its evidence, and the alternatives.
+class Decision(Frozen):
+    """The pipeline's answer as data: the chosen configuration, its evidence, the alternatives.
 
-    >>> import warnings
-    >>> import torch
-    >>> from torch import nn
-    >>> import autoshard
-    >>> warnings.simplefilter("ignore", autoshard.NoGPUWarning)  # planning for GPUs not here
-    >>> layers = [nn.TransformerEncoderLayer(64, 4, 128, batch_first=True) for _ in range(4)]
-    >>> rec = autoshard.recommend(nn.Sequential(*layers), batch=torch.randn(2, 32, 64),
-    ...                           gpus=8, gpu_memory="80GiB")
-    >>> rec.basis, rec.trainer_kwargs()
-    ('estimate', {'precision': 'bf16-mixed', 'devices': 8, 'num_nodes': 1})
-    >>> rec.fsdp_kwargs()["use_orig_params"]  # torch's FullyShardedDataParallel(**kwargs)
-    True
-    >>> print(rec.to_yaml("lightning").split("trainer:")[1].splitlines()[2].strip())
-    class_path: lightning.pytorch.strategies.FSDPStrategy
+    What ``emit`` and ``ui`` take. Users get it as its subclass
+    :class:`autoshard.Recommendation`, whose methods lead to them.
     """
 
     profile: ModelProfile
@@ -308,37 +298,6 @@ class Recommendation(Frozen):
         description="Name of the study the trials came from (a fingerprint of the settings): "
         "the records of trials.jsonl that belong to this recommendation.",
     )
-
-    # Thin doors to autoshard.emit (imported lazily: it needs torch, and lightning for some).
-    def strategy(self, model: object = None) -> object:
-        """A constructed Lightning FSDPStrategy (FSDP1) or ModelParallelStrategy (FSDP2)."""
-        from autoshard import emit
-
-        return emit.strategy(self, model=model)  # type: ignore[arg-type]
-
-    def trainer_kwargs(self) -> dict[str, object]:
-        """Trainer arguments to pass with strategy(): precision, devices, num_nodes."""
-        from autoshard import emit
-
-        return emit.trainer_kwargs(self)
-
-    def fsdp_kwargs(self, device: object = None, model: object = None) -> dict[str, object]:
-        """Keyword arguments for torch's FullyShardedDataParallel (FSDP1 engine)."""
-        from autoshard import emit
-
-        return emit.fsdp_kwargs(self, device=device, model=model)  # type: ignore[arg-type]
-
-    def fsdp2_plan(self) -> object:
-        """A function plan(model, mesh=None) applying fully_shard + checkpointing as chosen."""
-        from autoshard import emit
-
-        return emit.fsdp2_plan(self)
-
-    def to_yaml(self, fmt: str = "lightning") -> str:
-        """The recommendation as Lightning CLI YAML, accelerate YAML, or JSON ("json")."""
-        from autoshard import emit
-
-        return emit.render(self, fmt)
 
     # Notebook- and terminal-friendly: a few lines, not the 150,000 characters of every field.
     def summary_lines(self) -> list[str]:
@@ -380,14 +339,4 @@ class Recommendation(Frozen):
 
     def __repr__(self) -> str:
         c = self.chosen.candidate
-        return f"Recommendation({c.label()!r}, basis={self.basis!r})"
-
-    def __rich__(self) -> object:
-        from autoshard.ui.report import summary_renderable
-
-        return summary_renderable(self)
-
-    def _repr_html_(self) -> str:
-        from autoshard.ui.html import recommendation_html
-
-        return recommendation_html(self)
+        return f"{type(self).__name__}({c.label()!r}, basis={self.basis!r})"

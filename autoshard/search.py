@@ -35,7 +35,8 @@ from autoshard.measure import speed_basis
 from autoshard.plan import Plan
 from autoshard.predict.calibrate import Calibration, reorder_untried
 from autoshard.predict.speed import SpeedFactors
-from autoshard.results import MemoryEstimate, Recommendation, TrialResult, TrialStatus
+from autoshard.recommendation import Recommendation
+from autoshard.results import Decision, MemoryEstimate, TrialResult, TrialStatus
 from autoshard.space import rank_candidates
 from autoshard.study.loop import run_trials
 from autoshard.study.settings import StudySettings
@@ -230,7 +231,7 @@ def _worker_files(out_dir: Path) -> Iterator[None]:
         ) from None
 
 
-def write_outputs(rec: Recommendation, out_dir: Path, results: Sequence[TrialResult]) -> None:
+def write_outputs(rec: Decision, out_dir: Path, results: Sequence[TrialResult]) -> None:
     """recommendation.json and the reports; a full disk or a lost folder is one line."""
     try:
         (out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))

@@ -4,6 +4,7 @@ parsers (jsonargparse as LightningCLI drives it; accelerate's launcher and FSDP 
 from __future__ import annotations
 
 import inspect
+import pickle
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,11 +24,12 @@ from autoshard.config import (
     WorkloadSpec,
 )
 from autoshard.errors import ConfigError, MissingDependencyError
+from autoshard.recommendation import Recommendation
 from autoshard.results import (
+    Decision,
     MemoryBreakdown,
     MemoryEstimate,
     ModelProfile,
-    Recommendation,
     Scored,
     TrialResult,
     TrialStatus,
@@ -430,3 +432,19 @@ def test_json_round_trip() -> None:
     assert Recommendation.model_validate_json(rec.to_yaml("json")) == rec
     with pytest.raises(ConfigError, match="--format"):
         rec.to_yaml("toml")
+
+
+def test_round_trips_give_back_the_recommendation_with_its_doors() -> None:
+    """JSON and pickle give back the user's Recommendation (autoshard.recommendation), methods
+    and all; emit takes the bare data, results.Decision, which the methods hand it."""
+    rec = make_rec()
+    for back in (
+        Recommendation.model_validate_json(rec.model_dump_json()),
+        pickle.loads(pickle.dumps(rec)),
+    ):
+        assert type(back) is Recommendation and back == rec
+        assert back.trainer_kwargs() == rec.trainer_kwargs()
+    data = Decision.model_validate(rec.model_dump())
+    assert not hasattr(data, "to_yaml") and data != rec  # another class, the same fields
+    assert emit.render(data, "lightning") == rec.to_yaml("lightning")
+    assert repr(data).startswith("Decision(") and str(data) == str(rec)

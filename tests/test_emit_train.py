@@ -28,7 +28,7 @@ def train(rec_path: str, steps: int = 4) -> dict[str, object]:
 
     from autoshard.config import Engine
     from autoshard.emit.runtime import apply_checkpointing
-    from autoshard.results import Recommendation
+    from autoshard.recommendation import Recommendation
 
     rec = Recommendation.model_validate_json(Path(rec_path).read_text())
     torch.manual_seed(0)

@@ -17,8 +17,9 @@ from rich.console import Console
 
 from autoshard.config import Hardware
 from autoshard.errors import ResultError
-from autoshard.results import Recommendation, Scored, SpeedEstimate, TrialStatus
-from autoshard.ui.files import load_result, write_report
+from autoshard.recommendation import Recommendation, load_result
+from autoshard.results import Scored, SpeedEstimate, TrialStatus
+from autoshard.ui.files import write_report
 from autoshard.ui.html import render_html
 from autoshard.ui.report import SCHEMA, print_summary
 from autoshard.units import parse_size

@@ -167,9 +167,9 @@ def test_changed_settings_start_a_new_study_and_the_same_resume(tmp_path: Path) 
 
 
 def test_load_result_reads_only_its_own_study(tmp_path: Path) -> None:
-    from autoshard.results import ModelProfile, Recommendation, Scored
+    from autoshard.recommendation import Recommendation, load_result
+    from autoshard.results import ModelProfile, Scored
     from autoshard.study.journal import record_line
-    from autoshard.ui.files import load_result
 
     mine = TrialResult(candidate=Candidate(micro_batch_size=1), status="ok")
     other = TrialResult(candidate=Candidate(micro_batch_size=2), status="ok")

@@ -127,7 +127,7 @@ def test_changed_batch_sizes_start_a_new_study(tmp_path: Path) -> None:
     assert {t["candidate"]["micro_batch_size"] for t in report["trials"]} == {1}
     assert len(launched(out, rec["study"])) == 1 and len(launched(out, study_12)) == 2
 
-    from autoshard.ui.files import load_result
+    from autoshard.recommendation import load_result
 
     (out / "report.json").unlink()  # read back through recommendation.json + trials.jsonl
     _, trials = load_result(out)

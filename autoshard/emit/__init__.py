@@ -1,5 +1,5 @@
 """What a training script uses: runtime objects (:mod:`autoshard.emit.runtime`) and text
-(:mod:`autoshard.emit.text`) made from a :class:`~autoshard.results.Recommendation`."""
+(:mod:`autoshard.emit.text`) made from a :class:`~autoshard.results.Decision`."""
 
 from autoshard.emit.runtime import (
     EveryKthPolicy,

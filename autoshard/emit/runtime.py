@@ -1,4 +1,4 @@
-"""A :class:`~autoshard.results.Recommendation` turned into the objects a training script uses: a
+"""A :class:`~autoshard.results.Decision` turned into the objects a training script uses: a
 constructed Lightning ``FSDPStrategy`` (or ``ModelParallelStrategy`` for FSDP2) and the matching
 Trainer arguments; the kwargs of torch's ``FullyShardedDataParallel``; an FSDP2 plan that
 applies ``fully_shard`` and checkpointing.
@@ -11,7 +11,7 @@ functions that need it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -19,10 +19,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from autoshard import sharding
 from autoshard.config import BackwardPrefetch, Candidate, Checkpointing, Engine, Precision, Sharding
 from autoshard.errors import ConfigError, MissingDependencyError
+from autoshard.results import Decision
 from autoshard.units import format_bytes
-
-if TYPE_CHECKING:  # annotations only: results imports emit (lazily), not the reverse
-    from autoshard.results import Recommendation
 
 StateDictType = Literal["full", "sharded"]
 
@@ -58,7 +56,7 @@ class EveryKthPolicy(ModuleWrapPolicy):
 # ---------------------------------------------------------------------------------------------
 
 
-def choose_state_dict_type(rec: Recommendation) -> tuple[StateDictType, str]:
+def choose_state_dict_type(rec: Decision) -> tuple[StateDictType, str]:
     """``"sharded"`` for big models, ``"full"`` otherwise; with the reason, for people."""
     full = rec.profile.total_params * 4  # fp32 master weights, gathered on rank 0
     limit = _FULL_STATE_DICT_LIMIT
@@ -117,7 +115,7 @@ def _lightning_mixed_precision(precision: Precision) -> Any:
 
 
 def fsdp_kwargs(
-    rec: Recommendation, *, device: Any = None, model: nn.Module | None = None
+    rec: Decision, *, device: Any = None, model: nn.Module | None = None
 ) -> dict[str, Any]:
     """Keyword arguments for torch's ``FullyShardedDataParallel`` (FSDP1 engine).
 
@@ -133,13 +131,13 @@ def fsdp_kwargs(
     return sharding.fsdp1_kwargs(c, device=device, classes=classes)
 
 
-def apply_checkpointing(model: nn.Module, rec: Recommendation) -> nn.Module:
+def apply_checkpointing(model: nn.Module, rec: Decision) -> nn.Module:
     """Checkpoint the chosen blocks of ``model`` (after FSDP1 wrapping), in place."""
     sharding.apply_checkpointing(model, rec.chosen.candidate)
     return model
 
 
-def fsdp2_plan(rec: Recommendation) -> Callable[..., nn.Module]:
+def fsdp2_plan(rec: Decision) -> Callable[..., nn.Module]:
     """A function ``plan(model, mesh=None)`` that checkpoints and ``fully_shard``s ``model``
     exactly as chosen. ``mesh`` may be Lightning's ``self.device_mesh["data_parallel"]``;
     None (or a 1-D mesh when the choice needs a 2-D one) builds the mesh over all ranks."""
@@ -164,7 +162,7 @@ def fsdp2_plan(rec: Recommendation) -> Callable[..., nn.Module]:
     return plan
 
 
-def trainer_kwargs(rec: Recommendation) -> dict[str, Any]:
+def trainer_kwargs(rec: Decision) -> dict[str, Any]:
     """The Trainer arguments that go with :func:`strategy`: precision, devices, num_nodes."""
     return {
         "precision": rec.chosen.candidate.precision.value,
@@ -173,7 +171,7 @@ def trainer_kwargs(rec: Recommendation) -> dict[str, Any]:
     }
 
 
-def strategy_kwargs(rec: Recommendation, *, model: nn.Module | None = None) -> dict[str, Any]:
+def strategy_kwargs(rec: Decision, *, model: nn.Module | None = None) -> dict[str, Any]:
     """The arguments of Lightning's strategy class (FSDPStrategy or ModelParallelStrategy)."""
     c = rec.chosen.candidate
     state_dict_type, _ = choose_state_dict_type(rec)
@@ -213,7 +211,7 @@ def strategy_kwargs(rec: Recommendation, *, model: nn.Module | None = None) -> d
     return kwargs
 
 
-def strategy(rec: Recommendation, *, model: nn.Module | None = None) -> Any:
+def strategy(rec: Decision, *, model: nn.Module | None = None) -> Any:
     """A constructed Lightning strategy for the chosen configuration.
 
     FSDP1: ``FSDPStrategy``; use it with ``Trainer(strategy=..., **trainer_kwargs(rec))``.

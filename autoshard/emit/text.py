@@ -1,4 +1,4 @@
-"""A :class:`~autoshard.results.Recommendation` as text: Lightning CLI YAML (parsed by
+"""A :class:`~autoshard.results.Decision` as text: Lightning CLI YAML (parsed by
 jsonargparse into the same ``FSDPStrategy`` that :func:`autoshard.emit.strategy` builds),
 accelerate ``fsdp_config`` YAML, and JSON. Each YAML starts with comments saying how the choice
 was made and by which version.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
@@ -27,10 +27,8 @@ from autoshard.emit.runtime import (
     trainer_kwargs,
 )
 from autoshard.errors import ConfigError
+from autoshard.results import Decision
 from autoshard.units import format_bytes
-
-if TYPE_CHECKING:  # annotations only: results imports emit (lazily), not the reverse
-    from autoshard.results import Recommendation
 
 
 class ExportFormat(str, Enum):
@@ -38,7 +36,7 @@ class ExportFormat(str, Enum):
 
     LIGHTNING = "lightning"  # Lightning CLI YAML (trainer.strategy + precision, devices, ...)
     ACCELERATE = "accelerate"  # accelerate config YAML with fsdp_config
-    JSON = "json"  # the Recommendation itself
+    JSON = "json"  # the decision itself, as load_result reads it back
 
 
 _ACCELERATE_PRECISION = {
@@ -54,7 +52,7 @@ _ACCELERATE_PRECISION = {
 # ---------------------------------------------------------------------------------------------
 
 
-def describe_evidence(rec: Recommendation) -> list[str]:
+def describe_evidence(rec: Decision) -> list[str]:
     """What the choice rests on, as comment lines: measured step time and peak, or the estimate."""
     c = rec.chosen
     when = rec.created_at.strftime("%Y-%m-%d %H:%M UTC")
@@ -117,7 +115,7 @@ def _comment(lines: list[str]) -> str:
     return "".join(f"# {line}\n" for line in lines)
 
 
-def lightning_cli_config(rec: Recommendation) -> dict[str, Any]:
+def lightning_cli_config(rec: Decision) -> dict[str, Any]:
     """The ``trainer:`` section for LightningCLI, as a dict (see :func:`lightning_cli_yaml`)."""
     c = rec.chosen.candidate
     state_dict_type, _ = choose_state_dict_type(rec)
@@ -176,7 +174,7 @@ def lightning_cli_config(rec: Recommendation) -> dict[str, Any]:
     return {"trainer": {"strategy": strategy_cfg, **trainer_kwargs(rec)}}
 
 
-def lightning_cli_yaml(rec: Recommendation) -> str:
+def lightning_cli_yaml(rec: Decision) -> str:
     """Lightning CLI YAML (``trainer:`` section) with comments saying what was measured."""
     lines = describe_evidence(rec)
     lines.append(choose_state_dict_type(rec)[1])
@@ -190,7 +188,7 @@ def lightning_cli_yaml(rec: Recommendation) -> str:
     return _comment(lines) + body
 
 
-def accelerate_config(rec: Recommendation) -> tuple[dict[str, Any], list[str]]:
+def accelerate_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
     """accelerate's config (``fsdp_config`` and the top-level keys) and the caveats."""
     c = rec.chosen.candidate
     notes: list[str] = []
@@ -278,18 +276,18 @@ def _accelerate_reshard_notes(c: Candidate) -> list[str]:
     return notes
 
 
-def accelerate_yaml(rec: Recommendation) -> str:
+def accelerate_yaml(rec: Decision) -> str:
     """accelerate config YAML (``accelerate launch --config_file``) with comments."""
     config, notes = accelerate_config(rec)
     return _comment(describe_evidence(rec) + notes) + yaml.safe_dump(config, sort_keys=False)
 
 
-def to_json(rec: Recommendation) -> str:
-    """The recommendation as JSON (what ``load_result`` reads back)."""
+def to_json(rec: Decision) -> str:
+    """The recommendation as JSON (what :func:`autoshard.recommendation.load_result` reads back)."""
     return json.dumps(rec.model_dump(mode="json"), indent=2) + "\n"
 
 
-def render(rec: Recommendation, fmt: ExportFormat | str) -> str:
+def render(rec: Decision, fmt: ExportFormat | str) -> str:
     """The recommendation in ``fmt``: lightning, accelerate or json."""
     try:
         kind = ExportFormat(fmt)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from autoshard.config import Hardware
 from autoshard.errors import AutoshardError
 from autoshard.measure import speed_basis, spread_of
-from autoshard.results import MemoryEstimate, Recommendation, TrialResult, TrialStatus
+from autoshard.results import Decision, MemoryEstimate, TrialResult, TrialStatus
 from autoshard.ui.report import (
     KIND_COLOURS,
     STATUS_COLOURS,
@@ -38,7 +38,7 @@ def _esc(text: object) -> str:
 
 
 def _memory_rows(
-    rec: Recommendation, trials: Sequence[TrialResult] = ()
+    rec: Decision, trials: Sequence[TrialResult] = ()
 ) -> list[tuple[str, str, MemoryEstimate | None, int | None]]:
     rows = []
     for kind, s in listed_rows(rec, trials):
@@ -101,7 +101,7 @@ def _break_mark(x: float, y: float, h: float) -> str:
     )
 
 
-def memory_chart(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str:
+def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     """Predicted memory per candidate stacked by kind, the measured peak, the device limit, and
     a byte axis. The CUDA allowance (hatched) and the limit can dwarf what a CPU-size model
     holds; then the axis breaks after the largest measured or predicted non-allowance bytes,
@@ -229,7 +229,7 @@ def memory_chart(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str
     return "\n".join(out)
 
 
-def speed_chart(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str:
+def speed_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     """Predicted against measured throughput of each candidate (per GPU / per rank).
 
     Trials on the device planned for: both on one axis, the model's error beside. CPU trials
@@ -343,7 +343,7 @@ def speed_chart(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str:
     return "\n".join(out)
 
 
-def throughput_chart(rec: Recommendation, trials: Sequence[TrialResult]) -> str:
+def throughput_chart(rec: Decision, trials: Sequence[TrialResult]) -> str:
     """Throughput against measured peak memory for every trial; failures on the axis."""
     w, h, left, bottom_pad, top_pad = 760, 360, 80, 50, 30
     chosen_key = rec.chosen.candidate.key()
@@ -413,7 +413,7 @@ def throughput_chart(rec: Recommendation, trials: Sequence[TrialResult]) -> str:
     return "\n".join(out)
 
 
-def _table(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str:
+def _table(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     device = predicted_device(rec)
     head = ("", "configuration", "predicted / rank", "measured peak",
             f"predicted / GPU ({device})", "measured / rank", "model error", "s/step",
@@ -456,7 +456,7 @@ svg .s{font-size:11px} svg .dim{fill:#666} ul{margin:4px 0}
 """
 
 
-def render_html(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str:
+def render_html(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     """One self-contained HTML page: no scripts, no network, charts as inline SVG."""
     from autoshard.emit.runtime import choose_state_dict_type
     from autoshard.emit.text import lightning_cli_yaml
@@ -495,7 +495,7 @@ def render_html(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str:
 """
 
 
-def recommendation_html(rec: Recommendation) -> str:
+def recommendation_html(rec: Decision) -> str:
     """A notebook cell's view of a recommendation: the choice, its settings, why."""
     settings = "".join(
         f"<tr><th style='text-align:left'>{_esc(k)}</th><td style='text-align:left'>{_esc(v)}"

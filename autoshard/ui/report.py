@@ -1,5 +1,5 @@
-"""Reports of a :class:`~autoshard.results.Recommendation`: the rich terminal summary and
-``report.json`` (stable for scripts). Files are written and read back by :mod:`autoshard.ui.files`.
+"""Reports of a :class:`~autoshard.results.Decision`: the rich terminal summary and
+``report.json`` (stable for scripts). Files are written by :mod:`autoshard.ui.files`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from rich.text import Text
 
 from autoshard.config import Hardware
 from autoshard.measure import speed_basis, spread_of, trials_checked_line
-from autoshard.results import Recommendation, Scored, TrialResult, TrialStatus
+from autoshard.results import Decision, Scored, TrialResult, TrialStatus
 from autoshard.units import format_bytes
 
 SCHEMA = "autoshard.report/1"
@@ -40,7 +40,7 @@ STATUS_COLOURS = {
 }
 
 
-def scored_rows(rec: Recommendation) -> list[tuple[str, Scored]]:
+def scored_rows(rec: Decision) -> list[tuple[str, Scored]]:
     return [
         ("chosen", rec.chosen),
         *(("runner-up", s) for s in rec.runners_up),
@@ -48,9 +48,7 @@ def scored_rows(rec: Recommendation) -> list[tuple[str, Scored]]:
     ]
 
 
-def listed_rows(
-    rec: Recommendation, trials: Iterable[TrialResult] = ()
-) -> list[tuple[str, Scored]]:
+def listed_rows(rec: Decision, trials: Iterable[TrialResult] = ()) -> list[tuple[str, Scored]]:
     """Every candidate of the recommendation, then every trial it does not carry (a
     recommendation that kept only some runners-up still gets all its trials listed)."""
     rows = scored_rows(rec)
@@ -62,7 +60,7 @@ def listed_rows(
     return rows
 
 
-def trials_of(rec: Recommendation, trials: Iterable[TrialResult]) -> list[TrialResult]:
+def trials_of(rec: Decision, trials: Iterable[TrialResult]) -> list[TrialResult]:
     """The trials given, or those the recommendation carries."""
     given = list(trials)
     if given:
@@ -108,7 +106,7 @@ def prediction_error(s: Scored, hardware: Hardware) -> float | None:
     return predicted / measured - 1
 
 
-def predicted_device(rec: Recommendation) -> str:
+def predicted_device(rec: Decision) -> str:
     """What the predictions are for: the catalogue id they name, or the planned hardware's."""
     for _, s in scored_rows(rec):
         if s.estimate is not None and s.estimate.speed is not None and s.estimate.speed.gpu:
@@ -116,7 +114,7 @@ def predicted_device(rec: Recommendation) -> str:
     return rec.hardware.gpu or ("cpu-gloo" if rec.hardware.backend == "gloo" else "GPU")
 
 
-def trials_note(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str | None:
+def trials_note(rec: Decision, trials: Sequence[TrialResult] = ()) -> str | None:
     """The line that says CPU trials checked the configurations while the model ranked them
     for the planned GPUs; None when the trials ran on what is planned for."""
     ran = trials_of(rec, trials)
@@ -143,7 +141,7 @@ def why_ruled_out(s: Scored) -> str:
 
 
 def print_summary(
-    rec: Recommendation, console: Console | None = None, trials: Sequence[TrialResult] = ()
+    rec: Decision, console: Console | None = None, trials: Sequence[TrialResult] = ()
 ) -> None:
     """The chosen configuration, why it won, every trial with its predicted and measured
     speed, and what was ruled out and why."""
@@ -200,7 +198,7 @@ def print_summary(
         console.print(f"[dim]{n} trials ran; see report.html for charts[/]")
 
 
-def summary_renderable(rec: Recommendation) -> Group:
+def summary_renderable(rec: Decision) -> Group:
     """A short rich rendering (notebooks, ``rich.print(rec)``): the choice and its settings."""
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="dim")
@@ -213,7 +211,7 @@ def summary_renderable(rec: Recommendation) -> Group:
     return Group(head, table)
 
 
-def settings_of(rec: Recommendation) -> dict[str, str]:
+def settings_of(rec: Decision) -> dict[str, str]:
     c = rec.chosen.candidate
     out = {
         "engine": c.engine.value,
@@ -259,7 +257,7 @@ def settings_of(rec: Recommendation) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def report_data(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> dict[str, Any]:
+def report_data(rec: Decision, trials: Sequence[TrialResult] = ()) -> dict[str, Any]:
     """Everything, for scripts. Keys are only ever added under one schema version."""
     from autoshard.emit.runtime import choose_state_dict_type
 

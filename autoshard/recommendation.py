@@ -1,0 +1,145 @@
+"""autoshard's answer as the user holds it: :class:`Recommendation`, a
+:class:`~autoshard.results.Decision` with doors to what ``emit`` and ``ui`` make of it, and
+:func:`load_result`, which reads one back from what ``tune`` or ``estimate`` wrote.
+
+It stands a floor above ``emit`` and ``ui``: they take the data (``Decision``) and never import
+this module, so the imports run one way (tests/test_imports.py holds them to it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from autoshard.errors import ResultError
+from autoshard.results import Decision, TrialResult
+
+
+class Recommendation(Decision):
+    """autoshard's answer: the chosen configuration, its evidence, and the alternatives.
+
+    >>> import warnings
+    >>> import torch
+    >>> from torch import nn
+    >>> import autoshard
+    >>> warnings.simplefilter("ignore", autoshard.NoGPUWarning)  # planning for GPUs not here
+    >>> layers = [nn.TransformerEncoderLayer(64, 4, 128, batch_first=True) for _ in range(4)]
+    >>> rec = autoshard.recommend(nn.Sequential(*layers), batch=torch.randn(2, 32, 64),
+    ...                           gpus=8, gpu_memory="80GiB")
+    >>> rec.basis, rec.trainer_kwargs()
+    ('estimate', {'precision': 'bf16-mixed', 'devices': 8, 'num_nodes': 1})
+    >>> rec.fsdp_kwargs()["use_orig_params"]  # torch's FullyShardedDataParallel(**kwargs)
+    True
+    >>> print(rec.to_yaml("lightning").split("trainer:")[1].splitlines()[2].strip())
+    class_path: lightning.pytorch.strategies.FSDPStrategy
+    """
+
+    # Thin doors to autoshard.emit (imported lazily: it needs torch, and lightning for some).
+    def strategy(self, model: object = None) -> object:
+        """A constructed Lightning FSDPStrategy (FSDP1) or ModelParallelStrategy (FSDP2)."""
+        from autoshard import emit
+
+        return emit.strategy(self, model=model)  # type: ignore[arg-type]
+
+    def trainer_kwargs(self) -> dict[str, object]:
+        """Trainer arguments to pass with strategy(): precision, devices, num_nodes."""
+        from autoshard import emit
+
+        return emit.trainer_kwargs(self)
+
+    def fsdp_kwargs(self, device: object = None, model: object = None) -> dict[str, object]:
+        """Keyword arguments for torch's FullyShardedDataParallel (FSDP1 engine)."""
+        from autoshard import emit
+
+        return emit.fsdp_kwargs(self, device=device, model=model)  # type: ignore[arg-type]
+
+    def fsdp2_plan(self) -> object:
+        """A function plan(model, mesh=None) applying fully_shard + checkpointing as chosen."""
+        from autoshard import emit
+
+        return emit.fsdp2_plan(self)
+
+    def to_yaml(self, fmt: str = "lightning") -> str:
+        """The recommendation as Lightning CLI YAML, accelerate YAML, or JSON ("json")."""
+        from autoshard import emit
+
+        return emit.render(self, fmt)
+
+    # Notebooks and rich (``str`` and ``repr``, a few lines, come with the data).
+    def __rich__(self) -> object:
+        from autoshard.ui.report import summary_renderable
+
+        return summary_renderable(self)
+
+    def _repr_html_(self) -> str:
+        from autoshard.ui.html import recommendation_html
+
+        return recommendation_html(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading one back
+# ---------------------------------------------------------------------------------------------
+
+
+def load_result(path: Path | str) -> tuple[Recommendation, list[TrialResult]]:
+    """Read what ``tune`` or ``estimate`` wrote: an output folder (report.json, or
+    recommendation.json + the records of its study in trials.jsonl) or one of those JSON
+    files. Reading never chooses: an ``estimate --json`` output carries the pipeline's
+    decision."""
+    p = Path(path)
+    if p.is_dir():
+        for name in ("report.json", "recommendation.json"):
+            if (p / name).is_file():
+                return load_result(p / name)
+        raise ResultError(f"{p}: no report.json or recommendation.json here; run `autoshard tune`")
+    if not p.is_file():
+        raise ResultError(f"{p}: no such file or folder")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ResultError(f"{p}: not a JSON result ({exc})") from None
+    try:
+        return _from_json(data, p)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ResultError(f"{p}: not an autoshard result ({where}: {first['msg']})") from None
+
+
+def _from_json(data: Any, p: Path) -> tuple[Recommendation, list[TrialResult]]:
+    if not isinstance(data, dict):
+        raise ResultError(f"{p}: not an autoshard result (a JSON object is expected)")
+    if data.get("schema", "").startswith("autoshard.report/"):  # autoshard.ui.report.SCHEMA
+        rec = Recommendation.model_validate(data["recommendation"])
+        return rec, [TrialResult.model_validate(t) for t in data.get("trials", [])]
+    if "chosen" in data and "profile" in data:
+        rec = Recommendation.model_validate(data)
+        return rec, _read_trials(p.with_name("trials.jsonl"), rec.study)
+    if "estimates" in data:
+        return _from_estimates(data, p), []
+    raise ResultError(f"{p}: not an autoshard result (from `tune` or `estimate --json`)")
+
+
+def _read_trials(path: Path, study: str | None) -> list[TrialResult]:
+    """The recommendation's own trials: one folder may hold the records of several studies
+    (tuned again with other settings); a recommendation without a study name (older) reads all."""
+    from autoshard.study.journal import read_records
+
+    return read_records(path, study, error=ResultError)
+
+
+def _from_estimates(data: dict[str, Any], p: Path) -> Recommendation:
+    """``estimate --json``: the pipeline's decision that it carries (the same as ``recommend()``
+    for the same inputs); never a choice made here."""
+    if "recommendation" not in data:
+        raise ResultError(
+            f"{p}: this estimate JSON carries no recommendation (written by an older "
+            "autoshard); run `autoshard estimate --json` again"
+        )
+    if data["recommendation"] is None:
+        raise ResultError(f"{p}: no candidate fits in this estimate; nothing to export")
+    return Recommendation.model_validate(data["recommendation"])
