@@ -84,7 +84,7 @@ class SpeedFactors(Frozen):
         "attention rate (``attention_fraction``) that a training step's kernels reach (their "
         "shapes are not the best ones; gaps between kernels). Default: large-model training "
         "on A100s reaches 52-72% of the 312 TFLOP/s peak (Megatron-LM, Narayanan et al. 2021: "
-        "52%; Korthikanti et al. 2022: 56%; FlashAttention-2's GPT training: 72%), which is "
+        "52%; Korthikanti et al. 2022: 54-56%; FlashAttention-2's GPT training: 72%), which is "
         "0.6-0.83 of the A100's achievable 271 TFLOP/s; 0.7 is the middle. Not fitted to the "
         "benchmark that checks it (benchmarks/step_time_published.py, whose results show the "
         "sensitivity).",
