@@ -569,6 +569,8 @@ def predict_speed(
     # Matrix products and fused attention each reach their own share of the peak on this GPU
     # (catalogue facts: an H100 runs large products at 80% of its peak but FlashAttention-2 at
     # 35%, an A100 at 87% and ~60%), and a training step a share of that (compute_efficiency).
+    # The shares were measured in bf16; fp32 and TF32 steps get the same shares of their peaks
+    # (no catalogued measurement), which the trials' calibration corrects.
     flop_s = peak * gpu.matmul_fraction * factors.compute_efficiency / mbs
     attention_s = peak * gpu.attention_fraction * factors.compute_efficiency / mbs
     _, cb = _element_bytes(candidate)
