@@ -93,6 +93,23 @@ class GPUSpec(Frozen):
         description="Peak bytes/s in one direction between the GPU and host memory (the card's "
         "PCIe generation), what CPU offload moves parameters and gradients over.",
     )
+    matmul_fraction: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Achievable / dense peak of large 16-bit matrix products on this GPU (the "
+        "'maximum achievable matmul FLOPS' of a brute-force shape search): what a perfectly "
+        "shaped product reaches, before a training step's own losses. Default 0.8 where no "
+        "measurement is catalogued (NVIDIA's measured parts: 0.80-0.87).",
+    )
+    attention_fraction: float = Field(
+        0.35,
+        gt=0,
+        le=1,
+        description="Achievable / dense peak of fused attention (FlashAttention-2 class kernels, "
+        "as torch's scaled_dot_product_attention runs them), forward and backward. Default 0.35 "
+        "where no figure is catalogued (FlashAttention-2 on Hopper).",
+    )
     notes: str = Field(..., description="Assumptions and caveats behind the numbers.")
     sources: tuple[str, ...] = Field(
         ..., min_length=1, description="Datasheets and documents the numbers come from."
@@ -137,6 +154,59 @@ _NVIDIA_PRODUCT_BRIEF_H100_PCIE = (
 
 def _spec(**fields: object) -> GPUSpec:
     return GPUSpec.model_validate(fields)
+
+
+# What the kernels reach, apart from the datasheet peaks (the step-time model divides matrix
+# products and attention by these rates, then by its compute efficiency).
+_MAMF = (
+    "Maximum Achievable Matmul FLOPS table (bf16, v2 measurements), S. Bekman, Machine Learning "
+    "Engineering, compute/accelerator/README.md: https://github.com/stas00/ml-engineering/blob/"
+    "master/compute/accelerator/README.md#maximum-achievable-matmul-flops-comparison-table "
+    "(A100 SXM 271.2 of 312 TFLOPS = 86.9%; A100 PCIe 252.9 = 81.1%; H100 SXM 794.5 of 989 = "
+    "80.3%; GH200 828.6 = 83.6%; MI300X 668.4 of 1300 = 51.4%)"
+)
+_FA2 = (
+    "FlashAttention-2 (T. Dao, arXiv:2307.08691): 'reaching 50-73% of the theoretical maximum "
+    "FLOPs/s on A100' (forward up to 73%, backward lower; 0.6 taken for forward + backward)"
+)
+_FA3 = (
+    "FlashAttention-3 (J. Shah et al., arXiv:2407.08608): 'FlashAttention-2 achieving only 35% "
+    "utilization on the H100 GPU'; Azure ND H100 v5 benchmark guide: FlashAttention-2 at head "
+    "dim 128, batch 2, 8192 tokens, 327.9 TFLOPS (33% of 989): https://github.com/"
+    "samuel-bohman/AI-benchmarking-guide/blob/main/Azure_Results/ND_H100_v5_results.md"
+)
+_ACHIEVABLE: dict[str, tuple[float, float, tuple[str, ...]]] = {
+    # id: (matmul_fraction, attention_fraction, sources)
+    "a100-40gb-sxm": (271.2 / 312, 0.6, (_MAMF, _FA2)),
+    "a100-80gb-sxm": (271.2 / 312, 0.6, (_MAMF, _FA2)),
+    "a100-40gb-pcie": (252.9 / 312, 0.6, (_MAMF, _FA2)),
+    "a100-80gb-pcie": (252.9 / 312, 0.6, (_MAMF, _FA2)),
+    "h100-sxm": (794.5 / 989, 0.35, (_MAMF, _FA3)),
+    # The H200 is the H100 SXM's GH100 die at the same 700 W: the H100 SXM's fractions (the
+    # 900 W GH200 reaches 83.6%).
+    "h200": (794.5 / 989, 0.35, (_MAMF, _FA3)),
+    "h100-pcie": (0.8, 0.35, (_FA3,)),
+    "mi300x": (668.4 / 1300, 0.35, (_MAMF,)),
+    # Ampere/Ada cards run the same sm80 FlashAttention-2 kernels as the A100; no matmul figure
+    # catalogued (the 0.8 default).
+    "l4": (0.8, 0.6, (_FA2,)),
+    "l40s": (0.8, 0.6, (_FA2,)),
+    "a10": (0.8, 0.6, (_FA2,)),
+    "a10g": (0.8, 0.6, (_FA2,)),
+    # CPU processes: the rates are measured on this machine (autoshard.predict.speed).
+    "cpu-gloo": (1.0, 1.0, ()),
+}
+
+
+def _with_achievable(spec: GPUSpec) -> GPUSpec:
+    matmul, attention, sources = _ACHIEVABLE[spec.id]
+    return spec.model_copy(
+        update={
+            "matmul_fraction": matmul,
+            "attention_fraction": attention,
+            "sources": spec.sources + tuple(s for s in sources if s not in spec.sources),
+        }
+    )
 
 
 _ENTRIES: tuple[GPUSpec, ...] = (
@@ -440,7 +510,7 @@ _ENTRIES: tuple[GPUSpec, ...] = (
     ),
 )
 
-CATALOGUE: dict[str, GPUSpec] = {spec.id: spec for spec in _ENTRIES}
+CATALOGUE: dict[str, GPUSpec] = {spec.id: _with_achievable(spec) for spec in _ENTRIES}
 """Every catalogue entry by id."""
 
 

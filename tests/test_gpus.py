@@ -138,3 +138,17 @@ def test_module_examples_run() -> None:
         runner.run(test, out=report.append)
     assert runner.tries > 0
     assert runner.failures == 0, "".join(report)
+
+
+def test_achievable_rates_are_the_published_measurements() -> None:
+    # Large bf16 products (the MAMF table): 794.5 TFLOP/s on an H100 SXM, 271.2 on an A100
+    # SXM; FlashAttention-2 reaches 35% of an H100's peak and a larger share of an A100's.
+    h100, a100 = CATALOGUE["h100-sxm"], CATALOGUE["a100-80gb-sxm"]
+    assert h100.bf16_flops * h100.matmul_fraction == pytest.approx(794.5e12, rel=1e-3)
+    assert a100.bf16_flops * a100.matmul_fraction == pytest.approx(271.2e12, rel=1e-3)
+    assert h100.attention_fraction == 0.35
+    assert h100.attention_fraction < a100.attention_fraction < a100.matmul_fraction
+    assert any("ml-engineering" in s for s in h100.sources)
+    assert any("2407.08608" in s for s in h100.sources)  # the FlashAttention-3 paper
+    for spec in CATALOGUE.values():  # every GPU: a share of its peak, attention the smaller
+        assert 0 < spec.attention_fraction <= spec.matmul_fraction <= 1

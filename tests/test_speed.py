@@ -84,6 +84,8 @@ GPU = CATALOGUE["h100-sxm"].model_copy(
         "inter_node_bandwidth": INTER,
         "host_link_bandwidth": 10e9,
         "hbm_bandwidth": 1e12,
+        "matmul_fraction": 1.0,
+        "attention_fraction": 1.0,
     }
 )
 EXACT = SpeedFactors(
@@ -369,6 +371,50 @@ def test_flops_of_a_transformer_block_match_the_formula() -> None:
     assert flops.block_backward == (2 * 2 * seq * matmuls + 5 * attention // 2,) * 3
     assert flops.other_forward == 2 * seq * d * 1000  # the head
     assert flops.other_backward == 2 * flops.other_forward
+
+
+def _gpt_flops(seq: int) -> FlopProfile:
+    model = _meta_gpt()
+    flops = profile_flops(model, analyze_model(model), WorkloadSpec(seq_len=seq))
+    assert flops.measured, flops.note
+    return flops
+
+
+def test_attention_flops_are_counted_apart_and_grow_with_the_square_of_the_sequence() -> None:
+    short, long = _gpt_flops(64), _gpt_flops(128)
+    d = 128
+    for flops, seq in ((short, 64), (long, 128)):
+        # causal: half of two seq x seq x d products forward, 2.5x that backward
+        forward = 2 * (2 * seq * seq * d) // 2
+        assert flops.block_forward_attention == (forward,) * 2
+        assert flops.block_backward_attention == (5 * forward // 2,) * 2
+        assert flops.other_forward_attention == flops.other_backward_attention == 0
+        assert 0 < flops.attention < flops.total
+    # twice the sequence: 4x the attention, 2x the matrix products
+    assert long.attention == 4 * short.attention
+    assert long.total - long.attention == 2 * (short.total - short.attention)
+
+
+def test_attention_runs_at_its_own_share_of_the_peak() -> None:
+    flops = _gpt_flops(128)
+    profile = analyze_model(_meta_gpt())
+    gpu = GPU.model_copy(update={"matmul_fraction": 0.8, "attention_fraction": 0.25})
+    candidate = Candidate(wrap_classes=profile.wrap_policy)
+    speed = predict_speed(profile, flops, candidate, ONE_NODE, WorkloadSpec(seq_len=128),
+                          EXACT, gpu=gpu)  # fmt: skip
+    matmul = flops.total - flops.attention
+    hand = matmul / 0.8e12 + flops.attention / 0.25e12 + flops.traffic * 2 / 4 / 1e12
+    assert speed.breakdown.compute_s == pytest.approx(hand, rel=1e-9)
+    # MFU stays against the datasheet peak
+    assert speed.mfu == pytest.approx(flops.total / 1e12 / speed.step_time_s)
+
+
+def _meta_gpt() -> nn.Module:
+    from examples.gpt import build
+
+    with torch.device("meta"):
+        return build("1b", n_layer=2, n_head=4, n_kv_head=4, d_model=128, ffn_hidden=256,
+                     vocab_size=500)  # fmt: skip
 
 
 @pytest.mark.parametrize("example", ["hf_gpt2", "hf_t5"])

@@ -97,6 +97,17 @@ class FlopProfile(BaseModel):
     block_backward_ops: tuple[int, ...] = Field((), description="The same for the backward.")
     other_forward_ops: int = Field(0, description="The same outside the blocks, forward.")
     other_backward_ops: int = Field(0, description="The same outside the blocks, backward.")
+    block_forward_attention: tuple[int, ...] = Field(
+        (),
+        description="The part of each block's forward FLOPs that is fused attention (scaled dot "
+        "product attention, flash or memory-efficient kernels): it runs at its own achievable "
+        "rate, and grows with the square of the sequence.",
+    )
+    block_backward_attention: tuple[int, ...] = Field(
+        (), description="The same for each block's backward."
+    )
+    other_forward_attention: int = Field(0, description="The same outside the blocks, forward.")
+    other_backward_attention: int = Field(0, description="The same outside the blocks, backward.")
     measured: bool = Field(True, description="False when estimated as 6 x parameters x tokens.")
     note: str = Field("", description="Why the FLOPs were estimated, when they were.")
 
@@ -114,6 +125,16 @@ class FlopProfile(BaseModel):
     def total(self) -> int:
         """Forward and backward FLOPs of one sample (what a step computes without recompute)."""
         return self.forward + self.backward
+
+    @property
+    def attention(self) -> int:
+        """FLOPs of fused attention in one sample's forward and backward (part of ``total``)."""
+        return (
+            sum(self.block_forward_attention)
+            + sum(self.block_backward_attention)
+            + self.other_forward_attention
+            + self.other_backward_attention
+        )
 
     @property
     def traffic(self) -> int:
@@ -200,6 +221,12 @@ class _Traffic(TorchDispatchMode):
 
 
 _COMPUTE_BOUND = set(flop_registry) | set(_CPU_ATTENTION)
+# Fused attention kernels (forward and backward), counted apart from the matrix products: they
+# reach a different share of the GPU's peak (FlashAttention-2: ~35% of an H100's, against ~80%
+# for large matrix products), and their FLOPs grow with the square of the sequence.
+_ATTENTION = {
+    packet for packet in _COMPUTE_BOUND if "attention" in getattr(packet, "__name__", str(packet))
+}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -210,6 +237,7 @@ class _Counts(NamedTuple):
     flops: int
     traffic: int
     ops: int
+    attention: int = 0  # the part of ``flops`` that is fused attention
 
     def __sub__(self, other: tuple[int, ...]) -> _Counts:
         return _Counts(*(a - b for a, b in zip(self, other, strict=True)))
@@ -223,7 +251,11 @@ class _Counter:
         self.traffic = _Traffic()
 
     def totals(self) -> _Counts:
-        return _Counts(self.flop_counter.get_total_flops(), self.traffic.bytes, self.traffic.ops)
+        by_op = self.flop_counter.get_flop_counts().get("Global", {})
+        attention = sum(n for op, n in by_op.items() if op in _ATTENTION)
+        return _Counts(
+            self.flop_counter.get_total_flops(), self.traffic.bytes, self.traffic.ops, attention
+        )
 
     def __enter__(self) -> _Counter:
         self.flop_counter.__enter__()
@@ -282,7 +314,7 @@ def _backward(output: Any, counter: _Counter | None = None) -> _Counts:
     counter's totals once the seeds are made, so that they are not counted as backward work."""
     outs = _float_outputs(output)
     seeds = [torch.ones_like(t) for t in outs]
-    before = counter.totals() if counter is not None else _Counts(0, 0, 0)
+    before = counter.totals() if counter is not None else _Counts(0, 0, 0, 0)
     if outs:
         torch.autograd.backward(outs, seeds)
     return before
@@ -355,7 +387,7 @@ def _count(
         batch = move_to(batch, torch.device("cpu"))
 
     counter = _Counter()
-    forward_counts: list[_Counts] = [_Counts(0, 0, 0)] * len(blocks)
+    forward_counts: list[_Counts] = [_Counts(0, 0, 0, 0)] * len(blocks)
     # (signature, input shapes) -> (the block, fresh inputs, output template, forward counts)
     distinct: dict[Any, tuple[nn.Module, Any, Any, _Counts]] = {}
     keys: list[Any] = [None] * len(blocks)
@@ -401,7 +433,9 @@ def _count(
     if blocks and any(k is None for k in keys):
         raise RuntimeError("some blocks did not run in the model's forward")
     once = [d[3] for d in distinct.values()]  # each distinct block ran once in the model
-    blocks_once = _Counts(*(sum(c) for c in zip(*once, strict=True))) if once else _Counts(0, 0, 0)
+    blocks_once = (
+        _Counts(*(sum(c) for c in zip(*once, strict=True))) if once else _Counts(0, 0, 0, 0)
+    )
     other_forward = forward_total - blocks_once
     other_backward = total - forward_total  # the blocks' backward stood in: nothing counted
     backward_counts = [backward_of[k] for k in keys]
@@ -419,6 +453,10 @@ def _count(
         block_backward_ops=tuple(c.ops for c in backward_counts),
         other_forward_ops=other_forward.ops,
         other_backward_ops=other_backward.ops,
+        block_forward_attention=tuple(c.attention for c in forward_counts),
+        block_backward_attention=tuple(c.attention for c in backward_counts),
+        other_forward_attention=other_forward.attention,
+        other_backward_attention=other_backward.attention,
     )
 
 

@@ -6,7 +6,10 @@ One optimizer step of one rank is the sum of
   dense peak at the candidate's precision (bf16/fp16 tensor cores under ``bf16-mixed``,
   ``16-mixed``, ``bf16-true``; under ``32-true`` the fp32 CUDA-core rate, because torch multiplies
   fp32 matrices at "highest" precision unless told otherwise and Lightning's ``32-true`` does not
-  tell it) times ``compute_efficiency``, plus the bytes the memory-bound operations move
+  tell it) times the share of it the GPU's kernels can reach (catalogue facts: matrix products
+  ``matmul_fraction``, fused attention ``attention_fraction``, counted apart because attention
+  kernels reach a smaller share, on an H100 much smaller, and their FLOPs grow with the square
+  of the sequence) times ``compute_efficiency``, plus the bytes the memory-bound operations move
   (normalisations, activations, the loss, counted in the FLOP profile) over the GPU's memory
   bandwidth times ``memory_efficiency`` (a roofline: an H100 has 3.2x an A100's FLOP/s but 1.6x
   its bandwidth, so these operations take a larger share of its step);
@@ -69,19 +72,22 @@ class SpeedFactors(Frozen):
 
     >>> from autoshard.predict.speed import SpeedFactors
     >>> SpeedFactors().compute_efficiency
-    0.55
+    0.7
     """
 
     compute_efficiency: float = Field(
-        0.55,
+        0.7,
         gt=0,
         le=1,
-        description="Achieved / dense peak FLOP/s of the counted FLOPs (matrix products and "
-        "attention). Default: large-model training reaches 50-57% model FLOPs utilisation on "
-        "A100s (Megatron-LM, Korthikanti et al. 2022: 52-56%; PyTorch's FSDP Llama 2 7B blog, "
-        "2024: 57%) and 35-46% on H100s (the same blog; llm-foundry's MPT tables); the best "
-        "single large matrix product reaches 80-86% (Bekman's maximum achievable matmul FLOPS "
-        "table, ml-engineering).",
+        description="Achieved / achievable FLOP/s of the counted FLOPs: the share of the GPU's "
+        "best matrix-product rate (``GPUSpec.matmul_fraction`` of its peak) and of its fused "
+        "attention rate (``attention_fraction``) that a training step's kernels reach (their "
+        "shapes are not the best ones; gaps between kernels). Default: large-model training "
+        "on A100s reaches 52-72% of the 312 TFLOP/s peak (Megatron-LM, Narayanan et al. 2021: "
+        "52%; Korthikanti et al. 2022: 54-56%; FlashAttention-2's GPT training: 72%), which is "
+        "0.6-0.83 of the A100's achievable 271 TFLOP/s; 0.7 is the middle. Not fitted to the "
+        "benchmark that checks it (benchmarks/step_time_published.py, whose results show the "
+        "sensitivity).",
     )
     comm_efficiency: float = Field(
         0.75,
@@ -458,17 +464,25 @@ def checkpointed(candidate: Candidate, blocks: int) -> list[bool]:
 
 
 class _Work:
-    """Seconds of a piece of one micro-batch's work on the device: its FLOPs (per profiled
-    sample) over the compute rate, its memory traffic over the memory rate, and launching its
-    operations. A GPU runs the kernels while the host launches the next ones, so the piece
-    takes the longer of the two (a small model is launch-bound); a CPU does both in turn."""
+    """Seconds of a piece of one micro-batch's work on the device: its matrix-product FLOPs (per
+    profiled sample) over the matrix rate, its fused-attention FLOPs over the attention rate,
+    its memory traffic over the memory rate, and launching its operations. A GPU runs the
+    kernels while the host launches the next ones, so the piece takes the longer of the two (a
+    small model is launch-bound); a CPU does both in turn."""
 
-    def __init__(self, flop_s: float, byte_s: float, op_s: float, *, host_is_device: bool):
-        self.flop_s, self.byte_s, self.op_s = flop_s, byte_s, op_s
+    def __init__(
+        self, flop_s: float, attention_s: float, byte_s: float, op_s: float, *,
+        host_is_device: bool,
+    ):  # fmt: skip
+        self.flop_s, self.attention_s = flop_s, attention_s
+        self.byte_s, self.op_s = byte_s, op_s
         self.host_is_device = host_is_device
 
-    def seconds(self, flops: float, traffic: float, ops: float) -> float:
-        device = flops / self.flop_s + traffic / self.byte_s
+    def seconds(self, flops: float, attention: float, traffic: float, ops: float) -> float:
+        """``attention``: the part of ``flops`` that is fused attention."""
+        device = (
+            (flops - attention) / self.flop_s + attention / self.attention_s + traffic / self.byte_s
+        )
         host = ops * self.op_s
         return device + host if self.host_is_device else max(device, host)
 
@@ -486,18 +500,20 @@ def _block_seconds(
     block count."""
     n = len(flops.block_forward)
     fwd = [
-        work.seconds(f, t, o)
-        for f, t, o in zip(
+        work.seconds(f, a, t, o)
+        for f, a, t, o in zip(
             flops.block_forward,
+            _pad(flops.block_forward_attention, n),
             _pad(flops.block_forward_traffic, n),
             _pad(flops.block_forward_ops, n),
             strict=True,
         )
     ]
     bwd = [
-        work.seconds(f, t, o)
-        for f, t, o in zip(
+        work.seconds(f, a, t, o)
+        for f, a, t, o in zip(
             flops.block_backward,
+            _pad(flops.block_backward_attention, n),
             _pad(flops.block_backward_traffic, n),
             _pad(flops.block_backward_ops, n),
             strict=True,
@@ -550,7 +566,13 @@ def predict_speed(
     peak = dense_flops(gpu, candidate.precision, tf32=tf32)
     # Seconds per profiled FLOP and per profiled byte (fp32) of memory-bound work, at the
     # candidate's micro-batch: FLOPs and traffic are linear in it.
-    flop_s = peak * factors.compute_efficiency / mbs
+    # Matrix products and fused attention each reach their own share of the peak on this GPU
+    # (catalogue facts: an H100 runs large products at 80% of its peak but FlashAttention-2 at
+    # 35%, an A100 at 87% and ~60%), and a training step a share of that (compute_efficiency).
+    # The shares were measured in bf16; fp32 and TF32 steps get the same shares of their peaks
+    # (no catalogued measurement), which the trials' calibration corrects.
+    flop_s = peak * gpu.matmul_fraction * factors.compute_efficiency / mbs
+    attention_s = peak * gpu.attention_fraction * factors.compute_efficiency / mbs
     _, cb = _element_bytes(candidate)
     if gpu.id == "cpu-gloo":
         # CPU kernels compute bf16 element-wise work in fp32 and convert (measured here: the tiny
@@ -559,15 +581,23 @@ def predict_speed(
     byte_s = gpu.hbm_bandwidth * factors.memory_efficiency * 4 / cb / mbs
     comm = _Collectives(candidate, hardware, gpu, factors)
 
-    work = _Work(flop_s, byte_s, factors.op_overhead_s, host_is_device=gpu.id == "cpu-gloo")
+    work = _Work(
+        flop_s, attention_s, byte_s, factors.op_overhead_s, host_is_device=gpu.id == "cpu-gloo"
+    )
     fwd, bwd = _block_seconds(profile, flops, work)
     blocks = len(fwd)
     recompute = [f if c else 0.0 for f, c in zip(fwd, checkpointed(candidate, blocks), strict=True)]
     other_fwd = work.seconds(
-        flops.other_forward, flops.other_forward_traffic, flops.other_forward_ops
+        flops.other_forward,
+        flops.other_forward_attention,
+        flops.other_forward_traffic,
+        flops.other_forward_ops,
     )
     other_bwd = work.seconds(
-        flops.other_backward, flops.other_backward_traffic, flops.other_backward_ops
+        flops.other_backward,
+        flops.other_backward_attention,
+        flops.other_backward_traffic,
+        flops.other_backward_ops,
     )
     params = float(profile.total_params)
     block_params = float(profile.block_params) if blocks else 0.0
