@@ -34,7 +34,7 @@ from autoshard.plan import Plan
 from autoshard.recommendation import Recommendation
 from autoshard.results import MemoryEstimate, ModelProfile, Scored, TrialResult, TrialStatus
 from autoshard.space import PREDICTED_TIE, predicted_rate, tie_ranked, wrap_reason
-from autoshard.units import format_bytes
+from autoshard.units import format_bytes, format_share
 
 
 def versions() -> dict[str, str]:
@@ -350,7 +350,7 @@ def explain_by_prediction(
             if speed.tokens_per_s_per_gpu
             else ""
         )
-        mfu = f", MFU {speed.mfu:.0%}" if speed.mfu else ""
+        mfu = f", MFU {format_share(speed.mfu)}" if speed.mfu else ""
         lines.append(
             f"fastest predicted of {len(ok)} configurations that ran: "
             f"{speed.step_time_s:.3f} s/step{per_gpu}{mfu}"

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field
 
 from autoshard.config import Candidate, Frozen, Hardware, WorkloadSpec
+from autoshard.units import format_share
 
 # --------------------------------------------------------------------------------------------
 # Analysis
@@ -319,7 +320,7 @@ class Decision(Frozen):
                 lines.append(
                     f"  predicted {est.speed.step_time_s:.3f} s/step"
                     + (f", {tokens:,.0f} tokens/s per GPU" if tokens else "")
-                    + (f", MFU {est.speed.mfu:.0%}" if est.speed.mfu is not None else "")
+                    + (f", MFU {format_share(est.speed.mfu)}" if est.speed.mfu is not None else "")
                 )
         if trial is not None and trial.step_time is not None:
             lines.append(

@@ -75,3 +75,14 @@ def format_count(n: float) -> str:
         if abs(n) >= div:
             return f"{n / div:.3g}{suffix}"
     return f"{n:.0f}"
+
+
+def format_share(x: float) -> str:
+    """A fraction as a percentage that does not round a small model's MFU down to "0%".
+
+    >>> format_share(0.446), format_share(0.0042), format_share(0.00004)
+    ('45%', '0.4%', '<0.1%')
+    """
+    if x >= 0.01 or x <= 0:
+        return f"{x:.0%}"
+    return f"{x:.1%}" if x >= 0.001 else "<0.1%"

@@ -26,7 +26,7 @@ from autoshard.ui.report import (
     trials_of,
     why_ruled_out,
 )
-from autoshard.units import format_bytes
+from autoshard.units import format_bytes, format_share
 
 # ---------------------------------------------------------------------------------------------
 # HTML with inline SVG charts
@@ -522,7 +522,7 @@ def estimates_html(estimates: Sequence[MemoryEstimate], hardware: Hardware | Non
             format_bytes(e.gpu_peak),
             format_bytes(e.headroom),
             f"{s.tokens_per_s_per_gpu:,.0f}" if s and s.tokens_per_s_per_gpu else "",
-            f"{s.mfu:.0%}" if s and s.mfu is not None else "",
+            format_share(s.mfu) if s and s.mfu is not None else "",
         )
         rows.append("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>")
     title = ""

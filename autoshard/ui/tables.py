@@ -11,7 +11,7 @@ from autoshard.config import Hardware, RankOrder
 from autoshard.predict.analytic import ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES
 from autoshard.results import MemoryEstimate, ModelProfile
 from autoshard.space import PREDICTED_TIE
-from autoshard.units import format_bytes, format_count
+from autoshard.units import format_bytes, format_count, format_share
 
 CLASS_ROWS = 12
 
@@ -176,7 +176,7 @@ def estimates_table(
             s = e.speed
             row += [
                 f"{s.tokens_per_s_per_gpu:,.0f}" if s and s.tokens_per_s_per_gpu else "",
-                f"{s.mfu:.0%}" if s and s.mfu is not None else "",
+                format_share(s.mfu) if s and s.mfu is not None else "",
             ]
         table.add_row(*row)
     return table
