@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autoshard.units import format_bytes
+from autoshard.units import format_bytes, format_share
 
 MIB, GIB, TIB = 2**20, 2**30, 2**40
 
@@ -29,3 +29,11 @@ MIB, GIB, TIB = 2**20, 2**30, 2**40
 def test_format_bytes(value: int, text: str) -> None:
     assert format_bytes(value) == text
     assert "e+" not in format_bytes(value)
+
+
+@pytest.mark.parametrize(
+    ("share", "text"),
+    [(0.0, "0%"), (0.446, "45%"), (0.01, "1%"), (0.0042, "0.4%"), (0.00004, "<0.1%")],
+)
+def test_a_small_share_is_not_rounded_to_zero(share: float, text: str) -> None:
+    assert format_share(share) == text
