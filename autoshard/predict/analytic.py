@@ -155,6 +155,28 @@ def gradient_params(profile: ModelProfile, candidate: Candidate) -> tuple[int, i
     return trained_root + trained_blocks, trained_root, trained_unit
 
 
+def state_bytes(profile: ModelProfile, candidate: Candidate, shard: int) -> int:
+    """Bytes of one optimizer state (AdamW keeps two) on the rank that holds the most.
+
+    Only trainable parameters get state. FSDP2 shards every parameter evenly. FSDP1 cuts each
+    unit's flat parameter into equal contiguous shards, so with frozen parameters the ranks
+    differ: a rank may hold a unit's whole trainable part, up to its shard of the unit (the
+    tiny GPT with a frozen embedding: the rank holding the head keeps 5.1 MiB of AdamW state,
+    the one holding the embedding 3.1 MiB)."""
+    stored, _ = precision_bytes(candidate.precision)
+    if candidate.engine is Engine.FSDP2 or not profile.frozen_params:
+        return profile.trainable_params * stored // shard
+
+    def largest(size: int, trainable: int) -> int:
+        return min(max(trainable, 0), -(-size // shard))
+
+    if candidate.one_unit or not profile.block_count:
+        return largest(profile.total_params, profile.trainable_params) * stored
+    root = largest(profile.root_unit_params, profile.root_unit_params - profile.root_frozen_params)
+    block = largest(profile.block_params, profile.block_params - profile.block_frozen_params)
+    return (root + (profile.block_count - profile.frozen_blocks) * block) * stored
+
+
 def peak_moments(
     profile: ModelProfile,
     candidate: Candidate,
@@ -194,11 +216,17 @@ def peak_moments(
     sharded = params * stored // shard
     grads = trained * stored // shard
     states = OPTIMIZER_STATES[candidate.optimizer]
-    optimizer = states * profile.trainable_params * stored // shard
+    one_state = state_bytes(profile, candidate, shard)  # one optimizer state of one rank
+    optimizer = states * one_state
 
     if candidate.sharding is Sharding.SHARD_GRAD_OP:
         unsharded = params * cb  # kept gathered from forward to backward
         after_forward = unsharded
+    elif candidate.sharding is Sharding.NO_SHARD and candidate.engine is Engine.FSDP2:
+        # FSDP2 replicates on a (world, 1) mesh and still gathers copies, in every precision:
+        # the root and the current and prefetched units (measured on fake tensors)
+        unsharded = (2 * unit + root) * cb if wrapped else params * cb
+        after_forward = 0
     elif candidate.sharding is Sharding.NO_SHARD:
         # low-precision copies of the current unit and the prefetched one (or of the one unit)
         unsharded = ((2 * unit if wrapped else params) * cb) if mixed else 0
@@ -240,7 +268,7 @@ def peak_moments(
         # the logits' gradient in fp32 (cross-entropy)
         logits = candidate.micro_batch_size * workload.seq_len * profile.vocab_size * 4
     foreach = (
-        profile.trainable_params * stored // shard
+        one_state
         if candidate.optimizer_impl is OptimizerImpl.FOREACH
         and candidate.optimizer is not Optimizer.SGD
         else 0
@@ -488,6 +516,9 @@ def loop_moments(
     sharded_grads = moments["optimizer step"].gradients  # 0 when offloaded to the host
     forward = forward_moments(moments, profile, candidate, hardware, acts)
     out: dict[str, MemoryBreakdown] = {}
+    start = backward_start_moment(moments["head backward"], profile, candidate, hardware)
+    if start is not None:  # in every loop: no gradients are alive then
+        out["backward start"] = start
     if workload.loop is Loop.LIGHTNING:
         alive = dict(forward)
         if candidate.engine is Engine.FSDP1 and candidate.sharding is not Sharding.SHARD_GRAD_OP:

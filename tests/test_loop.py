@@ -1,0 +1,316 @@
+"""The user's training loop (Lightning's order, a plain loop, gradient accumulation), frozen
+parameters and LoRA: the one step function, both estimators, and real trials."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from autoshard.analyze import analyze_model, analyze_target
+from autoshard.config import Candidate, Hardware, Precision, WorkloadSpec
+from autoshard.loop import optimizer_step
+from autoshard.predict.activations import profile_activations
+from autoshard.predict.analytic import (
+    accumulated_gradient_bytes,
+    estimate_memory,
+    forward_moments,
+    gradient_params,
+    needs_simulation,
+    peak_moments,
+    skips_gradient_sync,
+)
+from autoshard.target.resolve import TargetSpec
+
+from .conftest import EXAMPLES
+
+MIB = 2**20
+GLOO2 = Hardware(gpus_per_node=2, gpu_memory=80 * 2**30, backend="gloo")
+
+
+def gpt(**kwargs: object) -> TargetSpec:
+    return TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny", **kwargs})
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> None:
+    warnings.simplefilter("ignore")
+
+
+# ---------------------------------------------------------------------------------------------
+# The step function: the order of the calls
+# ---------------------------------------------------------------------------------------------
+
+
+class Spy(nn.Module):
+    """A linear model whose forward records whether gradients are allocated when it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.linear.weight.grad is not None)
+        return self.linear(x).sum()
+
+
+class CallLog(torch.optim.SGD):
+    def __init__(self, params: object, log: list[str]) -> None:
+        super().__init__(params, lr=0.1)  # type: ignore[arg-type]
+        self.log = log
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.log.append("zero_grad")
+        super().zero_grad(set_to_none)
+
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        self.log.append("step")
+        super().step()
+
+
+@pytest.mark.parametrize(
+    ("loop", "accumulate", "calls", "grads_in_forward"),
+    [
+        # Lightning's closure: training_step, zero_grad, backward; step after the last batch
+        ("lightning", 1, ["zero_grad", "step"], [False, True, True]),
+        ("plain", 1, ["step", "zero_grad"], [False, False, False]),
+        # accumulation: zero_grad before the first micro-batch's backward only
+        ("lightning", 3, ["zero_grad", "step"], [False, True, True, True, True, True]),
+        ("plain", 3, ["step", "zero_grad"], [False, True, True, False, True, True]),
+    ],
+)
+def test_the_step_runs_the_loop_order(loop, accumulate, calls, grads_in_forward) -> None:
+    model, log = Spy(), []
+    optimizer = CallLog(model.parameters(), log)
+    workload = WorkloadSpec(loop=loop, accumulate=accumulate)
+    steps = 3 if accumulate == 1 else 2
+    for _ in range(steps):
+        off = torch.autocast("cpu", enabled=False)
+        optimizer_step(model, optimizer, torch.ones(2, 4), workload, autocast=off)
+    assert log == calls * steps
+    # Lightning keeps the last step's gradients through the next forward; a plain loop does not
+    assert model.seen == grads_in_forward
+
+
+def test_accumulated_gradients_equal_one_large_batch() -> None:
+    """Each micro-batch's loss is divided by the number accumulated, as the Trainer does."""
+    torch.manual_seed(0)
+    base = nn.Linear(4, 1)
+    grads = {}
+    for n in (1, 4):
+        model = nn.Linear(4, 1)
+        model.load_state_dict(base.state_dict())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        batch = torch.arange(8.0).reshape(2, 4)
+        optimizer_step(
+            model,
+            optimizer,
+            batch,
+            WorkloadSpec(loop="lightning", accumulate=n),
+            autocast=torch.autocast("cpu", enabled=False),
+            loss_fn=lambda out, _batch: out.mean(),
+        )
+        grads[n] = model.weight.grad.clone()
+    torch.testing.assert_close(grads[1], grads[4])
+
+
+# ---------------------------------------------------------------------------------------------
+# Frozen parameters and LoRA in the analyzer and the estimators
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_analyzer_counts_frozen_parameters_where_they_are() -> None:
+    profile, built = analyze_target(gpt(freeze="tok_emb"))
+    embedding = built.model.tok_emb.weight.numel()
+    assert profile.frozen_params == profile.root_frozen_params == embedding
+    assert profile.trainable_params == profile.total_params - embedding
+    assert profile.block_frozen_params == profile.frozen_blocks == 0
+    stats = {c.name: c for c in profile.classes}
+    assert stats["Embedding"].frozen_total == embedding
+    assert stats["Block"].frozen_total == 0
+
+
+def test_fsdp1_gives_a_unit_with_any_trainable_parameter_a_whole_gradient() -> None:
+    profile, _ = analyze_target(gpt(freeze="tok_emb"))
+    wrap = profile.wrap_policy
+    fsdp1 = gradient_params(profile, Candidate(wrap_classes=wrap))
+    fsdp2 = gradient_params(profile, Candidate(engine="fsdp2", wrap_classes=wrap))
+    assert fsdp1[0] == profile.total_params  # the root's flat gradient covers the embedding
+    assert fsdp2[0] == profile.trainable_params
+    assert fsdp1[1] - fsdp2[1] == profile.root_frozen_params
+
+
+@pytest.fixture(scope="module")
+def lora() -> tuple:
+    pytest.importorskip("peft")
+    target = TargetSpec(
+        spec=f"{EXAMPLES}/hf_llama_lora.py:build",
+        kwargs={"size": "tiny", "hidden_size": 128, "intermediate_size": 256, "batch_size": 1},
+    )
+    profile, built = analyze_target(target)
+    return target, profile, built
+
+
+def test_the_analyzer_counts_trainable_lora_adapters(lora) -> None:
+    _, profile, built = lora
+    adapters = [(n, p) for n, p in built.model.named_parameters() if "lora_" in n]
+    # rank-8 adapters on q_proj and v_proj of each layer: r x (in + out) each
+    cfg = built.model.config
+    kv = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    per_layer = 8 * (2 * cfg.hidden_size) + 8 * (cfg.hidden_size + kv)
+    assert profile.trainable_params == sum(p.numel() for _, p in adapters)
+    assert profile.trainable_params == cfg.num_hidden_layers * per_layer
+    assert profile.frozen_params == profile.total_params - profile.trainable_params
+    assert profile.root_frozen_params == profile.root_unit_params  # embedding, head: frozen
+    assert profile.frozen_blocks == 0  # every decoder layer holds adapters
+
+
+@pytest.mark.parametrize("engine", ["fsdp1", "fsdp2"])
+def test_a_lora_models_optimizer_state_counts_only_the_adapters(lora, engine) -> None:
+    from autoshard.predict.simulate import simulate_memory
+
+    target, profile, built = lora
+    candidate = Candidate(engine=engine, wrap_classes=profile.wrap_policy, precision="32-true")
+    workload = WorkloadSpec(loop="plain")
+    acts = profile_activations(built.model, profile, workload, batch=built.batch)
+    analytic = estimate_memory(profile, candidate, GLOO2, workload, activations=acts)
+    # AdamW: two fp32 states of the adapters, sharded over 2 ranks (FSDP1: a rank may hold up to
+    # a unit's whole trainable part, when that is under its shard of the unit)
+    adapters = profile.trainable_params
+    if engine == "fsdp2":
+        assert analytic.breakdown.optimizer == 2 * 4 * adapters // 2
+    else:
+        assert 2 * 4 * adapters // 2 <= analytic.breakdown.optimizer <= 2 * 4 * adapters
+    assert analytic.breakdown.optimizer < 2 * 4 * profile.total_params // 2 // 10
+    # the real optimizer on the real (fake-tensor) FSDP model: the simulation's peak holds it
+    simulated = simulate_memory(target, candidate, GLOO2, workload)
+    assert 0 < simulated.breakdown.optimizer <= 2 * 4 * adapters
+    fewer = simulate_memory(
+        TargetSpec(spec=target.spec, kwargs={**target.kwargs, "targets": "q_proj"}),
+        candidate,
+        GLOO2,
+        workload,
+    )
+    assert 0 < fewer.breakdown.optimizer < simulated.breakdown.optimizer
+
+
+def test_simulate_on_the_command_line_runs_with_frozen_parameters(cli) -> None:
+    code, out, err = cli(
+        "estimate", f"{EXAMPLES}/gpt.py:build", "--arg", "size=tiny", "--arg", "freeze=tok_emb",
+        "--gpus", "2", "--gpu-memory", "8GiB", "--seq-len", "64", "--simulate", "2",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "simulated" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# The analytic moments of the loop
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple:
+    profile, built = analyze_target(gpt())
+    acts = profile_activations(
+        built.model, profile, WorkloadSpec(seq_len=64), precisions=tuple(Precision)
+    )
+    return profile, acts
+
+
+def moments_of(tiny, candidate: Candidate, **workload: object) -> dict:
+    profile, acts = tiny
+    moments, _ = peak_moments(profile, candidate, GLOO2, WorkloadSpec(seq_len=64, **workload), acts)
+    return moments
+
+
+def test_lightning_adds_the_last_steps_gradients_to_the_forward(tiny) -> None:
+    profile, _ = tiny
+    c = Candidate(wrap_classes=profile.wrap_policy, sharding="SHARD_GRAD_OP", precision="32-true")
+    plain = moments_of(tiny, c, loop="plain")
+    lightning = moments_of(tiny, c, loop="lightning")
+    grads = profile.total_params * 4 // 2  # fp32, sharded over 2
+    forward = forward_moments(plain, profile, c, GLOO2, tiny[1])
+    assert lightning["forward end, last step's gradients"].gradients == grads
+    assert (
+        lightning["forward end, last step's gradients"].total
+        == forward["forward end"].total + grads
+    )
+    assert all("last step" not in name for name in plain)
+    # SHARD_GRAD_OP holds every unit gathered at the end of forward: the peak moves there
+    assert max(m.total for m in lightning.values()) > max(m.total for m in plain.values())
+
+
+@pytest.mark.parametrize(
+    ("engine", "loop", "kept_per_param"),
+    [
+        ("fsdp1", "lightning", 2),  # the Trainer's no_sync: unsharded, in the compute dtype
+        ("fsdp1", "plain", 2),
+        ("fsdp2", "plain", 4),  # set_requires_gradient_sync(False): upcast to the fp32 reduce
+        ("fsdp2", "lightning", 0),  # ModelParallelStrategy syncs every micro-batch
+    ],
+)
+def test_accumulation_keeps_unsharded_gradients_when_the_sync_is_skipped(
+    tiny, engine, loop, kept_per_param
+) -> None:
+    profile, _ = tiny
+    c = Candidate(engine=engine, wrap_classes=profile.wrap_policy, precision="bf16-mixed")
+    workload = WorkloadSpec(seq_len=64, loop=loop, accumulate=4)
+    assert skips_gradient_sync(c, workload) == bool(kept_per_param)
+    one = moments_of(tiny, c, loop=loop, accumulate=1)
+    four = moments_of(tiny, c, loop=loop, accumulate=4)
+    if kept_per_param:
+        kept = accumulated_gradient_bytes(profile, c, GLOO2)
+        assert kept == kept_per_param * profile.total_params
+        # the later micro-batches' loss: the first's, with every unit's unsharded gradient
+        assert four["accumulating loss"].total - one["loss"].total == kept
+    else:
+        # the sharded gradients stay allocated through the later micro-batches' backward
+        sharded = one["optimizer step"].gradients
+        assert four["accumulating top block backward"].gradients == sharded
+        assert one["top block backward"].gradients == 0
+    assert max(m.total for m in four.values()) > max(m.total for m in one.values())
+
+
+@pytest.mark.parametrize(
+    ("engine", "sharding", "loop"),
+    [("fsdp1", "FULL_SHARD", "plain"), ("fsdp2", "FULL_SHARD", "lightning")],
+)
+def test_analytic_accumulation_agrees_with_the_simulation(tiny, engine, sharding, loop) -> None:
+    from autoshard.predict.simulate import simulate_memory
+
+    profile, acts = tiny
+    c = Candidate(engine=engine, sharding=sharding, wrap_classes=profile.wrap_policy)
+    workload = WorkloadSpec(seq_len=64, loop=loop, accumulate=4)
+    analytic = estimate_memory(profile, c, GLOO2, workload, activations=acts)
+    simulated = simulate_memory(gpt(), c, GLOO2, workload)
+    one = simulate_memory(gpt(), c, GLOO2, workload.model_copy(update={"accumulate": 1}))
+    assert simulated.gpu_peak > one.gpu_peak  # accumulation costs memory
+    assert analytic.gpu_peak == pytest.approx(simulated.gpu_peak, rel=0.05)
+
+
+# ---------------------------------------------------------------------------------------------
+# What cannot be modelled says so
+# ---------------------------------------------------------------------------------------------
+
+
+def test_needs_simulation_names_what_the_analytic_estimate_cannot_model() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model[0].requires_grad_(False)
+    frozen = analyze_model(model)
+    trained = analyze_model(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+    assert needs_simulation(trained, Candidate(min_num_params=10), WorkloadSpec()) is None
+    assert needs_simulation(frozen, Candidate(), WorkloadSpec()) is None
+    size_wrap = needs_simulation(frozen, Candidate(min_num_params=10), WorkloadSpec())
+    assert size_wrap and "size-based" in size_wrap
+    offload = needs_simulation(trained, Candidate(cpu_offload=True), WorkloadSpec(accumulate=2))
+    assert offload and "offload" in offload
+    assert needs_simulation(trained, Candidate(cpu_offload=True), WorkloadSpec()) is None
+    assert all(
+        "\n" not in (needs_simulation(p, c, w) or "")
+        for p in (frozen, trained)
+        for c in (Candidate(min_num_params=10), Candidate(cpu_offload=True))
+        for w in (WorkloadSpec(), WorkloadSpec(accumulate=2))
+    )
