@@ -222,6 +222,32 @@ def fake_world(world_size: int, backend: str = "nccl", rank: int = 0) -> Iterato
 
 
 @contextlib.contextmanager
+def _no_op_moves_skipped() -> Iterator[None]:
+    # On fake tensors Module._apply swaps every parameter (torch.utils.swap_tensors), also for a
+    # Module.to() that changes nothing, and the swap fails ("Cannot swap t2 because it has
+    # weakref associated with it"). peft moves each new LoRA adapter to its base layer's device
+    # and dtype that way, where it already is: such a move is skipped during the build.
+    original = nn.Module.to
+
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if memory_format is None and all(
+            (device is None or t.device == torch.device(device))
+            and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+            for t in tensors
+        ):
+            return self
+        return original(self, *args, **kwargs)
+
+    nn.Module.to = to  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        nn.Module.to = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def _collective_buffers(backend: str) -> Iterator[None]:
     # gloo's reduce-scatter works on a copy of its input (ProcessGroupGloo; +1x the input under
     # torch's tracker around a bare 2-process collective; all-gather and all-reduce add nothing).
@@ -322,7 +348,8 @@ def _simulate_once(
         # Built inside the fake mode, not copied from meta: ``to_empty`` cannot swap tied
         # parameters into fake tensors, and FSDP1 needs a model that is not on meta.
         with FakeTensorMode(allow_non_fake_inputs=True), warnings_off():
-            built = build_target(target, device=cpu)
+            with _no_op_moves_skipped():
+                built = build_target(target, device=cpu)
             model = built.model
             if depth is not None:
                 truncate_blocks(model, block_classes, depth)
