@@ -191,15 +191,18 @@ def peak_moments(
     >>> from autoshard import analyze_target, peak_moments, profile_activations
     >>> profile, built = analyze_target(
     ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
-    >>> workload = WorkloadSpec(seq_len=128)
-    >>> moments, host = peak_moments(
-    ...     profile, Candidate(wrap_classes=profile.wrap_policy),
-    ...     Hardware(gpus_per_node=8, gpu_memory=80 * 2**30), workload,
-    ...     profile_activations(built.model, profile, workload))
+    >>> workload = WorkloadSpec(seq_len=128, loop="plain")  # zero_grad after step
+    >>> candidate = Candidate(wrap_classes=profile.wrap_policy)
+    >>> gpus = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
+    >>> acts = profile_activations(built.model, profile, workload)
+    >>> moments, host = peak_moments(profile, candidate, gpus, workload, acts)
     >>> print(*moments, sep=", ")
     loss, head backward, top block backward, bottom block backward, root backward, optimizer step
     >>> host  # nothing offloaded
     0
+    >>> trainer = WorkloadSpec(seq_len=128, loop="lightning")  # zero_grad before backward
+    >>> sorted(peak_moments(profile, candidate, gpus, trainer, acts)[0].keys() - moments)[:2]
+    ["forward end, last step's gradients", "last block forward, last step's gradients"]
     """
     candidate = as_run(candidate, hardware)
     stored, cb = precision_bytes(candidate.precision)
@@ -404,7 +407,7 @@ def skips_gradient_sync(candidate: Candidate, workload: WorkloadSpec) -> bool:
     ``set_requires_gradient_sync(False)``); Lightning's Trainer only for FSDP1."""
     if workload.accumulate == 1:
         return False
-    return workload.loop is Loop.PLAIN or candidate.engine is Engine.FSDP1
+    return workload.loop == Loop.PLAIN or candidate.engine is Engine.FSDP1
 
 
 def accumulated_gradient_bytes(
@@ -519,7 +522,7 @@ def loop_moments(
     start = backward_start_moment(moments["head backward"], profile, candidate, hardware)
     if start is not None:  # in every loop: no gradients are alive then
         out["backward start"] = start
-    if workload.loop is Loop.LIGHTNING:
+    if workload.loop == Loop.LIGHTNING:
         alive = dict(forward)
         if candidate.engine is Engine.FSDP1 and candidate.sharding is not Sharding.SHARD_GRAD_OP:
             # zero_grad() sets the original parameters' gradients to None, but the flat
