@@ -227,8 +227,8 @@ def peak_moments(
         after_forward = unsharded
     elif candidate.sharding is Sharding.NO_SHARD and candidate.engine is Engine.FSDP2:
         # FSDP2 replicates on a (world, 1) mesh and still gathers copies, in every precision:
-        # the root and the current and prefetched units (measured on fake tensors)
-        unsharded = (2 * unit + root) * cb if wrapped else params * cb
+        # the root and the current unit (measured on fake tensors; nothing is prefetched)
+        unsharded = (unit + root) * cb if wrapped else params * cb
         after_forward = 0
     elif candidate.sharding is Sharding.NO_SHARD:
         # low-precision copies of the current unit and the prefetched one (or of the one unit)
@@ -279,6 +279,14 @@ def peak_moments(
 
     # the blocks' gradients, reduced to shards
     block_grads = (trained - trained_root) * stored // shard
+    # FSDP1 never reshards a root unit that does not train (no gradient, so no post-backward
+    # hook): once gathered by the first forward it stays gathered (measured on fake tensors,
+    # a LoRA Llama whose embedding and head are frozen).
+    frozen_root = (
+        root * cb
+        if candidate.engine is Engine.FSDP1 and wrapped and shard > 1 and not trained_root
+        else 0
+    )
     host = 0
     if candidate.cpu_offload:
         # parameters, gradients and optimizer state live in host memory; the GPU keeps the
@@ -298,11 +306,17 @@ def peak_moments(
         temporaries=2 * logits,
         buffers=profile.buffer_bytes,
     )
+    fsdp2_resharding = (
+        candidate.engine is Engine.FSDP2
+        and wrapped
+        and candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+    )
     # 1. The head's backward: the loss's backward is done (its log-probabilities freed), the
     #    logits' gradient alive, the root gathered again with the working set.
     head = MemoryBreakdown(
         sharded_params=sharded,
-        unsharded_params=unsharded,
+        # FSDP2 holds the root and the last block's copy, whose all-gather buffer is in comm
+        unsharded_params=unsharded - (unit * cb if fsdp2_resharding else 0),
         optimizer=optimizer,
         comm_buffers=comm - trained_unit * reduce_bytes,  # no block has reduced its gradients yet
         activations=saved - loss_saved,
@@ -319,7 +333,7 @@ def peak_moments(
         # tensors): the blocks run without the root gathered or its gradient unsharded.
         top_block = head.model_copy(
             update={
-                "unsharded_params": unsharded - root * cb,
+                "unsharded_params": unsharded - root * cb + frozen_root,
                 "temporaries": block_backward,
             }
         )
@@ -340,8 +354,11 @@ def peak_moments(
     bottom_block = top_block.model_copy(
         update={
             "unsharded_params": (unit + root) * cb,
-            "gradients": block_grads,
+            # every block's gradients but its own are reduced into shards
+            "gradients": block_grads - trained_unit * stored // shard,
             "activations": first_block_bytes(candidate, acts),
+            # a root that stays gathered (frozen, FSDP1) is not prefetched
+            "comm_buffers": top_block.comm_buffers - (unit * cb if frozen_root else 0),
         }
     )
     # 4. The root's backward, at the very end: the embedding's gradient completes the root's
@@ -362,6 +379,7 @@ def peak_moments(
     # 5. The optimizer step: gradients and the foreach transient, no activations.
     step = MemoryBreakdown(
         sharded_params=sharded,
+        unsharded_params=frozen_root,
         gradients=grads,
         optimizer=optimizer,
         temporaries=foreach,
@@ -384,7 +402,7 @@ def peak_moments(
         reduce_scatters["root reduce-scatter"] = root_backward.model_copy(
             update={
                 "unsharded_params": root_backward.unsharded_params
-                - (root * cb if gathered_root else 0),
+                - (root * cb if gathered_root and not frozen_root else 0),
                 "comm_buffers": root_backward.comm_buffers + trained_root * reduce_bytes,
             }
         )
@@ -445,8 +463,9 @@ def forward_moments(
       keeps until the root's forward ends, with every earlier block's activations saved), the
       end of the last block's forward, and the end of the root's forward (the logits made, the
       root still gathered: FSDP2 gathers a copy even with NO_SHARD);
-    - FSDP1 with resharding units: the end of the last block's forward (FSDP1 gathers into the
-      flat parameter itself: no buffer)."""
+    - FSDP1: the end of the root's forward (the root, or its low-precision copy, still held
+      with the logits) and, with resharding units, the end of the last block's forward (FSDP1
+      gathers into the flat parameter itself: no buffer)."""
     candidate = as_run(candidate, hardware)
     _, cb = precision_bytes(candidate.precision)
     loss = moments["loss"]
@@ -492,10 +511,19 @@ def forward_moments(
                 "comm_buffers": buffer,
             }
         )
-    elif candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD) and not one_unit:
-        out["last block forward"] = base.model_copy(
-            update={"unsharded_params": root + unit, "activations": through_blocks}
+    else:
+        mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+        gathers = shard_size(candidate, hardware) > 1 or mixed  # no copy: fp32 NO_SHARD
+        out["root forward end"] = base.model_copy(
+            update={
+                "unsharded_params": params * cb if keeps_all else root if gathers else 0,
+                "activations": saved,
+            }
         )
+        if candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD) and not one_unit:
+            out["last block forward"] = base.model_copy(
+                update={"unsharded_params": root + unit, "activations": through_blocks}
+            )
     return out
 
 
@@ -522,6 +550,19 @@ def loop_moments(
     start = backward_start_moment(moments["head backward"], profile, candidate, hardware)
     if start is not None:  # in every loop: no gradients are alive then
         out["backward start"] = start
+    # The forward's own moments, with no gradient alive: the peak where backward holds little
+    # (frozen parameters, LoRA: no weight gradients).
+    out.update({name: m for name, m in forward.items() if name != "forward end"})
+    run = as_run(candidate, hardware)
+    if run.engine is Engine.FSDP1 and shard_size(run, hardware) == 1 and not run.one_unit:
+        # FSDP1 concatenates a unit's gradients into its flat gradient: the bottom block's
+        # views and flat copy beside every other unit's gradient (measured on fake tensors)
+        _, cb = precision_bytes(run.precision)
+        trained_unit = gradient_params(profile, run)[2]
+        root = moments["root backward"]
+        out["bottom block's flat gradient"] = root.model_copy(
+            update={"gradients": root.gradients + trained_unit * cb}
+        )
     if workload.loop == Loop.LIGHTNING:
         alive = dict(forward)
         if candidate.engine is Engine.FSDP1 and candidate.sharding is not Sharding.SHARD_GRAD_OP:
@@ -658,7 +699,11 @@ def no_sync_moments(
     # The last micro-batch: the top block reduces its gradients (and gloo copies the reduce
     # input) while every other unit's are still unsharded.
     top = moments["top block backward"]
-    sync = top.model_copy(update={"gradients": top.gradients + kept})
+    # FSDP1 reduce-scatters the unit's flat gradient itself, one of the kept ones
+    own = trained_unit * _reduce_bytes(candidate) if candidate.engine is Engine.FSDP1 else 0
+    sync = top.model_copy(
+        update={"gradients": top.gradients + kept, "comm_buffers": top.comm_buffers - own}
+    )
     out["synchronising top block backward"] = sync
     if hardware.backend == "gloo" and shard_size(candidate, hardware) > 1:
         out["synchronising block reduce-scatter"] = sync.model_copy(
