@@ -2,28 +2,36 @@
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
 from autoshard.analyze import analyze_model, analyze_target
-from autoshard.api import NoGPUWarning, detect_hardware, estimate, recommend
-from autoshard.config import Candidate, Hardware, WorkloadSpec
+from autoshard.api import Estimates, estimate, recommend, tune
+from autoshard.config import Candidate, Hardware, TuneOptions, WorkloadSpec
 from autoshard.errors import AutoshardError
+from autoshard.plan import NoGPUWarning, PlanOptions, PlanWarning, detect_hardware
 from autoshard.predict.activations import ActivationProfile, profile_activations
 from autoshard.predict.analytic import estimate_all, estimate_memory, peak_moments
 from autoshard.predict.simulate import simulate_memory
 from autoshard.results import MemoryEstimate, ModelProfile, Recommendation, TrialResult
-from autoshard.search import TuneOptions, tune
 from autoshard.space import enumerate_candidates
 from autoshard.target.resolve import TargetSpec
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("autoshard")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0.0.0+unknown"
 
 __all__ = [
     "ActivationProfile",
     "AutoshardError",
     "Candidate",
+    "Estimates",
     "Hardware",
     "MemoryEstimate",
     "ModelProfile",
     "NoGPUWarning",
+    "PlanOptions",
+    "PlanWarning",
     "Recommendation",
     "TargetSpec",
     "TrialResult",

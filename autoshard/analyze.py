@@ -269,12 +269,14 @@ def _class_stats(
         union = _union_size(mods)
         if union == 0:
             continue
+        sizes = [params_of[id(m)][1] for m in mods]
         stats.append(
             ClassStat(
                 class_path=class_path(cls),
                 name=cls.__name__,
                 count=len(mods),
-                params_each=max(params_of[id(m)][1] for m in mods),
+                params_each=max(sizes),
+                params_smallest=min(sizes) if min(sizes) != max(sizes) else None,
                 params_total=union,
                 frozen_total=_union_size(mods, frozen_only=True),
                 share=union / total if total else 0.0,

@@ -1,115 +1,131 @@
-"""``autoshard.recommend(model)``: the FSDP configuration for a model, from Python.
+"""``autoshard.estimate / recommend / tune``: the Python doors onto :mod:`autoshard.plan`.
 
-With ``trials=0`` (the default) the answer rests on the analyzer and the memory estimator and
-comes back in seconds, with no GPU and no real memory. With ``trials > 0`` short real FSDP runs
-measure the promising candidates (:func:`autoshard.search.tune`) and the fastest that fits wins.
-
-What can be planned for: a model object (real or on the meta device), a Hugging Face model, a
-LightningModule, a factory function or class, or a ``"path/to/file.py:build"`` target; see
-:mod:`autoshard.target.adapters`.
+They take the model as the user has it (a model object, real or on the meta device, a Hugging
+Face model, a LightningModule, a factory, or a ``"path/to/file.py:build"`` target; see
+:mod:`autoshard.target.adapters`) and the options of :class:`~autoshard.plan.PlanOptions` (the
+same as the command line's flags, validated in one place), and go through the one pipeline:
+the same inputs give the same answer as ``autoshard estimate`` / ``export`` / ``tune``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Mapping, Sequence
-from importlib.metadata import PackageNotFoundError, version
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from autoshard.analyze import analyze_model
-from autoshard.config import Candidate, Engine, Hardware, Precision, WorkloadSpec
+from autoshard.config import RankOrder, TuneOptions
+from autoshard.decide import decide
 from autoshard.errors import ConfigError
-from autoshard.predict.activations import ActivationProfile, precisions_of, profile_activations
-from autoshard.predict.analytic import estimate_all
-from autoshard.predict.simulate import refine_with_simulation
-from autoshard.results import MemoryEstimate, ModelProfile, Recommendation, Scored
-from autoshard.space import (
-    check_rank_order,
-    enumerate_candidates,
-    rank_candidates,
-    wrap_reason,
-)
-from autoshard.target.adapters import to_target
-from autoshard.target.resolve import BuiltModel, TargetSpec, build_target
-from autoshard.target.step import batch_samples, find_vocab_size
-from autoshard.units import format_bytes, parse_size
+from autoshard.plan import Plan, PlanOptions, make_plan, make_request, options_from
+from autoshard.results import MemoryEstimate, Recommendation
 
-__all__ = ["NoGPUWarning", "detect_hardware", "estimate", "recommend"]
-
-# Micro-batch sizes tried when neither a batch nor a batch size is given.
-DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
-# Sequence length assumed for a token model when none is given: its context, at most this.
-DEFAULT_SEQ_LEN_CAP = 4096
+__all__ = ["Estimates", "estimate", "estimates_for", "recommend", "tune"]
 
 
-class NoGPUWarning(UserWarning):
-    """No CUDA GPU is visible: trials run on CPU processes, and the GPUs are the ones given.
-
-    Silence it where planning for GPUs that are not at hand is the point:
+class Estimates(list[MemoryEstimate]):
+    """The estimates of every candidate, in the order asked for, with the pipeline's decision
+    for the same inputs (``recommendation``: what ``recommend()`` chooses; None when nothing
+    fits) and the plan behind them (``plan.notes``: what was assumed). In a notebook it renders
+    as a table.
 
     >>> import warnings
-    >>> from autoshard import NoGPUWarning, detect_hardware
-    >>> with warnings.catch_warnings():
-    ...     warnings.simplefilter("ignore", NoGPUWarning)
-    ...     cluster = detect_hardware(gpus=8, nodes=4, gpu_memory="80GiB")
-    >>> cluster.world_size
-    32
+    >>> import autoshard
+    >>> warnings.simplefilter("ignore", autoshard.PlanWarning)
+    >>> estimates = autoshard.estimate("examples/gpt.py:build", kwargs={"size": "tiny"},
+    ...                                gpus=8, gpu_memory="24GiB", seq_len=128)
+    >>> estimates.recommendation.chosen.candidate == estimates[0].candidate
+    True
+    >>> "<table>" in estimates._repr_html_()
+    True
     """
 
+    def __init__(
+        self,
+        estimates: Iterable[MemoryEstimate],
+        *,
+        recommendation: Recommendation | None = None,
+        plan: Plan | None = None,
+    ) -> None:
+        super().__init__(estimates)
+        self.recommendation = recommendation
+        self.plan = plan
 
-def detect_hardware(
+    def __rich__(self) -> Any:
+        from autoshard.ui.tables import estimates_table
+
+        hardware = self.plan.hardware if self.plan else None
+        return estimates_table(list(self), hardware)
+
+    def _repr_html_(self) -> str:
+        from autoshard.ui.html import estimates_html
+
+        return estimates_html(list(self), self.plan.hardware if self.plan else None)
+
+
+def _split_options(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Keyword arguments of a door: TuneOptions' fields, the rest PlanOptions'."""
+    tune_fields = set(TuneOptions.model_fields)
+    tune_values = {k: v for k, v in values.items() if k in tune_fields}
+    plan_values = {k: v for k, v in values.items() if k not in tune_fields}
+    return plan_values, tune_values
+
+
+def estimate(
+    model: Any,
     *,
-    gpus: int | None = None,
-    nodes: int = 1,
-    gpu_memory: int | str | None = None,
-    host_memory: int | str | None = None,
-) -> Hardware:
-    """The GPUs to plan for: the arguments given, the visible GPUs for the rest.
+    kwargs: Mapping[str, Any] | None = None,
+    batch: Any | None = None,
+    sort: RankOrder | str = RankOrder.SPEED,
+    **options: Any,
+) -> Estimates:
+    """Predict the per-GPU and host memory of every FSDP candidate for ``model``: the fitting
+    ones first, the fastest predicted first (``sort="headroom"``: the most memory left first),
+    then the rest by how far they overshoot.
 
-    Without a visible GPU, ``gpu_memory`` must be given (a :class:`ConfigError` says so) and a
-    :class:`NoGPUWarning` says that trials run on CPU processes.
+    Takes the same model and options as :func:`recommend` (``gpus``, ``nodes``, ``gpu``,
+    ``gpu_memory``, ``seq_len``, ``batch_size``, ``loop``, ``accumulate``, ``engine``,
+    ``precision``, ``simulate``...: see :class:`~autoshard.plan.PlanOptions`). The list's
+    ``recommendation`` is what :func:`recommend` chooses for the same inputs.
 
-    >>> from autoshard import detect_hardware
-    >>> detect_hardware(gpus=8, gpu_memory="80GiB").world_size
-    8
+    Example (runs on a CPU in a few seconds)::
+
+        >>> import warnings
+        >>> import autoshard
+        >>> warnings.simplefilter("ignore", autoshard.NoGPUWarning)
+        >>> estimates = autoshard.estimate("examples/gpt.py:build", kwargs={"size": "tiny"},
+        ...                                gpus=8, gpu_memory="24GiB", seq_len=128)
+        >>> fastest = estimates[0]
+        >>> fastest.fits, fastest.candidate.cpu_offload  # offload is never the fastest
+        (True, False)
+        >>> estimates.recommendation.chosen.candidate == fastest.candidate
+        True
     """
-    has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
-    if isinstance(gpu_memory, str):
-        gpu_memory = parse_size(gpu_memory, flag="gpu_memory")
-    if isinstance(host_memory, str):
-        host_memory = parse_size(host_memory, flag="host_memory")
-    if gpu_memory is None:
-        if not has_gpu:
-            raise ConfigError(
-                "no GPU visible here: give gpu_memory (e.g. gpu_memory='80GiB') and gpus for "
-                "the GPUs to plan for; trials then run on CPU processes (gloo)"
-            )
-        gpu_memory = torch.cuda.get_device_properties(0).total_memory
-    if gpus is None:
-        if not has_gpu:
-            raise ConfigError(
-                "no GPU visible here: give gpus (GPUs per node) for the GPUs to plan for"
-            )
-        gpus = torch.cuda.device_count()
-    if not has_gpu:
-        warnings.warn(
-            f"no GPU visible: planning for {nodes} x {gpus} GPUs of "
-            f"{format_bytes(gpu_memory)}; trials (if any) run on CPU processes with gloo",
-            NoGPUWarning,
-            stacklevel=2,
-        )
-    bf16 = torch.cuda.is_bf16_supported() if has_gpu else True
-    return Hardware(
-        gpus_per_node=gpus,
-        nodes=nodes,
-        gpu_memory=gpu_memory,
-        host_memory=host_memory,
-        bf16_supported=bf16,
+    return estimates_for(
+        model, options_from(PlanOptions, options), kwargs=kwargs, batch=batch, sort=sort
     )
+
+
+def estimates_for(
+    model: Any,
+    options: PlanOptions,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    batch: Any | None = None,
+    sort: RankOrder | str = RankOrder.SPEED,
+    flag: str = "sort=",
+) -> Estimates:
+    """:func:`estimate` with validated options (the command line's door)."""
+    try:
+        order = RankOrder(sort)
+    except ValueError:
+        choices = ", ".join(o.value for o in RankOrder)
+        raise ConfigError(f"{flag} {sort}: choose one of {choices}") from None
+    plan = make_plan(make_request(model, options, kwargs=kwargs, batch=batch))
+    try:
+        rec: Recommendation | None = decide(plan)
+    except ConfigError:
+        rec = None  # nothing fits: the list says by how much
+    return Estimates(plan.ranked(order), recommendation=rec, plan=plan)
 
 
 def recommend(
@@ -117,22 +133,10 @@ def recommend(
     *,
     kwargs: Mapping[str, Any] | None = None,
     batch: Any | None = None,
-    gpus: int | None = None,
-    nodes: int = 1,
-    gpu_memory: int | str | None = None,
-    host_memory: int | str | None = None,
-    seq_len: int | None = None,
-    batch_size: int | Sequence[int] | None = None,
-    engine: Engine | str = Engine.FSDP1,
-    precision: Precision | str | Sequence[Precision | str] | None = None,
     trials: int = 0,
-    out_dir: str | Path | None = None,
-    nproc: int | None = None,
-    trial_timeout: float = 300.0,
-    warmup: int = 2,
-    steps: int = 3,
+    **options: Any,
 ) -> Recommendation:
-    """Recommend the FSDP configuration for ``model`` on ``gpus`` x ``nodes`` GPUs.
+    """Recommend the FSDP configuration for ``model``.
 
     Args:
         model: an ``nn.Module`` (real or meta), a Hugging Face model, a LightningModule, a
@@ -141,17 +145,13 @@ def recommend(
         kwargs: keyword arguments of the factory.
         batch: an example training batch (a dict is passed as keyword arguments, a tuple as
             positional ones; Hugging Face models get ``labels`` and return ``.loss``).
-        gpus, nodes, gpu_memory, host_memory: the cluster to plan for (sizes as bytes or
-            "80GiB"); default: the visible GPUs.
-        seq_len: tokens per sample of a token model (default: from the batch, else the model's
-            context length up to 4096).
-        batch_size: micro-batch size(s) per GPU to consider (default: the batch's, else 1-8).
-        engine: "fsdp1" (Lightning's FSDPStrategy) or "fsdp2" (ModelParallelStrategy).
-        precision: pin one precision or several ("bf16-mixed", "32-true", ...).
-        trials: 0 decides from estimates alone (seconds); N > 0 runs up to N short real trials.
-        out_dir: where trials write their study, logs and reports (default "autoshard-out").
-        nproc, trial_timeout, warmup, steps: how trials run (processes per node: the visible
-            GPUs, or 2 CPU processes).
+        trials: 0 decides from estimates alone (seconds); N > 0 runs up to N short real trials
+            (:func:`tune`).
+        options: what to plan for, as :class:`~autoshard.plan.PlanOptions` (``gpus``,
+            ``nodes``, ``gpu``, ``gpu_memory``, ``host_memory``, ``seq_len``, ``batch_size``,
+            ``loop``, ``accumulate``, ``engine``, ``precision``, ``simulate``...) and, with
+            trials, how to run them, as :class:`~autoshard.config.TuneOptions` (``out_dir``,
+            ``trial_timeout``, ``warmup``, ``steps``, ``nproc``, ``storage``...).
 
     Returns:
         A :class:`Recommendation`: ``rec.chosen.candidate`` is the configuration,
@@ -159,375 +159,64 @@ def recommend(
 
     Example (runs on a CPU in a few seconds)::
 
+        >>> import warnings
         >>> import torch
         >>> from torch import nn
-        >>> from autoshard.api import recommend
+        >>> from autoshard import NoGPUWarning, recommend
+        >>> warnings.simplefilter("ignore", NoGPUWarning)
         >>> layers = [nn.TransformerEncoderLayer(256, 4, batch_first=True) for _ in range(4)]
         >>> rec = recommend(nn.Sequential(*layers), batch=torch.randn(2, 128, 256),
         ...                 gpus=8, gpu_memory="80GiB")
-        >>> rec.chosen.candidate.wrap_classes
+        >>> rec.profile.wrap_policy  # the repeated block: the unit of every per-block candidate
         ('torch.nn.modules.transformer.TransformerEncoderLayer',)
+        >>> rec.chosen.estimate.fits, rec.chosen.estimate.speed.samples_per_s > 0
+        (True, True)
     """
     if trials < 0:
-        raise ConfigError(f"trials must be 0 (estimate only) or more, got {trials}")
-    hardware = detect_hardware(
-        gpus=gpus, nodes=nodes, gpu_memory=gpu_memory, host_memory=host_memory
-    )
-    engine = _engine(engine)
-    precisions = _precisions(precision)
-    out = Path(out_dir) if out_dir is not None else None
-    target = to_target(model, kwargs=kwargs, batch=batch, out_dir=out)
-    built = build_target(target)
-    workload, notes = _workload(built, seq_len=seq_len, batch_size=batch_size)
-    sizes = _sizes(built, batch_size)
-
+        raise ConfigError(f"trials={trials}: give 0 (estimate only) or a number of trials")
     if trials > 0:
-        return _tune(
-            target,
-            hardware,
-            workload,
-            out=out or Path("autoshard-out"),
-            trials=trials,
-            engine=engine,
-            precisions=precisions,
-            sizes=sizes,
-            nproc=nproc,
-            trial_timeout=trial_timeout,
-            warmup=warmup,
-            steps=steps,
-        )
-
-    profile, activations, estimates = _estimate_all_candidates(
-        model, target, built, hardware, workload, engine=engine, precisions=precisions,
-        sizes=sizes,
-    )  # fmt: skip
-    if activations.note:
-        notes.append(activations.note)
-    return choose_by_estimate(profile, estimates, hardware, workload, notes=notes)
+        return tune(model, kwargs=kwargs, batch=batch, trials=trials, **options)
+    plan_values, tune_values = _split_options(options)
+    out_dir = tune_values.pop("out_dir", None)  # also where model objects are saved
+    if tune_values:
+        names = ", ".join(f"{k}=" for k in tune_values)
+        raise ConfigError(f"{names} configure trials: give trials=N as well, or leave them out")
+    opts = options_from(PlanOptions, plan_values)
+    out = Path(out_dir) if out_dir is not None else None
+    return decide(make_plan(make_request(model, opts, kwargs=kwargs, batch=batch, out_dir=out)))
 
 
-def _estimate_all_candidates(
-    model: Any,
-    target: TargetSpec,
-    built: BuiltModel,
-    hardware: Hardware,
-    workload: WorkloadSpec,
-    *,
-    engine: Engine,
-    precisions: tuple[Precision, ...] | None,
-    sizes: tuple[int, ...],
-) -> tuple[ModelProfile, ActivationProfile, list[MemoryEstimate]]:
-    """Analyse the built model, profile its activations and estimate every candidate."""
-    profile = analyze_model(
-        built.model, target=_label(model, target), built_on=built.built_on,
-        extra_warnings=built.warnings,
-    )  # fmt: skip
-    candidates = enumerate_candidates(
-        profile, hardware, workload, engine=engine, precisions=precisions, micro_batch_sizes=sizes
-    )
-    activations = profile_activations(
-        built.model, profile, workload, batch=built.batch, precisions=precisions_of(candidates)
-    )
-    estimates = estimate_all(profile, candidates, hardware, workload, activations=activations)
-    return profile, activations, estimates
-
-
-def estimate(
+def tune(
     model: Any,
     *,
     kwargs: Mapping[str, Any] | None = None,
     batch: Any | None = None,
-    gpus: int | None = None,
-    nodes: int = 1,
-    gpu_memory: int | str | None = None,
-    host_memory: int | str | None = None,
-    seq_len: int | None = None,
-    batch_size: int | Sequence[int] | None = None,
-    engine: Engine | str = Engine.FSDP1,
-    precision: Precision | str | Sequence[Precision | str] | None = None,
-    simulate: int = 0,
-    sort: str = "headroom",
-) -> list[MemoryEstimate]:
-    """Predict the per-GPU and host memory of every FSDP candidate for ``model``: the fitting
-    ones first, the most headroom first (as ``autoshard estimate`` prints them), or the fastest
-    expected first with ``sort="speed"``.
+    **options: Any,
+) -> Recommendation:
+    """Run (or resume) a study of short real FSDP trials and return the fastest configuration
+    that fits. Takes what :func:`recommend` takes; ``trials`` defaults to 12.
 
-    Takes the same model and cluster arguments as :func:`recommend`. ``simulate=N`` replaces
-    the analytic estimates of the N best fitting candidates with simulated ones (real FSDP on
-    fake tensors: seconds each). Each estimate has ``gpu_peak``, ``host_peak``, ``fits``,
-    ``peak_at`` and a ``breakdown`` by kind.
+    Real FSDP trials in a worker group (2 gloo CPU processes here; about 20 s):
 
-    Example (runs on a CPU in a few seconds)::
-
-        >>> import autoshard
-        >>> estimates = autoshard.estimate("examples/gpt.py:build", kwargs={"size": "tiny"},
-        ...                                gpus=8, gpu_memory="24GiB", seq_len=128)
-        >>> roomiest = estimates[0]
-        >>> roomiest.fits, roomiest.candidate.cpu_offload  # offload leaves the most GPU memory
-        (True, True)
-        >>> fastest = autoshard.estimate("examples/gpt.py:build", kwargs={"size": "tiny"},
-        ...                              gpus=8, gpu_memory="24GiB", seq_len=128, sort="speed")[0]
-        >>> fastest.fits, fastest.breakdown.optimizer > 0
-        (True, True)
+    >>> import tempfile, warnings
+    >>> import autoshard
+    >>> warnings.simplefilter("ignore", autoshard.NoGPUWarning)
+    >>> rec = autoshard.tune("examples/gpt.py:build", kwargs={"size": "tiny"}, seq_len=64,
+    ...                      batch_size=1, gpu_memory="2GiB", trials=2, warmup=1, steps=2,
+    ...                      out_dir=tempfile.mkdtemp())
+    >>> rec.basis, rec.chosen.trial.status.value, rec.chosen.trial.world_size
+    ('trials', 'ok', 2)
     """
-    if simulate < 0:
-        raise ConfigError(f"simulate must be 0 or a number of candidates, got {simulate}")
-    check_rank_order(sort, "sort")
-    hardware = detect_hardware(
-        gpus=gpus, nodes=nodes, gpu_memory=gpu_memory, host_memory=host_memory
-    )
-    target = to_target(model, kwargs=kwargs, batch=batch, out_dir=None)
-    built = build_target(target)
-    workload, _ = _workload(built, seq_len=seq_len, batch_size=batch_size)
-    profile, _, estimates = _estimate_all_candidates(
-        model, target, built, hardware, workload, engine=_engine(engine),
-        precisions=_precisions(precision), sizes=_sizes(built, batch_size),
-    )  # fmt: skip
-    ranked = rank_candidates(estimates, device="cuda")
-    if simulate:
-        ranked = refine_with_simulation(
-            target, ranked, hardware, workload, block_classes=profile.block_classes,
-            count=simulate,
-        )  # fmt: skip
-    return rank_candidates(ranked, device="cuda", by=sort)
+    from autoshard.search import run_study
 
+    plan_values, tune_values = _split_options(options)
+    opts = options_from(PlanOptions, plan_values)
+    tune_opts = options_from(TuneOptions, tune_values)
+    out_dir = Path(tune_opts.out_dir)
+    from autoshard.study.storage import check_storage, prepare_out
 
-def choose_by_estimate(
-    profile: ModelProfile,
-    estimates: Sequence[MemoryEstimate],
-    hardware: Hardware,
-    workload: WorkloadSpec,
-    *,
-    notes: Sequence[str] = (),
-) -> Recommendation:
-    """The fitting candidate expected to be fastest, with one reason per setting."""
-    ranked = rank_candidates(estimates, device="cuda")
-    fitting = [e for e in ranked if e.fits]
-    if not fitting:
-        closest = ranked[0] if ranked else None
-        detail = f"; closest: {closest.candidate.label()} ({closest.reason})" if closest else ""
-        raise ConfigError(
-            f"no configuration fits {hardware.world_size} x {format_bytes(hardware.gpu_memory)} "
-            f"GPUs ({len(estimates)} estimated){detail}; add GPUs or nodes, or use a smaller "
-            "micro-batch or sequence"
-        )
-    best = fitting[0]
-    return Recommendation(
-        profile=profile,
-        hardware=hardware,
-        workload=workload,
-        chosen=Scored(candidate=best.candidate, estimate=best),
-        runners_up=tuple(Scored(candidate=e.candidate, estimate=e) for e in fitting[1:5]),
-        ruled_out=tuple(Scored(candidate=e.candidate, estimate=e) for e in ranked if not e.fits),
-        basis="estimate",
-        reasons=tuple(explain_estimate(best, estimates, profile, hardware) + list(notes)),
-        versions=_versions(),
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Reasons: one line per chosen setting, from the estimates of its alternatives
-# --------------------------------------------------------------------------------------------
-
-_SETTINGS = ("sharding", "checkpointing", "cpu_offload", "precision", "micro_batch_size")
-
-
-def _value(candidate: Candidate, name: str) -> str:
-    value = getattr(candidate, name)
-    if name == "checkpointing" and candidate.checkpointing.value == "every_k":
-        return f"every {candidate.checkpoint_every} blocks"
-    return str(getattr(value, "value", value))
-
-
-def _differs_only_in(a: Candidate, b: Candidate, name: str) -> bool:
-    related = {
-        "sharding": {"sharding", "hybrid_mesh"},
-        "checkpointing": {"checkpointing", "checkpoint_every", "checkpoint_classes"},
-    }.get(name, {name})
-    da, db = a.model_dump(), b.model_dump()
-    return da != db and all(da[k] == db[k] for k in da if k not in related)
-
-
-def explain_estimate(
-    best: MemoryEstimate,
-    estimates: Sequence[MemoryEstimate],
-    profile: ModelProfile,
-    hardware: Hardware,
-) -> list[str]:
-    """Why each setting of ``best``: what its alternatives would need, or cost."""
-    c = best.candidate
-    usable = format_bytes(hardware.usable_gpu_memory)
-    b = best.breakdown
-    lines = [
-        f"predicted peak {format_bytes(best.gpu_peak)} per GPU of {usable} usable "
-        f"({hardware.world_size} x {format_bytes(hardware.gpu_memory)}, "
-        f"{hardware.margin:.0%} margin): params {format_bytes(b.sharded_params)}, "
-        f"grads {format_bytes(b.gradients)}, optimizer {format_bytes(b.optimizer)}, "
-        f"gathered units {format_bytes(b.unsharded_params)}, activations "
-        f"{format_bytes(b.activations)}, temporaries {format_bytes(b.temporaries)}, "
-        f"allowance {format_bytes(b.allowance)}",
-        wrap_reason(c, profile),
-    ]
-    if profile.tied:
-        names = "; ".join(", ".join(g.names) for g in profile.tied)
-        lines.append(f"tied parameters ({names}) stay in one FSDP unit (the root)")
-    for name in _SETTINGS:
-        alternatives = [e for e in estimates if _differs_only_in(e.candidate, c, name)]
-        chosen = _value(c, name)
-        too_big = sorted(
-            {f"{_value(e.candidate, name)} ({format_bytes(e.gpu_peak)})" for e in alternatives
-             if not e.fits}
-        )  # fmt: skip
-        slower = sorted({_value(e.candidate, name) for e in alternatives if e.fits})
-        parts = []
-        if too_big:
-            parts.append(f"does not fit with {', '.join(too_big)}")
-        if slower:
-            parts.append(f"fits but expected slower with {', '.join(slower)}")
-        why = "; ".join(parts) or (
-            "offload is considered with FULL_SHARD only"
-            if name == "cpu_offload"
-            else "the only value considered (pass batch_size= to compare others)"
-            if name == "micro_batch_size"
-            else "the only value considered"
-        )
-        if name == "checkpointing" and c.checkpoint_classes:
-            chosen += f" of {{{', '.join(c.checkpoint_classes)}}}"
-        lines.append(f"{name} {chosen}: {why}")
-    lines.append(
-        f"limit_all_gathers={c.limit_all_gathers}, forward_prefetch={c.forward_prefetch}, "
-        f"backward_prefetch={c.backward_prefetch.value}, {c.optimizer.value} "
-        f"({c.optimizer_impl.value}): Lightning's defaults; they change speed a little, "
-        "memory by at most one unit; measure them with trials"
-    )
-    lines.append(
-        "basis: estimates only (no trial ran); run recommend(..., trials=N) to measure the "
-        "leading candidates"
-    )
-    return lines
-
-
-# --------------------------------------------------------------------------------------------
-# Inputs
-# --------------------------------------------------------------------------------------------
-
-
-def _engine(engine: Engine | str) -> Engine:
-    try:
-        return Engine(engine)
-    except ValueError:
-        raise ConfigError(f"engine must be fsdp1 or fsdp2, got {engine!r}") from None
-
-
-def _precisions(
-    precision: Precision | str | Sequence[Precision | str] | None,
-) -> tuple[Precision, ...] | None:
-    if precision is None:
-        return None
-    items = [precision] if isinstance(precision, str | Precision) else list(precision)
-    out = []
-    for p in items:
-        try:
-            out.append(Precision(p))
-        except ValueError:
-            names = ", ".join(x.value for x in Precision)
-            raise ConfigError(f"precision must be one of {names}, got {p!r}") from None
-    return tuple(out)
-
-
-def _sizes(built: BuiltModel, batch_size: int | Sequence[int] | None) -> tuple[int, ...]:
-    if batch_size is not None:
-        sizes = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
-        if not sizes or any(s < 1 for s in sizes):
-            raise ConfigError(f"batch_size must be positive, got {batch_size!r}")
-        return sizes
-    if built.batch is not None:
-        return (batch_samples(built.batch),)
-    return DEFAULT_MICRO_BATCH_SIZES
-
-
-def _workload(
-    built: BuiltModel, *, seq_len: int | None, batch_size: int | Sequence[int] | None
-) -> tuple[WorkloadSpec, list[str]]:
-    notes: list[str] = []
-    vocab = find_vocab_size(built.model)
-    if seq_len is None and built.batch is not None:
-        seq_len = _batch_seq_len(built.batch)
-    if seq_len is None and vocab is not None:
-        context = _context_length(built.model)
-        seq_len = min(context or DEFAULT_SEQ_LEN_CAP, DEFAULT_SEQ_LEN_CAP)
-        notes.append(
-            f"seq_len {seq_len}: "
-            + (f"the model's context ({context})" if context else "assumed")
-            + f"{' capped' if context and context > seq_len else ''}; pass seq_len= for yours"
-        )
-    sizes = _sizes(built, batch_size)
-    return WorkloadSpec(micro_batch_size=sizes[0], seq_len=seq_len, vocab_size=vocab), notes
-
-
-def _batch_seq_len(batch: Any) -> int | None:
-    first = batch
-    if isinstance(batch, Mapping):
-        first = batch.get("input_ids", batch.get("decoder_input_ids"))
-    elif isinstance(batch, list | tuple) and batch:
-        first = batch[0]
-    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
-        return int(first.shape[1])
-    return None
-
-
-def _context_length(model: Any) -> int | None:
-    inner = getattr(model, "module", model)  # LightningStep
-    for holder in (inner, getattr(inner, "config", None), getattr(inner, "model", None)):
-        for name in ("max_seq_len", "max_position_embeddings", "n_positions", "block_size"):
-            value = getattr(holder, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
-
-
-def _label(model: Any, target: TargetSpec) -> str:
-    if isinstance(model, str | TargetSpec):
-        return str(target)
-    if isinstance(model, torch.nn.Module):
-        return f"{type(model).__module__}.{type(model).__qualname__}"
-    return str(target)
-
-
-def _versions() -> dict[str, str]:
-    out: dict[str, str] = {"torch": str(torch.__version__)}
-    for name in ("autoshard", "transformers", "lightning"):
-        with contextlib.suppress(PackageNotFoundError):
-            out[name] = version(name)
-    return out
-
-
-def _tune(
-    target: TargetSpec,
-    hardware: Hardware,
-    workload: WorkloadSpec,
-    *,
-    out: Path,
-    trials: int,
-    engine: Engine,
-    precisions: tuple[Precision, ...] | None,
-    sizes: tuple[int, ...],
-    nproc: int | None,
-    trial_timeout: float,
-    warmup: int,
-    steps: int,
-) -> Recommendation:
-    from autoshard.search import TuneOptions, tune
-
-    options = TuneOptions(
-        out_dir=out,
-        n_trials=trials,
-        engine=engine,
-        precisions=precisions,
-        micro_batch_sizes=sizes,
-        nproc=nproc,
-        trial_timeout=trial_timeout,
-        warmup=warmup,
-        steps=steps,
-    )
-    return tune(target, hardware, workload, options)
+    prepare_out(out_dir)  # a bad folder or storage is one error before the analysis
+    if tune_opts.storage:
+        check_storage(tune_opts.storage)
+    request = make_request(model, opts, kwargs=kwargs, batch=batch, out_dir=out_dir, trials=True)
+    return run_study(make_plan(request), tune_opts)

@@ -1,23 +1,36 @@
-"""The ``autoshard`` command: a thin typer table over the library.
+"""The ``autoshard`` command: a thin table over the library.
 
-Every command calls library functions and prints their result. autoshard's own errors become one
-red line and exit code 1; ``--debug`` shows the traceback instead.
+The flags of ``estimate`` and ``tune`` are not written here: they are derived from the fields of
+:class:`~autoshard.plan.PlanOptions` and :class:`~autoshard.config.TuneOptions` (name, help,
+default), the same objects the Python doors validate, the way litgpt derives its flags from its
+functions' signatures. Every flag reaches this module as text and is validated by pydantic in
+one place, so a bad value is one line naming the flag and exit code 1 (``--debug`` shows the
+traceback). Warnings of the pipeline (a number it had to assume) are one line each on stderr.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+import os
 import sys
-from collections.abc import Callable
+import typing
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from pydantic import BaseModel
 from rich.console import Console
+from rich.markup import escape
 
+from autoshard.config import RankOrder, TuneOptions
 from autoshard.errors import AutoshardError, ConfigError
-from autoshard.units import parse_size
+from autoshard.plan import PlanOptions
 
 app = typer.Typer(
     name="autoshard",
@@ -26,8 +39,20 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
+
+# Piped or tee'd output is read by scripts and people with wide terminals: wrapping it at 80
+# columns splits numbers from their units. A terminal keeps its own width.
+PIPE_WIDTH = 200
+
+
+def _console(stderr: bool = False) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else int(os.environ.get("COLUMNS", PIPE_WIDTH))
+    return Console(stderr=stderr, width=width)
+
+
+console = _console()
+err_console = _console(stderr=True)
 
 T = TypeVar("T")
 
@@ -50,19 +75,58 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts in
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.")]
 
 
+def _version(value: bool) -> None:
+    if value:
+        from autoshard import __version__
+
+        sys.stdout.write(f"autoshard {__version__}\n")
+        raise typer.Exit()
+
+
 @app.callback()
-def _group() -> None:
+def _group(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
     """Pick the PyTorch FSDP configuration for a model and a set of GPUs."""
+
+
+@contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """Show each warning once, as it happens, as one yellow line on stderr (no source line)."""
+    seen: set[str] = set()
+
+    def show(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+        # autoshard's own warnings only: a library's deprecation notice is not the user's
+        # business here (--debug shows everything as Python would).
+        if not category.__module__.startswith("autoshard"):
+            return
+        text = str(message).strip().splitlines()[0] if str(message).strip() else ""
+        if text and text not in seen:
+            seen.add(text)
+            err_console.print(f"[yellow]warning:[/] {text}", highlight=False)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = show
+        yield
 
 
 def _run(fn: Callable[[], T], debug: bool) -> T:
     """Call ``fn``; turn autoshard's errors (and Ctrl-C) into one line and exit code 1."""
     try:
-        return fn()
+        if debug:
+            return fn()
+        with _warnings_as_lines():
+            return fn()
     except AutoshardError as exc:
         if debug:
             raise
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(
+            f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True
+        )
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         if debug:
@@ -75,6 +139,112 @@ def _print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
+# --------------------------------------------------------------------------------------------
+# Flags derived from the option models
+# --------------------------------------------------------------------------------------------
+
+# Flags spelled otherwise than their field, for the commands' history and brevity.
+FLAG_NAMES = {"out_dir": "--out", "batch_size": "--batch-size"}
+# Fields that are not flags (set by code, not by people).
+NOT_FLAGS = {"on_event", "on_notice", "memory_cap", "skip_dominated", "nproc"}
+
+
+def _flag(name: str) -> str:
+    return FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+
+
+def _help(field: Any) -> str:
+    text = field.description or ""
+    for enum in _enums_in(field.annotation):
+        text += f" Choices: {', '.join(str(m.value) for m in enum)}."
+    if field.default not in (None, (), "") and "default" not in text:
+        default = getattr(field.default, "value", field.default)
+        text += f" (default: {default})"
+    return text
+
+
+def _enums_in(annotation: Any) -> list[type[Enum]]:
+    args = getattr(annotation, "__args__", ()) or (annotation,)
+    out: list[type[Enum]] = []
+    for arg in args:
+        if isinstance(arg, type) and issubclass(arg, Enum):
+            out.append(arg)
+        out.extend(
+            a for a in getattr(arg, "__args__", ()) if isinstance(a, type) and issubclass(a, Enum)
+        )
+    return out
+
+
+def option_parameters(
+    model: type[BaseModel], skip: set[str] = NOT_FLAGS
+) -> list[inspect.Parameter]:
+    """One ``--flag TEXT`` per field of ``model`` (a switch for a boolean one): typer hands over
+    text, pydantic validates."""
+    out = []
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        kind: Any = bool | None if field.annotation is bool else str | None
+        option = typer.Option(_flag(name), help=_help(field), show_default=False)
+        out.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=None,
+                annotation=Annotated[kind, option],
+            )
+        )
+    return out
+
+
+def with_options(*models: type[BaseModel]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Add the fields of ``models`` as flags to a command; the command receives the flags that
+    were given as ``options`` (a dict: what was not given keeps the model's default)."""
+
+    def decorate(fn: Callable[..., T]) -> Callable[..., T]:
+        # Resolved annotations: this module's `from __future__ import annotations` leaves them
+        # as strings, which typer cannot read from a replaced signature.
+        hints = typing.get_type_hints(fn, include_extras=True)
+        own = inspect.signature(fn)
+        own = own.replace(
+            parameters=[p.replace(annotation=hints.get(p.name, p.annotation))
+                        for p in own.parameters.values()]
+        )  # fmt: skip
+        extra = [p for m in models for p in option_parameters(m)]
+        names = {p.name for p in extra}
+
+        @functools.wraps(fn)
+        def command(**kwargs: Any) -> T:
+            options = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+            return fn(options={k: v for k, v in options.items() if v is not None}, **kwargs)
+
+        params = [p for p in own.parameters.values() if p.name != "options"]
+        command.__signature__ = own.replace(parameters=[*params, *extra])  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in [*params, *extra]}
+        return command
+
+    return decorate
+
+
+def _target_kwargs(arg: list[str] | None) -> dict[str, Any]:
+    from autoshard.target.resolve import parse_kwargs
+
+    return parse_kwargs(arg or [])
+
+
+def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    tune_fields = set(TuneOptions.model_fields)
+    return (
+        {k: v for k, v in options.items() if k not in tune_fields},
+        {k: v for k, v in options.items() if k in tune_fields},
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+
+
 @app.command()
 def analyze(
     target: TargetArg,
@@ -83,12 +253,12 @@ def analyze(
     debug: DebugOpt = False,
 ) -> None:
     """Count parameters per module and class, find the repeated blocks, propose FSDP policies."""
-    from autoshard.analyze import analyze_target
-    from autoshard.target.resolve import TargetSpec, parse_kwargs
 
     def work() -> None:
-        spec = TargetSpec(spec=target, kwargs=parse_kwargs(arg or []))
-        profile, _ = analyze_target(spec)
+        from autoshard.analyze import analyze_target
+        from autoshard.target.adapters import to_target
+
+        profile, _ = analyze_target(to_target(target, kwargs=_target_kwargs(arg)))
         if as_json:
             _print_json(profile.model_dump(mode="json"))
         else:
@@ -100,224 +270,129 @@ def analyze(
 
 
 @app.command()
+@with_options(PlanOptions)
 def estimate(
     target: TargetArg,
     arg: ArgOpt = None,
-    gpus: Annotated[int, typer.Option(help="GPUs per node.")] = 8,
-    nodes: Annotated[int, typer.Option(help="Nodes.")] = 1,
-    gpu_memory: Annotated[str, typer.Option(help="Memory of one GPU, e.g. 80GiB.")] = "80GiB",
-    host_memory: Annotated[
-        str | None, typer.Option(help="Host memory per node, checked for CPU offload.")
-    ] = None,
-    batch_size: Annotated[
-        str, typer.Option(help="Micro-batch sizes per rank, e.g. 1 or 1,2,4.")
-    ] = "1",
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sample (token models).")] = None,
-    engine: Annotated[str, typer.Option(help="fsdp1 or fsdp2.")] = "fsdp1",
-    precision: Annotated[
-        list[str] | None, typer.Option(help="Pin the precision (repeatable).")
-    ] = None,
-    simulate: Annotated[
-        int,
-        typer.Option(
-            help="Also simulate the N best fitting candidates: real FSDP on fake tensors, "
-            "seconds each, exact to the allocator (the table then shows the simulated peak)."
-        ),
-    ] = 0,
     sort: Annotated[
         str,
         typer.Option(
-            help="Order of the fitting candidates: headroom (most memory left first) or speed "
-            "(fastest expected first). Candidates that do not fit always come last."
+            help="Order of the fitting candidates: speed (fastest predicted first) or headroom "
+            "(most memory left first). Candidates that do not fit always come last."
         ),
-    ] = "headroom",
+    ] = RankOrder.SPEED.value,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
+    *,
+    options: dict[str, Any],
 ) -> None:
     """Predict the per-GPU and host memory of every FSDP candidate on any cluster."""
-    from autoshard.analyze import analyze_target
-    from autoshard.config import Engine, Hardware, Precision, WorkloadSpec
-    from autoshard.predict.activations import precisions_of, profile_activations
-    from autoshard.predict.analytic import estimate_all
-    from autoshard.space import check_rank_order, enumerate_candidates, rank_candidates
-    from autoshard.target.resolve import TargetSpec, parse_kwargs
-    from autoshard.ui.tables import print_estimates
 
     def work() -> None:
-        check_rank_order(sort, "--sort")  # before the model is built
-        sizes = _parse_sizes(batch_size)
-        hardware = Hardware(
-            gpus_per_node=gpus,
-            nodes=nodes,
-            gpu_memory=parse_size(gpu_memory, flag="--gpu-memory"),
-            host_memory=parse_size(host_memory, flag="--host-memory") if host_memory else None,
-        )
-        workload = WorkloadSpec(micro_batch_size=sizes[0], seq_len=seq_len)
-        spec = TargetSpec(spec=target, kwargs=parse_kwargs(arg or []))
-        profile, built = analyze_target(spec)
-        candidates = enumerate_candidates(
-            profile,
-            hardware,
-            workload,
-            engine=_choice(engine, Engine, "--engine"),
-            precisions=tuple(_choice(p, Precision, "--precision") for p in precision or []) or None,
-            micro_batch_sizes=sizes,
-        )
-        acts = profile_activations(
-            built.model, profile, workload, batch=built.batch, precisions=precisions_of(candidates)
-        )
-        ranked = rank_candidates(
-            estimate_all(profile, candidates, hardware, workload, activations=acts)
-        )
-        if simulate < 0:
-            raise ConfigError(f"--simulate {simulate}: give a number of candidates, 0 or more")
-        if simulate:
-            from autoshard.predict.simulate import refine_with_simulation
+        from autoshard.api import estimates_for
+        from autoshard.plan import options_from
 
-            ranked = refine_with_simulation(
-                spec, ranked, hardware, workload,
-                block_classes=profile.block_classes, count=simulate,
-            )  # fmt: skip
-        ranked = rank_candidates(ranked, by=sort)  # simulated peaks can change fit and headroom
+        opts = options_from(PlanOptions, options, cli=True)
+        estimates = estimates_for(
+            target, opts, kwargs=_target_kwargs(arg), sort=sort, flag="--sort"
+        )
+        plan = estimates.plan
+        assert plan is not None
         if as_json:
+            rec = estimates.recommendation
             _print_json(
                 {
-                    "profile": profile.model_dump(mode="json"),
-                    "hardware": hardware.model_dump(mode="json"),
-                    "workload": workload.model_dump(mode="json"),
-                    "activations": acts.model_dump(mode="json"),
-                    "estimates": [e.model_dump(mode="json") for e in ranked],
+                    "profile": plan.profile.model_dump(mode="json"),
+                    "hardware": plan.hardware.model_dump(mode="json"),
+                    "workload": plan.workload.model_dump(mode="json"),
+                    "activations": plan.activations.model_dump(mode="json"),
+                    "notes": list(plan.notes),
+                    # The pipeline's decision for these inputs: what `export` writes.
+                    "recommendation": rec.model_dump(mode="json") if rec else None,
+                    "estimates": [e.model_dump(mode="json") for e in estimates],
                 }
             )
             return
-        if acts.note:
-            err_console.print(f"[yellow]warning:[/] {acts.note}", highlight=False)
-        print_estimates(ranked, hardware, console, order=sort)
+        from autoshard.ui.tables import print_estimates
+
+        print_estimates(list(estimates), plan.hardware, console, order=RankOrder(sort))
 
     _run(work, debug)
 
 
 @app.command()
+@with_options(PlanOptions, TuneOptions)
 def tune(
     target: TargetArg,
     arg: ArgOpt = None,
-    gpus: Annotated[
-        int | None,
-        typer.Option(help="GPUs per node (default: the visible GPUs; 2 CPU processes without)."),
-    ] = None,
-    nodes: Annotated[int, typer.Option(help="Nodes the worker group spans.")] = 1,
-    node_rank: Annotated[
-        int, typer.Option(help="This node's rank; node 0 drives the study, others serve it.")
-    ] = 0,
-    rdzv_endpoint: Annotated[
-        str | None, typer.Option(help="host:port on node 0 for torchrun's rendezvous.")
-    ] = None,
-    gpu_memory: Annotated[
-        str | None,
-        typer.Option(
-            help="Memory of one GPU, e.g. 80GiB (default: the visible GPU's). Without a GPU it "
-            "plans for this size and caps each CPU worker's measured memory at it."
-        ),
-    ] = None,
-    batch_size: Annotated[
-        str, typer.Option(help="Micro-batch sizes to try per rank, e.g. 1 or 1,2,4.")
-    ] = "1",
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sample (token models).")] = None,
-    engine: Annotated[str, typer.Option(help="fsdp1 (Lightning FSDPStrategy) or fsdp2.")] = "fsdp1",
-    precision: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="Pin the precision (repeatable): 32-true, bf16-mixed, 16-mixed, bf16-true."
-        ),
-    ] = None,
-    trials: Annotated[int, typer.Option(help="Most real trials to launch.")] = 12,
-    trial_timeout: Annotated[
-        float, typer.Option(help="Seconds before a trial counts as hung.")
-    ] = 300.0,
-    warmup: Annotated[int, typer.Option(help="Untimed steps per trial.")] = 2,
-    steps: Annotated[int, typer.Option(help="Timed steps per trial.")] = 3,
-    storage: Annotated[
-        str | None, typer.Option(help="optuna storage URL (default: SQLite in --out).")
-    ] = None,
-    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("autoshard-out"),
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
+    *,
+    options: dict[str, Any],
 ) -> None:
     """Run short real FSDP trials and recommend the fastest configuration that fits."""
-    from autoshard.config import Engine, Hardware, Precision, WorkloadSpec
-    from autoshard.search import STUDY_FILES, TuneOptions
-    from autoshard.search import tune as run_study
-    from autoshard.target.resolve import parse_kwargs, resolve
-    from autoshard.ui.files import load_result
-    from autoshard.ui.progress import StudyProgress
-    from autoshard.ui.report import print_summary
 
     def work() -> None:
-        import torch
-
-        spec = resolve(target, parse_kwargs(arg or []))
-        sizes = _parse_sizes(batch_size)
-        engine_value = _choice(engine, Engine, "--engine")
-        precisions = tuple(_choice(p, Precision, "--precision") for p in precision or [])
-        has_gpu = torch.cuda.is_available()
-        nproc = gpus or (torch.cuda.device_count() if has_gpu else 2)
-        if gpu_memory is not None:
-            memory = parse_size(gpu_memory, flag="--gpu-memory")
-        elif has_gpu:
-            memory = torch.cuda.get_device_properties(0).total_memory
-        else:
-            raise ConfigError(
-                "no GPU here: trials run on 2 CPU processes with gloo; give --gpu-memory "
-                "(e.g. --gpu-memory 80GiB) for the GPUs to plan for"
-            )
-        hardware = Hardware(
-            gpus_per_node=nproc,
-            nodes=nodes,
-            gpu_memory=memory,
-            bf16_supported=not has_gpu or torch.cuda.is_bf16_supported(),
+        from autoshard.plan import (
+            detect_hardware,
+            make_plan,
+            make_request,
+            options_from,
         )
-        workload = WorkloadSpec(micro_batch_size=sizes[0], seq_len=seq_len)
-        if not has_gpu and not as_json:
-            err_console.print(
-                f"[dim]no GPU: trials run on {nproc} CPU processes (gloo); memory is planned "
-                f"for {hardware.world_size} x {gpu_memory} GPUs[/]",
-                highlight=False,
-            )
-        if nodes > 1 and not rdzv_endpoint:
+        from autoshard.search import STUDY_FILES, run_study
+        from autoshard.slurm import slurm_settings
+        from autoshard.ui.files import load_result
+        from autoshard.ui.progress import StudyProgress
+        from autoshard.ui.report import print_summary
+
+        # Under SLURM (`srun autoshard tune ...`) the nodes, this node's rank and the rendezvous
+        # come from the job's environment, unless given as flags.
+        slurm = slurm_settings(os.environ)
+        if slurm is not None:
+            for name in ("nodes", "node_rank", "rdzv_endpoint"):
+                options.setdefault(name, str(slurm[name]))
+        plan_values, tune_values = _split(options)
+        opts = options_from(PlanOptions, plan_values, cli=True)
+        tune_opts = options_from(TuneOptions, tune_values, cli=True)
+        kwargs = _target_kwargs(arg)
+        if opts.nodes > 1 and not tune_opts.rdzv_endpoint:
             raise ConfigError("--nodes > 1 needs --rdzv-endpoint host:port of node 0")
-        if node_rank > 0:
+        out = Path(tune_opts.out_dir)
+        if tune_opts.node_rank > 0:
+            from autoshard.target.adapters import to_target
             from autoshard.trials.group import WorkerGroup
 
+            hardware = detect_hardware(opts, trials=True)
             console.print(
-                f"node {node_rank}: serving the study driven by node 0 at {rdzv_endpoint}"
+                f"node {tune_opts.node_rank}: serving the study driven by node 0 at "
+                f"{tune_opts.rdzv_endpoint}"
             )
             WorkerGroup(
-                spec,
-                log_dir=out / f"workers-node{node_rank}",
-                nproc=nproc,
-                nnodes=nodes,
-                node_rank=node_rank,
-                rdzv_endpoint=rdzv_endpoint,
+                to_target(target, kwargs=kwargs, out_dir=out),
+                log_dir=out / f"workers-node{tune_opts.node_rank}",
+                nproc=tune_opts.nproc or hardware.gpus_per_node,
+                nnodes=opts.nodes,
+                node_rank=tune_opts.node_rank,
+                rdzv_endpoint=tune_opts.rdzv_endpoint,
             ).serve()
             return
-        options = TuneOptions(
-            out_dir=out,
-            storage=storage,
-            n_trials=trials,
-            engine=engine_value,
-            precisions=precisions or None,
-            micro_batch_sizes=sizes,
-            nproc=nproc,
-            nnodes=nodes,
-            rdzv_endpoint=rdzv_endpoint,
-            trial_timeout=trial_timeout,
-            warmup=warmup,
-            steps=steps,
-        )
+        from autoshard.study.storage import check_storage, prepare_out
+
+        # The storage first (fast): a bad --out or --storage is one line before the analysis.
+        prepare_out(out)
+        if tune_opts.storage:
+            check_storage(tune_opts.storage)
+        request = make_request(target, opts, kwargs=kwargs, out_dir=out, trials=True)
+        plan = make_plan(request)
         progress_console = err_console if as_json else console
-        with StudyProgress(progress_console, total=trials) as progress:
-            options.on_event = progress
-            rec = run_study(spec, hardware, workload, options)
+
+        def notice(line: str) -> None:
+            err_console.print(f"[yellow]note:[/] {escape(line)}", highlight=False, soft_wrap=True)
+
+        with StudyProgress(progress_console, total=tune_opts.trials) as progress:
+            rec = run_study(
+                plan, tune_opts.model_copy(update={"on_event": progress, "on_notice": notice})
+            )
         if as_json:
             sys.stdout.write(rec.model_dump_json(indent=2) + "\n")
         else:
@@ -326,27 +401,6 @@ def tune(
             console.print(f"[dim]wrote in {out}/: {files}[/]", highlight=False)
 
     _run(work, debug)
-
-
-def _parse_sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise ConfigError(f"--batch-size {text!r}: give positive integers, e.g. 1 or 1,2,4")
-    return sizes
-
-
-E = TypeVar("E", bound=Enum)
-
-
-def _choice(value: str, enum: type[E], flag: str) -> E:
-    try:
-        return enum(value)
-    except ValueError:
-        allowed = ", ".join(str(m.value) for m in enum)
-        raise ConfigError(f"{flag} {value!r}: choose one of {allowed}") from None
 
 
 @app.command()
@@ -366,10 +420,11 @@ def export(
     debug: DebugOpt = False,
 ) -> None:
     """Write the recommendation as Lightning CLI YAML, accelerate YAML or JSON."""
-    from autoshard.emit.text import render
-    from autoshard.ui.files import load_result
 
     def work() -> None:
+        from autoshard.emit import render
+        from autoshard.ui.files import load_result
+
         rec, _ = load_result(result)
         text = render(rec, fmt)
         if output is None:

@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -155,6 +157,8 @@ class Candidate(Frozen):
             raise ValueError("hybrid_mesh is only meaningful with HYBRID_SHARD")
         if self.checkpointing is not Checkpointing.NONE and not self.checkpoint_classes:
             raise ValueError("activation checkpointing needs checkpoint_classes")
+        if self.reshard is not Reshard.ALL and self.engine is not Engine.FSDP2:
+            raise ValueError(f"reshard={self.reshard.value} needs engine fsdp2 (FSDP1: all)")
         return self
 
     @property
@@ -175,6 +179,8 @@ class Candidate(Frozen):
             parts.append(f"ckpt/{self.checkpoint_every}")
         if self.cpu_offload:
             parts.append("offload")
+        if self.reshard is not Reshard.ALL:
+            parts.append(self.reshard.value.replace("_", "-"))
         if self.one_unit:
             parts.append("nowrap")
         elif not self.wrap_classes:
@@ -271,3 +277,91 @@ class WorkloadSpec(Frozen):
     @property
     def tokens_per_sample(self) -> int | None:
         return self.seq_len
+
+
+# --------------------------------------------------------------------------------------------
+# How a study runs (what to plan for is Hardware and WorkloadSpec)
+# --------------------------------------------------------------------------------------------
+
+
+# How long a trial times its steps (autoshard.measure explains the spread).
+DEFAULT_TARGET_SPREAD = 0.05
+DEFAULT_MAX_STEPS = 40
+DEFAULT_MAX_SECONDS = 30.0
+
+
+class RankOrder(str, Enum):
+    """How a list of estimates is shown: the fitting ones first in either order, then the rest by
+    how far they overshoot. The decision is always the fastest predicted that fits."""
+
+    SPEED = "speed"  # fastest predicted first
+    HEADROOM = "headroom"  # most memory left first
+
+
+class ProgressEvent(str, Enum):
+    """What a study tells its progress display (``TuneOptions.on_event``)."""
+
+    RESUMED = "resumed"  # a finished trial found in the storage
+    START = "start"  # a trial is launched
+    DONE = "done"  # a trial finished, or a candidate was ruled out by its estimate
+
+
+class TuneOptions(Frozen):
+    """How to run the study: its trials, their length and where results go.
+
+    >>> from autoshard import TuneOptions
+    >>> options = TuneOptions(out_dir="runs/gpt-1b", trials=8, trial_timeout=120)
+    >>> options.out_dir, options.storage is None  # the study goes to runs/gpt-1b/study.db
+    (PosixPath('runs/gpt-1b'), True)
+    """
+
+    out_dir: Path = Field(Path("autoshard-out"), description="Output folder.")
+    storage: str | None = Field(
+        None, description="optuna storage URL (default: SQLite in the output folder)."
+    )
+    trials: int = Field(12, ge=1, description="Most real trials to launch.")
+    trial_timeout: float = Field(300.0, gt=0, description="Seconds before a trial counts as hung.")
+    warmup: int = Field(2, ge=0, description="Untimed steps per trial.")
+    steps: int = Field(
+        3, ge=1, description="Timed steps per trial at least; more until the spread is met."
+    )
+    target_spread: float = Field(
+        DEFAULT_TARGET_SPREAD,
+        gt=0,
+        lt=1,
+        description="Time steps until the median step time is known to within this (relative, "
+        "95% confidence), e.g. 0.05.",
+    )
+    max_steps: int = Field(DEFAULT_MAX_STEPS, ge=1, description="Most timed steps per trial.")
+    max_seconds: float = Field(
+        DEFAULT_MAX_SECONDS, gt=0, description="Most seconds of timed steps per trial."
+    )
+    nproc: int | None = Field(
+        None,
+        ge=1,
+        description="Worker processes per node (default: the planned GPUs per node).",
+    )
+    node_rank: int = Field(
+        0, ge=0, description="This node's rank; node 0 drives the study, others serve it."
+    )
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port on node 0 for the workers' rendezvous (several nodes)."
+    )
+    memory_cap: int | None = Field(
+        None, description="Cap on a CPU worker's measured memory (default: usable GPU memory)."
+    )
+    skip_dominated: bool = Field(
+        True, description="Skip candidates a measured one makes pointless (False: full grid)."
+    )
+    wait: bool = Field(
+        False, description="Another run holds the output folder: wait for it instead of refusing."
+    )
+    on_event: Callable[..., None] | None = Field(
+        None, exclude=True, description="Called with (ProgressEvent, Scored) as trials go."
+    )
+    on_notice: Callable[[str], None] | None = Field(
+        None,
+        exclude=True,
+        description="Called with one line about the study's storage (a repaired journal, a "
+        "rebuilt database, a wait for a lock); default: a StudyNotice warning.",
+    )

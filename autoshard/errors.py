@@ -44,3 +44,27 @@ class MissingDependencyError(AutoshardError):
         install = f"pip install 'autoshard[{extra}]'" if extra else f"pip install {package}"
         super().__init__(f"{feature} needs {package}, which is not installed: run `{install}`")
         self.package = package
+
+
+class StorageError(AutoshardError):
+    """The study's storage or output folder cannot be used: not writable, a file where a folder
+    should be, a database that cannot be opened or written, a full disk, a bad ``--storage``."""
+
+
+class StudyLockedError(StorageError):
+    """Another ``autoshard tune`` is running on the same output folder."""
+
+    def __init__(self, message: str, pid: int | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
+class TrialsFailedError(AutoshardError):
+    """The trials failed in a way that no other configuration can avoid (the same error on
+    configurations that share no setting): the model or its arguments need fixing."""
+
+
+class StudyNotice(UserWarning):
+    """One line about the study's storage that needs no action but should be seen: a repaired
+    ``trials.jsonl``, a database rebuilt from it, a wait for another run's lock. The command line
+    prints it; in Python it is a warning (``TuneOptions.on_notice`` receives it instead)."""

@@ -28,6 +28,9 @@ class ClassStat(Frozen):
     params_each: int = Field(
         ..., description="Parameters of one instance, sub-modules included (largest instance)."
     )
+    params_smallest: int | None = Field(
+        None, description="Parameters of the smallest instance, when instances differ in size."
+    )
     params_total: int = Field(
         ..., description="Unique parameters under all instances (nested instances counted once)."
     )
@@ -204,6 +207,12 @@ class TrialStatus(str, Enum):
     ERROR = "error"
     TIMEOUT = "timeout"
     PRUNED = "pruned"  # never launched: the estimate says it does not fit
+    SKIPPED = "skipped"  # never launched: a failed trial rules it out (autoshard.study.lessons)
+
+    @property
+    def launched(self) -> bool:
+        """Whether a trial with this status ran (pruned and skipped candidates never did)."""
+        return self not in (TrialStatus.PRUNED, TrialStatus.SKIPPED)
 
 
 class TrialResult(Frozen):
@@ -235,7 +244,19 @@ class TrialResult(Frozen):
     peak_reserved: tuple[int, ...] = Field((), description="Per-rank peak reserved bytes.")
     losses: tuple[float, ...] = Field((), description="Rank 0's loss at every step, in order.")
     error: str | None = None
-    duration: float = Field(0.0, description="Wall seconds of the whole trial.")
+    transient: bool = Field(
+        False,
+        description="The failure came from outside the trial (a rank killed by a signal, a "
+        "worker group that did not start): the same candidate may well run when tried again.",
+    )
+    duration: float = Field(
+        0.0, description="Wall seconds from the trial's request to its result (a launch excluded)."
+    )
+    launch_seconds: float = Field(
+        0.0,
+        description="Wall seconds this trial waited for a fresh worker group to start before its "
+        "request (0 when the group was already up).",
+    )
     started_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
 
     @property
@@ -282,6 +303,11 @@ class Recommendation(Frozen):
     reasons: tuple[str, ...] = Field((), description="Why each chosen setting, one line each.")
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     versions: dict[str, str] = Field(default_factory=dict, description="autoshard, torch, ...")
+    study: str | None = Field(
+        None,
+        description="Name of the study the trials came from (a fingerprint of the settings): "
+        "the records of trials.jsonl that belong to this recommendation.",
+    )
 
     # Thin doors to autoshard.emit (imported lazily: it needs torch, and lightning for some).
     def strategy(self, model: object = None) -> object:
@@ -313,3 +339,55 @@ class Recommendation(Frozen):
         from autoshard import emit
 
         return emit.render(self, fmt)
+
+    # Notebook- and terminal-friendly: a few lines, not the 150,000 characters of every field.
+    def summary_lines(self) -> list[str]:
+        """The choice, its peak and its basis, in a few lines (``str(rec)``)."""
+        c, est, trial = self.chosen.candidate, self.chosen.estimate, self.chosen.trial
+        hw = self.hardware
+        lines = [
+            f"autoshard recommends {c.label()}",
+            f"  for {self.profile.target} ({self.profile.total_params:,} params) on "
+            f"{hw.nodes} x {hw.gpus_per_node} GPUs of {hw.gpu_memory / 2**30:.0f} GiB",
+        ]
+        if est is not None:
+            lines.append(
+                f"  predicted peak {est.gpu_peak / 2**30:.2f} GiB per GPU ({est.method}, "
+                f"{hw.usable_gpu_memory / 2**30:.1f} GiB usable)"
+            )
+            if est.speed is not None:
+                tokens = est.speed.tokens_per_s_per_gpu
+                lines.append(
+                    f"  predicted {est.speed.step_time_s:.3f} s/step"
+                    + (f", {tokens:,.0f} tokens/s per GPU" if tokens else "")
+                    + (f", MFU {est.speed.mfu:.0%}" if est.speed.mfu is not None else "")
+                )
+        if trial is not None and trial.step_time is not None:
+            lines.append(
+                f"  measured {trial.step_time:.3f} s/step on {trial.world_size} {trial.device} "
+                "ranks"
+                + (f", peak {trial.max_allocated / 2**30:.2f} GiB" if trial.max_allocated else "")
+            )
+        basis = "estimates only" if self.basis == "estimate" else "measured trials"
+        lines.append(
+            f"  basis: {basis}; {len(self.runners_up)} runners-up, {len(self.ruled_out)} ruled "
+            "out; rec.reasons says why each setting, rec.strategy() builds it"
+        )
+        return lines
+
+    def __str__(self) -> str:
+        return "\n".join(self.summary_lines())
+
+    def __repr__(self) -> str:
+        c = self.chosen.candidate
+        return f"Recommendation({c.label()!r}, basis={self.basis!r})"
+
+    def __rich__(self) -> object:
+        from autoshard.ui.report import summary_renderable
+
+        return summary_renderable(self)
+
+    def _repr_html_(self) -> str:
+        from autoshard.ui.html import recommendation_html
+
+        return recommendation_html(self)

@@ -1,357 +1,243 @@
 """The tuning study: estimate every candidate, try the promising ones for real, pick the fastest.
 
-This is the only module that imports optuna. One optuna trial per candidate (its label is the
-single categorical parameter), so any optuna storage holds the whole study: a SQLite file in the
-output folder by default, or ``--storage`` (PostgreSQL for a study shared by several machines).
+One optuna trial per candidate, in any optuna RDB storage: a SQLite file in the output folder by
+default, or ``--storage`` (PostgreSQL for a study shared by several drivers). The storage side
+(the study's name, ``trials.jsonl``, the folder's lock, claims, resuming, what failures teach)
+is :mod:`autoshard.study`; optuna is imported only when a study runs, not by ``import autoshard``.
 
 The order is the estimator's: candidates predicted not to fit are never launched (recorded as
-PRUNED with the estimate's reason); the rest are tried fastest-expected first, and a candidate is
-skipped when a measured one dominates it:
+pruned with the estimate's reason); the rest are tried fastest-predicted first (the step-time
+model, re-ranked after each successful trial by the model calibrated on the measurements, unless
+CPU processes stand in for GPUs), and a candidate is skipped when a measured one dominates it:
 - same configuration with less checkpointing / no offload already ran fine: more recompute or
   offload can only cost time, so it cannot be faster;
 - same configuration at a smaller micro-batch already ran out of memory: a larger one will too.
+Errors and timeouts rule out the candidates that share the failing setting
+(:mod:`autoshard.study.lessons`).
 
-Resuming: every finished trial is in the storage with its full TrialResult, and is appended to
-``trials.jsonl`` as soon as it ends. Running the same command again skips finished candidates;
-a trial left RUNNING by a killed process is marked FAIL and tried again.
+Resuming: every finished trial is appended to ``trials.jsonl`` (fsync'd) and then stored in the
+study. Running the same command again skips finished candidates; a trial left running by a
+killed process is tried again. Changed settings (batch sizes, precisions, hardware, ...) name a
+new study: nothing measured under other settings is reused.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from importlib.metadata import version
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
-import optuna
-import torch
-from optuna.distributions import CategoricalDistribution
-from optuna.trial import TrialState
-
-from autoshard.analyze import analyze_target
-from autoshard.config import Candidate, Checkpointing, Engine, Hardware, Precision, WorkloadSpec
-from autoshard.predict.activations import precisions_of, profile_activations
-from autoshard.predict.analytic import estimate_all
-from autoshard.results import (
-    MemoryEstimate,
-    ModelProfile,
-    Recommendation,
-    Scored,
-    TrialResult,
-    TrialStatus,
-)
-from autoshard.space import enumerate_candidates, rank_candidates, wrap_reason
-from autoshard.target.resolve import TargetSpec
+from autoshard.config import Candidate, Checkpointing, TuneOptions
+from autoshard.decide import decide_from_trials
+from autoshard.errors import StorageError, StudyNotice
+from autoshard.measure import speed_basis
+from autoshard.plan import Plan
+from autoshard.predict.calibrate import Calibration, reorder_untried
+from autoshard.predict.speed import SpeedFactors
+from autoshard.results import MemoryEstimate, Recommendation, TrialResult, TrialStatus
+from autoshard.space import rank_candidates
+from autoshard.study.loop import run_trials
+from autoshard.study.settings import StudySettings
 from autoshard.trials.group import WorkerGroup
 from autoshard.ui.files import write_report
 
-RESULT_ATTR = "autoshard_result"
 # What a study leaves in its output folder (besides study.db and the workers' logs).
 STUDY_FILES = (
     "trials.jsonl", "recommendation.json", "report.json", "report.html", "lightning.yaml",
     "accelerate.yaml",
 )  # fmt: skip
-DEFAULT_TRIALS = 12
 
-_CKPT_LEVEL = {Checkpointing.NONE: 0, Checkpointing.EVERY_K: 1, Checkpointing.ALL: 2}
+# The fields the dominance rules reason about; every other field must be equal.
+_CHECKPOINT_FIELDS = frozenset({"checkpointing", "checkpoint_every", "checkpoint_classes"})
+_SAVING_FIELDS = _CHECKPOINT_FIELDS | {"cpu_offload"}
+
+
+def _recompute_share(c: Candidate) -> float:
+    """Share of the checkpoint classes' blocks recomputed in backward."""
+    match c.checkpointing:
+        case Checkpointing.NONE:
+            return 0.0
+        case Checkpointing.EVERY_K:
+            return 1.0 / c.checkpoint_every
+        case Checkpointing.ALL:
+            return 1.0
+    raise AssertionError(c.checkpointing)
+
+
+def _same_except(a: Candidate, b: Candidate, fields: frozenset[str]) -> bool:
+    return a.model_dump(exclude=set(fields)) == b.model_dump(exclude=set(fields))
+
+
+def _saves_less_or_equal(a: Candidate, b: Candidate) -> bool | None:
+    """Whether ``a`` recomputes and offloads no more than ``b`` (None: not comparable, e.g.
+    checkpointing of different classes)."""
+    both_checkpoint = a.checkpointing is not Checkpointing.NONE and (
+        b.checkpointing is not Checkpointing.NONE
+    )
+    if both_checkpoint and a.checkpoint_classes != b.checkpoint_classes:
+        return None
+    return _recompute_share(a) <= _recompute_share(b) and a.cpu_offload <= b.cpu_offload
 
 
 def dominated_by(candidate: Candidate, done: Sequence[TrialResult]) -> TrialResult | None:
-    """A finished trial that makes trying ``candidate`` pointless (see the module docstring)."""
+    """A finished trial that makes trying ``candidate`` pointless (see the module docstring).
+
+    Each rule holds everything equal except what it reasons about: checkpointing and offload
+    (and, for an OOM, the micro-batch size). A different wrap policy, engine, precision,
+    sharding, reshard policy or optimizer implementation is never dominated.
+    """
     for r in done:
         o = r.candidate
-        same = (
-            o.engine == candidate.engine
-            and o.precision == candidate.precision
-            and o.sharding == candidate.sharding
-            and o.hybrid_mesh == candidate.hybrid_mesh
-        )
-        if not same:
+        if o == candidate:
             continue
-        saves_less = (
-            _CKPT_LEVEL[o.checkpointing] <= _CKPT_LEVEL[candidate.checkpointing]
-            and o.cpu_offload <= candidate.cpu_offload
-        )
-        same_batch = o.micro_batch_size == candidate.micro_batch_size
-        if r.status is TrialStatus.OK and saves_less and same_batch and o != candidate:
-            return r
-        saves_more = (
-            _CKPT_LEVEL[o.checkpointing] >= _CKPT_LEVEL[candidate.checkpointing]
-            and o.cpu_offload >= candidate.cpu_offload
-        )
+        # The same configuration with less recompute / no offload ran fine: more recompute or
+        # offload can only cost time.
         if (
-            r.status is TrialStatus.OOM
-            and saves_more
-            and o.micro_batch_size <= candidate.micro_batch_size
+            r.status is TrialStatus.OK
+            and _same_except(o, candidate, _SAVING_FIELDS)
+            and _saves_less_or_equal(o, candidate)
         ):
             return r
+        if r.status is TrialStatus.OOM and _same_except(
+            o, candidate, _SAVING_FIELDS | {"micro_batch_size"}
+        ):
+            # It ran out of memory while saving at least as much at no larger a micro-batch.
+            no_larger = o.micro_batch_size <= candidate.micro_batch_size
+            if _saves_less_or_equal(candidate, o) and no_larger:
+                return r
     return None
 
 
-@dataclass
-class TuneOptions:
-    """How to run the study (what to plan for is Hardware and WorkloadSpec).
-
-    >>> from autoshard import TuneOptions
-    >>> options = TuneOptions(out_dir="runs/gpt-1b", n_trials=8, trial_timeout=120)
-    >>> options.out_dir, options.storage is None  # the study goes to runs/gpt-1b/study.db
-    (PosixPath('runs/gpt-1b'), True)
-    """
-
-    out_dir: Path = Path("autoshard-out")
-    storage: str | None = None
-    n_trials: int = DEFAULT_TRIALS
-    engine: Engine = Engine.FSDP1
-    precisions: tuple[Precision, ...] | None = None
-    micro_batch_sizes: tuple[int, ...] | None = None
-    nproc: int | None = None
-    nnodes: int = 1
-    rdzv_endpoint: str | None = None
-    trial_timeout: float = 300.0
-    warmup: int = 2
-    steps: int = 3
-    memory_cap: int | None = None
-    skip_dominated: bool = True  # False runs every fitting candidate (the full grid)
-    on_event: Callable[[str, Scored], None] | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        self.out_dir = Path(self.out_dir)  # a str from a script or notebook works too
+def trial_order(plan: Plan) -> list[MemoryEstimate]:
+    """The order in which the study tries the candidates of ``plan``: fitting ones first, the
+    fastest predicted for the planned hardware first (on CPU workers standing in for GPUs too:
+    they check that the most promising configurations build, train and fit)."""
+    return rank_candidates(plan.estimates)
 
 
-def study_name(
-    target: TargetSpec, hardware: Hardware, workload: WorkloadSpec, engine: Engine
-) -> str:
-    """The same command gives the same study name, so that it resumes."""
-    key = json.dumps(
-        [target.model_dump(mode="json"), hardware.model_dump(mode="json"),
-         workload.model_dump(mode="json"), engine.value],
-        sort_keys=True,
-    )  # fmt: skip
-    return "autoshard-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+def _notice(line: str) -> None:
+    warnings.warn(line, StudyNotice, stacklevel=3)
 
 
-def tune(
-    target: TargetSpec,
-    hardware: Hardware,
-    workload: WorkloadSpec,
-    options: TuneOptions | None = None,
-) -> Recommendation:
-    """Run (or resume) the study and return the fastest configuration that fits.
-
-    Real FSDP trials in a worker group (2 gloo CPU processes here; about 20 s):
-
-    >>> import tempfile
-    >>> from autoshard import Hardware, TargetSpec, TuneOptions, WorkloadSpec, tune
-    >>> rec = tune(
-    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}),
-    ...     Hardware(gpus_per_node=2, gpu_memory=2 * 2**30, backend="gloo"),
-    ...     WorkloadSpec(seq_len=64),
-    ...     TuneOptions(out_dir=tempfile.mkdtemp(), n_trials=2, warmup=1, steps=2),
-    ... )
-    >>> rec.basis, rec.chosen.trial.status.value, rec.chosen.trial.world_size
-    ('trials', 'ok', 2)
-    """
+def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
+    """Run (or resume) the study of ``plan`` and return the best configuration that ran
+    (:func:`autoshard.decide.decide_from_trials`)."""
     opts = options or TuneOptions()
-    opts.out_dir.mkdir(parents=True, exist_ok=True)
-    profile, built = analyze_target(target)
-    candidates = enumerate_candidates(
-        profile,
-        hardware,
-        workload,
-        engine=opts.engine,
-        precisions=opts.precisions,
-        micro_batch_sizes=opts.micro_batch_sizes,
-    )
-    activations = profile_activations(
-        built.model, profile, workload, batch=built.batch, precisions=precisions_of(candidates)
-    )
-    group = WorkerGroup(
-        target,
-        log_dir=opts.out_dir / "workers",
-        nproc=opts.nproc,
-        nnodes=opts.nnodes,
-        rdzv_endpoint=opts.rdzv_endpoint,
-        trial_timeout=opts.trial_timeout,
-    )  # launched lazily, by the first trial
-    estimates = estimate_all(profile, candidates, hardware, workload, activations=activations)
-    ranked = rank_candidates(estimates, device=group.device)
-    by_label = {e.candidate.label(): e for e in ranked}
-    # Sorted, so that the distribution is the same whatever the order of trials (resuming).
-    distribution = CategoricalDistribution(sorted(by_label))
+    out_dir = Path(opts.out_dir)
+    # Storage first (fast): a locked, unwritable or unreachable one fails in one line before a
+    # worker starts. optuna is imported here, where a study runs.
+    from autoshard.study.storage import open_store
 
-    optuna.logging.set_verbosity(logging.WARNING)
-    storage = opts.storage or f"sqlite:///{(opts.out_dir / 'study.db').resolve()}"
-    study = optuna.create_study(
-        study_name=study_name(target, hardware, workload, opts.engine),
-        storage=storage,
-        direction="maximize",
-        load_if_exists=True,
-    )
-    _fail_stale_running(study)
-    done = _finished_results(study)
-    emit = opts.on_event or (lambda kind, scored: None)
-    for result in done.values():
-        emit(
-            "resumed",
-            Scored(
-                candidate=result.candidate,
-                estimate=by_label.get(result.candidate.label()),
-                trial=result,
-            ),
-        )
+    notice = opts.on_notice or _notice
+    hardware, workload = plan.hardware, plan.workload
+    with open_store(out_dir, opts.storage, wait=opts.wait, notice=notice) as store:
+        group = WorkerGroup(
+            plan.request.target,
+            log_dir=out_dir / "workers",
+            nproc=opts.nproc or hardware.gpus_per_node,
+            nnodes=hardware.nodes,
+            rdzv_endpoint=opts.rdzv_endpoint,
+            trial_timeout=opts.trial_timeout,
+        )  # launched lazily, by the first trial
+        ranked = trial_order(plan)  # the planned hardware's order, wherever trials run
+        request = plan.request.options
+        settings = StudySettings.of(
+            plan.request.target, hardware, workload, engine=request.engine,
+            precisions=request.precision, micro_batch_sizes=sorted({c.micro_batch_size
+            for c in plan.candidates}), memory_cap=opts.memory_cap,
+        )  # fmt: skip
+        store.open_study(settings, [c.label() for c in plan.candidates])
+        cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
 
-    log = opts.out_dir / "trials.jsonl"
-    cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
-    launched = sum(1 for r in done.values() if r.status is not TrialStatus.PRUNED)
-    with group:
-        for estimate in ranked:
-            label = estimate.candidate.label()
-            if label in done:
-                continue
-            if not estimate.fits:
-                result = TrialResult(
-                    candidate=estimate.candidate, status=TrialStatus.PRUNED, error=estimate.reason
-                )
-                _record_pruned(study, distribution, label, result, estimate)
-            else:
-                if launched >= opts.n_trials:
-                    continue
-                if opts.skip_dominated and dominated_by(estimate.candidate, list(done.values())):
-                    continue
-                emit("start", Scored(candidate=estimate.candidate, estimate=estimate))
-                study.enqueue_trial({"candidate": label})
-                trial = study.ask({"candidate": distribution})
-                result = group.run(
-                    estimate.candidate,
-                    workload,
-                    warmup=opts.warmup,
-                    steps=opts.steps,
-                    memory_cap=cap,
-                )
-                launched += 1
-                trial.set_user_attr(RESULT_ATTR, result.model_dump_json())
-                trial.set_user_attr("estimate", estimate.model_dump_json())
-                if result.status is TrialStatus.OK:
-                    study.tell(trial, _throughput(result))
-                else:
-                    study.tell(trial, state=TrialState.FAIL)
-            done[label] = result
-            with log.open("a") as fh:
-                fh.write(result.model_dump_json() + "\n")
-            emit("done", Scored(candidate=estimate.candidate, estimate=estimate, trial=result))
+        # The latest (calibrated) prediction of each candidate: the one a trial is tried with,
+        # which the report puts against its measurement.
+        predicted: dict[str, MemoryEstimate] = {}
+        tried_with: dict[str, MemoryEstimate] = {}
 
-    rec = recommend_from_trials(profile, hardware, workload, ranked, list(done.values()))
-    (opts.out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
-    write_report(rec, opts.out_dir, list(done.values()))
+        def run(candidate: Candidate) -> TrialResult:
+            label = candidate.label()
+            if label in predicted:
+                tried_with[label] = predicted[label]
+            return group.run(
+                candidate, workload, warmup=opts.warmup, steps=opts.steps, memory_cap=cap,
+                target_spread=opts.target_spread, max_steps=opts.max_steps,
+                max_seconds=opts.max_seconds,
+            )  # fmt: skip
+
+        fitted: dict[tuple[object, ...], list[MemoryEstimate]] = {}
+
+        def reorder(
+            untried: Sequence[MemoryEstimate], done: Sequence[TrialResult]
+        ) -> list[MemoryEstimate]:
+            # The loop asks every round; a fit takes a second or two, so it is redone only when
+            # a new measurement came in.
+            key = (
+                tuple(e.candidate.label() for e in untried),
+                *sorted((r.candidate.label(), r.step_time) for r in done if r.step_time),
+            )
+            if key not in fitted:
+                fitted[key] = reorder_remaining(untried, done, plan)[0]
+            order = fitted[key]
+            predicted.update((e.candidate.label(), e) for e in order)
+            return order
+
+        with _worker_files(out_dir), group:
+            results = run_trials(
+                store,
+                ranked,
+                run,
+                n_trials=opts.trials,
+                dominated=dominated_by if opts.skip_dominated else None,
+                emit=opts.on_event,
+                reorder=reorder,
+            )
+        rec = decide_from_trials(plan, results, tried_with)
+        rec = rec.model_copy(update={"study": store.name})
+        write_outputs(rec, out_dir, results)
     return rec
 
 
-def _throughput(result: TrialResult) -> float:
-    return float(result.tokens_per_s or result.samples_per_s or 0.0)
+def reorder_remaining(
+    queue: Sequence[MemoryEstimate],
+    done: Sequence[TrialResult],
+    plan: Plan,
+) -> tuple[list[MemoryEstimate], Calibration[SpeedFactors] | None]:
+    """The untried candidates in the order to try them after the trials ``done``: the step-time
+    model calibrated on the measured ones, fastest predicted first
+    (:func:`autoshard.predict.calibrate.reorder_untried`).
+
+    Only when the trials ran on the kind of device planned for: CPU processes standing in for
+    GPUs say nothing about the GPUs' speed, so their order stays the uncalibrated model's."""
+    if speed_basis(plan.hardware, done) == "model" or not any(
+        r.status is TrialStatus.OK for r in done
+    ):
+        return list(queue), None
+    return reorder_untried(queue, done, plan.speed.predict, plan.speed.prior)
 
 
-def _record_pruned(
-    study: optuna.Study,
-    distribution: CategoricalDistribution,
-    label: str,
-    result: TrialResult,
-    estimate: MemoryEstimate,
-) -> None:
-    study.add_trial(
-        optuna.trial.create_trial(
-            state=TrialState.PRUNED,
-            params={"candidate": label},
-            distributions={"candidate": distribution},
-            user_attrs={
-                RESULT_ATTR: result.model_dump_json(),
-                "estimate": estimate.model_dump_json(),
-            },
-        )
-    )
+@contextmanager
+def _worker_files(out_dir: Path) -> Iterator[None]:
+    """The worker group's requests, results and logs live in out_dir/workers: a disk that fills
+    or a folder that goes away mid-study is one line (the trial that was running had not
+    finished: the next run tries it again)."""
+    try:
+        yield
+    except OSError as exc:
+        raise StorageError(
+            f"{out_dir / 'workers'}: {exc.strerror or exc} while running a trial; free space or "
+            "fix the folder, then run the same command again to resume"
+        ) from None
 
 
-def _fail_stale_running(study: optuna.Study) -> None:
-    """A trial still RUNNING when the study opens was left by a killed process: its result was
-    never recorded, so it is marked FAIL and its candidate is tried again."""
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-
-
-def _finished_results(study: optuna.Study) -> dict[str, TrialResult]:
-    out: dict[str, TrialResult] = {}
-    for t in study.get_trials(deepcopy=False):
-        raw = t.user_attrs.get(RESULT_ATTR)
-        if raw and t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
-            result = TrialResult.model_validate_json(raw)
-            out[result.candidate.label()] = result
-    return out
-
-
-def recommend_from_trials(
-    profile: ModelProfile,
-    hardware: Hardware,
-    workload: WorkloadSpec,
-    estimates: Sequence[MemoryEstimate],
-    results: Sequence[TrialResult],
-) -> Recommendation:
-    """The fastest measured configuration; runners-up; what was ruled out and why."""
-    from autoshard.errors import AutoshardError
-
-    by_label = {e.candidate.label(): e for e in estimates}
-    ok = sorted((r for r in results if r.status is TrialStatus.OK), key=_throughput, reverse=True)
-    if not ok:
-        reasons = "; ".join(sorted({f"{r.status.value}: {r.error}" for r in results})[:3])
-        raise AutoshardError(
-            f"no configuration ran successfully ({len(results)} tried or ruled out: {reasons}); "
-            "see the worker logs in the output folder"
-        )
-
-    def scored(r: TrialResult) -> Scored:
-        return Scored(candidate=r.candidate, estimate=by_label.get(r.candidate.label()), trial=r)
-
-    best = ok[0]
-    failed = [r for r in results if r.status is not TrialStatus.OK]
-    return Recommendation(
-        profile=profile,
-        hardware=hardware,
-        workload=workload,
-        chosen=scored(best),
-        runners_up=tuple(scored(r) for r in ok[1:5]),
-        ruled_out=tuple(scored(r) for r in failed),
-        basis="trials",
-        reasons=tuple(explain(best, ok, profile)),
-        versions={"autoshard": version("autoshard"), "torch": torch.__version__},
-    )
-
-
-_EXPLAINED = ("sharding", "checkpointing", "cpu_offload", "precision", "micro_batch_size")
-
-
-def _show(value: object) -> str:
-    return str(getattr(value, "value", value))
-
-
-def explain(best: TrialResult, ok: Sequence[TrialResult], profile: ModelProfile) -> list[str]:
-    """One line per chosen setting, with the measurement behind it."""
-    c = best.candidate
-    lines = [
-        f"fastest of {len(ok)} measured configurations: {best.step_time or 0:.3f} s/step, "
-        f"{_throughput(best):,.0f} {'tokens' if best.tokens_per_s else 'samples'}/s on "
-        f"{best.world_size} {best.device} ranks",
-        wrap_reason(c, profile),
-    ]
-    for r in ok[1:]:
-        o = r.candidate
-        diff = [
-            f"{name}={_show(getattr(o, name))}"
-            for name in _EXPLAINED
-            if getattr(o, name) != getattr(c, name)
-        ]
-        if len(diff) == 1:
-            lines.append(
-                f"{diff[0]} measured {_throughput(best) / max(_throughput(r), 1e-9):.2f}x slower"
-            )
-    return lines
+def write_outputs(rec: Recommendation, out_dir: Path, results: Sequence[TrialResult]) -> None:
+    """recommendation.json and the reports; a full disk or a lost folder is one line."""
+    try:
+        (out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
+        write_report(rec, out_dir, list(results))
+    except OSError as exc:
+        raise StorageError(
+            f"{out_dir}: cannot write the recommendation and reports ({exc.strerror or exc}); "
+            "the trials are recorded: free space or fix the folder, then run the same command "
+            "again to write them"
+        ) from None

@@ -11,8 +11,9 @@ param, reduce and buffer dtypes all equal to the precision's dtype (Lightning's
 checkpointing is applied after wrapping with ``apply_activation_checkpointing``.
 
 FSDP2 follows torchtitan: checkpoint the blocks, ``fully_shard`` each block, then the root;
-``reshard_after_forward=False`` for SHARD_GRAD_OP; HYBRID_SHARD and NO_SHARD on a 2-D
-(replicate, shard) mesh; gradients reduced in fp32 under mixed precision.
+``reshard_after_forward=False`` for SHARD_GRAD_OP, and per unit as ``candidate.reshard`` says
+otherwise (:func:`reshard_after_forward`); HYBRID_SHARD and NO_SHARD on a 2-D (replicate, shard)
+mesh; gradients reduced in fp32 under mixed precision.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from autoshard.config import (
     Optimizer,
     OptimizerImpl,
     Precision,
+    Reshard,
     Sharding,
 )
 from autoshard.errors import ConfigError
@@ -188,13 +190,36 @@ def fsdp2_mesh(candidate: Candidate, device: torch.device, world_size: int) -> A
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
 
 
+def reshard_after_forward(candidate: Candidate, *, root: bool = False, last: bool = False) -> bool:
+    """``fully_shard``'s ``reshard_after_forward`` for one unit: the root unit, the last block
+    (the first that backward needs), or any other block.
+
+    SHARD_GRAD_OP keeps every unit gathered. Otherwise ``candidate.reshard`` decides: ALL frees
+    every unit after forward; KEEP_ROOT keeps the root (``fully_shard``'s default, ``None``, does
+    this: backward needs the root's head first); KEEP_ROOT_AND_LAST also keeps the last block
+    (torchtitan, ``torchtitan/models/llama3/infra/parallelize.py``: FSDP would prefetch it again
+    at once when backward starts)."""
+    if candidate.sharding is Sharding.SHARD_GRAD_OP:
+        return False
+    match candidate.reshard:
+        case Reshard.ALL:
+            return True
+        case Reshard.KEEP_ROOT:
+            return not root
+        case Reshard.KEEP_ROOT_AND_LAST:
+            return not (root or last)
+        case _:
+            raise ConfigError(f"unknown reshard policy {candidate.reshard!r}")
+
+
 def fsdp2_kwargs(candidate: Candidate, mesh: Any, *, pin_memory: bool) -> dict[str, Any]:
-    """Keyword arguments for ``fully_shard`` (the same for every unit)."""
+    """Keyword arguments for ``fully_shard`` of a block unit (the root and the last block take
+    their ``reshard_after_forward`` from :func:`reshard_after_forward`)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     kwargs: dict[str, Any] = {
         "mesh": mesh,
-        "reshard_after_forward": candidate.sharding is not Sharding.SHARD_GRAD_OP,
+        "reshard_after_forward": reshard_after_forward(candidate),
     }
     if candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED):
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -208,7 +233,8 @@ def fsdp2_kwargs(candidate: Candidate, mesh: Any, *, pin_memory: bool) -> dict[s
 
 
 def apply_fsdp2(model: nn.Module, candidate: Candidate, mesh: Any) -> nn.Module:
-    """Checkpoint the blocks, then ``fully_shard`` each wrap unit and the root, in place."""
+    """Checkpoint the blocks, then ``fully_shard`` each wrap unit and the root, in place, each
+    with its ``reshard_after_forward`` (:func:`reshard_after_forward`)."""
     from torch.distributed.fsdp import fully_shard
 
     if candidate.engine is not Engine.FSDP2:
@@ -216,11 +242,20 @@ def apply_fsdp2(model: nn.Module, candidate: Candidate, mesh: Any) -> nn.Module:
     apply_checkpointing(model, candidate)
     kwargs = fsdp2_kwargs(candidate, mesh, pin_memory=torch.cuda.is_available())
     classes = wrap_classes_of(model, candidate.wrap_classes) if candidate.wrap_classes else set()
-    for module in list(model.modules()):
-        target = _unwrap_checkpoint(module)
-        if module is not model and isinstance(target, tuple(classes)) and module is target:
-            fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
+    units = [
+        module
+        for module in model.modules()
+        if module is not model
+        and isinstance(_unwrap_checkpoint(module), tuple(classes))
+        and module is _unwrap_checkpoint(module)
+    ]
+    # Module order: for a ModuleList of blocks, the order they run in; the last runs last.
+    for i, module in enumerate(units):
+        reshard = reshard_after_forward(candidate, last=i == len(units) - 1)
+        fully_shard(module, **{**kwargs, "reshard_after_forward": reshard})
+    fully_shard(
+        model, **{**kwargs, "reshard_after_forward": reshard_after_forward(candidate, root=True)}
+    )
     return model
 
 

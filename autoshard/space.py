@@ -1,13 +1,15 @@
 """The search space: every FSDP configuration worth considering for a model on some hardware.
 
 Dimensions that change memory are enumerated (sharding, activation checkpointing, CPU offload,
-precision, micro-batch size); knobs that only trade a little speed (prefetch, all-gather limits)
-keep Lightning's defaults. The space stays product-sized: tens of candidates, which the estimator
-scores in milliseconds and the search tries in a handful of trials.
+precision, micro-batch size, and for FSDP2 which units reshard after forward); knobs that only
+trade a little speed (prefetch, all-gather limits) keep Lightning's defaults. The space stays
+product-sized: tens of candidates, which the estimator scores in milliseconds and the search
+tries in a handful of trials.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from autoshard.config import (
@@ -16,10 +18,11 @@ from autoshard.config import (
     Engine,
     Hardware,
     Precision,
+    RankOrder,
+    Reshard,
     Sharding,
     WorkloadSpec,
 )
-from autoshard.errors import ConfigError
 from autoshard.results import MemoryEstimate, ModelProfile
 
 
@@ -61,6 +64,23 @@ def shardings_for(
     return options
 
 
+def reshards_for(
+    engine: Engine, sharding: Sharding, *, wrapped: bool, offload: bool
+) -> tuple[Reshard, ...]:
+    """FSDP2's reshard policies that differ for this sharding: with FULL_SHARD or HYBRID_SHARD
+    and block units, every unit resharded, the root kept, or the root and the last block kept
+    (SHARD_GRAD_OP and NO_SHARD keep or hold everything anyway; FSDP1 has no such choice; CPU
+    offload is the last resort for memory, where keeping units gathered defeats it)."""
+    if (
+        Engine(engine) is Engine.FSDP2
+        and sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+        and wrapped
+        and not offload
+    ):
+        return tuple(Reshard)
+    return (Reshard.ALL,)
+
+
 def enumerate_candidates(
     profile: ModelProfile,
     hardware: Hardware,
@@ -70,12 +90,13 @@ def enumerate_candidates(
     precisions: Sequence[Precision] | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
     offload: bool | None = None,
+    reshards: Sequence[Reshard] | None = None,
 ) -> list[Candidate]:
     """All candidates for ``profile`` on ``hardware``: the analyzer's wrap policy with every
     sharding strategy, checkpointing none / every 2nd block / every block, CPU offload (with
-    FULL_SHARD only: it is the last resort) and each precision and micro-batch size; and the
-    whole model as one unit (Lightning's default) with each sharding, precision and
-    micro-batch size.
+    FULL_SHARD only: it is the last resort), for FSDP2 each reshard policy (:func:`reshards_for`;
+    ``reshards`` pins some), and each precision and micro-batch size; and the whole model as one
+    unit (Lightning's default) with each sharding, precision and micro-batch size.
 
     >>> from autoshard import Hardware, TargetSpec, WorkloadSpec, analyze_target
     >>> from autoshard import enumerate_candidates
@@ -88,6 +109,11 @@ def enumerate_candidates(
     ['FULL_SHARD', 'HYBRID_SHARD', 'NO_SHARD', 'SHARD_GRAD_OP']
     >>> {c.hybrid_mesh for c in candidates if c.sharding.value == "HYBRID_SHARD"}
     {(2, 8)}
+    >>> fsdp2 = enumerate_candidates(
+    ...     profile, Hardware(gpus_per_node=8, gpu_memory=80 * 2**30), WorkloadSpec(seq_len=128),
+    ...     engine="fsdp2", precisions=("bf16-mixed",), micro_batch_sizes=(1,))
+    >>> sorted({c.reshard.value for c in fsdp2 if c.sharding.value == "FULL_SHARD"})
+    ['all', 'keep_root', 'keep_root_and_last']
     """
     blocks = profile.checkpoint_policy
     checkpointing: list[tuple[Checkpointing, int]] = [(Checkpointing.NONE, 1)]
@@ -104,7 +130,12 @@ def enumerate_candidates(
                 for off in offloads:
                     if off and sharding is not Sharding.FULL_SHARD:
                         continue
-                    for mbs in sizes:
+                    policies = reshards_for(
+                        engine, sharding, wrapped=bool(profile.wrap_policy), offload=off
+                    )
+                    if reshards is not None and len(policies) > 1:
+                        policies = tuple(Reshard(r) for r in reshards)
+                    for reshard, mbs in itertools.product(policies, sizes):
                         out.append(
                             Candidate(
                                 engine=engine,
@@ -118,6 +149,7 @@ def enumerate_candidates(
                                 cpu_offload=off,
                                 precision=precision,
                                 micro_batch_size=mbs,
+                                reshard=reshard,
                             )
                         )
         if profile.wrap_policy or profile.wrap_min_params:
@@ -135,54 +167,26 @@ def enumerate_candidates(
     return out
 
 
-# Expected relative step time of each choice (lower is faster), from the Lightning FSDP guide's
-# recipe and common measurements; used only to order trials, never to choose.
-_SHARDING_COST = {
-    Sharding.NO_SHARD: 1.0,
-    Sharding.SHARD_GRAD_OP: 1.05,
-    Sharding.HYBRID_SHARD: 1.1,
-    Sharding.FULL_SHARD: 1.15,
-}
-_CKPT_COST = {Checkpointing.NONE: 1.0, Checkpointing.EVERY_K: 1.15, Checkpointing.ALL: 1.33}
-
-
-def expected_cost(candidate: Candidate, device: str = "cuda") -> float:
-    """Expected time per sample, relative: the ordering heuristic of the search.
-
-    On GPUs, 16-bit compute is about twice as fast as fp32 (tensor cores); on CPUs without
-    bf16 matrix units it is the other way round (measured here: 3-4x slower), so CPU trials
-    try fp32 first."""
-    cost = _SHARDING_COST[candidate.sharding]
-    if candidate.one_unit:
-        # One unit has the fewest collectives but overlaps none of them with compute: on GPUs
-        # the guide's per-block units win for all but small models, so it is tried after them.
-        # On CPU workers (gloo, no overlap to lose) it measured fastest (tune_cpu.md).
-        cost *= 0.9 if device == "cpu" else 1.1
-    cost *= _CKPT_COST[candidate.checkpointing]
-    cost *= 3.0 if candidate.cpu_offload else 1.0
-    low_precision = candidate.precision is not Precision.FP32
-    cost *= 2.0 if low_precision == (device == "cpu") else 1.0
-    return cost / candidate.micro_batch_size**0.3
-
-
-RANK_ORDERS = ("speed", "headroom")
-
-
-def check_rank_order(by: str, name: str = "by") -> None:
-    """One line naming the bad order and the good ones (``name``: how the caller spells it)."""
-    if by not in RANK_ORDERS:
-        raise ConfigError(f"{name} {by}: give one of {', '.join(RANK_ORDERS)}")
+def predicted_rate(estimate: MemoryEstimate) -> float:
+    """Predicted samples/s of all ranks (0 where the step-time model made no prediction)."""
+    return estimate.speed.samples_per_s if estimate.speed is not None else 0.0
 
 
 def rank_candidates(
-    estimates: Sequence[MemoryEstimate], device: str = "cuda", by: str = "speed"
+    estimates: Sequence[MemoryEstimate], by: RankOrder | str = RankOrder.SPEED
 ) -> list[MemoryEstimate]:
-    """Fitting candidates first: fastest expected first (on ``device``), or with ``by="headroom"``
-    the most headroom first; then the rest by overshoot."""
-    check_rank_order(by)
-    fits = sorted(
-        (e for e in estimates if e.fits),
-        key=lambda e: -e.headroom if by == "headroom" else expected_cost(e.candidate, device),
-    )
+    """Fitting candidates first: the fastest predicted by the step-time model first (equal
+    predictions: more headroom first), or with ``by="headroom"`` the most headroom first; then
+    the rest by how far they overshoot.
+
+    One order for every door: ``recommend``, ``estimate``, export and the study's trial order."""
+    order = RankOrder(by)
+
+    def key(e: MemoryEstimate) -> tuple[float, float]:
+        if order is RankOrder.HEADROOM:
+            return (-e.headroom, 0.0)
+        return (-predicted_rate(e), -e.headroom)
+
+    fits = sorted((e for e in estimates if e.fits), key=key)
     rest = sorted((e for e in estimates if not e.fits), key=lambda e: -e.headroom)
     return fits + rest

@@ -28,7 +28,8 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 def parse_size(text: str | int | float, *, flag: str = "size") -> int:
     """Return the number of bytes in a human size such as ``80GiB``, ``40GB`` or ``24000MiB``.
 
-    A bare number is bytes. Decimal units (GB) are powers of 1000, binary units (GiB) of 1024,
+    An int is bytes; a string needs a unit (``"80"`` is refused: 80 what?). Decimal units (GB)
+    are powers of 1000, binary units (GiB) of 1024,
     as GPU vendors and ``nvidia-smi`` use them respectively.
     """
     if isinstance(text, bool):
@@ -38,6 +39,10 @@ def parse_size(text: str | int | float, *, flag: str = "size") -> int:
             raise ConfigError(f"{flag}: size must be positive, got {text}")
         return int(text)
     match = _SIZE.match(text)
+    if match and not match.group(2):
+        # On the command line a bare number is a mistake far more often than bytes (80 meant
+        # 80 GiB): only Python callers pass bytes, as ints.
+        raise ConfigError(f"{flag} {text.strip()}: give a unit, e.g. {text.strip()}GiB")
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(
             f"{flag}: cannot read {text!r} as a size; write it like 80GiB, 40GB or 24000MiB"

@@ -3,7 +3,8 @@
     python benchmarks/estimate_speed.py [--write benchmarks/results/estimate_speed.md]
 
 Target (issue 3): under 10 s on a 2-core machine. Prints each stage in-process (build on meta,
-analysis, the fake-tensor activation profile, enumerating and scoring every candidate) and the
+analysis, the fake-tensor activation profile, enumerating and scoring every candidate, the FLOP
+profile and the step-time prediction of every candidate) and the
 whole `autoshard estimate` command in a fresh process, Python and torch start-up included.
 """
 
@@ -31,6 +32,9 @@ def main() -> None:
     from autoshard.config import Hardware, WorkloadSpec
     from autoshard.predict.activations import precisions_of, profile_activations
     from autoshard.predict.analytic import estimate_all
+    from autoshard.predict.calibrate import SpeedModel
+    from autoshard.predict.flops import profile_flops
+    from autoshard.predict.speed import default_factors, speed_for
     from autoshard.space import enumerate_candidates
     from autoshard.target.resolve import TargetSpec
 
@@ -54,13 +58,23 @@ def main() -> None:
     scoring = time.perf_counter() - t
     stages.append((f"enumerate + score {len(candidates)} candidates", enumerating + scoring))
     t = time.perf_counter()
+    flops = profile_flops(built.model, profile, workload)
+    stages.append(("FLOP profile (fake tensors, one block)", time.perf_counter() - t))
+    t = time.perf_counter()
+    gpu, _ = speed_for(hardware)
+    model = SpeedModel(profile, flops, hardware, workload, gpu, default_factors(gpu))
+    estimates = model.attach(estimates)
+    predicting = time.perf_counter() - t
+    stages.append((f"predict the step time of {len(estimates)} candidates", predicting))
+    t = time.perf_counter()
     proc = subprocess.run(COMMAND, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
         raise SystemExit(proc.stderr)
     stages.append(("whole `autoshard estimate` command, fresh process", time.perf_counter() - t))
     lines = [
         f"model: {profile.total_params:,} parameters; {sum(e.fits for e in estimates)} of "
-        f"{len(estimates)} candidates fit 80 GiB; {1e6 * scoring / len(estimates):.0f} us each",
+        f"{len(estimates)} candidates fit 80 GiB; {1e6 * scoring / len(estimates):.0f} us each "
+        f"(memory), {1e6 * predicting / len(estimates):.0f} us each (step time)",
         "",
         "| stage | seconds |",
         "| --- | ---: |",

@@ -5,12 +5,13 @@
 #
 #   bash benchmarks/gpu.sh accuracy [OUT]   estimators vs torch.cuda.max_memory_allocated/reserved
 #   bash benchmarks/gpu.sh tune [OUT]       CUDA tests, tune overhead, chosen vs Lightning default
+#   bash benchmarks/gpu.sh speed [OUT]      the step-time model (uncalibrated) vs measured trials
 #
 # Results go to OUT (default benchmarks/results), named as the CPU ones with _gpu / cuda in
 # place of _cpu. Each part fits in one 10-minute device call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?usage: bash benchmarks/gpu.sh accuracy|tune [OUT]}"
+part="${1:?usage: bash benchmarks/gpu.sh accuracy|tune|speed [OUT]}"
 out="${2:-benchmarks/results}"
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -33,5 +34,11 @@ case "$part" in
       || echo "gpu.sh: a CUDA test failed (see gpu_tests.txt); measuring the tuner anyway"
     python3 benchmarks/tune_overhead.py --size small --seq-len 512 --write "$out/tune_gpu.md"
     ;;
-  *) echo "gpu.sh: unknown part '$part' (accuracy or tune)" >&2; exit 1 ;;
+  speed)
+    # A 1B GPT at 2,048 tokens: large enough that the GPU, not the launches, sets the pace;
+    # 12 configurations of the grid (checkpointing, precision, micro-batch, offload, one unit).
+    python3 benchmarks/step_time_measured.py --size 1b --seq-len 2048 --max 12 \
+      --write "$out/step_time_measured_gpu.md"
+    ;;
+  *) echo "gpu.sh: unknown part '$part' (accuracy, tune or speed)" >&2; exit 1 ;;
 esac

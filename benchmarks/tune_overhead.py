@@ -24,9 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from autoshard.config import Candidate, Hardware, Precision, WorkloadSpec
+import autoshard
+from autoshard.config import Candidate, Precision, WorkloadSpec
 from autoshard.results import TrialStatus
-from autoshard.search import TuneOptions, tune
+from autoshard.study.journal import read_records
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.group import WorkerGroup, default_nproc
 
@@ -40,25 +41,18 @@ def run(skip_dominated: bool, n_trials: int, out: Path, target: TargetSpec, seq:
         import torch
 
         memory = torch.cuda.get_device_properties(0).total_memory
-    hardware = Hardware(gpus_per_node=nproc, gpu_memory=memory)
-    options = TuneOptions(
-        out_dir=out,
-        n_trials=n_trials,
-        precisions=(Precision.FP32, Precision.BF16_MIXED),
-        micro_batch_sizes=(1, 2),
-        nproc=nproc,
-        skip_dominated=skip_dominated,
-        memory_cap=None if device == "cuda" else 8 * 1024**3,
-    )
     start = time.perf_counter()
-    rec = tune(target, hardware, WorkloadSpec(seq_len=seq), options)
+    rec = autoshard.tune(
+        target,
+        # On CPU the trials plan for the CPU processes themselves: their timings decide.
+        gpus=nproc, gpu_memory=memory, gpu=None if device == "cuda" else "cpu-gloo",
+        seq_len=seq, precision=(Precision.FP32, Precision.BF16_MIXED), batch_size=(1, 2),
+        out_dir=out, trials=n_trials, skip_dominated=skip_dominated,
+        memory_cap=None if device == "cuda" else 8 * 1024**3,
+    )  # fmt: skip
     wall = time.perf_counter() - start
-    from autoshard.results import TrialResult
 
-    trials = [
-        TrialResult.model_validate_json(line)
-        for line in (out / "trials.jsonl").read_text().splitlines()
-    ]
+    trials = read_records(out / "trials.jsonl")
     launched = [t for t in trials if t.status is not TrialStatus.PRUNED]
     return rec, launched, wall
 
@@ -120,7 +114,8 @@ def main() -> None:
         if found_at
         else "search did not try the grid's best (see tokens/s above for the gap)",
         f"per-trial overhead (wall - timed steps): median {statistics.median(overhead):.2f} s, "
-        f"max {max(overhead):.2f} s; first trial incl. group launch {grid[0].duration:.1f} s",
+        f"max {max(overhead):.2f} s; first trial incl. group launch "
+        f"{grid[0].duration + grid[0].launch_seconds:.1f} s",
     ]
     base = versus[1][1] or 1.0
     lines += [

@@ -20,7 +20,11 @@ def cli():
 
     def invoke(*args: str):
         result = runner.invoke(app, [str(a) for a in args])
-        return result.exit_code, result.stdout, result.stderr
+        err = result.stderr
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            # An exception the command did not turn into one line: show it in the assertion.
+            err += f"\n[uncaught] {type(result.exception).__name__}: {result.exception}"
+        return result.exit_code, result.stdout, err
 
     return invoke
 

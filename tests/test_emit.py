@@ -332,6 +332,26 @@ def test_lightning_yaml_fsdp2_builds_model_parallel_strategy() -> None:
     assert (s._data_parallel_size, s._tensor_parallel_size) == (2, 1)
 
 
+@pytest.mark.parametrize("reshard", ["all", "keep_root", "keep_root_and_last"])
+def test_fsdp2_yaml_says_which_units_reshard(
+    reshard: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ModelParallelStrategy's plan is code and accelerate has no key for the root or the last
+    block: the YAML comments say the policy and the calls that apply it."""
+    rec = make_rec(candidate(engine=Engine.FSDP2, reshard=reshard))
+    lightning = rec.to_yaml("lightning")
+    assert f"#   which applies the reshard policy {reshard}:" in lightning
+    assert type(parse_like_lightning_cli(lightning).strategy).__name__ == "ModelParallelStrategy"
+    text = rec.to_yaml("accelerate")
+    assert f"# reshard policy {reshard}:" in text
+    keeps_root = "#   model.get_input_embeddings().set_reshard_after_forward(False)" in text
+    keeps_last = "#   model.model.layers[-1].set_reshard_after_forward(False)" in text
+    assert (keeps_root, keeps_last) == (reshard != "all", reshard == "keep_root_and_last")
+    assert ("#   model.set_reshard_after_forward(True)" in text) is (reshard == "all")
+    _, plugin = load_like_accelerate(tmp_path, text, monkeypatch)
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+
+
 def test_lightning_yaml_refuses_what_it_cannot_express() -> None:
     with pytest.raises(ConfigError, match="BACKWARD_POST"):
         make_rec(candidate(backward_prefetch=BackwardPrefetch.BACKWARD_POST)).to_yaml("lightning")

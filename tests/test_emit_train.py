@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,12 +22,12 @@ def train(rec_path: str, steps: int = 4) -> dict[str, object]:
     import gpt
     import torch
     import torch.nn.functional as F
-    from autoshard.emit.runtime.runtime import apply_checkpointing
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from autoshard.config import Engine
+    from autoshard.emit.runtime import apply_checkpointing
     from autoshard.results import Recommendation
 
     rec = Recommendation.model_validate_json(Path(rec_path).read_text())
@@ -51,14 +52,30 @@ def train(rec_path: str, steps: int = 4) -> dict[str, object]:
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 4096, (2, 33), generator=gen)
     losses = []
+    gathered_after_forward: dict[str, bool] = {}
     for _ in range(steps):
         logits = model(idx[:, :-1])
+        if not gathered_after_forward and rec.chosen.candidate.engine is Engine.FSDP2:
+            # between forward and backward: a unit that resharded holds DTensor shards again
+            from torch.distributed.tensor import DTensor
+
+            gathered_after_forward = {
+                "root": not isinstance(model.lm_head.weight, DTensor),
+                "last block": not isinstance(model.blocks[-1].mlp.up.weight, DTensor),
+                "first block": not isinstance(model.blocks[0].mlp.up.weight, DTensor),
+            }
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"units": units, "ckpt": ckpt, "losses": losses, "mesh": mesh_shape}
+    return {
+        "units": units,
+        "ckpt": ckpt,
+        "losses": losses,
+        "mesh": mesh_shape,
+        "gathered after forward": gathered_after_forward,
+    }
 
 
 def main() -> None:
@@ -108,6 +125,44 @@ def test_fsdp1_kwargs_and_fsdp2_plan_train_on_two_gloo_processes(tmp_path: Path)
     assert (two["units"], two["ckpt"], two["mesh"]) == (5, 2, [1, 2])
     for losses in (one["losses"], two["losses"]):
         assert losses[-1] < losses[0] - 0.1, losses
+
+
+@pytest.mark.slow
+def test_fsdp2_plans_of_every_reshard_policy_train_on_two_gloo_processes(tmp_path: Path) -> None:
+    """Each reshard policy's plan trains, and keeps gathered after forward exactly the units it
+    names: nothing, the root (embedding and head), or the root and the last block."""
+    from autoshard.config import Engine, Precision, Reshard
+    from tests.test_emit import candidate, make_rec
+
+    paths = []
+    for reshard in Reshard:
+        rec = make_rec(candidate(engine=Engine.FSDP2, precision=Precision.FP32, reshard=reshard))
+        paths.append(str(tmp_path / f"{reshard.value}.json"))
+        Path(paths[-1]).write_text(rec.to_yaml("json"))
+    out = _run_two_ranks(tmp_path, paths)
+    expected = {
+        "all": {"root": False, "last block": False, "first block": False},
+        "keep_root": {"root": True, "last block": False, "first block": False},
+        "keep_root_and_last": {"root": True, "last block": True, "first block": False},
+    }
+    for reshard, path in zip(Reshard, paths, strict=True):
+        result = out[path]
+        assert result["units"] == 5, result
+        assert result["gathered after forward"] == expected[reshard.value], reshard
+        assert result["losses"][-1] < result["losses"][0] - 0.1, result["losses"]
+
+
+def _run_two_ranks(tmp_path: Path, paths: list[str]) -> dict[str, Any]:
+    result = tmp_path / "result.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT)])}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         "--standalone", __file__, str(result), *paths],
+        env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(json.loads(result.read_text()))
 
 
 if __name__ == "__main__":

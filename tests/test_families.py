@@ -21,7 +21,7 @@ from autoshard.target.resolve import _import_file
 
 from .conftest import EXAMPLES, ROOT
 
-pytestmark = pytest.mark.filterwarnings("ignore::autoshard.api.NoGPUWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::autoshard.PlanWarning")
 
 HF = "transformers.models"
 FAMILIES = {
@@ -48,7 +48,10 @@ def _needs(family: str) -> None:
 def test_family_estimate(family: str) -> None:
     _needs(family)
     rec = recommend(f"{EXAMPLES}/{family}.py:build", gpus=8, gpu_memory="80GiB")
-    assert set(rec.chosen.candidate.wrap_classes) == set(FAMILIES[family])
+    # The analyzer's block class is the wrap policy every per-block candidate uses (for these
+    # tiny sizes the step-time model may prefer the whole model as one unit: fewer collectives).
+    assert set(rec.profile.wrap_policy) == set(FAMILIES[family])
+    assert set(rec.chosen.candidate.wrap_classes) in (set(), set(FAMILIES[family]))
     if family.startswith("hf_"):
         # the blocks come from the model's own _no_split_modules
         assert {c.rpartition(".")[2] for c in FAMILIES[family]} <= set(rec.profile.no_split_modules)
@@ -77,7 +80,7 @@ def test_hf_model_object_is_rebuilt_from_its_config(tmp_path) -> None:
     assert not list(tmp_path.glob("model-*.pt"))
     rec = recommend(model, batch=batch, gpus=8, gpu_memory="80GiB", out_dir=tmp_path)
     assert rec.profile.total_params == sum(p.numel() for p in model.parameters())
-    assert rec.chosen.candidate.wrap_classes == FAMILIES["hf_t5"]
+    assert rec.profile.wrap_policy == FAMILIES["hf_t5"]
 
 
 def test_lightning_module_object_trains_through_training_step(tmp_path) -> None:

@@ -92,11 +92,33 @@ def test_every_strategy_trains_on_gloo(tmp_path, examples_gpt_tiny) -> None:
             r = group.run(c, WorkloadSpec(seq_len=32), warmup=2, steps=3)
             assert r.status is TrialStatus.OK, (c.label(), r.error)
             # every warm-up and timed step is recorded; a fresh group's first trial warms up 2 more
-            assert len(r.losses) == (7 if i == 0 else 5) and all(math.isfinite(v) for v in r.losses)
+            assert len(r.losses) == (4 if i == 0 else 2) + len(r.step_times)
+            assert all(math.isfinite(v) for v in r.losses)
+            assert len(r.step_times) >= 3 and r.step_time_spread is not None
             assert r.losses[-1] < r.losses[0], (c.label(), r.losses)
             assert r.tokens_per_s and r.tokens_per_s > 0
             assert len(r.peak_allocated) == 2 and min(r.peak_allocated) > 0
     assert group.launches == 1
+
+
+def test_trial_times_steps_until_the_median_is_known(tmp_path, examples_gpt_tiny) -> None:
+    """At least ``steps`` timed steps; then more until the spread is met (95% needs 6) or the
+    step or time budget ends. The ranks stop after the same step (else the group would hang),
+    and the recorded spread is the one of the recorded step times."""
+    from autoshard.measure import median_spread
+
+    group = WorkerGroup(examples_gpt_tiny, log_dir=tmp_path, nproc=2, trial_timeout=120)
+    c = Candidate(wrap_classes=("gpt.Block",), precision="32-true")
+    workload = WorkloadSpec(seq_len=32)
+    with group:
+        any_spread = group.run(c, workload, warmup=1, steps=3, target_spread=10.0)
+        budget = group.run(c, workload, warmup=1, steps=3, target_spread=0.0, max_steps=9)
+        seconds = group.run(c, workload, warmup=1, steps=3, target_spread=0.0, max_seconds=1e-6)
+        minimum = group.run(c, workload, warmup=1, steps=8, target_spread=10.0)
+    assert [len(r.step_times) for r in (any_spread, budget, seconds, minimum)] == [6, 9, 3, 8]
+    for r in (any_spread, budget, seconds, minimum):
+        assert r.status is TrialStatus.OK, r.error
+        assert r.step_time_spread == pytest.approx(median_spread(r.step_times))
 
 
 @pytest.mark.gpu

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
 
 from autoshard.config import Candidate, Sharding, WorkloadSpec
 from autoshard.results import TrialStatus
+from autoshard.target.resolve import TargetSpec
 from autoshard.trials.group import WorkerGroup, free_port
 
 pytestmark = pytest.mark.slow
@@ -35,3 +38,59 @@ def test_two_nodes_on_loopback(tmp_path, examples_gpt_tiny) -> None:
     server.join(timeout=60)
     assert not server.is_alive()  # node 1 stopped when node 0 closed the study
     assert node1.launches == 1
+
+
+NODE0_DRIVER = """
+import sys, time
+from pathlib import Path
+from autoshard.config import Candidate, WorkloadSpec
+from autoshard.target.resolve import TargetSpec
+from autoshard.trials.group import WorkerGroup
+
+group = WorkerGroup(TargetSpec(spec=sys.argv[1], kwargs={"size": "tiny"}), log_dir=Path(sys.argv[2]),
+                    nproc=2, nnodes=2, node_rank=0, rdzv_endpoint=sys.argv[3], start_timeout=20)
+result = group.run(Candidate(wrap_classes=("gpt.Block",), precision="32-true"),
+                   WorkloadSpec(seq_len=32), warmup=1, steps=1)
+print(result.status.value, flush=True)
+time.sleep(3600)  # idle
+"""
+
+
+def test_a_node_stops_serving_when_node_0s_driver_is_killed(tmp_path) -> None:
+    from autoshard.errors import AutoshardError
+
+    from .conftest import EXAMPLES, ROOT
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    node1 = WorkerGroup(
+        TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny"}),
+        log_dir=tmp_path / "node1", nproc=2, nnodes=2, node_rank=1, rdzv_endpoint=endpoint,
+        start_timeout=20,
+    )  # fmt: skip
+    ended: list[BaseException | None] = []
+
+    def serve() -> None:
+        try:
+            node1.serve()
+            ended.append(None)
+        except BaseException as exc:
+            ended.append(exc)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    driver = subprocess.Popen(
+        [sys.executable, "-c", NODE0_DRIVER, f"{EXAMPLES}/gpt.py:build", str(tmp_path / "node0"),
+         endpoint],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert driver.stdout is not None and driver.stdout.readline().strip() == "ok"
+        driver.kill()  # kill -9 of node 0's driver while the group is idle
+        driver.wait()
+        server.join(timeout=120)
+        assert not server.is_alive(), "node 1 went on serving a study whose driver is dead"
+        assert isinstance(ended[0], AutoshardError) and "node 0" in str(ended[0])
+        assert not node1.alive()
+    finally:
+        driver.kill()
+        node1.kill()

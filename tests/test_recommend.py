@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from autoshard.api import NoGPUWarning, detect_hardware, recommend
+from autoshard import NoGPUWarning, PlanWarning, detect_hardware, recommend
 from autoshard.errors import ConfigError
 from autoshard.target.adapters import factory_spec, load_saved_model, meta_copy, to_target
 from autoshard.target.resolve import build_target
 
 from .conftest import EXAMPLES
 
-pytestmark = pytest.mark.filterwarnings("ignore::autoshard.api.NoGPUWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::autoshard.PlanWarning")
 
 
 class TiedLM(nn.Module):
@@ -79,16 +79,23 @@ def test_factory_spec() -> None:
         to_target(lambda: TiedLM())
 
 
-def test_no_gpu_needs_gpu_memory() -> None:
+def test_no_gpu_needs_gpus_and_says_which_gpu_it_assumes() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    with pytest.raises(ConfigError, match="gpu_memory"):
-        detect_hardware(gpus=8)
+    with pytest.raises(ConfigError, match="give gpus"):
+        detect_hardware(gpu_memory="80GiB")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hw = detect_hardware(gpus=8, gpu_memory="80GiB")
     assert hw.gpu_memory == 80 * 2**30 and hw.world_size == 8
     assert any(issubclass(w.category, NoGPUWarning) for w in caught)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assumed = detect_hardware(gpus=8)  # no memory, no GPU model: the catalogue's default
+    assert assumed.gpu == "h100-sxm" and assumed.gpu_memory == 80 * 2**30
+    assert any("h100-sxm" in str(w.message) for w in caught if w.category is PlanWarning)
+    a100 = detect_hardware(gpus=8, gpu="a100-40gb-pcie")
+    assert a100.gpu_memory == 40 * 2**30 and a100.gpu == "a100-40gb-pcie"
 
 
 def test_recommend_module_object_explains_every_setting() -> None:
@@ -96,7 +103,7 @@ def test_recommend_module_object_explains_every_setting() -> None:
     rec = recommend(TiedLM(), batch=batch, gpus=4, gpu_memory="16GiB")
     c = rec.chosen.candidate
     assert rec.basis == "estimate"
-    assert c.wrap_classes == ("torch.nn.modules.transformer.TransformerEncoderLayer",)
+    assert rec.profile.wrap_policy == ("torch.nn.modules.transformer.TransformerEncoderLayer",)
     assert rec.workload.seq_len == 64 and c.micro_batch_size == 2
     text = "\n".join(rec.reasons)
     for setting in ("auto_wrap_policy", "sharding", "checkpointing", "cpu_offload", "precision",
@@ -164,5 +171,5 @@ def test_llama_8b_in_seconds() -> None:
 def test_target_string_with_kwargs() -> None:
     rec = recommend(f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny"}, gpus=2,
                     gpu_memory="8GiB", batch_size=1)  # fmt: skip
-    assert rec.chosen.candidate.wrap_classes == ("gpt.Block",)
+    assert rec.profile.wrap_policy == ("gpt.Block",)
     assert any(r.startswith("seq_len") for r in rec.reasons)  # assumed: said so

@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from autoshard.config import Hardware
 from autoshard.errors import ResultError
-from autoshard.results import Recommendation, TrialStatus
+from autoshard.results import Recommendation, Scored, SpeedEstimate, TrialStatus
 from autoshard.ui.files import load_result, write_report
 from autoshard.ui.html import render_html
 from autoshard.ui.report import SCHEMA, print_summary
-from tests.test_emit import all_trials, candidate, make_rec
+from autoshard.units import parse_size
+from tests.test_emit import GiB, all_trials, candidate, make_rec, trial
 
 FILES = {"report.json", "report.html", "lightning.yaml", "accelerate.yaml"}
 
@@ -33,12 +35,16 @@ def test_summary_says_what_won_why_and_what_was_ruled_out() -> None:
     assert rec.chosen.candidate.label() in text
     assert "fastest of 4 measured configurations" in text
     assert "state_dict_type=full" in text
-    assert "runner-up" in text and "2,246 tokens/s" not in text.split("Alternatives")[1]
-    assert "oom: CUDA out of memory" in text  # the OOM trial
-    assert "does not fit" in text or "usable GPU memory" in text  # the pruned one
+    table = text.split("Configurations")[1]
+    # every trial, the chosen one first, with its measured rate per rank and spread
+    assert table.count("runner-up") == 3 and "1,123 ±2%" in table.split("runner-up")[0]
+    assert "oom: CUDA out of memory" in table  # the OOM trial
+    assert "usable GPU memory" in table  # the pruned one
     # CPU trials measure without the CUDA allowance the prediction carries: both say so.
     assert "858 MiB of it the allowance for the CUDA context" in text
-    assert "measured (cpu)" in text
+    assert "measured peak (cpu)" in text
+    # no speed predictions here: the measured order decided, and nothing says otherwise
+    assert "trials ran on CPU processes" not in text
 
 
 def test_write_report_and_load_it_back(tmp_path: Path) -> None:
@@ -64,25 +70,31 @@ def test_load_tune_output_folder(tmp_path: Path) -> None:
     assert load_result(tmp_path) == (rec, trials)
 
 
-def test_load_estimate_json_picks_the_first_that_fits(tmp_path: Path) -> None:
+def test_load_estimate_json_reads_the_decision_it_carries(tmp_path: Path) -> None:
+    """Export never chooses: it reads the pipeline's decision out of `estimate --json`, even
+    when the list is ordered otherwise (here the first fitting estimate is a runner-up)."""
     rec = make_rec(basis="estimate")
-    ests = [s.estimate for s in (*rec.ruled_out, rec.chosen, *rec.runners_up)]
+    ests = [s.estimate for s in (*rec.ruled_out, *rec.runners_up, rec.chosen)]
     data = {
         "profile": rec.profile.model_dump(mode="json"),
         "hardware": rec.hardware.model_dump(mode="json"),
         "workload": rec.workload.model_dump(mode="json"),
+        "recommendation": rec.model_dump(mode="json"),
         "estimates": [e.model_dump(mode="json") for e in ests if e],
     }
     path = tmp_path / "estimate.json"
     path.write_text(json.dumps(data))
     back, trials = load_result(path)
-    assert back.basis == "estimate" and trials == []
+    assert back == rec and trials == []
     first_fit = next(e for e in ests if e and e.fits)
-    assert back.chosen.candidate == first_fit.candidate
-    assert all(not s.estimate.fits for s in back.ruled_out if s.estimate)
-    del data["profile"]
+    assert first_fit.candidate != rec.chosen.candidate  # the list's order was not used
+    data["recommendation"] = None
     path.write_text(json.dumps(data))
-    with pytest.raises(ResultError, match="no model profile"):
+    with pytest.raises(ResultError, match="no candidate fits"):
+        load_result(path)
+    del data["recommendation"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultError, match="carries no recommendation"):
         load_result(path)
 
 
@@ -116,12 +128,10 @@ def test_html_is_self_contained_with_wellformed_charts() -> None:
     assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", page)
     svgs = re.findall(r"<svg.*?</svg>", page, flags=re.S)
     charts = {ET.fromstring(svg).get("id"): ET.fromstring(svg) for svg in svgs}
-    assert set(charts) == {"chart-memory", "chart-throughput"}
+    assert set(charts) == {"chart-memory", "chart-speed", "chart-throughput"}
     ns = "{http://www.w3.org/2000/svg}"
     # memory: one stacked segment per non-zero term of every estimate, and a tick per measurement
-    segments = [
-        r for r in charts["chart-memory"].iter(f"{ns}rect") if r.find(f"{ns}title") is not None
-    ]
+    segments = [r for r in charts["chart-memory"].iter(f"{ns}rect") if r.get("data-kind")]
     expected = sum(
         sum(1 for v in s.estimate.breakdown.model_dump().values() if v > 0)
         for s in (rec.chosen, *rec.runners_up, *rec.ruled_out)
@@ -135,6 +145,120 @@ def test_html_is_self_contained_with_wellformed_charts() -> None:
     # throughput: one point per successful trial, the chosen one marked
     points = list(charts["chart-throughput"].iter(f"{ns}circle"))
     assert len(points) == 4 and sum(p.get("r") == "8" for p in points) == 1
+
+
+NS = "{http://www.w3.org/2000/svg}"
+
+
+def chart(page: str, name: str) -> ET.Element:
+    svg = re.search(rf'<svg id="{name}".*?</svg>', page, flags=re.S)
+    assert svg is not None, name
+    return ET.fromstring(svg.group(0))
+
+
+def with_speeds(rec: Recommendation, gpu: str, step: float = 0.1) -> Recommendation:
+    """The recommendation with a speed prediction on every estimate."""
+
+    def predicted(s: Scored) -> Scored:
+        if s.estimate is None:
+            return s
+        mbs = s.candidate.micro_batch_size
+        t = step / mbs**0.8
+        speed = SpeedEstimate(step_time_s=t, samples_per_s=2 * mbs / t,
+                              tokens_per_s_per_gpu=mbs * 128 / t, gpu=gpu)  # fmt: skip
+        return s.model_copy(update={"estimate": s.estimate.model_copy(update={"speed": speed})})
+
+    return rec.model_copy(
+        update={
+            "chosen": predicted(rec.chosen),
+            "runners_up": tuple(map(predicted, rec.runners_up)),
+            "ruled_out": tuple(map(predicted, rec.ruled_out)),
+        }
+    )
+
+
+def test_memory_chart_has_a_byte_axis_and_keeps_the_allowance_from_crowding_out_the_rest() -> None:
+    rec = make_rec()  # a CPU-size model: 146 MiB of the chosen 1,004 MiB peak, the rest allowance
+    memory = chart(render_html(rec, all_trials(rec)), "chart-memory")
+    ticks = [
+        (float(t.get("x")), 0 if t.text == "0 B" else parse_size(t.text.replace(" ", "")))
+        for t in memory.iter(f"{NS}text")
+        if "tick" in (t.get("class") or "")
+    ]
+    assert len(ticks) >= 3 and [v for _, v in ticks] == sorted(v for _, v in ticks)
+    # the ticks lie on one linear scale, starting at 0 B
+    (x0, v0), (x1, v1) = ticks[0], ticks[-1]
+    assert v0 == 0
+    scale = (x1 - x0) / v1
+    assert all(abs(x - (x0 + v * scale)) < 0.6 for x, v in ticks)
+    # the measured peaks sit on that scale
+    marks = [ln for ln in memory.iter(f"{NS}line") if ln.find(f"{NS}title") is not None]
+    measured = sorted(t.max_allocated for t in all_trials(rec) if t.max_allocated)
+    assert sorted(float(ln.get("x1")) for ln in marks) == pytest.approx(
+        [x0 + m * scale for m in measured], abs=0.6
+    )
+    # the chosen bar: what the CPU measured is readable (today's 15% of the bar: now > 20%),
+    # the allowance hatched, and the compressed part of the axis said in words
+    rects = [r for r in memory.iter(f"{NS}rect") if r.get("data-kind")]
+    per_bar = len([v for v in rec.chosen.estimate.breakdown.model_dump().values() if v > 0])
+    chosen = rects[:per_bar]
+    allowance = [r for r in chosen if r.get("data-kind") == "allowance"]
+    assert len(allowance) == 1 and allowance[0].get("fill") == "url(#hatch)"
+    width = {r.get("data-kind"): float(r.get("width")) for r in chosen}
+    rest = sum(w for k, w in width.items() if k != "allowance")
+    assert rest / (rest + width["allowance"]) > 0.2
+    assert "compressed beyond the break" in ET.tostring(memory, encoding="unicode")
+
+
+def test_speed_chart_puts_predicted_against_measured() -> None:
+    """Trials on the device planned for: one axis, the model's error beside each trial."""
+    rec = with_speeds(make_rec(hardware=Hardware(gpus_per_node=2, gpu_memory=2 * GiB,
+                                                 backend="gloo")), "cpu-gloo")  # fmt: skip
+    page = render_html(rec, all_trials(rec))
+    speed = chart(page, "chart-speed")
+    bars = [r for r in speed.iter(f"{NS}rect") if r.get("data-kind")]
+    tried = [s for s in (rec.chosen, *rec.runners_up, *rec.ruled_out) if s.trial is not None]
+    assert sum(r.get("data-kind") == "measured" for r in bars) == 4  # the OK trials
+    assert sum(r.get("data-kind") == "predicted" for r in bars) == len(tried)
+    labels = [t.text for t in speed.iter(f"{NS}text") if (t.text or "").startswith("model ")]
+    s = rec.chosen
+    expected = s.estimate.speed.tokens_per_s_per_gpu / (s.trial.tokens_per_s / 2) - 1
+    assert labels[0] == f"model {expected:+.0%}" and len(labels) == 4
+    assert "trials ran on CPU processes" not in page
+    table = re.search(r'<table id="configurations">.*?</table>', page, flags=re.S).group(0)
+    assert f"{expected:+.0%}" in table
+
+
+def test_cpu_trials_for_gpus_show_two_scales_and_say_why() -> None:
+    rec = with_speeds(make_rec(hardware=Hardware(gpus_per_node=2, gpu_memory=2 * GiB,
+                                                 gpu="h100-sxm")), "h100-sxm", step=0.001)  # fmt: skip
+    page = render_html(rec, all_trials(rec))
+    assert "the speed order is the model&#x27;s for 2 x h100-sxm" in page
+    text = ET.tostring(chart(page, "chart-speed"), encoding="unicode")
+    assert "predicted for h100-sxm" in text and "measured on cpu (own scale)" in text
+    assert "model " not in text  # a GPU prediction is no error of a CPU measurement
+    console = Console(record=True, width=200)
+    print_summary(rec, console, trials=all_trials(rec))
+    summary = console.export_text()
+    assert summary.count("the speed order is the model's for 2 x h100-sxm") == 1
+
+
+def test_every_trial_is_listed_even_if_the_recommendation_keeps_only_some() -> None:
+    """Six successful trials, a recommendation that carries four runners-up (as older ones
+    did): the table and the memory chart list all six."""
+    rec = make_rec()
+    extra = [trial(candidate(micro_batch_size=m), 0.3 + 0.01 * m) for m in (3, 5)]
+    trials = [*all_trials(rec), *extra]
+    page = render_html(rec, trials)
+    table = re.search(r'<table id="configurations">.*?</table>', page, flags=re.S).group(0)
+    for t in trials:
+        assert t.candidate.label() in table
+    marks = [
+        ln
+        for ln in chart(page, "chart-memory").iter(f"{NS}line")
+        if ln.find(f"{NS}title") is not None
+    ]
+    assert len(marks) == sum(1 for t in trials if t.max_allocated) == 6
 
 
 def test_yaml_left_out_when_it_cannot_express_the_choice(tmp_path: Path) -> None:
@@ -165,7 +289,7 @@ def test_export_cli(cli, tmp_path: Path) -> None:
     ("args", "match"),
     [
         (["nowhere"], "nowhere: no such file or folder"),
-        (["OUT", "--format", "toml"], "--format 'toml': choose one of lightning"),
+        (["OUT", "--format", "toml"], "--format toml: choose one of lightning"),
         (["OUT", "-o", "/nonexistent-dir/x.yaml"], "cannot write"),
     ],
 )

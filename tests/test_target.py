@@ -57,6 +57,12 @@ def test_unknown_keyword_is_reported_not_retried_on_cpu(cli) -> None:
     assert "n_layers" in err
 
 
+def test_a_required_argument_names_the_flag_that_gives_it(cli) -> None:
+    code, _, err = cli("analyze", f"{TARGETS}/bad_targets.py:needs_width")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "missing 1 required positional argument: 'width'" in err and "--arg width=" in err
+
+
 def test_bad_arg_syntax(cli) -> None:
     code, _, err = cli("analyze", f"{EXAMPLES}/gpt.py:build", "--arg", "size")
     assert code == 1 and "key=value" in err

@@ -13,8 +13,7 @@ from autoshard.emit.runtime import (
     trainer_kwargs,
 )
 from autoshard.emit.text import (
-    FORMATS,
-    Format,
+    ExportFormat,
     accelerate_config,
     accelerate_yaml,
     describe_evidence,
@@ -25,9 +24,8 @@ from autoshard.emit.text import (
 )
 
 __all__ = [
-    "FORMATS",
     "EveryKthPolicy",
-    "Format",
+    "ExportFormat",
     "StateDictType",
     "accelerate_config",
     "accelerate_yaml",

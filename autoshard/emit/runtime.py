@@ -11,7 +11,7 @@ functions that need it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -19,8 +19,10 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from autoshard import sharding
 from autoshard.config import BackwardPrefetch, Candidate, Checkpointing, Engine, Precision, Sharding
 from autoshard.errors import ConfigError, MissingDependencyError
-from autoshard.results import Recommendation
 from autoshard.units import format_bytes
+
+if TYPE_CHECKING:  # annotations only: results imports emit (lazily), not the reverse
+    from autoshard.results import Recommendation
 
 StateDictType = Literal["full", "sharded"]
 

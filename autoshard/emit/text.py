@@ -7,22 +7,39 @@ was made and by which version.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from autoshard.config import BackwardPrefetch, Checkpointing, Engine, Precision, Sharding
+from autoshard.config import (
+    BackwardPrefetch,
+    Candidate,
+    Checkpointing,
+    Engine,
+    Precision,
+    Reshard,
+    Sharding,
+)
 from autoshard.emit.runtime import (
     choose_state_dict_type,
     strategy_kwargs,
     trainer_kwargs,
 )
 from autoshard.errors import ConfigError
-from autoshard.results import Recommendation
 from autoshard.units import format_bytes
 
-Format = Literal["lightning", "accelerate", "json"]
-FORMATS: tuple[str, ...] = ("lightning", "accelerate", "json")
+if TYPE_CHECKING:  # annotations only: results imports emit (lazily), not the reverse
+    from autoshard.results import Recommendation
+
+
+class ExportFormat(str, Enum):
+    """What ``autoshard export --format`` and ``Recommendation.to_yaml`` write."""
+
+    LIGHTNING = "lightning"  # Lightning CLI YAML (trainer.strategy + precision, devices, ...)
+    ACCELERATE = "accelerate"  # accelerate config YAML with fsdp_config
+    JSON = "json"  # the Recommendation itself
+
 
 _ACCELERATE_PRECISION = {
     Precision.FP32: "no",
@@ -63,6 +80,37 @@ def describe_evidence(rec: Recommendation) -> list[str]:
             f"{format_bytes(rec.hardware.usable_gpu_memory)} usable"
         )
     return lines
+
+
+def describe_reshard(c: Candidate) -> str:
+    """Which FSDP2 units free their gathered parameters after forward, in ``fully_shard``'s
+    terms (``reshard_after_forward``); "" for FSDP1.
+
+    >>> from autoshard import Candidate
+    >>> describe_reshard(Candidate(engine="fsdp2", wrap_classes=("gpt.Block",),
+    ...                            reshard="keep_root"))[:63]
+    'reshard policy keep_root: the root stays gathered after forward'
+    """
+    if c.engine is not Engine.FSDP2:
+        return ""
+    if c.sharding is Sharding.SHARD_GRAD_OP:
+        return "nothing reshards after forward (SHARD_GRAD_OP: reshard_after_forward=False)"
+    match c.reshard:
+        case Reshard.ALL:
+            what = "every unit reshards after forward (reshard_after_forward=True, root included)"
+        case Reshard.KEEP_ROOT:
+            what = (
+                "the root stays gathered after forward (reshard_after_forward=False on the "
+                "root, True on the blocks: fully_shard's default)"
+            )
+        case Reshard.KEEP_ROOT_AND_LAST:
+            what = (
+                "the root and the last block stay gathered after forward "
+                "(reshard_after_forward=False on them, True on the other blocks: torchtitan's)"
+            )
+        case _:
+            raise ConfigError(f"unknown reshard policy {c.reshard!r}")
+    return f"reshard policy {c.reshard.value}: {what}"
 
 
 def _comment(lines: list[str]) -> str:
@@ -133,8 +181,11 @@ def lightning_cli_yaml(rec: Recommendation) -> str:
     lines = describe_evidence(rec)
     lines.append(choose_state_dict_type(rec)[1])
     if rec.chosen.candidate.engine is Engine.FSDP2:
+        # ModelParallelStrategy takes no sharding arguments: the plan is code, and it applies
+        # the reshard policy the estimates and trials used.
         lines.append("FSDP2: in configure_model() call")
         lines.append('  rec.fsdp2_plan()(self.model, self.device_mesh["data_parallel"])')
+        lines.append(f"  which applies the {describe_reshard(rec.chosen.candidate)}")
     body = yaml.safe_dump(lightning_cli_config(rec), sort_keys=False)
     return _comment(lines) + body
 
@@ -158,6 +209,8 @@ def accelerate_config(rec: Recommendation) -> tuple[dict[str, Any], list[str]]:
         fsdp["fsdp_auto_wrap_policy"] = "NO_WRAP"
     if c.engine is Engine.FSDP2:
         fsdp["fsdp_reshard_after_forward"] = c.sharding is not Sharding.SHARD_GRAD_OP
+        if c.sharding is not Sharding.SHARD_GRAD_OP:
+            notes.extend(_accelerate_reshard_notes(c))
     else:
         fsdp["fsdp_sharding_strategy"] = c.sharding.value
         fsdp["fsdp_backward_prefetch"] = c.backward_prefetch.value
@@ -203,6 +256,28 @@ def accelerate_config(rec: Recommendation) -> tuple[dict[str, Any], list[str]]:
     return config, notes
 
 
+def _accelerate_reshard_notes(c: Candidate) -> list[str]:
+    # accelerate (1.15, utils/fsdp_utils.py fsdp2_prepare_model) makes units of the blocks, of
+    # the input embedding and of the final norm + lm_head; fsdp_reshard_after_forward applies to
+    # the blocks and the embedding, while the head unit and the root stay gathered after
+    # forward whatever the config says. No key expresses autoshard's policies: code does.
+    notes = [
+        describe_reshard(c),
+        "accelerate keeps its final norm + lm_head unit and the root gathered after forward; "
+        "for autoshard's policy, after accelerator.prepare(model) call:",
+    ]
+    match c.reshard:
+        case Reshard.ALL:
+            notes.append("  model.set_reshard_after_forward(True)")
+        case Reshard.KEEP_ROOT | Reshard.KEEP_ROOT_AND_LAST:
+            notes.append("  model.get_input_embeddings().set_reshard_after_forward(False)")
+            if c.reshard is Reshard.KEEP_ROOT_AND_LAST:
+                notes.append(
+                    "  model.model.layers[-1].set_reshard_after_forward(False)  # the last block"
+                )
+    return notes
+
+
 def accelerate_yaml(rec: Recommendation) -> str:
     """accelerate config YAML (``accelerate launch --config_file``) with comments."""
     config, notes = accelerate_config(rec)
@@ -214,14 +289,17 @@ def to_json(rec: Recommendation) -> str:
     return json.dumps(rec.model_dump(mode="json"), indent=2) + "\n"
 
 
-def render(rec: Recommendation, fmt: str) -> str:
+def render(rec: Recommendation, fmt: ExportFormat | str) -> str:
     """The recommendation in ``fmt``: lightning, accelerate or json."""
-    match fmt:
-        case "lightning":
+    try:
+        kind = ExportFormat(fmt)
+    except ValueError:
+        choices = ", ".join(f.value for f in ExportFormat)
+        raise ConfigError(f"--format {fmt}: choose one of {choices}") from None
+    match kind:
+        case ExportFormat.LIGHTNING:
             return lightning_cli_yaml(rec)
-        case "accelerate":
+        case ExportFormat.ACCELERATE:
             return accelerate_yaml(rec)
-        case "json":
+        case ExportFormat.JSON:
             return to_json(rec)
-        case _:
-            raise ConfigError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")

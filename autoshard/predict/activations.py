@@ -26,6 +26,7 @@ from autoshard.config import (
     Precision,
     WorkloadSpec,
 )
+from autoshard.predict.fakes import experts_for_fake_tensors, fake_forward_support
 from autoshard.results import ModelProfile
 from autoshard.sharding import compute_dtype
 from autoshard.target.step import find_vocab_size, forward, move_to
@@ -58,6 +59,11 @@ class ActivationProfile(BaseModel):
     other_bytes: int = Field(0, description="Saved outside the blocks (embedding, head).")
     loss_bytes: int = Field(
         0, description="The loss's fp32 log-probabilities, per sample (fp32 at every precision)."
+    )
+    loss_in_forward: bool = Field(
+        False,
+        description="The model computes its loss in forward (a Hugging Face model given "
+        "labels): the loss's saved tensors are counted in loss_bytes, not other_bytes.",
     )
     measured: bool = Field(True, description="False when the fake forward failed (estimated).")
     note: str = ""
@@ -197,16 +203,20 @@ def profile_activations(
         profiles, failed = [], []
         for precision in dict.fromkeys(wanted):
             try:
-                profiles.append(_profile_once(model, profile, batch, precision, seq))
+                with fake_forward_support():
+                    profiles.append(_profile_once(model, profile, batch, precision, seq))
             except Exception as exc:  # one precision failing leaves the others usable
                 failed.append((precision, exc))
         if not profiles:
             raise failed[0][1]
         first, *others = profiles
         note = "; ".join(
-            f"the forward did not run on fake tensors at {p.value} ({type(e).__name__}: {e}); "
-            f"its activations are scaled from {first.precision.value}".splitlines()[0]
-            for p, e in failed
+            [first.note] * bool(first.note)
+            + [
+                f"the forward did not run on fake tensors at {p.value} ({type(e).__name__}: "
+                f"{e}); its activations are scaled from {first.precision.value}".splitlines()[0]
+                for p, e in failed
+            ]
         )
         return first.model_copy(update={"others": tuple(others), "note": note})
     except Exception as exc:  # a model whose forward cannot run on meta: fall back, say so
@@ -243,6 +253,7 @@ def _profile_once(
     # seq x seq attention matrix; fake CPU tensors dispatch to the flash kernel, as on a GPU.
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     model = copy.deepcopy(meta_model)  # a meta copy costs nothing
+    note = experts_for_fake_tensors(model)
     dtype = torch.float32 if precision is Precision.FP32 else compute_dtype(precision)
     block_types = tuple(wrap_classes_of(model, profile.checkpoint_policy))
     blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
@@ -323,9 +334,15 @@ def _profile_once(
             out = forward(model, batch)
         logits = getattr(out, "logits", out)
         loss = 0
+        in_forward = False
         if isinstance(logits, torch.Tensor) and logits.requires_grad:
             # the loss saves the log-probabilities of the logits, in fp32 even under autocast
             loss = logits.numel() * 4
+            in_forward = isinstance(getattr(out, "loss", None), torch.Tensor)
+            if in_forward:
+                # The model computed its loss in forward (a Hugging Face model given labels):
+                # what the loss saved is counted outside the blocks already; it is the loss's.
+                other = max(0, other - loss)
     return ActivationProfile(
         seq_len=seq,
         precision=precision,
@@ -333,6 +350,8 @@ def _profile_once(
         block_input_bytes=tuple(inputs[: len(blocks)]),
         other_bytes=other,
         loss_bytes=loss,
+        loss_in_forward=in_forward,
+        note=note,
     )
 
 

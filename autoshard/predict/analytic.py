@@ -37,6 +37,7 @@ from autoshard.config import (
 )
 from autoshard.predict.activations import ActivationProfile, precision_bytes, rule_of_thumb
 from autoshard.results import MemoryBreakdown, MemoryEstimate, ModelProfile
+from autoshard.sharding import reshard_after_forward
 
 # What a CPU cannot see on a GPU: the CUDA context and cuBLAS workspace (about 0.5-1 GiB on
 # recent GPUs), NCCL's buffers, and the caching allocator's reserved-over-allocated slack.
@@ -104,6 +105,30 @@ def activation_bytes(candidate: Candidate, acts: ActivationProfile) -> tuple[int
             raise ValueError(f"unknown checkpointing {candidate.checkpointing!r}")
     loss = candidate.micro_batch_size * acts.loss_bytes
     return int((saved + acts.other_bytes) * scale) + loss, int(recompute * scale)
+
+
+def resharded_sharding(candidate: Candidate) -> bool:
+    """Whether the candidate's units are freed after forward and gathered again in backward."""
+    return candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+
+
+def kept_after_forward(candidate: Candidate, root: int, unit: int) -> int:
+    """Parameters an FSDP2 candidate keeps gathered from forward into backward, by its reshard
+    policy (:func:`autoshard.sharding.reshard_after_forward`): the root unit and, with
+    KEEP_ROOT_AND_LAST, the last block (``unit`` parameters; 0 without block units)."""
+    kept = 0 if reshard_after_forward(candidate, root=True) else root
+    return kept + (0 if reshard_after_forward(candidate, last=True) else unit)
+
+
+def last_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
+    """What the last block saved in forward (its input under checkpointing): freed when its
+    backward is done."""
+    acts = acts.at(candidate.precision)
+    if not acts.block_bytes:
+        return 0
+    ckpt = candidate.checkpointing is not Checkpointing.NONE
+    last = acts.block_input_bytes[-1] if ckpt and acts.block_input_bytes else acts.block_bytes[-1]
+    return int(last * acts.scale(candidate))
 
 
 def first_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
@@ -236,17 +261,25 @@ def peak_moments(
         after_forward = 0
     else:
         unsharded = (2 * unit + root) * cb  # current + prefetched unit, and the root
-        # When the loss is computed, FSDP2 has resharded the root too; FSDP1 keeps the root
-        # gathered from forward into backward.
-        after_forward = root * cb if candidate.engine is Engine.FSDP1 else 0
+        # When the loss is computed, FSDP1 keeps the root gathered from forward into backward;
+        # FSDP2 keeps what its reshard policy keeps (the root, the last block), nothing with ALL.
+        after_forward = (
+            root * cb
+            if candidate.engine is Engine.FSDP1
+            else kept_after_forward(candidate, root, unit) * cb
+        )
     # Lightning's FSDP1 reduces in the compute dtype; FSDP2 here reduces in fp32 when mixed.
     fp32_reduce = mixed and candidate.engine is Engine.FSDP2 and candidate.reduce_dtype_fp32
     reduce_bytes = 4 if fp32_reduce else cb
     # the reduce-scatter input of one unit, and (resharding after forward) the next unit's
-    # all-gather output
-    gather = unit * cb if shard > 1 and candidate.sharding is not Sharding.SHARD_GRAD_OP else 0
-    if not wrapped and candidate.engine is Engine.FSDP2 and shard > 1:
-        gather = params * cb  # FSDP2 copies the one unit out of its all-gather buffer
+    # all-gather output: FSDP2 gathers into a buffer and copies each unit out of it; FSDP1
+    # gathers straight into the unit's padded flat parameter (counted as unsharded).
+    gather = 0
+    if shard > 1 and candidate.engine is Engine.FSDP2:
+        if not wrapped:
+            gather = params * cb  # the one unit, copied out of its all-gather buffer
+        elif candidate.sharding is not Sharding.SHARD_GRAD_OP:
+            gather = unit * cb
     comm = trained_unit * reduce_bytes + gather
 
     # The gradients of a block's activations are made in the compute dtype, also where the
@@ -298,25 +331,45 @@ def peak_moments(
     # gradients are set to None after each step, so backward starts without any.
     # 0. The loss, at the end of forward: every activation saved; the logits, their shifted
     #    copy (or fp32 cast) and the log-probabilities alive together.
+    #    A model that computes its loss in forward (a Hugging Face model given labels) has the
+    #    root's backward hooks on the loss itself: the root is gathered and the last block
+    #    prefetched before the loss's backward, beside its temporaries (simulated).
+    early = acts.loss_in_forward and wrapped and resharded_sharding(candidate)
     loss_moment = MemoryBreakdown(
         sharded_params=sharded,
-        unsharded_params=after_forward,
+        unsharded_params=(
+            (
+                root
+                + (
+                    unit
+                    if candidate.engine is Engine.FSDP1
+                    else kept_after_forward(candidate, 0, unit)
+                )
+            )
+            * cb
+            if early
+            else after_forward
+        ),
         optimizer=optimizer,
+        comm_buffers=gather if early else 0,
         activations=saved,
         temporaries=2 * logits,
         buffers=profile.buffer_bytes,
     )
-    fsdp2_resharding = (
+    # 1. The head's backward: the loss's backward is done (its log-probabilities freed), the
+    #    logits' gradient alive, the root gathered again with the working set.
+    #    FSDP2 gathers the last block into its all-gather buffer meanwhile (prefetched), and
+    #    copies it out only when the block's backward starts (simulated, torch 2.13).
+    fsdp2_resharded = (
         candidate.engine is Engine.FSDP2
         and wrapped
         and candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
     )
-    # 1. The head's backward: the loss's backward is done (its log-probabilities freed), the
-    #    logits' gradient alive, the root gathered again with the working set.
     head = MemoryBreakdown(
         sharded_params=sharded,
-        # FSDP2 holds the root and the last block's copy, whose all-gather buffer is in comm
-        unsharded_params=unsharded - (unit * cb if fsdp2_resharding else 0),
+        unsharded_params=(
+            (root + kept_after_forward(candidate, 0, unit)) * cb if fsdp2_resharded else unsharded
+        ),
         optimizer=optimizer,
         comm_buffers=comm - trained_unit * reduce_bytes,  # no block has reduced its gradients yet
         activations=saved - loss_saved,
@@ -329,11 +382,12 @@ def peak_moments(
     if not wrapped:  # the one unit stays gathered through backward
         top_block = head.model_copy(update={"temporaries": block_backward})
     elif resharded:
-        # The root is resharded once the head's backward is done (torch 2.13, measured on fake
-        # tensors): the blocks run without the root gathered or its gradient unsharded.
+        # The block being computed, the next one gathering into its all-gather buffer, and the
+        # root, gathered from the head's backward until its own at the very end (torch 2.13,
+        # simulated: FSDP2 holds the root and one block unsharded during the blocks' backward).
         top_block = head.model_copy(
             update={
-                "unsharded_params": unsharded - root * cb + frozen_root,
+                "unsharded_params": (unit + root) * cb,
                 "temporaries": block_backward,
             }
         )
@@ -351,16 +405,31 @@ def peak_moments(
     # 3. The bottom block's backward: the other blocks' activations are freed and their
     #    gradients reduced into shards; the root (the embedding) is prefetched in place of a
     #    next block. (SHARD_GRAD_OP holds everything all along: the top block is worse.)
+    blocks = max(profile.block_count, 1)
     bottom_block = top_block.model_copy(
         update={
             "unsharded_params": (unit + root) * cb,
-            # every block's gradients but its own are reduced into shards
-            "gradients": block_grads - trained_unit * stored // shard,
+            # every block's gradient in shards but its own
+            "gradients": block_grads * (blocks - 1) // blocks,
             "activations": first_block_bytes(candidate, acts),
-            # a root that stays gathered (frozen, FSDP1) is not prefetched
-            "comm_buffers": top_block.comm_buffers - (unit * cb if frozen_root else 0),
+            # the block above's reduce-scatter; nothing left to prefetch (the root is gathered)
+            "comm_buffers": comm - gather if wrapped else comm,
         }
     )
+    if candidate.engine is Engine.FSDP1 and resharded:
+        # FSDP1 keeps the root gathered until the root's own backward at the very end, and a
+        # unit's flat gradient only appears when the unit's backward is done (the parameters'
+        # gradients flow through views of the flat parameter), after its temporaries are freed
+        # (the block gradient moments). The worst block but the top is the second: its own
+        # unit, the first prefetched (simulated, torch 2.13).
+        top_block = top_block.model_copy(update={"unsharded_params": unsharded, "comm_buffers": 0})
+        bottom_block = bottom_block.model_copy(
+            update={
+                "unsharded_params": unsharded,
+                "comm_buffers": 0,
+                "gradients": block_grads * max(blocks - 2, 0) // blocks,
+            }
+        )
     # 4. The root's backward, at the very end: the embedding's gradient completes the root's
     #    unsharded gradient, which is reduced (cast to the reduce dtype) into its shard; every
     #    block's gradient is already sharded. FSDP1 still holds the root gathered; FSDP2 has
@@ -386,11 +455,29 @@ def peak_moments(
         buffers=profile.buffer_bytes,
     )
     reduce_scatters = {}
-    if hardware.backend == "gloo" and shard > 1:
-        # gloo reduce-scatters a copy of its input (ProcessGroupGloo: +1x the input, measured
-        # around a bare collective; NCCL works in place, all-reduce copies nothing). Each copy
-        # lives while its unit's gradients are reduced: after the unit's backward temporaries
-        # are freed and, in FSDP1, after the unit is resharded (simulated with the copy).
+    # gloo reduce-scatters a copy of its input (ProcessGroupGloo: +1x the input, measured around
+    # a bare collective; NCCL works in place, all-reduce copies nothing).
+    gloo_copy = hardware.backend == "gloo" and shard > 1
+    if candidate.engine is Engine.FSDP1 and wrapped and shard > 1:
+        # A unit's backward ends with its parameters' gradients concatenated into the flat
+        # gradient (both alive), the unit still gathered (it is resharded next, then reduced):
+        # the top block's activations are freed by then, the others' still saved; the bottom
+        # block's are the last, with every other block's gradient in shards.
+        gradient = {"temporaries": 0, "comm_buffers": 2 * unit * reduce_bytes}
+        reduce_scatters["top block gradient"] = top_block.model_copy(
+            update={
+                **gradient,
+                "unsharded_params": unsharded if resharded else params * cb,
+                "activations": saved - loss_saved - last_block_bytes(candidate, acts),
+            }
+        )
+        if resharded:
+            reduce_scatters["bottom block gradient"] = bottom_block.model_copy(
+                update={**gradient, "unsharded_params": (unit + root) * cb}
+            )
+    if gloo_copy:
+        # Each copy lives while its unit's gradients are reduced: after the unit's backward
+        # temporaries are freed (simulated with the copy).
         if wrapped:
             last = bottom_block if resharded else top_block
             reduce_scatters["block reduce-scatter"] = last.model_copy(
@@ -702,7 +789,7 @@ def no_sync_moments(
     # FSDP1 reduce-scatters the unit's flat gradient itself, one of the kept ones
     own = trained_unit * _reduce_bytes(candidate) if candidate.engine is Engine.FSDP1 else 0
     sync = top.model_copy(
-        update={"gradients": top.gradients + kept, "comm_buffers": top.comm_buffers - own}
+        update={"gradients": top.gradients + kept, "comm_buffers": max(0, top.comm_buffers - own)}
     )
     out["synchronising top block backward"] = sync
     if hardware.backend == "gloo" and shard_size(candidate, hardware) > 1:

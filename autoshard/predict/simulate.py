@@ -33,6 +33,7 @@ from autoshard.config import Candidate, Engine, Hardware, Precision, Sharding, W
 from autoshard.errors import ConfigError
 from autoshard.loop import autocast_for, optimizer_step
 from autoshard.predict.analytic import allowance, as_run
+from autoshard.predict.fakes import experts_for_fake_tensors, fake_forward_support
 from autoshard.results import MemoryBreakdown, MemoryEstimate
 from autoshard.sharding import (
     apply_fsdp1,
@@ -53,7 +54,9 @@ EXTRAPOLATE_ABOVE = 8
 TRACKED_STEPS = 2
 
 # Tracker categories -> breakdown fields. FSDP2's tracker knows FSDP's own kinds; FSDP1's
-# generic tracker does not (unsharded flat parameters and gradients show up as temporaries).
+# generic tracker does not: it books every flat parameter storage a module holds as
+# "Parameter", the gathered copies with the shards (split by :func:`_split_fsdp1_params`), and
+# unsharded gradients show up as temporaries.
 _KINDS = {
     "Sharded Param": "sharded_params",
     "Unsharded Param": "unsharded_params",
@@ -142,6 +145,27 @@ def track_training_peak(
     accumulation (:func:`autoshard.loop.optimizer_step`), under torch's memory tracker; the
     per-kind bytes at the peak (key ``"Total"`` is the peak itself). Works on fake and on real
     tensors alike."""
+    phases = track_training_phases(
+        model, optimizer, batch, candidate, loss_fn=loss_fn, steps=steps, workload=workload
+    )
+    return max(phases.values(), key=lambda kinds: kinds.get("Total", 0))
+
+
+def track_training_phases(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    candidate: Candidate,
+    *,
+    loss_fn: Any = None,
+    steps: int = TRACKED_STEPS,
+    workload: WorkloadSpec | None = None,
+) -> dict[str, dict[str, int]]:
+    """:func:`track_training_peak`, phase by phase: the per-kind bytes at the peak of the
+    optimizer steps and at the peak of the rest of the loop (forward and backward), each the
+    larger over the steps. Phases grow at different rates with depth, so a simulation of a
+    few blocks extrapolates each on its own (:func:`simulate_memory`)."""
+    sharded = 0
     workload = workload or WorkloadSpec()
     if candidate.engine is Engine.FSDP2:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -149,24 +173,83 @@ def track_training_peak(
         tracker: Any = FSDPMemTracker(model, optimizer)
         tracker.track_inputs((batch,))
     else:
+        sharded = _fsdp1_shard_bytes(model)
         tracker = _fsdp1_tracker()
         tracker.track_external(model, optimizer, batch)
     autocast = autocast_for(candidate, next(model.parameters()).device)
-    with tracker, warnings_off():
-        for _ in range(steps):
-            # per-module stats are reset before a module runs again; the global peak is kept
-            optimizer_step(
-                model,
-                optimizer,
-                batch,
-                workload,
-                autocast=autocast,
-                loss_fn=loss_fn,
-                after_micro_batch=tracker.reset_mod_stats,
-            )
-            tracker.reset_mod_stats()
-    (snapshot,) = tracker.get_tracker_snapshot("peak").values()
-    return {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
+    phases: dict[str, dict[str, int]] = {}
+
+    def close(phase: str) -> None:
+        # the phase's peak, then a fresh peak from the current bytes for the next phase
+        (snapshot,) = tracker.get_tracker_snapshot("peak").values()
+        kinds = {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
+        if kinds.get("Total", 0) > phases.get(phase, {}).get("Total", -1):
+            phases[phase] = kinds
+        _restart_peak(tracker)
+
+    hooks = [
+        optimizer.register_step_pre_hook(lambda *_: close(LOOP_PHASE)),
+        optimizer.register_step_post_hook(lambda *_: close(STEP_PHASE)),
+    ]
+    try:
+        with tracker, warnings_off():
+            for _ in range(steps):
+                # the user's loop order and accumulation (autoshard.loop); per-module stats are
+                # reset before a module runs again, the global peak is kept
+                optimizer_step(
+                    model,
+                    optimizer,
+                    batch,
+                    workload,
+                    autocast=autocast,
+                    loss_fn=loss_fn,
+                    after_micro_batch=tracker.reset_mod_stats,
+                )
+                tracker.reset_mod_stats()
+            close(LOOP_PHASE)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if candidate.engine is Engine.FSDP1:
+        phases = {phase: _split_fsdp1_params(kinds, sharded) for phase, kinds in phases.items()}
+    return phases
+
+
+LOOP_PHASE, STEP_PHASE = "forward and backward", "optimizer step"
+
+
+def _restart_peak(tracker: Any) -> None:
+    # torch's trackers keep one peak for their whole run and have no reset (torch 2.13): start
+    # it again from the current bytes, as their __enter__ does.
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+    tracker._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in tracker._peak_mem_snap.items()}
+
+
+def _fsdp1_shard_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's FSDP1 flat-parameter shards, taken before the first forward, while
+    every flat parameter still holds its shard (NO_SHARD: the whole parameter)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    total = 0
+    for module in FullyShardedDataParallel.fsdp_modules(model):
+        handle = getattr(module, "_handle", None)
+        if handle is not None:
+            flat = handle.flat_param
+            total += flat.numel() * flat.element_size()
+    return total
+
+
+def _split_fsdp1_params(kinds: dict[str, int], sharded: int) -> dict[str, int]:
+    """FSDP1's tracker books the gathered flat parameters (SHARD_GRAD_OP keeps the whole model
+    gathered through forward and backward; FULL_SHARD the root and a unit or two; mixed
+    precision's low-precision copies) as "Parameter", with the shards: at the peak the shards
+    are all alive, so whatever is above their bytes is gathered."""
+    params = kinds.pop("Parameter", 0)
+    kinds["Sharded Param"] = kinds.get("Sharded Param", 0) + min(params, sharded)
+    kinds["Unsharded Param"] = kinds.get("Unsharded Param", 0) + max(0, params - sharded)
+    return kinds
 
 
 def measure_training_peak(
@@ -332,7 +415,7 @@ def _simulate_once(
     workload: WorkloadSpec,
     loss_fn: Any,
     rank: int = 0,
-) -> dict[str, int]:
+) -> dict[str, dict[str, int]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cpu = torch.device("cpu")
@@ -347,10 +430,11 @@ def _simulate_once(
             mesh = None
         # Built inside the fake mode, not copied from meta: ``to_empty`` cannot swap tied
         # parameters into fake tensors, and FSDP1 needs a model that is not on meta.
-        with FakeTensorMode(allow_non_fake_inputs=True), warnings_off():
+        with fake_forward_support(), FakeTensorMode(allow_non_fake_inputs=True), warnings_off():
             with _no_op_moves_skipped():
                 built = build_target(target, device=cpu)
             model = built.model
+            experts_for_fake_tensors(model)  # the profile's note says so
             if depth is not None:
                 truncate_blocks(model, block_classes, depth)
             if candidate.precision is Precision.BF16_TRUE:
@@ -372,7 +456,7 @@ def _simulate_once(
                 device=cpu,
             )
             batch = with_labels(model, batch)
-            return track_training_peak(
+            return track_training_phases(
                 model, optimizer, batch, candidate, loss_fn=loss_fn, workload=workload
             )
 
@@ -414,36 +498,53 @@ def simulate_memory(
     depth = len(getattr(*found)) if found else 0
     ranks = ranks_to_simulate(built.model, candidate, hardware)
 
-    def run(blocks: int | None) -> dict[str, int]:
-        peaks = (
+    def run(blocks: int | None) -> dict[str, dict[str, int]]:
+        by_rank = [
             _simulate_once(
                 target, blocks, block_classes, candidate, hardware, workload, loss_fn, rank
             )
             for rank in ranks
-        )
-        return max(peaks, key=lambda kinds: kinds.get("Total", 0))
+        ]
+        # each phase's peak on the rank that holds the most in it
+        return {
+            phase: max((p[phase] for p in by_rank if phase in p), key=lambda k: k.get("Total", 0))
+            for phase in by_rank[0]
+        }
 
     if found and depth > EXTRAPOLATE_ABOVE:
         k = EXTRAPOLATE_FROM
-        low = run(k)
-        high = run(k + 1)
-        kinds = {
-            key: max(0, low.get(key, 0) + (depth - k) * (high.get(key, 0) - low.get(key, 0)))
-            for key in set(low) | set(high)
+        low, high = run(k), run(k + 1)
+        # Each phase's peak is affine in depth, but at different rates: the optimizer step
+        # grows by a block's parameters, gradients and states, forward and backward by less
+        # on many ranks. Extrapolated on its own, each phase can overtake the other (a 7B
+        # shape at 8 ranks with checkpointing peaks in backward at 4 and 5 blocks, in the
+        # optimizer step at 32: one extrapolated peak was 5% low).
+        phases = {
+            phase: _extrapolate(low[phase], high[phase], depth - k)
+            for phase in low.keys() & high.keys()
         }
-        # The two depths may peak at different moments: the total extrapolates exactly, the
-        # split by kind only roughly, so the kinds are scaled to add up to the total.
-        parts = sum(v for key, v in kinds.items() if key != "Total")
-        if parts:
-            kinds = {
-                key: v if key == "Total" else v * kinds["Total"] // parts
-                for key, v in kinds.items()
-            }
         how = f"simulated {k} and {k + 1} of {depth} blocks, extrapolated"
     else:
-        kinds = run(None)
+        phases = run(None)
         how = "simulated"
+    kinds = max(phases.values(), key=lambda kinds: kinds.get("Total", 0))
     return _estimate(candidate, hardware, kinds, how)
+
+
+def _extrapolate(low: dict[str, int], high: dict[str, int], more: int) -> dict[str, int]:
+    """The per-kind bytes of a phase ``more`` blocks deeper than ``low`` (``high``: one deeper)."""
+    kinds = {
+        key: max(0, low.get(key, 0) + more * (high.get(key, 0) - low.get(key, 0)))
+        for key in set(low) | set(high)
+    }
+    # The two depths may peak at different moments of the phase: the total extrapolates
+    # exactly, the split by kind only roughly, so the kinds are scaled to add up to the total.
+    parts = sum(v for key, v in kinds.items() if key != "Total")
+    if parts:
+        kinds = {
+            key: v if key == "Total" else v * kinds["Total"] // parts for key, v in kinds.items()
+        }
+    return kinds
 
 
 class SimulationUnsupportedError(ConfigError):

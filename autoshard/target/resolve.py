@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import re
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -211,8 +212,16 @@ def _call_under(
             return factory(**kwargs)
     except TypeError as exc:
         # A wrong keyword is the user's typo, not a meta-device problem: say it at once.
-        if "unexpected keyword argument" in str(exc) or "missing" in str(exc):
-            raise TargetError(f"{label}: {exc}") from exc
+        text = str(exc)
+        if "unexpected keyword argument" in text or "missing" in text:
+            # Name the flag that fixes it: the factory's arguments come from --arg key=value.
+            names = re.findall(r"'(\w+)'", text.partition("argument")[2])
+            fix = (
+                " ".join(f"--arg {name}=..." for name in names)
+                if "missing" in text and names
+                else "--arg key=value with a name the factory takes"
+            )
+            raise TargetError(f"{label}: {text}; give {fix}") from exc
         raise _FactoryRaised(label, exc) from exc
     except Exception as exc:
         raise _FactoryRaised(label, exc) from exc

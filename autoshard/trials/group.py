@@ -1,27 +1,36 @@
 """The driver side of trials: a worker group started once and fed one trial after another.
 
 The group is ``python -m torch.distributed.run`` running :mod:`autoshard.trials.worker` on every
-rank:
-NCCL on the visible GPUs, or gloo with CPU processes where there is none. Launching a group costs
-seconds (about 5 s for 2 gloo processes on a 2-core machine, more with CUDA and NCCL), so it is
-started once per study and kept. Requests and results are small JSON files in a control folder
-that rank 0 reads and writes.
+rank: NCCL on the visible GPUs, or gloo with CPU processes where there is none. Launching a
+group costs seconds (about 5 s for 2 gloo processes on a 2-core machine, more with CUDA and
+NCCL), so it is started once per study and kept. Requests and results are small JSON files in a
+control folder that rank 0 reads and writes (:mod:`autoshard.trials.protocol`).
+
+Two deadlines: ``start_timeout`` for a launch (until every rank is up and warmed up), and
+``trial_timeout`` for every trial, from its request to its result, the first trial of a fresh
+group included.
 
 What can go wrong, and what happens:
-- an OOM (or a CPU memory cap passed) on any rank: every rank records it, memory is released,
-  the same group takes the next trial;
-- a rank crashes (the launcher exits): the trial is recorded as ``error`` with the end of the
-  workers' log, and the next trial starts a fresh group;
-- a hang (no result within ``trial_timeout``): the whole process group is killed, the trial is
-  recorded as ``timeout``, and the next trial starts a fresh group.
+- an OOM (or a CPU memory cap passed) or an exception on every rank: every rank records it,
+  memory is released, the same group takes the next trial;
+- an exception on some ranks only: the others wait for them in a collective, so the failed
+  rank keeps its error in the control folder and ends the group; the trial is recorded with
+  that rank's error, and the next trial starts a fresh group;
+- a rank dies (the launcher exits): the trial is recorded as ``error`` with the line of the
+  workers' log that tells why; ``transient`` when a signal killed it (the OOM killer, a node
+  problem: trying again may work); the next trial starts a fresh group;
+- a hang (no result within ``trial_timeout``): every process of the group is killed, the trial
+  is recorded as ``timeout``, and the next trial starts a fresh group;
+- Ctrl-C or any exception in the driver: the group is killed at once, and the exception goes
+  on; a killed driver takes its workers with it (:mod:`autoshard.trials.lifeline`).
 A failed trial is a result, never an exception.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,14 +39,34 @@ import time
 import uuid
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
-from autoshard.config import Candidate, WorkloadSpec
-from autoshard.errors import ConfigError
+from pydantic import ValidationError
+
+from autoshard.config import (
+    DEFAULT_MAX_SECONDS,
+    DEFAULT_MAX_STEPS,
+    DEFAULT_TARGET_SPREAD,
+    Candidate,
+    WorkloadSpec,
+)
+from autoshard.errors import AutoshardError, ConfigError
 from autoshard.results import TrialResult, TrialStatus
 from autoshard.target.resolve import TargetSpec
+from autoshard.trials.lifeline import kill_tree, parent_death_preexec
+from autoshard.trials.protocol import (
+    Launch,
+    RankReport,
+    Ready,
+    StopRequest,
+    TrialReply,
+    TrialRequest,
+    read_message,
+    write_json_atomically,
+)
 
-LOG_TAIL_CHARS = 2000
+LOG_TAIL_CHARS = 4000
+POLL_SECONDS = 0.05
+STOP_WAIT_SECONDS = 10.0  # a clean stop: the workers leave the process group and exit
 
 
 def free_port() -> int:
@@ -55,23 +84,6 @@ def default_nproc() -> tuple[int, str]:
     return 2, "cpu"
 
 
-def _descendants(pid: int) -> list[int]:
-    """Process ids below ``pid`` (Linux ``/proc``; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            # the field after the ")" that closes the command name: state, then the parent id
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 class WorkerGroup:
     """A persistent group of trial workers. Use as a context manager."""
 
@@ -86,6 +98,7 @@ class WorkerGroup:
         rdzv_endpoint: str | None = None,
         trial_timeout: float = 300.0,
         start_timeout: float = 180.0,
+        agree_timeout: float = 10.0,
         env: dict[str, str] | None = None,
     ) -> None:
         self.target = target
@@ -94,12 +107,17 @@ class WorkerGroup:
         self.nnodes, self.node_rank = nnodes, node_rank
         self.rdzv_endpoint = rdzv_endpoint
         self.trial_timeout, self.start_timeout = trial_timeout, start_timeout
+        self.agree_timeout = agree_timeout
         self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
         self.control: Path | None = None
         self.log_path: Path | None = None
+        self.ready: Ready | None = None
         self.launches = 0
+        self.launch_seconds: float | None = None  # how long the last launch took to be ready
+        self._launched_at = 0.0
         self._n = 0
+        self._busy = False
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -112,11 +130,20 @@ class WorkerGroup:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        if exc_type is None:
+            self.close()
+        else:  # Ctrl-C or an error in the driver: nothing to wait for
+            self.kill()
 
     @property
     def world_size(self) -> int:
         return self.nproc * self.nnodes
+
+    @property
+    def collective_timeout(self) -> float:
+        """How long a rank may wait in one collective: no longer than a launch and a whole trial
+        take at most, when the driver has killed the group anyway."""
+        return self.start_timeout + self.trial_timeout
 
     def command(self) -> list[str]:
         """The launcher command line of this node."""
@@ -128,7 +155,13 @@ class WorkerGroup:
             if not self.rdzv_endpoint:
                 raise ConfigError("several nodes need --rdzv-endpoint host:port of node 0")
             host, _, port = self.rdzv_endpoint.rpartition(":")
-            rdzv = ["--rdzv-backend=static", f"--master-addr={host}", f"--master-port={port}"]
+            rdzv = [
+                "--rdzv-backend=static",
+                f"--master-addr={host}",
+                f"--master-port={port}",
+                # not torchrun's 600 s: a node whose node 0 is gone learns it within this
+                f"--rdzv-conf=timeout={max(1, int(self.start_timeout))}",
+            ]
         else:
             rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
         return [
@@ -148,19 +181,36 @@ class WorkerGroup:
         ]
 
     def start(self) -> None:
-        """Launch the group (a fresh control folder and log per launch)."""
+        """Launch the group (a fresh control folder and log per launch). It returns at once;
+        the first :meth:`run` waits until the group is ready, up to ``start_timeout``."""
         self.close()
         self.launches += 1
         launch = f"group-{self.launches}-{uuid.uuid4().hex[:6]}"
         self.control = self.log_dir / launch
         self.control.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"{launch}.log"
-        self._n = 0
+        self.ready, self.launch_seconds = None, None
+        self._n, self._busy = 0, False
+        write_json_atomically(
+            self.control / "launch.json",
+            Launch(
+                driver_pid=os.getpid(),
+                collective_timeout=self.collective_timeout,
+                agree_timeout=self.agree_timeout,
+            ),
+        )
         env = {**os.environ, **self.env}
         # Workers import the target's files from the caller's folder, as the caller did.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
-        env["AUTOSHARD_DRIVER_PID"] = str(os.getpid())  # workers stop when the driver dies
         env.setdefault("OMP_NUM_THREADS", "1" if self.device == "cpu" else "4")
+        if self.device == "cpu":
+            # A CPU trial's peak is read from the resident set. glibc raises its mmap threshold
+            # each time a large block is freed, and blocks below it stay in the heap after they
+            # are freed: the same trial then read 41 to 56 MiB per rank in one group (examples/
+            # gpt.py tiny), depending on what ran before. Fixed at glibc's initial 128 KiB,
+            # freed tensors leave the resident set: 28 MiB within 3%, closer to live tensors.
+            env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+        self._launched_at = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.command(),
@@ -168,34 +218,29 @@ class WorkerGroup:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,  # its own process group: killed as one
+                preexec_fn=parent_death_preexec(),  # and killed by the kernel with the driver
             )
 
     def close(self) -> None:
-        """Ask the workers to stop; kill them if they do not."""
+        """Ask idle workers to stop; kill them if they do not, or if a trial is running."""
         if self.proc is None:
             return
-        if self.proc.poll() is None and self.control is not None:
-            self._write_request({"stop": True})
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=15)
-        self._kill()
+        try:
+            if self.alive() and self.ready is not None and not self._busy:
+                self._write_request(StopRequest(n=self._n))
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=STOP_WAIT_SECONDS)
+        finally:
+            self.kill()
 
-    def _kill(self) -> None:
+    def kill(self) -> None:
+        """Kill every process of the group now (no-op when there is none)."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            # torchrun starts each worker in a session of its own (start_new_session in torch's
-            # SubprocessHandler), so killing torchrun's group alone leaves a hung worker running
-            # under init: kill the workers' groups too, found before their parent dies.
-            workers = _descendants(self.proc.pid)
-            for pid in [self.proc.pid, *workers]:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-            for pid in workers:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            self.proc.wait()
-        self.proc = None
+            kill_tree(self.proc.pid)
+        self.proc.wait()
+        self.proc, self._busy = None, False
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -205,15 +250,44 @@ class WorkerGroup:
 
         When node 0 kills its group after a crash or a hang, the workers here fail in their
         next collective and exit; they are launched again to join node 0's fresh group. A clean
-        exit (exit code 0) is node 0's stop request."""
+        exit (exit code 0) is node 0's stop request. A launch that cannot join a group within
+        ``start_timeout`` after this node had joined one means node 0 is gone (its driver was
+        killed): serving stops with :class:`AutoshardError`."""
         if self.node_rank == 0:
             raise ConfigError("node 0 drives the study; serve() is for the other nodes")
-        for _ in range(max_launches):
-            self.start()
-            assert self.proc is not None
-            if self.proc.wait() == 0:
-                break
-        self.proc = None
+        joined_before = False
+        try:
+            for _ in range(max_launches):
+                self.start()
+                assert self.proc is not None
+                if self.proc.wait() == 0:
+                    break
+                joined = (self._control() / "joined.json").exists()
+                if joined_before and not joined:
+                    raise AutoshardError(
+                        f"node {self.node_rank}: node 0 ({self.rdzv_endpoint}) formed no worker "
+                        f"group within {self.start_timeout:g} s; its study is over or its driver "
+                        "was killed: stopped serving"
+                    )
+                joined_before = joined_before or joined
+        finally:
+            self.kill()
+
+    def wait_ready(self) -> str | None:
+        """Wait for the launched group to be up, up to ``start_timeout`` after its launch;
+        None when it is, else why not (the group is then killed)."""
+        ready = self._control() / "ready.json"
+        deadline = self._launched_at + self.start_timeout
+        while not ready.exists():
+            if not self.alive():
+                return "the worker group exited while starting"
+            if time.monotonic() > deadline:
+                self.kill()
+                return f"the worker group did not start within {self.start_timeout:g} s"
+            time.sleep(POLL_SECONDS)
+        self.ready = read_message(ready, Ready)
+        self.launch_seconds = time.monotonic() - self._launched_at
+        return None
 
     # -- trials --------------------------------------------------------------------------------
 
@@ -226,55 +300,106 @@ class WorkerGroup:
         steps: int = 3,
         memory_cap: int | None = None,
         target: TargetSpec | None = None,
+        target_spread: float = DEFAULT_TARGET_SPREAD,
+        max_steps: int = DEFAULT_MAX_STEPS,
+        max_seconds: float = DEFAULT_MAX_SECONDS,
     ) -> TrialResult:
-        """Run one trial; a failure of any kind comes back as a TrialResult, never raised."""
-        started = time.monotonic()
+        """Run one trial; a failure of any kind comes back as a TrialResult, never raised.
+        (Ctrl-C and other exceptions of the driver itself kill the group and go on.)
+
+        At least ``steps`` steps are timed, then more until the median step time is known to
+        within ``target_spread`` (relative, 95% confidence) or ``max_steps`` / ``max_seconds``
+        of timed steps are spent (:func:`autoshard.measure.enough_steps`)."""
+        budget = {"target_spread": target_spread, "max_steps": max_steps,
+                  "max_seconds": max_seconds}  # fmt: skip
+        try:
+            return self._run(candidate, workload, warmup, steps, memory_cap, target, budget)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _run(
+        self,
+        candidate: Candidate,
+        workload: WorkloadSpec,
+        warmup: int,
+        steps: int,
+        memory_cap: int | None,
+        target: TargetSpec | None,
+        budget: dict[str, float],
+    ) -> TrialResult:
         if not self.alive():
             self.start()
-        request = {
-            "n": self._n,
-            "candidate": candidate.model_dump(mode="json"),
-            "target": (target or self.target).model_dump(mode="json"),
-            "seq_len": workload.seq_len,
-            # the user's loop order and accumulation, run by the worker's step
-            "loop": workload.loop.value,
-            "accumulate": workload.accumulate,
-            # The first trial of a fresh group also warms up the workers themselves (thread
-            # pools, the allocator, the communicator's connections): measured here, its steps
-            # ran up to 1.5x slower with the same warm-up, so it gets two more.
-            "warmup": warmup + (2 if self._n == 0 else 0),
-            "steps": steps,
-            "memory_cap": memory_cap,
-        }
+        launch_seconds = 0.0
+        if self.ready is None:
+            started = time.monotonic()
+            why = self.wait_ready()
+            if why is not None:
+                # The candidate never ran: that says nothing about it, so trying it again may
+                # work (a busy machine, a port taken between choosing it and binding it).
+                return self._crashed(candidate, started, None, why=why, transient=True)
+            launch_seconds = self.launch_seconds or 0.0
+        n = self._n
+        request = TrialRequest(
+            n=n,
+            candidate=candidate,
+            target=target or self.target,
+            workload=workload,
+            # The first trial of a fresh group also warms up the communicator's connections and
+            # thread pools: measured here, its steps ran up to 1.5x slower with the same
+            # warm-up, so it gets two more.
+            warmup=warmup + (2 if n == 0 else 0),
+            steps=steps,
+            memory_cap=memory_cap,
+            **budget,
+        )
+        self._busy = True
+        started = time.monotonic()
         self._write_request(request)
-        result_path = self._control() / f"result-{self._n}.json"
         self._n += 1
-        deadline = started + self.trial_timeout + (self.start_timeout if self._n == 1 else 0)
+        result_path = self._control() / f"result-{n}.json"
+        deadline = started + self.trial_timeout
         while not result_path.exists():
             if not self.alive():
-                return self._failed(candidate, TrialStatus.ERROR, started, "workers exited")
+                failed = self._crashed(candidate, started, n)
+                return failed.model_copy(update={"launch_seconds": launch_seconds})
             if time.monotonic() > deadline:
-                self._kill()
-                return self._failed(
-                    candidate,
-                    TrialStatus.TIMEOUT,
-                    started,
-                    f"no result within {self.trial_timeout:.0f} s; the worker group was killed",
+                self.kill()
+                elapsed = time.monotonic() - started
+                detail = last_error_line(self.log_tail(), fallback=False)
+                why = (
+                    f"no result after {elapsed:.1f} s (trial timeout {self.trial_timeout:g} s); "
+                    "the worker group was killed"
                 )
-            time.sleep(0.05)
-        data = json.loads(result_path.read_text())
-        return self._result(candidate, data, time.monotonic() - started)
+                failed = self._failed(candidate, TrialStatus.TIMEOUT, started, why, detail)
+                return failed.model_copy(update={"launch_seconds": launch_seconds})
+            time.sleep(POLL_SECONDS)
+        self._busy = False
+        reply = read_message(result_path, TrialReply)
+        return TrialResult(
+            launch_seconds=launch_seconds,
+            candidate=candidate,
+            status=reply.status,
+            device=self.device,
+            world_size=reply.world_size,
+            step_time=reply.step_time,
+            step_times=reply.step_times,
+            step_time_spread=reply.step_time_spread,
+            samples_per_s=reply.samples_per_s,
+            tokens_per_s=reply.tokens_per_s,
+            peak_allocated=reply.peak_allocated,
+            peak_reserved=reply.peak_reserved,
+            losses=reply.losses,
+            error=reply.error,
+            duration=time.monotonic() - started,
+        )
 
     def _control(self) -> Path:
         assert self.control is not None
         return self.control
 
-    def _write_request(self, request: dict[str, Any]) -> None:
-        n = request.get("n", self._n)
-        path = self._control() / f"request-{n}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(request))
-        os.replace(tmp, path)
+    def _write_request(self, request: TrialRequest | StopRequest) -> None:
+        write_json_atomically(self._control() / f"request-{request.n}.json", request)
 
     def log_tail(self) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -282,44 +407,140 @@ class WorkerGroup:
         text = self.log_path.read_bytes()[-LOG_TAIL_CHARS * 4 :].decode(errors="replace")
         return text[-LOG_TAIL_CHARS:]
 
-    def _failed(
-        self, candidate: Candidate, status: TrialStatus, started: float, why: str
+    def rank_failures(self, n: int) -> list[RankReport]:
+        """The failures that ranks kept in the control folder for request ``n``."""
+        found = []
+        for path in sorted(self._control().glob(f"failed-{n}-rank*.json")):
+            with contextlib.suppress(OSError, ValidationError):
+                found.append(read_message(path, RankReport))
+        return found
+
+    def _crashed(
+        self,
+        candidate: Candidate,
+        started: float,
+        n: int | None,
+        *,
+        why: str = "workers exited",
+        transient: bool = False,
     ) -> TrialResult:
-        self._kill()
+        """The group ended without a result: say why, from what the ranks left behind."""
+        returncode = self.proc.poll() if self.proc is not None else None
+        self.kill()  # reap the launcher; kill anything it left
+        failures = self.rank_failures(n) if n is not None else []
+        if failures:
+            # a rank failed alone and ended the group: its error is the trial's
+            first = min(failures, key=lambda r: (r.failed_at or 0.0, r.rank))
+            return self._failed(
+                candidate, first.status, started, f"rank {first.rank}", first.error or ""
+            )
         tail = self.log_tail()
-        detail = _last_error_line(tail)
+        cause = crash_cause(tail)
+        who = f"rank {cause.rank}" if cause.rank is not None else "a worker"
+        if cause.signal is not None:
+            # killed from outside (the OOM killer, a node's trouble): trying again may work
+            why, transient = f"{who} was killed by {_signal_name(cause.signal)}", True
+        elif cause.exitcode is not None:
+            why = f"{why}: {who} exited with code {cause.exitcode}"
+        elif returncode is not None and returncode < 0:  # the launcher itself was killed
+            why, transient = f"torchrun was killed by {_signal_name(-returncode)}", True
+        detail = last_error_line(tail, fallback=cause.exitcode is None)
+        return self._failed(candidate, TrialStatus.ERROR, started, why, detail, transient)
+
+    def _failed(
+        self,
+        candidate: Candidate,
+        status: TrialStatus,
+        started: float,
+        why: str,
+        detail: str = "",
+        transient: bool = False,
+    ) -> TrialResult:
+        self.kill()
         return TrialResult(
             candidate=candidate,
             status=status,
             device=self.device,
             world_size=self.world_size,
             error=f"{why}: {detail}" if detail else why,
+            transient=transient,
             duration=time.monotonic() - started,
         )
 
-    def _result(self, candidate: Candidate, data: dict[str, Any], duration: float) -> TrialResult:
-        status = TrialStatus(data["status"])
-        return TrialResult(
-            candidate=candidate,
-            status=status,
-            device=self.device,
-            world_size=data.get("world_size", self.world_size),
-            step_time=data.get("step_time"),
-            step_times=tuple(data.get("step_times") or ()),
-            samples_per_s=data.get("samples_per_s"),
-            tokens_per_s=data.get("tokens_per_s"),
-            peak_allocated=tuple(data.get("peak_allocated") or ()),
-            peak_reserved=tuple(data.get("peak_reserved") or ()),
-            losses=tuple(data.get("losses") or ()),
-            error=data.get("error"),
-            duration=duration,
-        )
+
+# ---------------------------------------------------------------------------------------------
+# Reading a worker log
+# ---------------------------------------------------------------------------------------------
+
+# "/path/x.py:12: FutureWarning: ..." (and the indented source line Python prints after it)
+_WARNING = re.compile(r"\b[A-Z]\w*Warning\b:")
+# an exception line: "ValueError: boom", "torch.OutOfMemoryError: ...", "[rank1]: KeyError: 'x'"
+_EXCEPTION = re.compile(
+    r"^(\[rank\d+\]:\s*)?([A-Za-z_][\w.]*)?(Error|Exception|Exit|Interrupt)(:|$)"
+)
+_TORCHRUN_WRAPPER = "ChildFailedError"
+_SIGNAL = re.compile(r"Signal (\d+) \((SIG\w+)\) received")
+_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.MULTILINE)
 
 
-def _last_error_line(log: str) -> str:
-    """The most telling line of a worker log: the last exception or signal message."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
+class CrashCause:
+    """What torchrun's summary says about the first rank that failed."""
+
+    def __init__(self, rank: int | None, exitcode: int | None, signal: int | None) -> None:
+        self.rank, self.exitcode, self.signal = rank, exitcode, signal
+
+    def __repr__(self) -> str:
+        return f"CrashCause(rank={self.rank}, exitcode={self.exitcode}, signal={self.signal})"
+
+
+def crash_cause(log: str) -> CrashCause:
+    """The rank, exit code and signal of torchrun's "Root Cause (first observed failure)"."""
+    root = log.rsplit("Root Cause", 1)[1] if "Root Cause" in log else log
+    rank = _ROOT_RANK.search(root)
+    codes = _EXITCODE.findall(root)
+    exitcode = int(codes[0] if "Root Cause" in log else codes[-1]) if codes else None
+    found = _SIGNAL.search(root)
+    sig = int(found.group(1)) if found else (-exitcode if exitcode and exitcode < 0 else None)
+    return CrashCause(int(rank.group(1)) if rank else None, exitcode, sig)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"{signal.Signals(number).name} (signal {number})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def _without_warnings(log: str) -> list[str]:
+    """The log's lines, without Python's warnings (a warning line and the indented source line
+    printed after it), which are no error however alarming their text."""
+    kept: list[str] = []
+    skip_source = False
+    for raw in log.splitlines():
+        if _WARNING.search(raw):
+            skip_source = True
+            continue
+        if skip_source and raw.startswith((" ", "\t")):
+            skip_source = False  # the warning's source line
+            continue
+        skip_source = False
+        if raw.strip():
+            kept.append(raw.strip())
+    return kept
+
+
+def last_error_line(log: str, *, fallback: bool = True) -> str:
+    """The most telling line of a worker log: the last exception a worker raised; else, with
+    ``fallback``, the signal or exit code torchrun reports, else the last line that is not a
+    warning; else ""."""
+    lines = [line for line in _without_warnings(log) if len(line) < 500]
     for line in reversed(lines):
-        if ("Error" in line or "Signal" in line or "exitcode" in line) and len(line) < 400:
+        if _EXCEPTION.match(line) and _TORCHRUN_WRAPPER not in line:
+            return line
+    if not fallback:
+        return ""
+    for line in reversed(lines):
+        if _SIGNAL.search(line) or _EXITCODE.search(line):
             return line
     return lines[-1][:300] if lines else ""

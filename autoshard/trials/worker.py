@@ -2,11 +2,20 @@
 
 ``python -m torch.distributed.run ... -m autoshard.trials.worker --control DIR`` starts one of
 these per rank. They stay up for a whole study: rank 0 waits for ``DIR/request-N.json``,
-broadcasts it, every
-rank runs the trial (build, shard, warm up, time, measure), and rank 0 writes
-``DIR/result-N.json``. A trial that fails the same way on every rank (an OOM, a bad config) is
-recorded and the workers go on; a rank that dies or hangs is the driver's to handle
-(:mod:`autoshard.group` kills and restarts the group).
+broadcasts it, every rank runs the trial (build, shard, warm up, time, measure), and rank 0
+writes ``DIR/result-N.json`` (the messages: :mod:`autoshard.trials.protocol`). A trial that fails
+on every rank (an OOM, a bad config) is recorded and the workers go on. A trial that fails on
+some ranks only leaves the others waiting in a collective that will never complete: the failed
+rank writes its error to ``DIR/failed-N-rankR.json`` and ends the group, which the driver
+(:mod:`autoshard.trials.group`) reports and relaunches, as it does when a rank dies or hangs.
+
+A worker never outlives its driver, whatever it is doing (waiting for a request, in a trial, or
+stuck in a collective): the kernel kills it when torchrun dies (``PR_SET_PDEATHSIG``, Linux), a
+watchdog thread that needs nothing from the main thread ends it when the driver or torchrun is
+gone, and no collective waits longer than the trial timeout allows.
+
+Time: the median of the timed steps, on CUDA in wall seconds, on CPU in the process's CPU
+seconds (see :func:`time_steps`), with the spread of that median.
 
 Memory: on CUDA the allocator's ``max_memory_allocated`` / ``max_memory_reserved`` over the whole
 trial. On CPU, the process memory: "allocated" is how far the trial raised the process's peak
@@ -21,12 +30,12 @@ import argparse
 import contextlib
 import ctypes
 import gc
-import json
 import os
 import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -35,17 +44,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.config import Candidate, Engine, Loop, Precision, WorkloadSpec
+from autoshard.config import Candidate, Checkpointing, Engine, Precision, WorkloadSpec
 from autoshard.loop import autocast_for, optimizer_step
+from autoshard.measure import enough_steps, median_spread
 from autoshard.results import TrialStatus
 from autoshard.sharding import apply_fsdp1, apply_fsdp2, fsdp2_mesh, make_optimizer
 from autoshard.target.resolve import TargetSpec, build_target, load_callable
 from autoshard.target.step import (
     batch_samples,
     batch_tokens,
+    compute_loss,
     find_loss_fn,
+    forward,
     make_batch,
     with_labels,
+)
+from autoshard.trials.lifeline import alive, die_with_parent, start_watchdog
+from autoshard.trials.protocol import (
+    IdleTick,
+    Launch,
+    RankReport,
+    Ready,
+    StopRequest,
+    TrialReply,
+    TrialRequest,
+    parse_request,
+    read_message,
+    write_json_atomically,
 )
 
 # Models up to this size are built for real on the CPU (exact initialisation, computed buffers
@@ -132,29 +157,38 @@ def build_sharded(
     return model, batch
 
 
-def run_trial(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Run one trial on this rank; return its local measurements (never raises)."""
-    out: dict[str, Any] = {"status": TrialStatus.OK.value, "rank": dist.get_rank()}
+def run_trial(request: TrialRequest, device: torch.device, *, quiet: bool = False) -> RankReport:
+    """Run one trial on this rank; return its local measurements or its failure (never raises).
+    A failure is also printed, with its traceback, to this rank's log."""
+    rank = dist.get_rank()
     try:
-        out.update(_measure(request, device))
+        return RankReport(rank=rank, status=TrialStatus.OK, **_measure(request, device))
     except torch.OutOfMemoryError as exc:
-        out.update(status=TrialStatus.OOM.value, error=_one_line(exc))
+        report = RankReport(
+            rank=rank, status=TrialStatus.OOM, error=_one_line(exc), failed_at=time.time()
+        )
     except Exception as exc:  # a failed trial is a result, never a crash of the group
-        out.update(status=TrialStatus.ERROR.value, error=_one_line(exc))
-        out["traceback"] = traceback.format_exc(limit=8)
+        report = RankReport(
+            rank=rank,
+            status=TrialStatus.ERROR,
+            error=_one_line(exc),
+            traceback=traceback.format_exc(limit=8),
+            failed_at=time.time(),
+        )
     finally:
         # _measure's model, optimizer and activations died with its frame: release them now.
         release_freed_memory()
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(1.0, device)
-    return out
+    if not quiet:
+        print(f"[autoshard rank {rank}] trial {request.n} failed: {report.error}", file=sys.stderr)
+        print(report.traceback or "", file=sys.stderr, flush=True)
+    return report
 
 
-def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    candidate = Candidate.model_validate(request["candidate"])
-    target = TargetSpec.model_validate(request["target"])
-    cap = request.get("memory_cap")
+def _measure(request: TrialRequest, device: torch.device) -> dict[str, Any]:
+    candidate, target, cap = request.candidate, request.target, request.memory_cap
     release_freed_memory()
     clear_peak_rss()
     baseline = current_rss()
@@ -164,7 +198,7 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
         if cap:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
-    workload = workload_of(request)
+    workload = request.workload
     model, optimizer, batch, loss_fn = build_for_training(
         target, candidate, device, workload.seq_len
     )
@@ -177,19 +211,11 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
         loss = optimizer_step(model, optimizer, batch, workload, autocast=autocast, loss_fn=loss_fn)
         losses.append(loss)  # read after timing: .item() would synchronise
 
-    for _ in range(max(1, request["warmup"])):
+    for _ in range(max(1, request.warmup)):
         step()
     _check_cap(_peak_allocated(device, baseline), cap)
 
-    times = []
-    for _ in range(request["steps"]):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+    times = time_steps(step, device, request)
     allocated = _peak_allocated(device, baseline)
     reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else peak_rss()
     _check_cap(allocated, cap)
@@ -202,6 +228,43 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
         "tokens": (batch_tokens(batch) or 0) * workload.accumulate or None,
         "losses": [float(v) for v in losses],
     }
+
+
+def time_steps(
+    step: Callable[[], None], device: torch.device, request: TrialRequest
+) -> list[float]:
+    """Time steps until the median is known well enough (:func:`autoshard.measure.enough_steps`:
+    at least ``steps``, then a spread within ``target_spread`` or the budget spent).
+
+    Every rank records the slowest rank's time of each step (a step ends when the slowest rank
+    ends it), so every rank sees the same numbers and stops after the same step: the steps'
+    collectives stay matched. The all-reduce runs outside the timed region.
+
+    On CPU the time is the process's CPU seconds (all its threads, user and system: compute,
+    gloo's copies and socket work), not wall seconds: on a machine shared with other jobs a CPU
+    process's wall time measures their load as much as the configuration. Measured here on 2
+    busy cores (load 5-7), the same configuration's median wall time moved 2-5x between three
+    repetitions (75-175 ms), its CPU time by 5% (46-49 ms)."""
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
+    times: list[float] = []
+    while not enough_steps(
+        times,
+        min_steps=request.steps,
+        target_spread=request.target_spread,
+        max_steps=max(request.steps, request.max_steps),
+        max_seconds=request.max_seconds,
+    ):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = clock()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = torch.tensor([clock() - start], dtype=torch.float64)
+        elapsed = elapsed.to(_collective_device())
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed.item()))
+    return times
 
 
 def _peak_allocated(device: torch.device, baseline: int) -> int:
@@ -229,15 +292,6 @@ def _collective_device() -> torch.device:
         torch.device("cuda", torch.cuda.current_device())
         if dist.get_backend() == "nccl"
         else (torch.device("cpu"))
-    )
-
-
-def workload_of(request: dict[str, Any]) -> WorkloadSpec:
-    """The workload a trial request asks for (a request without a loop: the Trainer's)."""
-    return WorkloadSpec(
-        seq_len=request.get("seq_len"),
-        loop=request.get("loop", Loop.LIGHTNING.value),
-        accumulate=request.get("accumulate", 1),
     )
 
 
@@ -281,82 +335,225 @@ def current_rss() -> int:
     return _status_bytes("VmRSS:")
 
 
-def summarize(request: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(request: TrialRequest, per_rank: list[RankReport]) -> TrialReply:
     """Combine the ranks' measurements into one result (rank 0)."""
-    statuses = [r["status"] for r in per_rank]
     world = len(per_rank)
-    result: dict[str, Any] = {"n": request["n"], "world_size": world}
-    for status in (TrialStatus.OOM.value, TrialStatus.ERROR.value):
-        if status in statuses:
-            failed = next(r for r in per_rank if r["status"] == status)
-            result.update(status=status, error=f"rank {failed['rank']}: {failed.get('error')}")
-            result["traceback"] = failed.get("traceback")
-            return result
+    for status in (TrialStatus.OOM, TrialStatus.ERROR):
+        failed = [r for r in per_rank if r.status is status]
+        if failed:
+            # the first to fail is the cause; the others may have failed because of it
+            first = min(failed, key=lambda r: (r.failed_at or 0.0, r.rank))
+            return TrialReply(
+                n=request.n,
+                status=status,
+                world_size=world,
+                error=f"rank {first.rank}: {first.error}",
+                traceback=first.traceback,
+            )
     # A step ends when the slowest rank ends it: take the per-step maximum over ranks.
-    steps = [max(ts) for ts in zip(*(r["step_times"] for r in per_rank), strict=True)]
+    steps = [max(ts) for ts in zip(*(r.step_times for r in per_rank), strict=True)]
     median = statistics.median(steps)
-    samples = sum(r["samples"] for r in per_rank)
-    tokens = per_rank[0]["tokens"]
-    result.update(
-        status=TrialStatus.OK.value,
-        step_times=steps,
+    spread = median_spread(steps)
+    samples = sum(r.samples for r in per_rank)
+    tokens = per_rank[0].tokens
+    return TrialReply(
+        n=request.n,
+        status=TrialStatus.OK,
+        world_size=world,
+        step_times=tuple(steps),
         step_time=median,
+        step_time_spread=spread,
         samples_per_s=samples / median,
         tokens_per_s=(tokens * world / median) if tokens else None,
-        peak_allocated=[r["allocated"] for r in per_rank],
-        peak_reserved=[r["reserved"] for r in per_rank],
-        losses=per_rank[0]["losses"],
+        peak_allocated=tuple(r.allocated for r in per_rank),
+        peak_reserved=tuple(r.reserved for r in per_rank),
+        losses=per_rank[0].losses,
     )
-    return result
 
 
-def wait_for_request(control: Path, n: int) -> dict[str, Any]:
-    """The driver's next request; a stop request if the driver died (killed, Ctrl-C), so that
-    no orphaned workers are left behind."""
+# ---------------------------------------------------------------------------------------------
+# The process: ending with the driver, the request loop, agreeing on a trial's outcome
+# ---------------------------------------------------------------------------------------------
+
+
+def next_request(
+    control: Path, n: int, wait: float, driver_pid: int = 0
+) -> TrialRequest | StopRequest | IdleTick:
+    """The driver's request ``n``; an idle tick when none came within ``wait`` seconds; a stop
+    when the driver is gone. (That stop reaches every rank of every node as a clean one, before
+    the watchdogs end the processes: other nodes then stop serving instead of relaunching.)"""
     path = control / f"request-{n}.json"
-    driver = int(os.environ.get("AUTOSHARD_DRIVER_PID", "0"))
+    deadline = time.monotonic() + wait
     while not path.exists():
-        if driver and not _alive(driver):
-            return {"stop": True}
+        if driver_pid and not alive(driver_pid):
+            return StopRequest(n=n)
+        if time.monotonic() > deadline:
+            return IdleTick()
         time.sleep(POLL_SECONDS)
-    return dict(json.loads(path.read_text()))
+    return parse_request(path.read_text(encoding="utf-8"))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+def agree(store: Any, key: str, report: RankReport, world: int, timeout: float) -> bool:
+    """Publish this rank's outcome of a trial and find out whether every rank got out of it.
+
+    A rank that ran the trial to its end passed every collective of it, so the others did too
+    (or will): it returns True at once. A rank that failed may have left the others waiting in
+    a collective it will never join: it waits up to ``timeout`` for every rank's outcome and
+    returns False when some never came (the group cannot go on). The outcomes go through the
+    rendezvous store (``store``: a ``torch.distributed.Store``), not a collective, which a stuck
+    rank could not join."""
+    store.set(f"{key}/{report.rank}", report.model_dump_json())
+    if report.ok:
         return True
+    keys = [f"{key}/{r}" for r in range(world)]
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_SECONDS)
     return True
 
 
-def write_json_atomically(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+def published_failures(store: Any, key: str, world: int) -> list[RankReport]:
+    """The failed outcomes that ranks published under ``key`` (see :func:`agree`)."""
+    found = []
+    for r in range(world):
+        if store.check([f"{key}/{r}"]):
+            report = RankReport.model_validate_json(store.get(f"{key}/{r}"))
+            if not report.ok:
+                found.append(report)
+    return found
 
 
-def serve(control: Path) -> None:
+def failure_path(control: Path, n: int, rank: int) -> Path:
+    return control / f"failed-{n}-rank{rank}.json"
+
+
+def abandon(control: Path, n: int, report: RankReport) -> NoReturn:
+    """End this rank, and so the group, keeping the failure that the other ranks (stuck in a
+    collective) cannot hear about: the driver reads it from the control folder."""
+    with contextlib.suppress(OSError):
+        write_json_atomically(failure_path(control, n, report.rank), report)
+    print(
+        f"[autoshard rank {report.rank}] trial {n} failed on this rank only ({report.error}); "
+        "the other ranks wait for it in a collective: ending the worker group",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(1)  # not destroy_process_group: it would wait for the stuck ranks
+
+
+def warm_model() -> tuple[nn.Module, torch.Tensor]:
+    """The throwaway model of :func:`warm_up` (a target spec names it)."""
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32)), torch.randn(2, 32)
+
+
+WARM_TARGET = TargetSpec(spec="autoshard.trials.worker:warm_model")
+# The throwaway step of a target's first trial on CPU builds the model unsharded on each rank:
+# up to this size (larger models are not trialled on CPUs in practice).
+WARM_TARGET_MAX_BYTES = 256 * 1024**2
+
+
+def warm_up(request: TrialRequest, device: torch.device) -> None:
+    """Pay this process's one-time costs of a trial before it is measured, so that they are not
+    charged to it: FSDP's, autograd's and the optimizer's lazy imports and first arenas, the
+    communicator's buffers, the target's imports (a Hugging Face model imports transformers) and
+    its operations' first-time costs. On CPU a trial's memory is what it adds to the process:
+    measured on a tiny Llama, the first trial of a group read 134 MiB against 4 MiB for the same
+    trial next. Called before the first trial of each target and engine, under that trial's
+    deadline (the target's factory may hang or fail in workers: the trial then reports it)."""
+    c, linear = request.candidate, "torch.nn.modules.linear.Linear"
+    checkpointing = c.checkpointing is not Checkpointing.NONE
+    tiny = Candidate(
+        engine=c.engine,
+        precision=c.precision,
+        optimizer=c.optimizer,
+        optimizer_impl=c.optimizer_impl,
+        wrap_classes=(linear,),
+        checkpointing=Checkpointing.ALL if checkpointing else Checkpointing.NONE,
+        checkpoint_classes=(linear,) if checkpointing else (),
+    )
+    # the same code path as the trial, on a model that cannot fail on one rank only
+    run_trial(
+        TrialRequest(
+            n=request.n,
+            candidate=tiny,
+            target=WARM_TARGET,
+            workload=WorkloadSpec(),
+            warmup=0,
+            steps=1,
+            max_steps=1,  # one timed step: nothing is measured here
+        ),
+        device,
+        quiet=True,
+    )
+    if device.type == "cpu":  # (the CUDA allocator's peak counts tensors alone)
+        _warm_up_target(request, device)
+    release_freed_memory()
+
+
+def _warm_up_target(request: TrialRequest, device: torch.device) -> None:
+    """One throwaway forward and backward of the target's model, unsharded, at micro-batch 1
+    (measured on a tiny Llama: the first trial read 9 MiB without it, 4.2 MiB with it, as the
+    next ones). No collective here, so a failure on one rank cannot stall the others; the trial
+    itself meets it and reports it."""
+    with contextlib.suppress(Exception):
+        meta = build_target(request.target, device="meta").model
+        if sum(p.numel() * p.element_size() for p in meta.parameters()) > WARM_TARGET_MAX_BYTES:
+            return
+        del meta
+        torch.manual_seed(0)
+        built = build_target(request.target, device="cpu")
+        model = built.model
+        batch = make_batch(
+            model, built.batch, micro_batch_size=1, seq_len=request.workload.seq_len, device=device
+        )
+        batch = with_labels(model, batch)
+        loss_fn = find_loss_fn(sys.modules.get(load_callable(request.target.spec).__module__))
+        compute_loss(forward(model, batch), batch, loss_fn).backward()
+
+
+def serve(control: Path, launch: Launch) -> NoReturn:
     """Take trial after trial until the driver asks to stop."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    # Idle ranks wait in a broadcast while rank 0 waits for the next request: a long timeout.
-    dist.init_process_group(backend, timeout=timedelta(hours=12))
+    # No collective may wait longer than a whole trial may take: past that the driver has
+    # killed the group anyway, and a rank left behind by a dead driver ends on its own. Idle
+    # ranks stay within it too: rank 0 sends an idle tick every few seconds.
+    dist.init_process_group(backend, timeout=timedelta(seconds=launch.collective_timeout))
     device = rank_device()
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
-        write_json_atomically(control / "ready.json", {"world_size": dist.get_world_size()})
+        write_json_atomically(control / "ready.json", Ready(world_size=world))
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # this node joined a group (see group.serve)
+        write_json_atomically(control / "joined.json", {"rank": rank})
+    store = dist.distributed_c10d._get_default_store()
+    tick = min(launch.idle_tick, launch.collective_timeout / 4)
+    warmed: list[tuple[TargetSpec, Engine]] = []
     n = 0
     while True:
-        box: list[Any] = [wait_for_request(control, n) if rank == 0 else None]
+        box: list[Any] = [next_request(control, n, tick, launch.driver_pid) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         request = box[0]
-        if request.get("stop"):
+        if isinstance(request, IdleTick):
+            continue
+        if isinstance(request, StopRequest):
             break
-        local = run_trial(request, device)
-        gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
-        dist.gather_object(local, gathered if rank == 0 else None, dst=0)
+        if launch.warm_up and (request.target, request.candidate.engine) not in warmed:
+            warm_up(request, device)
+            warmed.append((request.target, request.candidate.engine))
+        report = run_trial(request, device)
+        key = f"autoshard/trial-{n}"
+        everyone_out = agree(store, key, report, world, launch.agree_timeout)
+        if rank == 0 and not report.ok:
+            # keep every rank's failure where the driver looks, in case the group dies next
+            for failed in published_failures(store, key, world):
+                with contextlib.suppress(OSError):
+                    write_json_atomically(failure_path(control, n, failed.rank), failed)
+        if not everyone_out:
+            abandon(control, n, report)
+        gathered: list[Any] = [None] * world if rank == 0 else []
+        dist.gather_object(report, gathered if rank == 0 else None, dst=0)
         if rank == 0:
             write_json_atomically(control / f"result-{n}.json", summarize(request, gathered))
         n += 1
@@ -384,7 +581,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="autoshard trial worker (started by the driver)")
     parser.add_argument("--control", type=Path, required=True)
     args = parser.parse_args(argv)
-    serve(args.control)
+    # First, before anything that may hang: never outlive torchrun or the driver.
+    parent = os.getppid()
+    die_with_parent()
+    launch = read_message(args.control / "launch.json", Launch)
+    start_watchdog(launch.driver_pid, parent)
+    serve(args.control, launch)
 
 
 if __name__ == "__main__":

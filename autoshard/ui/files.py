@@ -14,10 +14,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from autoshard.errors import AutoshardError, ResultError
-from autoshard.results import MemoryEstimate, Recommendation, Scored, TrialResult
+from autoshard.results import Recommendation, TrialResult
 from autoshard.ui.html import render_html
 from autoshard.ui.report import report_data
-from autoshard.units import format_bytes
 
 # ---------------------------------------------------------------------------------------------
 # Files
@@ -55,7 +54,8 @@ def write_report(
 
 def load_result(path: Path | str) -> tuple[Recommendation, list[TrialResult]]:
     """Read what ``tune`` or ``estimate`` wrote: an output folder (report.json, or
-    recommendation.json + trials.jsonl) or one of those JSON files."""
+    recommendation.json + the records of its study in trials.jsonl) or one of those JSON
+    files."""
     p = Path(path)
     if p.is_dir():
         for name in ("report.json", "recommendation.json"):
@@ -84,50 +84,28 @@ def _from_json(data: Any, p: Path) -> tuple[Recommendation, list[TrialResult]]:
         return rec, [TrialResult.model_validate(t) for t in data.get("trials", [])]
     if "chosen" in data and "profile" in data:
         rec = Recommendation.model_validate(data)
-        return rec, _read_trials(p.with_name("trials.jsonl"))
+        return rec, _read_trials(p.with_name("trials.jsonl"), rec.study)
     if "estimates" in data:
         return _from_estimates(data, p), []
     raise ResultError(f"{p}: not an autoshard result (from `tune` or `estimate --json`)")
 
 
-def _read_trials(path: Path) -> list[TrialResult]:
-    if not path.is_file():
-        return []
-    out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(TrialResult.model_validate_json(line))
-            except ValidationError:
-                raise ResultError(f"{path}:{n}: not a trial record") from None
-    return out
+def _read_trials(path: Path, study: str | None) -> list[TrialResult]:
+    """The recommendation's own trials: one folder may hold the records of several studies
+    (tuned again with other settings); a recommendation without a study name (older) reads all."""
+    from autoshard.study.journal import read_records
+
+    return read_records(path, study, error=ResultError)
 
 
 def _from_estimates(data: dict[str, Any], p: Path) -> Recommendation:
-    """``estimate --json``: the fastest-expected candidate that fits (the list is ranked)."""
-    from autoshard.config import Hardware, WorkloadSpec
-    from autoshard.results import ModelProfile
-
-    if "profile" not in data:
+    """``estimate --json``: the pipeline's decision that it carries (the same as ``recommend()``
+    for the same inputs); never a choice made here."""
+    if "recommendation" not in data:
         raise ResultError(
-            f"{p}: this estimate JSON has no model profile; re-run `autoshard estimate --json` "
-            "with this version, or export from a `tune` output folder"
+            f"{p}: this estimate JSON carries no recommendation (written by an older "
+            "autoshard); run `autoshard estimate --json` again"
         )
-    estimates = [MemoryEstimate.model_validate(e) for e in data["estimates"]]
-    fitting = [e for e in estimates if e.fits]
-    if not fitting:
+    if data["recommendation"] is None:
         raise ResultError(f"{p}: no candidate fits in this estimate; nothing to export")
-    best = fitting[0]
-    return Recommendation(
-        profile=ModelProfile.model_validate(data["profile"]),
-        hardware=Hardware.model_validate(data["hardware"]),
-        workload=WorkloadSpec.model_validate(data["workload"]),
-        chosen=Scored(candidate=best.candidate, estimate=best),
-        runners_up=tuple(Scored(candidate=e.candidate, estimate=e) for e in fitting[1:4]),
-        ruled_out=tuple(Scored(candidate=e.candidate, estimate=e) for e in estimates if not e.fits),
-        basis="estimate",
-        reasons=(
-            f"fastest expected of {len(fitting)} candidates predicted to fit "
-            f"({format_bytes(best.gpu_peak)} per rank)",
-        ),
-    )
+    return Recommendation.model_validate(data["recommendation"])

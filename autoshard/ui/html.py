@@ -5,16 +5,24 @@ the memory of every candidate and the throughput of every trial.
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Sequence
 
+from autoshard.config import Hardware
 from autoshard.errors import AutoshardError
+from autoshard.measure import speed_basis, spread_of
 from autoshard.results import MemoryEstimate, Recommendation, TrialResult, TrialStatus
 from autoshard.ui.report import (
     KIND_COLOURS,
     STATUS_COLOURS,
-    scored_rows,
+    listed_rows,
+    predicted_device,
+    predicted_per_rank,
+    prediction_error,
+    rate_per_rank,
     settings_of,
     trial_rate,
+    trials_note,
     trials_of,
     why_ruled_out,
 )
@@ -29,9 +37,11 @@ def _esc(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _memory_rows(rec: Recommendation) -> list[tuple[str, str, MemoryEstimate | None, int | None]]:
+def _memory_rows(
+    rec: Recommendation, trials: Sequence[TrialResult] = ()
+) -> list[tuple[str, str, MemoryEstimate | None, int | None]]:
     rows = []
-    for kind, s in scored_rows(rec):
+    for kind, s in listed_rows(rec, trials):
         measured = s.trial.max_allocated if s.trial else None
         if s.estimate is None and measured is None:
             continue
@@ -39,26 +49,100 @@ def _memory_rows(rec: Recommendation) -> list[tuple[str, str, MemoryEstimate | N
     return rows
 
 
-def memory_chart(rec: Recommendation) -> str:
-    """Predicted memory per candidate stacked by kind, the measured peak, and the device limit."""
-    rows = _memory_rows(rec)
+def nice_ticks(top: float, count: int = 5) -> list[float]:
+    """Round tick values from 0 to about ``top``: steps of 1, 2 or 5 times a power of ten.
+
+    >>> nice_ticks(97.0)
+    [0.0, 20.0, 40.0, 60.0, 80.0]
+    """
+    if top <= 0:
+        return [0.0]
+    raw = top / count
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    return [i * step for i in range(int(top / step) + 1)]
+
+
+def _byte_ticks(top: float) -> list[float]:
+    """Tick values in bytes at round numbers of the unit format_bytes will print them in."""
+    unit = next((u for u in (2**40, 2**30, 2**20, 2**10) if top >= u), 1)
+    return [v * unit for v in nice_ticks(top / unit)]
+
+
+class _Axis:
+    """A horizontal byte axis, broken when the allowance or the device limit would squeeze
+    everything else into a sliver: to scale up to ``cut``, then compressed to ``top``."""
+
+    def __init__(self, x0: float, width: float, content: float, top: float) -> None:
+        self.x0, self.top = x0, top
+        self.broken = top > 2.5 * content
+        self.cut = content * 1.15 if self.broken else top * 1.05
+        self.tail = 90.0 if self.broken else 0.0  # pixels for what lies beyond the cut
+        self.gap = 14.0 if self.broken else 0.0
+        self.scale = (width - self.tail - self.gap) / self.cut
+
+    def x(self, value: float) -> float:
+        if value <= self.cut:
+            return self.x0 + value * self.scale
+        beyond = (value - self.cut) / max(self.top * 1.05 - self.cut, 1.0)
+        return self.x0 + self.cut * self.scale + self.gap + min(beyond, 1.0) * self.tail
+
+    @property
+    def break_x(self) -> float:
+        return self.x0 + self.cut * self.scale + self.gap / 2
+
+
+def _break_mark(x: float, y: float, h: float) -> str:
+    """Two slanted white strokes across a bar or the axis where the scale breaks."""
+    return "".join(
+        f'<line x1="{x + dx - 4:.1f}" y1="{y + h + 2:.1f}" x2="{x + dx + 4:.1f}" y2="{y - 2:.1f}" '
+        'stroke="#fff" stroke-width="3"/>'
+        for dx in (-3, 3)
+    )
+
+
+def memory_chart(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str:
+    """Predicted memory per candidate stacked by kind, the measured peak, the device limit, and
+    a byte axis. The CUDA allowance (hatched) and the limit can dwarf what a CPU-size model
+    holds; then the axis breaks after the largest measured or predicted non-allowance bytes,
+    and what lies beyond is drawn compressed, so the other kinds stay readable."""
+    rows = _memory_rows(rec, trials)
     limit = rec.hardware.gpu_memory
-    top = max(
-        [limit]
-        + [e.gpu_peak for _, _, e, _ in rows if e]
+    # To scale: what the candidates that fit (or ran) hold besides the allowance. A pruned
+    # candidate's bar may run past the break.
+    content = max(
+        [1]
+        + [e.gpu_peak - e.breakdown.allowance for _, _, e, m in rows if e and (e.fits or m)]
         + [m for _, _, _, m in rows if m is not None]
     )
-    label_w, plot_w, bar_h, gap, head = 330, 560, 18, 10, 48
-    height = head + len(rows) * (bar_h + gap) + 70
-    scale = plot_w / (top * 1.05)
+    top = max([limit, content] + [e.gpu_peak for _, _, e, _ in rows if e])
+    label_w, plot_w, bar_h, gap, head = 330, 440, 18, 10, 48
     x0 = label_w
+    axis = _Axis(x0, plot_w, content, top)
+    bottom = head + len(rows) * (bar_h + gap)
+    height = bottom + 110
     out = [
         f'<svg id="chart-memory" xmlns="http://www.w3.org/2000/svg" '
-        f'width="{label_w + plot_w + 170}" height="{height}" role="img" '
+        f'width="{label_w + plot_w + 240}" height="{height}" role="img" '
         'aria-label="memory per candidate">',
+        '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
+        'patternTransform="rotate(45)"><rect width="6" height="6" fill="#e4dfdc"/>'
+        '<line x1="0" y1="0" x2="0" y2="6" stroke="#bab0ac" stroke-width="3"/></pattern></defs>',
         f'<text x="{x0}" y="16" class="t">Per-rank GPU memory: predicted (stacked by kind) '
         "and measured peak (black tick)</text>",
     ]
+    # grid lines and ticks of the to-scale part
+    for tick in _byte_ticks(axis.cut):
+        tx = axis.x(tick)
+        out.append(
+            f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{head - 6}" y2="{bottom}" stroke="#eee"/>'
+            f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{bottom}" y2="{bottom + 4}" stroke="#666"/>'
+            f'<text x="{tx:.1f}" y="{bottom + 16}" text-anchor="middle" class="s tick">'
+            f"{_esc(format_bytes(tick))}</text>"
+        )
+    out.append(
+        f'<line x1="{x0}" x2="{axis.x(top * 1.05):.1f}" y1="{bottom}" y2="{bottom}" stroke="#666"/>'
+    )
     for i, (kind, label, est, measured) in enumerate(rows):
         y = head + i * (bar_h + gap)
         weight = "bold" if kind == "chosen" else "normal"
@@ -66,52 +150,195 @@ def memory_chart(rec: Recommendation) -> str:
             f'<text x="{x0 - 8}" y="{y + 13}" text-anchor="end" font-weight="{weight}">'
             f"{_esc(label)}</text>"
         )
-        x = float(x0)
+        end = 0
         if est is not None:
             for term, colour in KIND_COLOURS.items():
                 value = getattr(est.breakdown, term)
                 if value <= 0:
                     continue
-                w = value * scale
+                start, end = end, end + value
+                xa, xb = axis.x(start), axis.x(end)
+                fill = "url(#hatch)" if term == "allowance" else colour
                 out.append(
-                    f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{colour}">'
-                    f"<title>{_esc(term)}: {_esc(format_bytes(value))}</title></rect>"
+                    f'<rect x="{xa:.1f}" y="{y}" width="{max(xb - xa, 0.5):.1f}" height="{bar_h}" '
+                    f'fill="{fill}" data-kind="{term}"><title>{_esc(term)}: '
+                    f"{_esc(format_bytes(value))}</title></rect>"
                 )
-                x += w
+            if axis.broken and end > axis.cut:
+                out.append(_break_mark(axis.break_x, y, bar_h))
+            note = "" if est.fits else " (does not fit)"
+            if est.breakdown.allowance:
+                note += f", {format_bytes(est.breakdown.allowance)} allowance"
+            # in a column right of the plot, clear of the limit lines
             out.append(
-                f'<text x="{x + 4:.1f}" y="{y + 13}" class="s">'
-                f"{_esc(format_bytes(est.gpu_peak))}{'' if est.fits else ' (does not fit)'}</text>"
+                f'<text x="{x0 + plot_w + 8}" y="{y + 13}" class="s">'
+                f"{_esc(format_bytes(est.gpu_peak))}{_esc(note)}</text>"
             )
         if measured is not None:
-            mx = x0 + measured * scale
+            mx = axis.x(measured)
             out.append(
                 f'<line x1="{mx:.1f}" x2="{mx:.1f}" y1="{y - 3}" y2="{y + bar_h + 3}" '
                 f'stroke="#000" stroke-width="3"><title>measured {_esc(format_bytes(measured))}'
                 "</title></line>"
             )
-    bottom = head + len(rows) * (bar_h + gap)
+    if axis.broken:
+        out.append(_break_mark(axis.break_x, bottom - 4, 8))
     # Two labels side by side: the usable limit's ends at its line, the device's starts at its.
     for value, name, dash, anchor, dx in (
         (limit, "device limit", "", "start", 3),
         (rec.hardware.usable_gpu_memory, "usable", ' stroke-dasharray="4 3"', "end", -3),
     ):
-        lx = x0 + value * scale
+        lx = axis.x(value)
         out.append(
             f'<line x1="{lx:.1f}" x2="{lx:.1f}" y1="{head - 8}" y2="{bottom}" stroke="#c62828"'
             f' stroke-width="1.5"{dash}/>'
             f'<text x="{lx + dx:.1f}" y="{head - 12}" text-anchor="{anchor}" class="s" '
             f'fill="#c62828">{name} {_esc(format_bytes(value))}</text>'
         )
+    legend_y = bottom + 30
+    if axis.broken:
+        allowance = any(e is not None and e.breakdown.allowance for _, _, e, _ in rows)
+        lines = (
+            [
+                f"to scale up to {format_bytes(axis.cut)}; compressed beyond the break (//), "
+                "where the allowance (hatched: CUDA context, NCCL,",
+                "allocator slack, not measured by CPU trials) and the device limit would "
+                "squeeze the rest into a sliver",
+            ]
+            if allowance
+            else [
+                f"to scale up to {format_bytes(axis.cut)}; compressed beyond the break (//), "
+                "where the device limit would squeeze the rest into a sliver"
+            ]
+        )
+        for k, line in enumerate(lines):
+            out.append(f'<text x="{x0}" y="{legend_y + 14 * k}" class="s dim">{_esc(line)}</text>')
+        legend_y += 14 * len(lines) + 4
     lx = x0
     for term, colour in KIND_COLOURS.items():
+        fill = "url(#hatch)" if term == "allowance" else colour
         out.append(
-            f'<rect x="{lx}" y="{bottom + 20}" width="10" height="10" fill="{colour}"/>'
-            f'<text x="{lx + 13}" y="{bottom + 29}" class="s">{term.replace("_", " ")}</text>'
+            f'<rect x="{lx}" y="{legend_y}" width="10" height="10" fill="{fill}"/>'
+            f'<text x="{lx + 13}" y="{legend_y + 9}" class="s">{term.replace("_", " ")}</text>'
         )
         lx += 13 + 7 * len(term) + 12
         if lx > x0 + plot_w - 60:
             lx = x0
-            bottom += 18
+            legend_y += 18
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def speed_chart(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str:
+    """Predicted against measured throughput of each candidate (per GPU / per rank).
+
+    Trials on the device planned for: both on one axis, the model's error beside. CPU trials
+    while planning for GPUs: two panels with their own axes, since the two speak of different
+    machines (the GPUs' prediction ranked; the CPU measurement only checked)."""
+    rows = []
+    for kind, s in listed_rows(rec, trials):
+        if s.trial is None and (s.estimate is None or not s.estimate.fits):
+            continue  # a prediction for what cannot run would only squash the scale
+        predicted, p_unit = predicted_per_rank(s, rec.hardware)
+        measured, m_unit = rate_per_rank(s.trial)
+        if predicted or measured:
+            rows.append((kind, s, predicted, measured, p_unit or m_unit))
+    ran = [s.trial for _, s, _, _, _ in rows if s.trial is not None]
+    shared = speed_basis(rec.hardware, ran) == "trials"
+    unit = next((u for *_, u in rows if u), "samples/s")
+    device = predicted_device(rec)
+    where = next((t.device for t in ran if t.status is TrialStatus.OK), "")
+    label_w, panel_w, bar_h, gap, head = 330, 460 if shared else 240, 9, 12, 56
+    x0 = label_w
+    bottom = head + len(rows) * (2 * bar_h + gap)
+    width = label_w + (panel_w if shared else 2 * panel_w + 40) + 150
+    out = [
+        f'<svg id="chart-speed" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+        f'height="{bottom + 60}" role="img" aria-label="predicted against measured throughput">',
+        f'<text x="{x0}" y="16" class="t">Throughput, {_esc(unit)} per GPU (predicted) and per '
+        "rank (measured)</text>",
+    ]
+    if shared:  # (two panels say it in their titles)
+        out.append(
+            f'<rect x="{x0}" y="25" width="10" height="9" fill="#f28e2b"/>'
+            f'<text x="{x0 + 14}" y="33" class="s">predicted for {_esc(device)}</text>'
+            f'<rect x="{x0 + 190}" y="25" width="10" height="9" fill="#4e79a7"/>'
+            f'<text x="{x0 + 204}" y="33" class="s">measured'
+            f"{' on ' + _esc(where) if where else ''}</text>"
+        )
+    if not rows:
+        out.append(f'<text x="{x0}" y="{head}">no predictions or measurements</text></svg>')
+        return "\n".join(out)
+    panels: list[tuple[float, float, str]] = []  # (x, max, what)
+    if shared:
+        # Scaled to the measured rows; a prediction for a candidate that did not run may
+        # reach past the axis, and is clipped with its value written beside.
+        measured_rows = [(p or 0, m) for _, _, p, m, _ in rows if m]
+        top = max(v for pair in measured_rows for v in pair) if measured_rows else 0.0
+        top = top or max(p or 0 for _, _, p, _, _ in rows)
+        panels.append((x0, top * 1.1, "both"))
+    else:
+        panels.append((x0, max(p or 0 for _, _, p, _, _ in rows) * 1.1 or 1.0, "predicted"))
+        panels.append(
+            (x0 + panel_w + 40, max(m or 0 for _, _, _, m, _ in rows) * 1.1 or 1.0, "measured")
+        )
+    for px, top, what in panels:
+        scale = panel_w / top if top > 0 else 0.0
+        title, colour = {
+            "both": ("", ""),
+            "predicted": (f"predicted for {device}", "#f28e2b"),
+            "measured": (f"measured on {where or 'the trial device'} (own scale)", "#4e79a7"),
+        }[what]
+        if title:
+            out.append(
+                f'<rect x="{px}" y="{head - 31}" width="10" height="9" fill="{colour}"/>'
+                f'<text x="{px + 14}" y="{head - 23}" class="s" font-weight="bold">'
+                f"{_esc(title)}</text>"
+            )
+        for tick in nice_ticks(top):
+            tx = px + tick * scale
+            out.append(
+                f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{head - 8}" y2="{bottom}" stroke="#eee"/>'
+                f'<text x="{tx:.1f}" y="{bottom + 16}" text-anchor="middle" class="s tick">'
+                f"{tick:,.0f}</text>"
+            )
+        out.append(
+            f'<line x1="{px}" x2="{px + panel_w}" y1="{bottom}" y2="{bottom}" stroke="#666"/>'
+        )
+        for i, (_, s, predicted, measured, _) in enumerate(rows):
+            y = head + i * (2 * bar_h + gap)
+            bars = []
+            if what in ("both", "predicted") and predicted:
+                bars.append((y, predicted, "#f28e2b", "predicted"))
+            if what in ("both", "measured") and measured:
+                bars.append((y + bar_h, measured, "#4e79a7", "measured"))
+            clipped = False
+            for by, value, colour, name in bars:
+                clipped |= value > top
+                out.append(
+                    f'<rect x="{px}" y="{by}" width="{max(min(value, top) * scale, 0.5):.1f}" '
+                    f'height="{bar_h - 1}" fill="{colour}" data-kind="{name}"><title>{name}: '
+                    f"{value:,.0f} {_esc(unit)}</title></rect>"
+                )
+            end = min(max([v for _, v, _, _ in bars] + [0.0]), top)
+            error = prediction_error(s, rec.hardware) if what == "both" else None
+            text = f"model {error:+.0%}" if error is not None else ""
+            if clipped:
+                text = f"▸ {max(v for _, v, _, _ in bars):,.0f}"
+            if what == "measured" and s.trial is not None and measured:
+                text = f"±{spread_of(s.trial):.0%}"
+            if text:
+                out.append(
+                    f'<text x="{px + end * scale + 4:.1f}" y="{y + bar_h + 4}" class="s">'
+                    f"{_esc(text)}</text>"
+                )
+    for i, (kind, s, _, _, _) in enumerate(rows):
+        y = head + i * (2 * bar_h + gap)
+        weight = "bold" if kind == "chosen" else "normal"
+        out.append(
+            f'<text x="{x0 - 8}" y="{y + bar_h + 4}" text-anchor="end" font-weight="{weight}">'
+            f"{_esc(s.candidate.label())}</text>"
+        )
     out.append("</svg>")
     return "\n".join(out)
 
@@ -186,13 +413,17 @@ def throughput_chart(rec: Recommendation, trials: Sequence[TrialResult]) -> str:
     return "\n".join(out)
 
 
-def _table(rec: Recommendation) -> str:
-    head = ("", "configuration", "predicted / rank", "measured peak", "s/step", "throughput",
+def _table(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str:
+    device = predicted_device(rec)
+    head = ("", "configuration", "predicted / rank", "measured peak",
+            f"predicted / GPU ({device})", "measured / rank", "model error", "s/step",
             "status")  # fmt: skip
-    rows = ["<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
-    for kind, s in scored_rows(rec):
+    rows = ["<tr>" + "".join(f"<th>{_esc(h)}</th>" for h in head) + "</tr>"]
+    for kind, s in listed_rows(rec, trials):
         t, e = s.trial, s.estimate
-        rate, unit = trial_rate(t)
+        predicted, p_unit = predicted_per_rank(s, rec.hardware)
+        measured, m_unit = rate_per_rank(t)
+        error = prediction_error(s, rec.hardware)
         status = t.status.value if t else ("fits" if e and e.fits else "pruned")
         if kind == "ruled out":
             status = why_ruled_out(s) if t else f"{status} — {why_ruled_out(s)}"
@@ -201,8 +432,10 @@ def _table(rec: Recommendation) -> str:
             s.candidate.label(),
             format_bytes(e.gpu_peak) if e else "",
             format_bytes(t.max_allocated) if t and t.max_allocated else "",
+            f"{predicted:,.0f} {p_unit}" if predicted else "",
+            f"{measured:,.0f} {m_unit} ±{spread_of(t):.0%}" if measured and t else "",
+            f"{error:+.0%}" if error is not None else "",
             f"{t.step_time:.3f}" if t and t.step_time else "",
-            f"{rate:,.0f} {unit}" if rate else "",
             status,
         )
         cls = ' class="chosen"' if kind == "chosen" else ""
@@ -217,8 +450,9 @@ h1{font-size:22px} h2{font-size:17px;margin-top:28px}
 table{border-collapse:collapse;font-size:13px} td,th{border:1px solid #ddd;padding:4px 8px;
  text-align:left} tr.chosen td{background:#e8f5e9;font-weight:600}
 svg{font-size:12px;font-family:inherit;display:block;margin:8px 0} svg .t{font-weight:600}
-svg .s{font-size:11px} ul{margin:4px 0} pre{background:#f6f8fa;padding:10px;font-size:12px;
- overflow:auto} .dim{color:#666}
+svg .s{font-size:11px} svg .dim{fill:#666} ul{margin:4px 0}
+ p.note{background:#fff8e1;border-left:4px solid #f9a825;padding:6px 10px}
+ pre{background:#f6f8fa;padding:10px;font-size:12px;overflow:auto} .dim{color:#666}
 """
 
 
@@ -228,6 +462,7 @@ def render_html(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str:
     from autoshard.emit.text import lightning_cli_yaml
 
     all_trials = trials_of(rec, trials)
+    note = trials_note(rec, all_trials)
     settings = "".join(
         f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in settings_of(rec).items()
     )
@@ -247,11 +482,53 @@ def render_html(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str:
 <h2>Chosen configuration</h2><table id="chosen">{settings}</table>
 <h2>Why it won</h2><ul>{reasons}</ul>
 <h2>Memory per candidate</h2>
-{memory_chart(rec)}
+{memory_chart(rec, all_trials)}
+<h2>Predicted and measured throughput</h2>
+{f'<p class="note">{_esc(note)}</p>' if note else ""}
+{speed_chart(rec, all_trials)}
 <h2>Throughput and memory of every trial</h2>
 {throughput_chart(rec, all_trials)}
 <h2>All configurations</h2>
-{_table(rec)}
+{_table(rec, all_trials)}
 <h2>Lightning CLI</h2><pre>{_esc(yaml_text)}</pre>
 </body></html>
 """
+
+
+def recommendation_html(rec: Recommendation) -> str:
+    """A notebook cell's view of a recommendation: the choice, its settings, why."""
+    settings = "".join(
+        f"<tr><th style='text-align:left'>{_esc(k)}</th><td style='text-align:left'>{_esc(v)}"
+        "</td></tr>"
+        for k, v in settings_of(rec).items()
+    )
+    reasons = "".join(f"<li>{_esc(r)}</li>" for r in rec.reasons[:12])
+    return (
+        f"<div><b>autoshard recommends {_esc(rec.chosen.candidate.label())}</b> "
+        f"<span>(by {_esc(rec.basis)})</span><table>{settings}</table>"
+        f"<details><summary>why</summary><ul>{reasons}</ul></details></div>"
+    )
+
+
+def estimates_html(estimates: Sequence[MemoryEstimate], hardware: Hardware | None) -> str:
+    """A notebook cell's view of a list of estimates: one row per candidate."""
+    head = ("configuration", "fits", "GPU peak", "headroom", "tokens/s/GPU", "MFU")
+    rows = ["<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
+    for e in estimates:
+        s = e.speed
+        cells = (
+            e.candidate.label(),
+            "yes" if e.fits else "no",
+            format_bytes(e.gpu_peak),
+            format_bytes(e.headroom),
+            f"{s.tokens_per_s_per_gpu:,.0f}" if s and s.tokens_per_s_per_gpu else "",
+            f"{s.mfu:.0%}" if s and s.mfu is not None else "",
+        )
+        rows.append("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>")
+    title = ""
+    if hardware is not None:
+        title = (
+            f"<p>{hardware.nodes} x {hardware.gpus_per_node} GPUs of "
+            f"{_esc(format_bytes(hardware.gpu_memory))}; fitting candidates first</p>"
+        )
+    return f"<div>{title}<table>{''.join(rows)}</table></div>"

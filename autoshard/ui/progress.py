@@ -8,6 +8,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from autoshard.config import ProgressEvent
 from autoshard.results import Scored, TrialResult, TrialStatus
 from autoshard.units import format_bytes
 
@@ -17,6 +18,7 @@ _STYLE = {
     TrialStatus.ERROR: "red",
     TrialStatus.TIMEOUT: "red",
     TrialStatus.PRUNED: "dim",
+    TrialStatus.SKIPPED: "dim",
 }
 
 
@@ -69,18 +71,22 @@ class StudyProgress:
             self.live.update(self._render())
             self.live.__exit__(None, None, None)
 
-    def __call__(self, kind: str, scored: Scored) -> None:
+    def __call__(self, kind: ProgressEvent, scored: Scored) -> None:
         self.rows[scored.candidate.label()] = scored
         t = scored.trial
         if t is not None and t.status is TrialStatus.OK:
             self.best = max(self.best, t.tokens_per_s or t.samples_per_s or 0.0)
-        if kind == "done" and t is not None and t.status is not TrialStatus.PRUNED:
+        if kind == ProgressEvent.DONE and t is not None and t.status.launched:
             self.bar.advance(self.task)
         if self.live is not None:
             self.live.update(self._render())
-        elif kind in ("done", "resumed") and t is not None and t.status is not TrialStatus.PRUNED:
+        elif (
+            kind in (ProgressEvent.DONE, ProgressEvent.RESUMED)
+            and t is not None
+            and t.status.launched
+        ):
             cells = _row(scored, self.best)
-            prefix = "resumed " if kind == "resumed" else ""
+            prefix = "resumed " if kind == ProgressEvent.RESUMED else ""
             self.console.print(
                 f"{prefix}trial: " + "  ".join(c for c in cells if c), highlight=False
             )

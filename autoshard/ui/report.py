@@ -7,9 +7,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
+from autoshard.config import Hardware
+from autoshard.measure import speed_basis, spread_of, trials_checked_line
 from autoshard.results import Recommendation, Scored, TrialResult, TrialStatus
 from autoshard.units import format_bytes
 
@@ -33,6 +36,7 @@ STATUS_COLOURS = {
     TrialStatus.ERROR: "#c62828",
     TrialStatus.TIMEOUT: "#c62828",
     TrialStatus.PRUNED: "#757575",
+    TrialStatus.SKIPPED: "#9e9e9e",
 }
 
 
@@ -42,6 +46,20 @@ def scored_rows(rec: Recommendation) -> list[tuple[str, Scored]]:
         *(("runner-up", s) for s in rec.runners_up),
         *(("ruled out", s) for s in rec.ruled_out),
     ]
+
+
+def listed_rows(
+    rec: Recommendation, trials: Iterable[TrialResult] = ()
+) -> list[tuple[str, Scored]]:
+    """Every candidate of the recommendation, then every trial it does not carry (a
+    recommendation that kept only some runners-up still gets all its trials listed)."""
+    rows = scored_rows(rec)
+    listed = {s.candidate.key() for _, s in rows}
+    for t in trials:
+        if t.candidate.key() not in listed:
+            rows.append(("tried", Scored(candidate=t.candidate, trial=t)))
+            listed.add(t.candidate.key())
+    return rows
 
 
 def trials_of(rec: Recommendation, trials: Iterable[TrialResult]) -> list[TrialResult]:
@@ -58,6 +76,55 @@ def trial_rate(t: TrialResult | None) -> tuple[float | None, str]:
     if t.tokens_per_s:
         return t.tokens_per_s, "tokens/s"
     return t.samples_per_s, "samples/s"
+
+
+def rate_per_rank(t: TrialResult | None) -> tuple[float | None, str]:
+    """The trial's measured tokens/s (else samples/s) of one rank."""
+    rate, unit = trial_rate(t)
+    if t is None or rate is None or t.status is not TrialStatus.OK:
+        return None, unit
+    return rate / max(t.world_size, 1), unit
+
+
+def predicted_per_rank(s: Scored, hardware: Hardware) -> tuple[float | None, str]:
+    """The step-time model's tokens/s (else samples/s) of one GPU, when it predicted one."""
+    speed = s.estimate.speed if s.estimate is not None else None
+    if speed is None:
+        return None, ""
+    if speed.tokens_per_s_per_gpu:
+        return speed.tokens_per_s_per_gpu, "tokens/s"
+    return speed.samples_per_s / hardware.world_size, "samples/s"
+
+
+def prediction_error(s: Scored, hardware: Hardware) -> float | None:
+    """Predicted over measured throughput, minus one, where both are of the same device (the
+    trial ran where the prediction is for): +0.12 means the model was 12% optimistic."""
+    if s.trial is None or speed_basis(hardware, [s.trial]) == "model":
+        return None
+    predicted, p_unit = predicted_per_rank(s, hardware)
+    measured, m_unit = rate_per_rank(s.trial)
+    if predicted is None or not measured or p_unit != m_unit:
+        return None
+    return predicted / measured - 1
+
+
+def predicted_device(rec: Recommendation) -> str:
+    """What the predictions are for: the catalogue id they name, or the planned hardware's."""
+    for _, s in scored_rows(rec):
+        if s.estimate is not None and s.estimate.speed is not None and s.estimate.speed.gpu:
+            return s.estimate.speed.gpu
+    return rec.hardware.gpu or ("cpu-gloo" if rec.hardware.backend == "gloo" else "GPU")
+
+
+def trials_note(rec: Recommendation, trials: Sequence[TrialResult] = ()) -> str | None:
+    """The line that says CPU trials checked the configurations while the model ranked them
+    for the planned GPUs; None when the trials ran on what is planned for."""
+    ran = trials_of(rec, trials)
+    if rec.basis != "trials" or speed_basis(rec.hardware, ran) != "model":
+        return None
+    if not any(s.estimate and s.estimate.speed for _, s in scored_rows(rec)):
+        return None  # no predictions: the measured order decided after all
+    return trials_checked_line(rec.hardware, predicted_device(rec))
 
 
 def why_ruled_out(s: Scored) -> str:
@@ -78,12 +145,16 @@ def why_ruled_out(s: Scored) -> str:
 def print_summary(
     rec: Recommendation, console: Console | None = None, trials: Sequence[TrialResult] = ()
 ) -> None:
-    """The chosen configuration, why it won, the runners-up, and what was ruled out and why."""
+    """The chosen configuration, why it won, every trial with its predicted and measured
+    speed, and what was ruled out and why."""
     from autoshard.emit.runtime import choose_state_dict_type
 
     console = console or Console()
     c = rec.chosen.candidate
     console.print(f"[bold green]Recommended[/] ({rec.basis}): [bold]{c.label()}[/]")
+    note = trials_note(rec, trials)
+    if note and note not in rec.reasons:
+        console.print(f"[yellow]{note}[/]", highlight=False)
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="dim")
     table.add_column()
@@ -93,28 +164,53 @@ def print_summary(
     console.print("[bold]Why[/]")
     for line in (*rec.reasons, choose_state_dict_type(rec)[1]):
         console.print(f"  • {line}", highlight=False)
-    rows = [("runner-up", s) for s in rec.runners_up] + [("ruled out", s) for s in rec.ruled_out]
-    if rows:
-        alt = Table(title="Alternatives", title_justify="left")
-        devices = {s.trial.device for _, s in rows if s.trial and s.trial.max_allocated}
-        measured = f"measured ({devices.pop()})" if len(devices) == 1 else "measured"
-        for col in ("", "configuration", "predicted", measured, "speed / why not"):
-            alt.add_column(col)
+    rows = listed_rows(rec, trials)
+    if len(rows) > 1:
+        alt = Table(title="Configurations", title_justify="left")
+        ran = {s.trial.device for _, s in rows if s.trial and s.trial.status is TrialStatus.OK}
+        where = f" ({ran.pop()})" if len(ran) == 1 else ""
+        unit = next((u for _, s in rows for u in [rate_per_rank(s.trial)[1]] if u), "tokens/s")
+        columns = ("", "configuration", "predicted peak", f"measured peak{where}",
+                   f"predicted {unit}/GPU ({predicted_device(rec)})",
+                   f"measured {unit}/rank{where}", "why not")  # fmt: skip
+        for col in columns:
+            alt.add_column(col, justify="right" if "/" in col else "left")
         for kind, s in rows:
-            rate, unit = trial_rate(s.trial)
+            predicted, _ = predicted_per_rank(s, rec.hardware)
+            measured, _ = rate_per_rank(s.trial)
+            error = prediction_error(s, rec.hardware)
             ok = s.trial is not None and s.trial.status is TrialStatus.OK
-            note = f"{rate:,.0f} {unit}" if ok and rate else why_ruled_out(s)
+            measured_text = ""
+            if measured is not None and s.trial is not None:
+                measured_text = f"{measured:,.0f} ±{spread_of(s.trial):.0%}"
+                if error is not None:
+                    measured_text += f" (model {error:+.0%})"
             alt.add_row(
                 kind,
                 s.candidate.label(),
                 format_bytes(s.estimate.gpu_peak) if s.estimate else "",
                 format_bytes(s.trial.max_allocated) if s.trial and s.trial.max_allocated else "",
-                note[:80],
+                f"{predicted:,.0f}" if predicted else "",
+                measured_text,
+                "" if ok or kind == "chosen" else why_ruled_out(s)[:60],
             )
         console.print(alt)
-    n = sum(1 for t in trials_of(rec, trials) if t.status is not TrialStatus.PRUNED)
+    n = sum(1 for t in trials_of(rec, trials) if t.status.launched)
     if n:
         console.print(f"[dim]{n} trials ran; see report.html for charts[/]")
+
+
+def summary_renderable(rec: Recommendation) -> Group:
+    """A short rich rendering (notebooks, ``rich.print(rec)``): the choice and its settings."""
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="dim")
+    table.add_column()
+    for key, value in settings_of(rec).items():
+        table.add_row(key, value)
+    head = Text.from_markup(
+        f"[bold green]Recommended[/] ({rec.basis}): [bold]{rec.chosen.candidate.label()}[/]"
+    )
+    return Group(head, table)
 
 
 def settings_of(rec: Recommendation) -> dict[str, str]:

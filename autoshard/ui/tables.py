@@ -7,7 +7,8 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
-from autoshard.config import Hardware
+from autoshard.config import Hardware, RankOrder
+from autoshard.predict.analytic import ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES
 from autoshard.results import MemoryEstimate, ModelProfile
 from autoshard.units import format_bytes, format_count
 
@@ -81,7 +82,11 @@ def print_profile(profile: ModelProfile, console: Console | None = None) -> None
         classes.add_row(
             name,
             str(c.count),
-            format_count(c.params_each),
+            # Instances of different sizes (Linear layers of a whole model) read as a range,
+            # not as the largest one "each".
+            format_count(c.params_each)
+            if c.params_smallest is None
+            else f"{format_count(c.params_smallest)}-{format_count(c.params_each)}",
             format_count(c.params_total),
             f"{c.share:.1%}",
         )
@@ -123,36 +128,66 @@ def print_profile(profile: ModelProfile, console: Console | None = None) -> None
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 
 
-def print_estimates(
+def estimates_table(
     estimates: list[MemoryEstimate],
-    hardware: Hardware,
-    console: Console,
+    hardware: Hardware | None,
     *,
-    order: str = "headroom",
-    detail: int = 3,
-) -> None:
-    """Every candidate in the order given (fitting ones first, then by ``order``), then the
-    breakdowns of the first ``detail`` that fit."""
-    by = "most headroom first" if order == "headroom" else "fastest expected first"
+    order: RankOrder = RankOrder.SPEED,
+    limit: int | None = None,
+) -> Table:
+    """Every candidate in the order given (fitting ones first, then by ``order``)."""
+    by = "most headroom first" if order is RankOrder.HEADROOM else "fastest predicted first"
+    title = "Per-GPU memory"
+    if hardware is not None:
+        title += (
+            f" on {hardware.nodes} x {hardware.gpus_per_node} GPUs of "
+            f"{format_bytes(hardware.gpu_memory)} (usable "
+            f"{format_bytes(hardware.usable_gpu_memory)})"
+        )
+    shown = estimates if limit is None else estimates[:limit]
+    more = f"; {len(estimates) - len(shown)} more not shown" if len(shown) < len(estimates) else ""
     table = Table(
-        title=f"Per-GPU memory on {hardware.nodes} x {hardware.gpus_per_node} GPUs of "
-        f"{format_bytes(hardware.gpu_memory)} (usable {format_bytes(hardware.usable_gpu_memory)})",
+        title=title,
         title_justify="left",
-        caption=f"fitting candidates first, {by}; the rest by how far they overshoot",
+        caption=f"fitting candidates first, {by}; the rest by how far they overshoot{more}",
         caption_justify="left",
     )
-    for name, justify in (("configuration", "left"), ("fits", "left"), ("GPU peak", "right"),
-                          ("headroom", "right"), ("host / node", "right")):  # fmt: skip
+    speed = any(e.speed is not None for e in shown)
+    columns = [("configuration", "left"), ("fits", "left"), ("GPU peak", "right"),
+               ("headroom", "right"), ("host / node", "right")]  # fmt: skip
+    if speed:
+        columns += [("tokens/s/GPU", "right"), ("MFU", "right")]
+    for name, justify in columns:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for e in estimates:
-        table.add_row(
+    for e in shown:
+        row = [
             e.candidate.label(),
             "[green]yes[/]" if e.fits else "[red]no[/]",
             format_bytes(e.gpu_peak) + (" [cyan](sim)[/]" if e.method == "simulated" else ""),
             format_bytes(e.headroom),
             format_bytes(e.host_peak) if e.host_peak else "",
-        )
-    console.print(table)
+        ]
+        if speed:
+            s = e.speed
+            row += [
+                f"{s.tokens_per_s_per_gpu:,.0f}" if s and s.tokens_per_s_per_gpu else "",
+                f"{s.mfu:.0%}" if s and s.mfu is not None else "",
+            ]
+        table.add_row(*row)
+    return table
+
+
+def print_estimates(
+    estimates: list[MemoryEstimate],
+    hardware: Hardware,
+    console: Console,
+    *,
+    order: RankOrder = RankOrder.SPEED,
+    detail: int = 3,
+) -> None:
+    """Every candidate in the order given, then the breakdowns of the first ``detail`` that
+    fit, and what the allowance is."""
+    console.print(estimates_table(estimates, hardware, order=order))
     for e in [e for e in estimates if e.fits][:detail]:
         how = f"{e.method}, peak at {e.peak_at}" if e.peak_at else e.method
         parts = Table(title=f"Breakdown: {e.candidate.label()} ({how})", title_justify="left")
@@ -162,7 +197,11 @@ def print_estimates(
             parts.add_row(term.replace("_", " "), format_bytes(value))
         parts.add_row("[bold]peak[/]", f"[bold]{format_bytes(e.gpu_peak)}[/]")
         console.print(parts)
-    console.print(
-        "[dim]allowance = CUDA context, NCCL and allocator slack: a stated constant until a GPU "
-        "measurement calibrates it[/]"
-    )
+    if hardware.backend != "gloo":
+        console.print(
+            f"[dim]allowance = {format_bytes(CUDA_CONTEXT_BYTES)} for the CUDA context and "
+            f"cuBLAS workspace + {ALLOCATOR_SLACK:.0%} of the counted bytes for NCCL and "
+            "allocator slack: what no CPU estimate sees; uncalibrated until a GPU run measures "
+            "it[/]",
+            highlight=False,
+        )

@@ -29,3 +29,7 @@ def needs_values() -> nn.Module:
 
 def with_batch(n: int = 4) -> tuple[nn.Module, torch.Tensor]:
     return nn.Linear(n, n), torch.zeros(2, n)
+
+
+def needs_width(width, depth=2):
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])

@@ -1,0 +1,390 @@
+"""The decision: which candidate of a :class:`~autoshard.plan.Plan` to recommend, and why.
+
+One place for every door: :func:`decide` from estimates (``recommend()``, ``estimate``, export),
+:func:`decide_from_trials` after a study; both build the :class:`Recommendation` through
+:func:`build_recommendation`, the only place one is made.
+
+With trials, what decides depends on where they ran (:func:`autoshard.measure.speed_basis`): on
+the kind of device planned for, the fastest measured wins, a tie within measurement noise going
+to more memory headroom (:func:`autoshard.measure.rank_trials`); on CPU processes standing in
+for the planned GPUs, the trials only show that a configuration builds, trains and fits, and the
+step-time model's fastest for the planned GPUs wins among those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+from autoshard.config import Candidate, Checkpointing, Hardware, WorkloadSpec
+from autoshard.errors import ConfigError, TrialsFailedError
+from autoshard.measure import (
+    compare,
+    is_tie,
+    rank_trials,
+    speed_basis,
+    spread_of,
+    throughput,
+    trials_checked_line,
+)
+from autoshard.plan import Plan
+from autoshard.results import (
+    MemoryEstimate,
+    ModelProfile,
+    Recommendation,
+    Scored,
+    TrialResult,
+    TrialStatus,
+)
+from autoshard.space import wrap_reason
+from autoshard.units import format_bytes
+
+
+def versions() -> dict[str, str]:
+    """The versions a recommendation was made with (written into every export's header)."""
+    out: dict[str, str] = {"torch": str(torch.__version__)}
+    for name in ("autoshard", "transformers", "lightning"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[name] = version(name)
+    return out
+
+
+def build_recommendation(
+    profile: ModelProfile,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    chosen: Scored,
+    *,
+    runners_up: Sequence[Scored],
+    ruled_out: Sequence[Scored],
+    basis: str,
+    reasons: Sequence[str],
+    notes: Sequence[str] = (),
+) -> Recommendation:
+    """The only place a :class:`Recommendation` is made (``notes``: what the plan assumed)."""
+    return Recommendation(
+        profile=profile,
+        hardware=hardware,
+        workload=workload.model_copy(
+            update={"micro_batch_size": chosen.candidate.micro_batch_size}
+        ),
+        chosen=chosen,
+        runners_up=tuple(runners_up),
+        ruled_out=tuple(ruled_out),
+        basis=basis,
+        reasons=(*reasons, *notes),
+        versions=versions(),
+    )
+
+
+def decide(plan: Plan) -> Recommendation:
+    """The fitting candidate predicted to be fastest, with one reason per setting."""
+    ranked = plan.ranked()
+    fitting = [e for e in ranked if e.fits]
+    if not fitting:
+        closest = ranked[0] if ranked else None
+        detail = f"; closest: {closest.candidate.label()} ({closest.reason})" if closest else ""
+        hw = plan.hardware
+        raise ConfigError(
+            f"no configuration fits {hw.world_size} x {format_bytes(hw.gpu_memory)} GPUs "
+            f"({len(ranked)} estimated){detail}; add GPUs or nodes, or use a smaller "
+            "micro-batch or sequence"
+        )
+    best = fitting[0]
+    return build_recommendation(
+        plan.profile,
+        plan.hardware,
+        plan.workload,
+        Scored(candidate=best.candidate, estimate=best),
+        runners_up=[Scored(candidate=e.candidate, estimate=e) for e in fitting[1:5]],
+        ruled_out=[Scored(candidate=e.candidate, estimate=e) for e in ranked if not e.fits],
+        basis="estimate",
+        reasons=explain_estimate(best, plan),
+        notes=plan.notes,
+    )
+
+
+def decide_from_trials(
+    plan: Plan,
+    results: Sequence[TrialResult],
+    tried_with: Mapping[str, MemoryEstimate] | None = None,
+) -> Recommendation:
+    """The best configuration that ran; every other trial as a runner-up or ruled out.
+
+    ``tried_with``: by candidate label, the estimate each trial was launched with, whose speed
+    the calibrated model predicted just before it ran; it replaces the plan's (uncalibrated)
+    estimate, so that the report puts each trial against its own prediction."""
+    tried_with = tried_with or {}
+    estimates = [tried_with.get(e.candidate.label(), e) for e in plan.estimates]
+    return choose_from_trials(
+        plan.profile, plan.hardware, plan.workload, estimates, results, notes=plan.notes
+    )
+
+
+def choose_from_trials(
+    profile: ModelProfile,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    estimates: Sequence[MemoryEstimate],
+    results: Sequence[TrialResult],
+    *,
+    notes: Sequence[str] = (),
+) -> Recommendation:
+    """:func:`decide_from_trials` from the plan's parts (what a test or a reader of old results
+    has)."""
+    if not any(r.status is TrialStatus.OK for r in results):
+        raise TrialsFailedError(nothing_ran(results))
+    by_label = {e.candidate.label(): e for e in estimates}
+
+    def scored(r: TrialResult) -> Scored:
+        return Scored(candidate=r.candidate, estimate=by_label.get(r.candidate.label()), trial=r)
+
+    ok_results = [r for r in results if r.status is TrialStatus.OK]
+    predicted = any(_predicted_rate(r, by_label) for r in ok_results)
+    if speed_basis(hardware, results) == "model" and predicted:
+        ok = rank_by_prediction(results, by_label)
+        why = explain_by_prediction(ok, by_label, hardware, profile)
+    else:
+        ok = rank_trials(results)
+        why = explain_trials(ok[0], ok, profile)
+    return build_recommendation(
+        profile,
+        hardware,
+        workload,
+        scored(ok[0]),
+        runners_up=[scored(r) for r in ok[1:]],  # all of them: the report lists every trial
+        ruled_out=[scored(r) for r in results if r.status is not TrialStatus.OK],
+        basis="trials",
+        reasons=why,
+        notes=notes,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Reasons: one line per chosen setting
+# --------------------------------------------------------------------------------------------
+
+# Predictions closer than this are not told apart in the reasons (the model's own error is far
+# larger: benchmarks/results/step_time_published.md).
+PREDICTED_TIE = 0.02
+
+_SETTINGS = ("sharding", "checkpointing", "cpu_offload", "precision", "micro_batch_size")
+
+
+def _value(candidate: Candidate, name: str) -> str:
+    value = getattr(candidate, name)
+    if name == "checkpointing" and candidate.checkpointing is Checkpointing.EVERY_K:
+        return f"every {candidate.checkpoint_every} blocks"
+    return str(getattr(value, "value", value))
+
+
+def _differs_only_in(a: Candidate, b: Candidate, name: str) -> bool:
+    related = {
+        "sharding": {"sharding", "hybrid_mesh"},
+        "checkpointing": {"checkpointing", "checkpoint_every", "checkpoint_classes"},
+    }.get(name, {name})
+    da, db = a.model_dump(), b.model_dump()
+    return da != db and all(da[k] == db[k] for k in da if k not in related)
+
+
+def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
+    """Why each setting of ``best``: what its alternatives would need, or cost."""
+    c, hardware, profile = best.candidate, plan.hardware, plan.profile
+    b = best.breakdown
+    lines = [
+        f"predicted peak {format_bytes(best.gpu_peak)} per GPU of "
+        f"{format_bytes(hardware.usable_gpu_memory)} usable ({hardware.world_size} x "
+        f"{format_bytes(hardware.gpu_memory)}, {hardware.margin:.0%} margin): params "
+        f"{format_bytes(b.sharded_params)}, grads {format_bytes(b.gradients)}, optimizer "
+        f"{format_bytes(b.optimizer)}, gathered units {format_bytes(b.unsharded_params)}, "
+        f"activations {format_bytes(b.activations)}, temporaries {format_bytes(b.temporaries)}, "
+        f"allowance {format_bytes(b.allowance)}",
+        wrap_reason(c, profile),
+    ]
+    if profile.tied:
+        names = "; ".join(", ".join(g.names) for g in profile.tied)
+        lines.append(f"tied parameters ({names}) stay in one FSDP unit (the root)")
+    for name in _SETTINGS:
+        alternatives = [e for e in plan.estimates if _differs_only_in(e.candidate, c, name)]
+        chosen = _value(c, name)
+        too_big = sorted(
+            {f"{_value(e.candidate, name)} ({format_bytes(e.gpu_peak)})" for e in alternatives
+             if not e.fits}
+        )  # fmt: skip
+        slower = sorted({_value(e.candidate, name) for e in alternatives if e.fits})
+        parts = []
+        if too_big:
+            parts.append(f"does not fit with {', '.join(too_big)}")
+        if slower:
+            parts.append(f"fits but predicted slower with {', '.join(slower)}")
+        why = "; ".join(parts) or (
+            "offload is considered with FULL_SHARD only"
+            if name == "cpu_offload"
+            else "the only value considered (give batch_size to compare others)"
+            if name == "micro_batch_size"
+            else "the only value considered"
+        )
+        if name == "checkpointing" and c.checkpoint_classes:
+            chosen += f" of {{{', '.join(c.checkpoint_classes)}}}"
+        lines.append(f"{name} {chosen}: {why}")
+    lines.append(
+        f"limit_all_gathers={c.limit_all_gathers}, forward_prefetch={c.forward_prefetch}, "
+        f"backward_prefetch={c.backward_prefetch.value}, {c.optimizer.value} "
+        f"({c.optimizer_impl.value}): Lightning's defaults; they change speed a little, "
+        "memory by at most one unit; measure them with trials"
+    )
+    lines.append(
+        "basis: estimates only (no trial ran); run with trials to measure the leading candidates"
+    )
+    return lines
+
+
+def _differences(chosen: Candidate, other: Candidate) -> list[str]:
+    """The explained settings in which ``other`` differs from ``chosen``, as name=value."""
+    diff = [
+        f"{name}={_value(other, name)}"
+        for name in _SETTINGS
+        if getattr(other, name) != getattr(chosen, name)
+    ]
+    if (other.wrap_classes, other.min_num_params) != (chosen.wrap_classes, chosen.min_num_params):
+        diff.append(
+            "auto_wrap_policy="
+            + (
+                "none (one unit)"
+                if other.one_unit
+                else ",".join(c.rsplit(".", 1)[-1] for c in other.wrap_classes)
+                or f"size>={other.min_num_params:,}"
+            )
+        )
+    return diff
+
+
+def explain_trials(
+    best: TrialResult, ok: Sequence[TrialResult], profile: ModelProfile
+) -> list[str]:
+    """One line per chosen setting, with the measurement behind it. A difference within the
+    two trials' noise is called a tie, never a win (:func:`autoshard.measure.compare`)."""
+    c = best.candidate
+    unit = "tokens" if best.tokens_per_s else "samples"
+    measured = (
+        f"{best.step_time or 0:.3f} s/step (±{spread_of(best):.0%}), {throughput(best):,.0f} "
+        f"{unit}/s on {best.world_size} {best.device} ranks"
+    )
+    fastest = max(ok, key=throughput)
+    tied = [r for r in ok if r is not fastest and is_tie(fastest, r)]
+    if fastest is best and not tied:
+        first = f"fastest of {len(ok)} measured configurations: {measured}"
+    else:
+        noise = spread_of(fastest) + max(spread_of(r) for r in [best, *tied])
+        first = (
+            f"tie within noise (±{noise:.0%}) between {len(tied) + 1} of {len(ok)} measured "
+            f"configurations, chosen by headroom (peak {format_bytes(best.max_allocated or 0)}): "
+            f"{measured}"
+        )
+    lines = [first, wrap_reason(c, profile)]
+    for r in ok:
+        if r is best:
+            continue
+        diff = _differences(c, r.candidate)
+        if len(diff) != 1:
+            continue
+        outcome = compare(best, r)
+        if outcome.tie:
+            lines.append(f"{diff[0]}: tie within noise (±{outcome.noise:.0%})")
+        elif outcome.winner is best:
+            lines.append(f"{diff[0]} measured {outcome.ratio:.2f}x slower")
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# CPU trials for GPUs: the trials check, the model ranks
+# --------------------------------------------------------------------------------------------
+
+
+def _predicted_rate(r: TrialResult, by_label: dict[str, MemoryEstimate]) -> float | None:
+    e = by_label.get(r.candidate.label())
+    return e.speed.samples_per_s if e is not None and e.speed is not None else None
+
+
+def rank_by_prediction(
+    results: Sequence[TrialResult], by_label: dict[str, MemoryEstimate]
+) -> list[TrialResult]:
+    """Successful trials, the fastest predicted first (equal predictions: more measured
+    headroom first); trials without a prediction last, by measured throughput."""
+    ok = [r for r in results if r.status is TrialStatus.OK]
+    return sorted(
+        ok,
+        key=lambda r: (
+            _predicted_rate(r, by_label) is not None,
+            _predicted_rate(r, by_label) or throughput(r),
+            -(r.max_allocated or 0),
+        ),
+        reverse=True,
+    )
+
+
+def explain_by_prediction(
+    ok: Sequence[TrialResult],
+    by_label: dict[str, MemoryEstimate],
+    hardware: Hardware,
+    profile: ModelProfile,
+) -> list[str]:
+    """Why the chosen one, when CPU trials checked the configurations and the model ranked."""
+    best = ok[0]
+    rate = _predicted_rate(best, by_label)
+    speed = by_label[best.candidate.label()].speed if rate is not None else None
+    lines = [trials_checked_line(hardware, speed.gpu if speed else None)]
+    if speed is not None:
+        per_gpu = (
+            f", {speed.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
+            if speed.tokens_per_s_per_gpu
+            else ""
+        )
+        mfu = f", MFU {speed.mfu:.0%}" if speed.mfu else ""
+        lines.append(
+            f"fastest predicted of {len(ok)} configurations that ran: "
+            f"{speed.step_time_s:.3f} s/step{per_gpu}{mfu}"
+        )
+    lines.append(wrap_reason(best.candidate, profile))
+    for r in ok[1:]:
+        diff = _differences(best.candidate, r.candidate)
+        other = _predicted_rate(r, by_label)
+        if len(diff) == 1 and rate and other:
+            ratio = rate / other
+            # A model's few-percent difference is no result: say "about as fast", not "1.00x".
+            lines.append(
+                f"{diff[0]} predicted {ratio:.2f}x slower"
+                if ratio >= 1 + PREDICTED_TIE
+                else f"{diff[0]} predicted about as fast (within {PREDICTED_TIE:.0%})"
+            )
+    return lines
+
+
+def nothing_ran(results: Sequence[TrialResult]) -> str:
+    """One line when no trial ran fine: the commonest failures of the trials that ran first
+    (a skipped or pruned candidate's reason repeats them)."""
+    from collections import Counter
+
+    from autoshard.study.lessons import signature
+
+    ran = [r for r in results if r.status.launched]
+    shown = {signature(r): r for r in ran}
+    counts = Counter(signature(r) for r in ran).most_common(2)
+    failures = "; ".join(
+        f"{n} x {shown[sig].status.value}: {' '.join((shown[sig].error or '').split())[:160]}"
+        for sig, n in counts
+    )
+    rest = len(results) - len(ran)
+    if not ran:
+        first = " ".join((results[0].error or "").split())[:160] if results else ""
+        return f"no configuration could run: all {len(results)} candidates were ruled out" + (
+            f" ({first})" if first else ""
+        )
+    return (
+        f"no configuration ran successfully: {len(ran)} trials failed ({failures})"
+        + (f", {rest} more candidates ruled out" if rest else "")
+        + "; see the worker logs in the output folder, under workers/"
+    )

@@ -1,0 +1,393 @@
+"""Calibrate the step-time model with trials: fit its factors to what was measured, predict the
+untried candidates again, and try the fastest predicted next.
+
+The step-time model (:mod:`autoshard.predict.speed`) divides each part of a step by a factor
+(compute by an efficiency, communication by a bandwidth factor, offload by a host factor, ...)
+that datasheets cannot give. Each measured trial is one equation
+
+    measured step time  ~=  predicted step time (factors)
+
+and :func:`fit_factors` solves them in the least-squares sense, on log step times (relative
+errors: a 10% miss on a 0.05 s step counts as much as on a 5 s step). The fit goes through the
+model itself, not a linear sum of its breakdown terms, because the terms are not linear in the
+factors (communication hidden behind compute is exposed only beyond it).
+
+Robust with few points:
+- a factor is a candidate for fitting only when some measured step time depends on it
+  somewhere within its bounds (by 2% or more): a study with no CPU offload says nothing about
+  the host factor, which keeps its prior;
+- factors are added one at a time, the one that explains the measurements best first (among
+  near-equals the dominant one, the largest share of the step), at most ``max(1, n - 1)`` with
+  n points, and only while each lowers the error clearly: one trial fixes the overall speed
+  through one factor, usually the compute efficiency;
+- a weak pull towards the prior (ridge on log factors) keeps factors that the points cannot
+  tell apart (two terms that always move together) near where they were;
+- every factor stays within sane bounds: those its field declares (``le=1`` on an efficiency)
+  and within a factor of 100 of its prior (gloo's collectives take milliseconds where NCCL's
+  prior says 30 us).
+
+The factors are any frozen pydantic model of float fields (the speed model's ``SpeedFactors``);
+the model is any function ``(candidate, factors) -> SpeedEstimate``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import annotated_types
+import numpy as np
+from pydantic import BaseModel
+
+from autoshard.config import Candidate, Hardware, RankOrder, WorkloadSpec
+from autoshard.gpus import GPUSpec
+from autoshard.predict.flops import FlopProfile, profile_flops
+from autoshard.predict.speed import SpeedFactors, default_factors, predict_speed, speed_for
+from autoshard.results import (
+    MemoryEstimate,
+    ModelProfile,
+    SpeedEstimate,
+    TrialResult,
+    TrialStatus,
+)
+from autoshard.space import rank_candidates
+
+F = TypeVar("F", bound=BaseModel)
+Predict = Callable[[Candidate, F], SpeedEstimate]
+
+MIN_SENSITIVITY = 0.02  # d log(step time) / d log(factor) below this: the points cannot see it
+PRIOR_WEIGHT = 1e-3  # ridge on log factors, against the sum of squared log errors
+MAX_RATIO_TO_PRIOR = 100.0
+_STEP = 0.05  # finite-difference step in log space
+# Not speeds but the structure of the backend (how much communication may hide behind compute:
+# 1 for NCCL's side streams, 0 for gloo): never fitted.
+NOT_FITTED = frozenset({"overlap"})
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured trial: the candidate and its measured seconds per step."""
+
+    candidate: Candidate
+    step_time: float
+
+
+@dataclass(frozen=True)
+class Calibration(Generic[F]):
+    """What a fit found: the factors, which of them were fitted, and how well the model then
+    matches the points it was fitted on."""
+
+    factors: F
+    fitted: tuple[str, ...]
+    points: tuple[Point, ...]
+    predicted: tuple[float, ...]  # step times of the points with the fitted factors
+    error_before: float  # root-mean-square relative error with the prior factors
+    error_after: float
+
+    def describe(self) -> str:
+        values = ", ".join(f"{k}={getattr(self.factors, k):.3g}" for k in self.fitted)
+        return (
+            f"calibrated on {len(self.points)} trials ({values or 'nothing fitted'}): "
+            f"step-time error {self.error_before:.0%} -> {self.error_after:.0%}"
+        )
+
+
+def points_of(trials: Sequence[TrialResult]) -> list[Point]:
+    """The successful, timed trials as calibration points."""
+    return [
+        Point(t.candidate, t.step_time)
+        for t in trials
+        if t.status is TrialStatus.OK and t.step_time and t.step_time > 0
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The fit
+# ---------------------------------------------------------------------------------------------
+
+
+def _float_fields(factors: BaseModel) -> list[str]:
+    return [
+        name
+        for name, info in type(factors).model_fields.items()
+        if info.annotation in (float, "float")
+        and name not in NOT_FITTED
+        and float(getattr(factors, name)) > 0
+    ]
+
+
+def _bounds(factors: BaseModel, name: str) -> tuple[float, float]:
+    """Log-space bounds of one factor: its field's declared limits, and a factor of
+    MAX_RATIO_TO_PRIOR around its prior value."""
+    prior = float(getattr(factors, name))
+    lo, hi = prior / MAX_RATIO_TO_PRIOR, prior * MAX_RATIO_TO_PRIOR
+    for limit in type(factors).model_fields[name].metadata:
+        # An open bound (gt/lt) is approached, never reached: a hair inside it.
+        if isinstance(limit, annotated_types.Le):
+            hi = min(hi, float(limit.le))  # type: ignore[arg-type]
+        elif isinstance(limit, annotated_types.Lt):
+            hi = min(hi, float(limit.lt) * (1 - 1e-9))  # type: ignore[arg-type]
+        elif isinstance(limit, annotated_types.Ge):
+            lo = max(lo, float(limit.ge))  # type: ignore[arg-type]
+        elif isinstance(limit, annotated_types.Gt):
+            lo = max(lo, float(limit.gt) * (1 + 1e-9))  # type: ignore[arg-type]
+    lo = max(lo, 1e-12)
+    return math.log(lo), math.log(max(hi, lo))
+
+
+def _with(factors: F, names: Sequence[str], logs: np.ndarray) -> F:
+    return factors.model_copy(
+        update={n: float(math.exp(v)) for n, v in zip(names, logs, strict=True)}
+    )
+
+
+def _log_times(points: Sequence[Point], predict: Predict[F], factors: F) -> np.ndarray:
+    return np.array([math.log(predict(p.candidate, factors).step_time_s) for p in points])
+
+
+def _rms_relative(predicted: Sequence[float], points: Sequence[Point]) -> float:
+    if not points:
+        return 0.0
+    errs = [pred / p.step_time - 1 for pred, p in zip(predicted, points, strict=True)]
+    return math.sqrt(sum(e * e for e in errs) / len(errs))
+
+
+def sensitivities(
+    points: Sequence[Point], predict: Predict[F], factors: F, names: Sequence[str]
+) -> np.ndarray:
+    """``d log(step time) / d log(factor)`` for each point (rows) and factor (columns): about
+    minus the share of the step that the factor divides."""
+    base = _log_times(points, predict, factors)
+    logs = np.array([math.log(getattr(factors, n)) for n in names])
+    out = np.zeros((len(points), len(names)))
+    for j, name in enumerate(names):
+        step = -_STEP if logs[j] + _STEP > _bounds(factors, name)[1] else _STEP
+        moved = logs.copy()
+        moved[j] += step
+        out[:, j] = (_log_times(points, predict, _with(factors, names, moved)) - base) / step
+    return out
+
+
+def relevant_factors(
+    points: Sequence[Point], predict: Predict[F], prior: F, names: Sequence[str] | None = None
+) -> list[str]:
+    """The factors that change some point's predicted step time by at least MIN_SENSITIVITY
+    (relative) somewhere within their bounds, dominant first (largest mean sensitivity at the
+    prior). Judged at the bounds too, not only at the prior: a term that is negligible with the
+    prior's value (a collective's latency of 30 us) may be what the measurements show (gloo's
+    milliseconds)."""
+    names = list(names) if names is not None else _float_fields(prior)
+    if not points or not names:
+        return []
+    base = _log_times(points, predict, prior)
+    sens = np.abs(sensitivities(points, predict, prior, names)).mean(axis=0)
+    out = []
+    for j, name in enumerate(names):
+        effect = 0.0
+        for bound in _bounds(prior, name):
+            moved = _log_times(points, predict, _with(prior, [name], np.array([bound])))
+            effect = max(effect, float(np.abs(moved - base).max()))
+        if effect >= MIN_SENSITIVITY:
+            out.append((sens[j], name))
+    return [name for _, name in sorted(out, key=lambda t: -t[0])]
+
+
+def _solve(
+    points: Sequence[Point], predict: Predict[F], prior: F, chosen: Sequence[str], iterations: int
+) -> tuple[np.ndarray, float]:
+    """Least squares on log step times over the ``chosen`` factors (log space), with the weak
+    pull towards the prior and the bounds: (log factors, cost)."""
+    measured = np.array([math.log(p.step_time) for p in points])
+    theta0 = np.array([math.log(getattr(prior, n)) for n in chosen])
+    bounds = np.array([_bounds(prior, n) for n in chosen]).reshape(-1, 2)
+    theta = np.clip(theta0, bounds[:, 0], bounds[:, 1])
+    ridge = math.sqrt(PRIOR_WEIGHT)
+
+    def residuals(t: np.ndarray) -> np.ndarray:
+        model = _log_times(points, predict, _with(prior, chosen, t)) - measured
+        return np.concatenate([model, ridge * (t - theta0)])
+
+    # Levenberg-Marquardt with a numerical Jacobian, projected onto the bounds: a handful of
+    # parameters and points, a few model evaluations per point and iteration.
+    damping = 1e-2
+    r = residuals(theta)
+    cost = float(r @ r)
+    h = _STEP / 5
+    for _ in range(iterations if len(chosen) else 0):
+        jac = np.zeros((len(r), len(chosen)))
+        for j in range(len(chosen)):
+            # a step inwards at an upper bound: the factor must stay valid (le=1)
+            hj = -h if theta[j] + h > bounds[j, 1] else h
+            step = theta.copy()
+            step[j] += hj
+            jac[:, j] = (residuals(step) - r) / hj
+        gram, grad = jac.T @ jac, jac.T @ r
+        improved = converged = False
+        while damping < 1e8:
+            delta = np.linalg.solve(gram + damping * np.diag(np.diag(gram) + 1e-12), -grad)
+            trial = np.clip(theta + delta, bounds[:, 0], bounds[:, 1])
+            r_trial = residuals(trial)
+            cost_trial = float(r_trial @ r_trial)
+            if cost_trial < cost:
+                converged = cost - cost_trial < 1e-6 * cost
+                theta, r, cost, improved = trial, r_trial, cost_trial, True
+                damping = max(damping / 3, 1e-9)
+                break
+            damping *= 4
+        if not improved or converged:
+            break
+    return theta, cost
+
+
+def _best_addition(
+    points: Sequence[Point],
+    predict: Predict[F],
+    prior: F,
+    chosen: Sequence[str],
+    options: Sequence[tuple[str, ...]],
+    iterations: int,
+) -> tuple[tuple[str, ...], np.ndarray, float]:
+    """The option (factors to add) that fits best: (factors, log factors, cost). Options come
+    dominant-first; the first within 5% of the best wins."""
+    tries = [(added, *_solve(points, predict, prior, [*chosen, *added], iterations))
+             for added in options]  # fmt: skip
+    least = min(c for _, _, c in tries)
+    return next(x for x in tries if x[2] <= least * 1.05 + 1e-15)
+
+
+def fit_factors(
+    points: Sequence[Point],
+    predict: Predict[F],
+    prior: F,
+    names: Sequence[str] | None = None,
+    *,
+    iterations: int = 30,
+) -> Calibration[F]:
+    """Fit the factors to measured step times (see the module docstring).
+
+    ``names`` restricts the candidates for fitting (default: every positive float field of
+    ``prior`` but NOT_FITTED). Factors are added one at a time (forward selection): each round
+    adds the one that lowers the squared log error most (among near-equals, the dominant one),
+    up to ``max(1, n - 1)`` factors, and stops when the next would lower it by less than a
+    fifth (the points cannot tell it from noise). A round where no single factor helps tries
+    pairs: two terms can pull in opposite directions (faster compute and slower collectives
+    both, measured on 12 CPU trials), where either alone makes some points worse.
+    """
+    points = tuple(points)
+    before = [math.exp(v) for v in _log_times(points, predict, prior)] if points else []
+    pool = relevant_factors(points, predict, prior, names)
+    chosen: list[str] = []
+    theta = np.zeros(0)
+    _, cost = _solve(points, predict, prior, chosen, iterations) if points else (theta, 0.0)
+    limit = max(1, len(points) - 1)
+    while pool and len(chosen) < limit and cost > 1e-12:
+        step = _best_addition(points, predict, prior, chosen, [(n,) for n in pool], iterations)
+        if step[2] > 0.8 * cost and len(chosen) + 2 <= limit and len(pool) >= 2:
+            pairs = [(a, b) for i, a in enumerate(pool) for b in pool[i + 1 :]]
+            step = _best_addition(points, predict, prior, chosen, pairs, iterations)
+        added, t, c = step
+        if c > 0.8 * cost:
+            break
+        chosen.extend(added)
+        pool = [n for n in pool if n not in added]
+        theta, cost = t, c
+    factors = _with(prior, chosen, theta)
+    after = [math.exp(v) for v in _log_times(points, predict, factors)]
+    return Calibration(
+        factors=type(prior).model_validate(factors.model_dump()),
+        fitted=tuple(chosen),
+        points=points,
+        predicted=tuple(after),
+        error_before=_rms_relative(before, points),
+        error_after=_rms_relative(after, points),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Re-ranking the untried candidates
+# ---------------------------------------------------------------------------------------------
+
+
+def repredict(
+    estimates: Sequence[MemoryEstimate], predict: Predict[F], factors: F, *, calibrated: bool
+) -> list[MemoryEstimate]:
+    """The estimates with their speed predicted again with ``factors``."""
+    out = []
+    for e in estimates:
+        speed = predict(e.candidate, factors).model_copy(update={"calibrated": calibrated})
+        out.append(e.model_copy(update={"speed": speed}))
+    return out
+
+
+def order_by_speed(estimates: Sequence[MemoryEstimate]) -> list[MemoryEstimate]:
+    """Fitting candidates fastest predicted first (ties: more headroom first), then the rest
+    (:func:`autoshard.space.rank_candidates`, the one order of every door)."""
+    return rank_candidates(estimates, RankOrder.SPEED)
+
+
+@dataclass(frozen=True)
+class SpeedModel:
+    """The step-time model bound to one study: the model's profile and FLOPs, the hardware and
+    workload planned for, the resolved catalogue entry, and the uncalibrated factors.
+
+    >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec, analyze_target
+    >>> from autoshard.predict.calibrate import SpeedModel
+    >>> profile, built = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
+    >>> model = SpeedModel.build(profile, built.model, Hardware(gpus_per_node=8,
+    ...     gpu_memory=80 * 2**30, gpu="h100-sxm"), WorkloadSpec(seq_len=128))
+    >>> model.predict(Candidate(), model.prior).gpu
+    'h100-sxm'
+    """
+
+    profile: ModelProfile
+    flops: FlopProfile
+    hardware: Hardware
+    workload: WorkloadSpec
+    gpu: GPUSpec
+    prior: SpeedFactors
+    note: str = ""  # what was assumed about the GPU (said by the pipeline as a warning)
+
+    @classmethod
+    def build(
+        cls,
+        profile: ModelProfile,
+        meta_model: Any,
+        hardware: Hardware,
+        workload: WorkloadSpec,
+        batch: Any = None,
+    ) -> SpeedModel:
+        """Count the FLOPs of ``meta_model`` (built on the meta device) and resolve the GPU."""
+        flops = profile_flops(meta_model, profile, workload, batch=batch)
+        gpu, note = speed_for(hardware)
+        return cls(profile, flops, hardware, workload, gpu, default_factors(gpu), note)
+
+    def predict(self, candidate: Candidate, factors: SpeedFactors) -> SpeedEstimate:
+        return predict_speed(
+            self.profile, self.flops, candidate, self.hardware, self.workload, factors,
+            gpu=self.gpu,
+        )  # fmt: skip
+
+    def attach(self, estimates: Sequence[MemoryEstimate]) -> list[MemoryEstimate]:
+        """The estimates with the uncalibrated speed prediction."""
+        return repredict(estimates, self.predict, self.prior, calibrated=False)
+
+
+def reorder_untried(
+    untried: Sequence[MemoryEstimate],
+    trials: Sequence[TrialResult],
+    predict: Predict[F],
+    prior: F,
+) -> tuple[list[MemoryEstimate], Calibration[F]]:
+    """Calibrate the model on the measured ``trials`` and re-rank the ``untried`` candidates
+    with it: their speed estimates are replaced by the calibrated model's (``calibrated=True``
+    once at least one trial was fitted), fastest predicted first.
+
+    Call it after each successful trial, with every trial so far: the fit starts from the
+    prior each time, so the order never depends on the order the trials ran in.
+    """
+    calibration = fit_factors(points_of(trials), predict, prior)
+    again = repredict(untried, predict, calibration.factors, calibrated=bool(calibration.fitted))
+    return order_by_speed(again), calibration

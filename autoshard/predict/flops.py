@@ -1,0 +1,481 @@
+"""FLOPs of one training step, counted on fake tensors: the compute term of the step-time model
+(:mod:`autoshard.predict.speed`).
+
+:func:`profile_flops` runs the forward and the backward of the model at micro-batch 1 and the
+workload's sequence length under ``FakeTensorMode`` (shapes only, no memory, no arithmetic) and
+counts them with torch's ``FlopCounterMode`` (matrix products, convolutions, attention), per
+block and outside the blocks. FLOPs are linear in the micro-batch but attention is quadratic in
+the sequence, so the profile is taken at the real sequence length and scaled by micro-batch only.
+
+Beside the FLOPs it counts the bytes the other operations read and write (normalisations,
+activations, residual additions, casts, the loss: everything that is not a matrix product or
+attention). Run one kernel each in eager PyTorch, they are bound by memory bandwidth, not FLOP/s:
+on a GPU whose FLOP/s outgrew its memory bandwidth (an H100 has 3.2x an A100's FLOP/s and 1.6x
+its bandwidth; an L4 120 TFLOP/s against 300 GB/s) they take a larger share of the step.
+
+Repeated blocks (same class and shapes, same input shapes) are counted once, the way
+:mod:`autoshard.predict.activations` profiles them: in the model's forward, every block is
+replaced by a stand-in that returns outputs of the right shapes and a zero gradient, so the
+model's own pass counts only what lies outside the blocks; each distinct block is counted alone,
+forward and backward. A 70B model costs one block and its embedding and head.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, NamedTuple
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
+from autoshard.config import WorkloadSpec
+from autoshard.predict.activations import (
+    _first_sample,
+    _fresh_like,
+    _materialize,
+    _shapes,
+    _signature,
+)
+from autoshard.predict.fakes import experts_for_fake_tensors, fake_forward_support
+from autoshard.results import ModelProfile
+from autoshard.target.step import compute_loss, find_vocab_size, forward, move_to
+
+aten = torch.ops.aten
+
+
+class FlopProfile(BaseModel):
+    """FLOPs of one sample's forward and backward (micro-batch 1), per block and outside them.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from autoshard import WorkloadSpec, analyze_model
+    >>> from autoshard.predict.flops import profile_flops
+    >>> with torch.device("meta"):
+    ...     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    >>> flops = profile_flops(model, analyze_model(model), WorkloadSpec(),
+    ...                       batch=torch.randn(8, 64))
+    >>> flops.block_forward  # 2 x 64 x 64 multiply-adds per sample and Linear
+    (8192, 8192, 8192, 8192)
+    >>> flops.forward, flops.backward  # the first Linear's input needs no gradient
+    (32768, 57344)
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seq_len: int | None = Field(None, description="Sequence length the profile was taken at.")
+    block_forward: tuple[int, ...] = Field((), description="Forward FLOPs of each block, in order.")
+    block_backward: tuple[int, ...] = Field(
+        (), description="Backward FLOPs of each block (input and weight gradients)."
+    )
+    other_forward: int = Field(0, description="Forward FLOPs outside the blocks (embedding, head).")
+    other_backward: int = Field(0, description="Backward FLOPs outside the blocks.")
+    block_forward_traffic: tuple[int, ...] = Field(
+        (),
+        description="Bytes the forward's memory-bound operations of each block read and write, "
+        "in fp32 (the step-time model scales them to the compute dtype).",
+    )
+    block_backward_traffic: tuple[int, ...] = Field(
+        (), description="The same for each block's backward."
+    )
+    other_forward_traffic: int = Field(0, description="The same outside the blocks, forward.")
+    other_backward_traffic: int = Field(0, description="The same outside the blocks, backward.")
+    block_forward_ops: tuple[int, ...] = Field(
+        (),
+        description="Operations (kernels) of each block's forward, at any micro-batch: what "
+        "launching them costs does not grow with the batch.",
+    )
+    block_backward_ops: tuple[int, ...] = Field((), description="The same for the backward.")
+    other_forward_ops: int = Field(0, description="The same outside the blocks, forward.")
+    other_backward_ops: int = Field(0, description="The same outside the blocks, backward.")
+    measured: bool = Field(True, description="False when estimated as 6 x parameters x tokens.")
+    note: str = Field("", description="Why the FLOPs were estimated, when they were.")
+
+    @property
+    def forward(self) -> int:
+        """Forward FLOPs of one sample."""
+        return sum(self.block_forward) + self.other_forward
+
+    @property
+    def backward(self) -> int:
+        """Backward FLOPs of one sample."""
+        return sum(self.block_backward) + self.other_backward
+
+    @property
+    def total(self) -> int:
+        """Forward and backward FLOPs of one sample (what a step computes without recompute)."""
+        return self.forward + self.backward
+
+    @property
+    def traffic(self) -> int:
+        """Bytes (fp32) of the memory-bound operations of one sample's forward and backward."""
+        return (
+            sum(self.block_forward_traffic)
+            + sum(self.block_backward_traffic)
+            + self.other_forward_traffic
+            + self.other_backward_traffic
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention on fake CPU tensors
+# ---------------------------------------------------------------------------------------------
+
+# On fake CPU tensors SDPA dispatches to the CPU flash kernel, which torch's counter does not
+# know (it counts the CUDA kernels only): without these, attention would count zero FLOPs.
+# A causal kernel skips the masked half of the score matrix (flash attention's tiles above the
+# diagonal; torch's own formulas ignore the mask, "NB: We aren't accounting for causal
+# attention here"), and the step time follows the work done: half the attention FLOPs.
+
+
+def _cpu_flash_forward(
+    query: Any, key: Any, value: Any, dropout_p: float = 0.0, is_causal: bool = False,
+    *args: Any, out_shape: Any = None, **kwargs: Any,
+) -> int:  # fmt: skip
+    flops = sdpa_flop_count(query, key, value)
+    return flops // 2 if is_causal else flops
+
+
+def _cpu_flash_backward(
+    grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsumexp: Any,
+    dropout_p: float = 0.0, is_causal: bool = False, *args: Any, out_shape: Any = None,
+    **kwargs: Any,
+) -> int:  # fmt: skip
+    flops = sdpa_backward_flop_count(grad_out, query, key, value)
+    return flops // 2 if is_causal else flops
+
+
+_CPU_ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_forward,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
+}
+
+
+class _Traffic(TorchDispatchMode):
+    """Operations that run a kernel (not views), and the bytes read and written by those that
+    are not matrix products or attention: each input tensor once and each output, as an eager
+    kernel moves them through memory. Allocating (``empty``) moves nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        name = packet.__name__
+        if not outs or name.startswith("empty") or name.startswith("new_empty"):
+            return out
+        ins = {id(t): t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        in_place = any(
+            r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns
+        )
+        storages = {t.untyped_storage()._cdata for t in ins.values()}
+        if not in_place and any(t.untyped_storage()._cdata in storages for t in outs):
+            return out  # a view of an input
+        self.ops += 1
+        if packet in _COMPUTE_BOUND:
+            return out
+        written = 0 if in_place else sum(_nbytes(t) for t in outs)
+        if name in ("embedding", "index_select"):  # reads the rows it returns, not the table
+            read = written + sum(_nbytes(t) for t in ins.values() if not t.is_floating_point())
+        elif name.endswith("_like"):  # zeros_like, ones_like...: the input gives a shape only
+            read = 0
+        else:
+            read = sum(_nbytes(t) for t in ins.values())
+        self.bytes += read + written
+        return out
+
+
+_COMPUTE_BOUND = set(flop_registry) | set(_CPU_ATTENTION)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Counts(NamedTuple):
+    flops: int
+    traffic: int
+    ops: int
+
+    def __sub__(self, other: tuple[int, ...]) -> _Counts:
+        return _Counts(*(a - b for a, b in zip(self, other, strict=True)))
+
+
+class _Counter:
+    """FLOPs (torch's counter, with CPU attention) and memory traffic, counted together."""
+
+    def __init__(self) -> None:
+        self.flop_counter = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
+        self.traffic = _Traffic()
+
+    def totals(self) -> _Counts:
+        return _Counts(self.flop_counter.get_total_flops(), self.traffic.bytes, self.traffic.ops)
+
+    def __enter__(self) -> _Counter:
+        self.flop_counter.__enter__()
+        self.traffic.__enter__()  # innermost: sees each operation once, before any decomposition
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.traffic.__exit__(*exc)
+        self.flop_counter.__exit__(*exc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stand-ins for blocks
+# ---------------------------------------------------------------------------------------------
+
+
+class _StandIn(torch.autograd.Function):
+    """A block's outputs without its computation: fresh tensors of the recorded shapes that
+    depend on the block's inputs, so the backward still reaches what came before the block
+    (a patch embedding's convolution), with a gradient that costs no FLOPs and moves no memory."""
+
+    @staticmethod
+    def forward(ctx: Any, templates: tuple[torch.Tensor, ...], *inputs: torch.Tensor) -> Any:
+        ctx.inputs = [(tuple(t.shape), t.dtype) for t in inputs]
+        return tuple(torch.empty_like(t) for t in templates)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        # On fake tensors a gradient's values do not matter: an empty one moves no memory.
+        return (None, *(torch.empty(shape, dtype=dtype) for shape, dtype in ctx.inputs))
+
+
+def _stand_in(template: Any, args: Any) -> Any:
+    """Outputs shaped like ``template`` (a block's recorded output), attached to ``args``."""
+    leaves, spec = tree_flatten(template)
+    floats = [i for i, t in enumerate(leaves) if _differentiable(t)]
+    inputs = [t for t in tree_flatten(args)[0] if _differentiable(t) and t.requires_grad]
+    out = [_fresh_like(t) if isinstance(t, torch.Tensor) else t for t in leaves]
+    if floats and inputs:
+        made = _StandIn.apply(tuple(leaves[i] for i in floats), *inputs)
+        for i, tensor in zip(floats, made, strict=True):
+            out[i] = tensor
+    return tree_unflatten(out, spec)
+
+
+def _differentiable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _float_outputs(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if _differentiable(t) and t.requires_grad]
+
+
+def _backward(output: Any, counter: _Counter | None = None) -> _Counts:
+    """Run the backward of every floating output (its gradients seeded with ones); return the
+    counter's totals once the seeds are made, so that they are not counted as backward work."""
+    outs = _float_outputs(output)
+    seeds = [torch.ones_like(t) for t in outs]
+    before = counter.totals() if counter is not None else _Counts(0, 0, 0)
+    if outs:
+        torch.autograd.backward(outs, seeds)
+    return before
+
+
+# ---------------------------------------------------------------------------------------------
+# The profile
+# ---------------------------------------------------------------------------------------------
+
+
+def profile_flops(
+    model: nn.Module,
+    profile: ModelProfile,
+    workload: WorkloadSpec,
+    batch: Any | None = None,
+) -> FlopProfile:
+    """Count the FLOPs of one sample's forward and backward on fake tensors, per block (the
+    profile's checkpoint classes) and outside the blocks. A model whose forward does not run on
+    fake tensors gets an estimate of 6 x parameters x tokens, said in ``note``.
+
+    >>> from autoshard import TargetSpec, WorkloadSpec, analyze_target
+    >>> from autoshard.predict.flops import profile_flops
+    >>> profile, built = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
+    >>> flops = profile_flops(built.model, profile, WorkloadSpec(seq_len=128))
+    >>> flops.measured, len(flops.block_forward)
+    (True, 4)
+    >>> round(flops.block_backward[1] / flops.block_forward[1], 2)  # input and weight grads
+    2.04
+    """
+    try:
+        if any(not p.is_meta for p in model.parameters()):
+            raise ValueError("profile_flops needs a model built on the meta device")
+        if batch is not None:
+            batch = _first_sample(batch)
+        else:
+            if find_vocab_size(model) is None or workload.seq_len is None:
+                raise ValueError("no example batch and no sequence length")
+            batch = torch.zeros(1, workload.seq_len, dtype=torch.long)
+        with fake_forward_support():  # fp32 grouped_mm experts; torch's tracebacks kept out
+            return _count(model, profile, batch, workload.seq_len)
+    except Exception as exc:  # a forward that cannot run on fake tensors: estimate, say so
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        return six_n_t(profile, workload, why)
+
+
+def _count(
+    meta_model: nn.Module, profile: ModelProfile, batch: Any, seq: int | None
+) -> FlopProfile:
+    from autoshard.sharding import wrap_classes_of
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    model = copy.deepcopy(meta_model)  # a meta copy costs nothing
+    experts_for_fake_tensors(model)  # an eager experts loop: the same rows as grouped_mm
+    block_types = tuple(wrap_classes_of(model, profile.checkpoint_policy))
+    blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
+    signatures = {id(block): _signature(block) for block in blocks}
+    # Blocks repeating an earlier one's signature stay on meta until one has to run.
+    seen: set[Any] = set()
+    repeats: set[int] = set()
+    for block in blocks:
+        if signatures[id(block)] in seen:
+            repeats.add(id(block))
+        seen.add(signatures[id(block)])
+    in_repeats = {id(m) for b in blocks if id(b) in repeats for m in b.modules()}
+    with fake:
+        for module in model.modules():
+            if id(module) not in in_repeats:
+                _materialize(module, torch.float32, recurse=False)
+        batch = move_to(batch, torch.device("cpu"))
+
+    counter = _Counter()
+    forward_counts: list[_Counts] = [_Counts(0, 0, 0)] * len(blocks)
+    # (signature, input shapes) -> (the block, fresh inputs, output template, forward counts)
+    distinct: dict[Any, tuple[nn.Module, Any, Any, _Counts]] = {}
+    keys: list[Any] = [None] * len(blocks)
+
+    def standing_in(index: int, block: nn.Module) -> Any:
+        original = block.forward
+
+        def stand_in_forward(*args: Any, **kwargs: Any) -> Any:
+            key = (signatures[id(block)], _shapes((args, kwargs)))
+            keys[index] = key
+            if key not in distinct:
+                if any(p.is_meta for p in block.parameters()):  # a repeat with a new input
+                    _materialize(block, torch.float32, recurse=True)
+                before = counter.totals()
+                output = original(*args, **kwargs)
+                counts = counter.totals() - before
+                distinct[key] = (block, _fresh_like((args, kwargs)), _fresh_like(output), counts)
+            forward_counts[index] = distinct[key][3]
+            return _stand_in(distinct[key][2], (args, kwargs))  # empty tensors: nothing counted
+
+        stand_in_forward.original = original  # type: ignore[attr-defined]
+        return stand_in_forward
+
+    for index, block in enumerate(blocks):
+        block.forward = standing_in(index, block)
+    with fake:
+        with counter:
+            output = forward(model, batch)
+            forward_total = counter.totals()
+            _backward_of_loss(output, batch)
+        total = counter.totals()
+        # Each distinct block alone, its inner blocks (if any) still standing in.
+        backward_of: dict[Any, _Counts] = {}
+        for key, (block, inputs, _, _) in distinct.items():
+            try:
+                backward_of[key] = _backward_alone(block, inputs)
+            except RuntimeError:
+                # An object the block was given holds tensors of the model's pass, whose graph
+                # its backward has freed (a Hugging Face key/value cache: GPT-2 builds one in
+                # training unless its config says use_cache=False, T5's decoder even then):
+                # count the block without it.
+                backward_of[key] = _backward_alone(block, _without_objects(inputs))
+    if blocks and any(k is None for k in keys):
+        raise RuntimeError("some blocks did not run in the model's forward")
+    once = [d[3] for d in distinct.values()]  # each distinct block ran once in the model
+    blocks_once = _Counts(*(sum(c) for c in zip(*once, strict=True))) if once else _Counts(0, 0, 0)
+    other_forward = forward_total - blocks_once
+    other_backward = total - forward_total  # the blocks' backward stood in: nothing counted
+    backward_counts = [backward_of[k] for k in keys]
+    return FlopProfile(
+        seq_len=seq,
+        block_forward=tuple(c.flops for c in forward_counts),
+        block_backward=tuple(c.flops for c in backward_counts),
+        other_forward=other_forward.flops,
+        other_backward=other_backward.flops,
+        block_forward_traffic=tuple(c.traffic for c in forward_counts),
+        block_backward_traffic=tuple(c.traffic for c in backward_counts),
+        other_forward_traffic=other_forward.traffic,
+        other_backward_traffic=other_backward.traffic,
+        block_forward_ops=tuple(c.ops for c in forward_counts),
+        block_backward_ops=tuple(c.ops for c in backward_counts),
+        other_forward_ops=other_forward.ops,
+        other_backward_ops=other_backward.ops,
+    )
+
+
+def _backward_alone(block: nn.Module, inputs: Any) -> _Counts:
+    """What the backward of ``block`` alone counts, on fresh ``(args, kwargs)``."""
+    args, kwargs = inputs
+    counter = _Counter()
+    try:
+        with counter:
+            out = block.forward.original(*args, **kwargs)  # type: ignore[attr-defined]
+            before = _backward(out, counter)
+    finally:
+        for p in block.parameters():
+            p.grad = None
+    return counter.totals() - before
+
+
+def _without_objects(value: Any) -> Any:
+    """``value`` with every object that is not a tensor, a container or a plain value replaced
+    by None."""
+    if isinstance(value, torch.Tensor) or value is None:
+        return value
+    if isinstance(value, dict):
+        return type(value)({k: _without_objects(v) for k, v in value.items()})
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_without_objects(v) for v in value)
+    if isinstance(value, int | float | bool | str | torch.dtype | torch.device):
+        return value
+    return None
+
+
+def _backward_of_loss(output: Any, batch: Any) -> None:
+    """The backward of the step's loss (the model's own, or next-token cross-entropy), or of
+    every floating output when no loss can be made from it: the same matrix products."""
+    try:
+        loss = compute_loss(output, batch)
+    except Exception:
+        _backward(output)
+        return
+    if loss.requires_grad:
+        loss.backward()
+
+
+def six_n_t(profile: ModelProfile, workload: WorkloadSpec, why: str) -> FlopProfile:
+    """The rule of thumb (Kaplan et al. 2020): 2 FLOPs per parameter and token forward, 4
+    backward; attention's sequence-squared term is left out."""
+    tokens = workload.seq_len or 1
+    blocks = max(profile.block_count, 0)
+    block = 2 * profile.block_params * tokens
+    other = 2 * max(profile.total_params - blocks * profile.block_params, 0) * tokens
+    return FlopProfile(
+        seq_len=workload.seq_len,
+        block_forward=(block,) * blocks,
+        block_backward=(2 * block,) * blocks,
+        other_forward=other,
+        other_backward=2 * other,
+        measured=False,
+        note=f"FLOPs estimated as 6 x parameters x tokens: the forward did not run on fake "
+        f"tensors ({why})",
+    )

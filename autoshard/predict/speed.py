@@ -1,0 +1,674 @@
+"""The step time of a candidate on the planned GPUs: arithmetic after one FLOP profile
+(:mod:`autoshard.predict.flops`), well under a millisecond per candidate.
+
+One optimizer step of one rank is the sum of
+- **compute**: the forward and backward FLOPs of ``accumulate`` micro-batches over the GPU's
+  dense peak at the candidate's precision (bf16/fp16 tensor cores under ``bf16-mixed``,
+  ``16-mixed``, ``bf16-true``; under ``32-true`` the fp32 CUDA-core rate, because torch multiplies
+  fp32 matrices at "highest" precision unless told otherwise and Lightning's ``32-true`` does not
+  tell it) times ``compute_efficiency``, plus the bytes the memory-bound operations move
+  (normalisations, activations, the loss, counted in the FLOP profile) over the GPU's memory
+  bandwidth times ``memory_efficiency`` (a roofline: an H100 has 3.2x an A100's FLOP/s but 1.6x
+  its bandwidth, so these operations take a larger share of its step);
+- **recompute**: the same for the forward of the checkpointed blocks, again in backward;
+- **exposed communication**: the collectives FSDP runs, on a timeline with the compute (two
+  streams, :func:`timeline`): each unit's all-gather is issued when the unit before it starts
+  computing (FSDP's prefetch), so it hides behind that unit's compute; a reduce-scatter starts
+  when its unit's backward is done. What the compute does not hide is exposed; a model that is
+  one FSDP unit hides nothing (its gather comes before all its compute, its reduction after);
+- **offload** (CPU offload): parameter shards to the GPU at every gather and gradient shards back,
+  over the host link, and the optimizer step on the host CPU, bound by its memory bandwidth;
+- **optimizer**: otherwise the optimizer step on the GPU, bound by HBM bandwidth.
+
+The bytes each collective moves, per rank: a ring all-gather or reduce-scatter over a group of
+``n`` moves ``(n - 1) / n`` of the unit, an all-reduce twice that; parameters are gathered in the
+compute dtype, gradients reduced in the reduce dtype. A group inside one node runs at the GPU's
+link inside the node; a ring spanning nodes carries the whole group's traffic across each node's
+network (every node's GPUs share its NICs), so it runs at the slower of the GPU's link and
+``inter_node_bandwidth x ranks of the group per node / GPUs per node``.
+
+The factors (:class:`SpeedFactors`) say how much of each peak is reached; trials calibrate them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+from pydantic import Field
+
+from autoshard.config import (
+    BackwardPrefetch,
+    Candidate,
+    Checkpointing,
+    Engine,
+    Frozen,
+    Hardware,
+    Optimizer,
+    OptimizerImpl,
+    Precision,
+    Reshard,
+    Sharding,
+    WorkloadSpec,
+)
+from autoshard.gpus import CATALOGUE, DEFAULT_GPU, GPUSpec, gpu_spec, match_gpu_name
+from autoshard.predict.analytic import as_run
+from autoshard.predict.flops import FlopProfile
+from autoshard.results import ModelProfile, SpeedBreakdown, SpeedEstimate
+
+
+class SpeedFactors(Frozen):
+    """How much of each hardware peak a training step reaches: what trials calibrate.
+
+    The defaults are one set for every GPU, from public measurements (not fitted to the
+    benchmark that checks them, ``benchmarks/step_time_published.py``).
+
+    >>> from autoshard.predict.speed import SpeedFactors
+    >>> SpeedFactors().compute_efficiency
+    0.55
+    """
+
+    compute_efficiency: float = Field(
+        0.55,
+        gt=0,
+        le=1,
+        description="Achieved / dense peak FLOP/s of the counted FLOPs (matrix products and "
+        "attention). Default: large-model training reaches 50-57% model FLOPs utilisation on "
+        "A100s (Megatron-LM, Korthikanti et al. 2022: 52-56%; PyTorch's FSDP Llama 2 7B blog, "
+        "2024: 57%) and 35-46% on H100s (the same blog; llm-foundry's MPT tables); the best "
+        "single large matrix product reaches 80-86% (Bekman's maximum achievable matmul FLOPS "
+        "table, ml-engineering).",
+    )
+    comm_efficiency: float = Field(
+        0.75,
+        gt=0,
+        le=1,
+        description="Achieved / link bandwidth of a collective. Default: NCCL's all-gather and "
+        "reduce-scatter bus bandwidth reach about 80% of NVLink (nccl-tests on 8 H100 SXM: ~360 "
+        "of 450 GB/s) and about 90% of InfiniBand at large messages; FSDP's per-unit messages "
+        "run beside compute that shares the GPU, so a little less.",
+    )
+    collective_latency_s: float = Field(
+        30e-6,
+        ge=0,
+        description="Fixed cost of one collective (launch, synchronisation), seconds. NCCL's "
+        "small-message latency is 10-50 us inside a node and grows slowly with the number of "
+        "nodes (tree and PAT algorithms); one number for all.",
+    )
+    memory_efficiency: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Achieved / peak device-memory bandwidth of the memory-bound work (the "
+        "model's element-wise operations and the optimizer step): large element-wise kernels "
+        "reach 80-90% of HBM bandwidth.",
+    )
+    host_efficiency: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Achieved / peak host-link bandwidth of CPU offload's copies (pinned "
+        "copies reach ~25 of PCIe Gen4's 32 GB/s).",
+    )
+    host_memory_bandwidth: float = Field(
+        100e9,
+        gt=0,
+        description="Bytes/s of host memory that the ranks of one node stream through in their "
+        "CPU optimizer steps. Default: 8 ranks of one thread each (torchrun's OMP_NUM_THREADS=1) "
+        "at the ~13 GB/s one core copies (measured on this project's Xeon VM); a dual-socket "
+        "server's DRAM peaks at 400-600 GB/s.",
+    )
+    op_overhead_s: float = Field(
+        10e-6,
+        ge=0,
+        description="Host seconds to issue one operation (Python, dispatcher, autograd, kernel "
+        "launch). A GPU runs the kernels meanwhile, so this bounds a small model's step from "
+        "below; CPU processes pay it on top of the work (measured at run time for cpu-gloo). "
+        "Default: eager PyTorch issues a CUDA operation in 5-10 us.",
+    )
+    overlap: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Fraction of the communication that may hide behind compute: 1 for NCCL "
+        "(its own CUDA streams), 0 where collectives block the compute (gloo on CPU processes).",
+    )
+
+
+DEFAULT_FACTORS = SpeedFactors()
+
+
+def default_factors(gpu: GPUSpec) -> SpeedFactors:
+    """The uncalibrated factors for ``gpu``: one set for every GPU, another for CPU processes
+    (gloo), where FSDP waits for each collective on the calling thread (no side stream), so
+    nothing overlaps, and issuing an operation costs what was measured here. The trials
+    calibrate the rest."""
+    if gpu.id != "cpu-gloo":
+        return DEFAULT_FACTORS
+    # Profiled here (torch.profiler, the tiny GPT's fp32 step on one thread, the machine
+    # otherwise idle): its matrix products ran at 130 GFLOP/s against the 256 x 256 product's
+    # 185, and torch's CPU AdamW streamed its 20 passes at 14 GB/s against a 54 GB/s copy.
+    # A 4 KB all-gather between 2 gloo processes took 1.2 ms of wall time, a 4 KB
+    # reduce-scatter 0.4 ms; CPU trials time CPU seconds (autoshard.trials.worker.time_steps),
+    # and in those a 1 KB all-gather cost 0.075 ms.
+    return SpeedFactors(
+        compute_efficiency=0.7,
+        memory_efficiency=0.25,
+        collective_latency_s=1e-4,
+        overlap=0.0,
+        op_overhead_s=_measure_cpu()[3],
+    )
+
+
+# Bytes one optimizer step streams per parameter, per 4-byte element: a fused AdamW reads the
+# parameter, its gradient and two states and writes three (7 passes); torch's foreach (and
+# for-loop) AdamW runs one kernel per operation (weight decay, lerp, mul, addcmul, sqrt, div,
+# add, addcdiv: 20 tensor passes, torch/optim/adam.py `_multi_tensor_adam`). Measured here on
+# one CPU thread: foreach AdamW moved 3.5-4.5 GB/s counted at 7 passes against a 13.4 GB/s copy,
+# the 7/20 the pass count predicts. SGD with momentum: 5 passes fused, 8 as separate kernels.
+_OPTIMIZER_PASSES = {
+    Optimizer.ADAMW: (7, 20),
+    Optimizer.ADAM: (7, 20),
+    Optimizer.SGD: (5, 8),
+}
+
+
+def optimizer_bytes_per_param(candidate: Candidate) -> int:
+    """Bytes of memory traffic per parameter of one optimizer step: its passes over tensors of
+    the stored dtype (fp32, or bf16 under ``bf16-true``)."""
+    fused, separate = _OPTIMIZER_PASSES[candidate.optimizer]
+    passes = fused if candidate.optimizer_impl is OptimizerImpl.FUSED else separate
+    return _element_bytes(candidate)[0] * passes
+
+
+# ---------------------------------------------------------------------------------------------
+# The hardware
+# ---------------------------------------------------------------------------------------------
+
+
+def speed_for(hardware: Hardware) -> tuple[GPUSpec, str]:
+    """The catalogue entry to predict ``hardware``'s speed with, its bandwidths overridden as
+    the hardware says, and a note when the entry was assumed rather than given.
+
+    CPU processes (``backend="gloo"``) get the ``cpu-gloo`` entry with this machine's FLOP/s
+    and memory bandwidth measured once (a few milliseconds, cached).
+
+    >>> from autoshard import Hardware
+    >>> from autoshard.predict.speed import speed_for
+    >>> gpu, note = speed_for(Hardware(gpu_memory=80 * 2**30, gpu="a100-80gb-sxm",
+    ...                                inter_node_bandwidth=100e9))
+    >>> gpu.id, gpu.inter_node_bandwidth / 1e9, note
+    ('a100-80gb-sxm', 100.0, '')
+    >>> speed_for(Hardware(gpu_memory=80 * 2**30))[1][:40]
+    'no GPU given: speeds assumed for h100-sx'
+    """
+    note = ""
+    if hardware.gpu is not None:
+        gpu = gpu_spec(hardware.gpu)
+        if gpu.id == "cpu-gloo":
+            gpu = measured_cpu(hardware.gpus_per_node)
+    elif hardware.backend == "gloo":
+        gpu = measured_cpu(hardware.gpus_per_node)
+    else:
+        gpu = CATALOGUE[DEFAULT_GPU]
+        note = (
+            f"no GPU given: speeds assumed for {gpu.id} ({gpu.name}); give --gpu (gpu= in code) "
+            "for yours"
+        )
+    updates = {}
+    if hardware.intra_node_bandwidth is not None:
+        updates["intra_node_bandwidth"] = hardware.intra_node_bandwidth
+    if hardware.inter_node_bandwidth is not None:
+        updates["inter_node_bandwidth"] = hardware.inter_node_bandwidth
+    return (gpu.model_copy(update=updates) if updates else gpu), note
+
+
+def detected_gpu() -> str | None:
+    """The catalogue id of the visible CUDA GPU, or None (no GPU, or one not catalogued): for
+    the command line and ``detect_hardware`` to fill ``Hardware.gpu``."""
+    if not torch.cuda.is_available():
+        return None
+    return match_gpu_name(torch.cuda.get_device_name())
+
+
+def measured_cpu(ranks: int = 1) -> GPUSpec:
+    """The ``cpu-gloo`` entry with this CPU's speeds, as one of ``ranks`` one-thread processes
+    sharing the machine's cores sees them (more ranks than cores share them)."""
+    flops32, flops16, bandwidth, _ = _measure_cpu()
+    # A bare bf16 product can outrun fp32 (AMX: 3.6x here), but a bf16-autocast step casts
+    # every weight and activation (1,068 copies in the tiny GPT's step) and ran 25% slower than
+    # its fp32 step here: bf16 is given no more than the fp32 rate.
+    flops16 = min(flops16, flops32)
+    share = min(1.0, (os.cpu_count() or 1) / max(ranks, 1))
+    return CATALOGUE["cpu-gloo"].model_copy(
+        update={
+            "name": f"CPU worker processes (gloo), {share:.2g} core each, measured",
+            "fp32_flops": flops32 * share,
+            "tf32_flops": flops32 * share,
+            "bf16_flops": flops16 * share,
+            "fp16_flops": flops16 * share,
+            "hbm_bandwidth": bandwidth * share,
+            "host_link_bandwidth": bandwidth * share,
+        }
+    )
+
+
+@functools.cache
+def _measure_cpu() -> tuple[float, float, float, float]:
+    """(fp32 matmul FLOP/s, bf16 matmul FLOP/s, copy bytes/s, seconds to issue one small
+    operation) of one thread, as the trial workers run (OMP_NUM_THREADS=1). The best of a few
+    repeats: other processes only slow it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+
+        def rate(fn: object, work: float, repeats: int = 5) -> float:
+            # This thread's CPU seconds, as CPU trials time their steps: in wall seconds the
+            # machine's other jobs set the rates (a 32 MiB copy at 2.4 GB/s at load 8 on 2
+            # cores, 54 GB/s idle), and every prediction for CPU processes with them.
+            best = math.inf
+            for _ in range(repeats):
+                start = time.thread_time()
+                fn()  # type: ignore[operator]
+                best = min(best, time.thread_time() - start)
+            return work / max(best, 1e-9)
+
+        n = 256
+        a32, b32 = torch.randn(n, n), torch.randn(n, n)
+        a16, b16 = a32.bfloat16(), b32.bfloat16()
+        src = torch.empty(32 * 2**20, dtype=torch.uint8)  # beyond the caches
+        dst = torch.empty_like(src)
+        one = torch.ones(1)
+
+        def small_ops() -> None:
+            for _ in range(200):
+                one.add(one)
+
+        return (
+            rate(lambda: torch.mm(a32, b32), 2 * n**3),
+            rate(lambda: torch.mm(a16, b16), 2 * n**3),
+            rate(lambda: dst.copy_(src), 2 * src.numel()),  # read and write
+            1 / rate(small_ops, 200),
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def dense_flops(gpu: GPUSpec, precision: Precision, *, tf32: bool = False) -> float:
+    """The dense peak FLOP/s the candidate's matrix products run at: bf16 or fp16 tensor cores
+    for 16-bit compute; for ``32-true`` the fp32 rate, or TF32 tensor cores with ``tf32=True``
+    (``torch.set_float32_matmul_precision("high")``)."""
+    match precision:
+        case Precision.BF16_MIXED | Precision.BF16_TRUE:
+            return gpu.bf16_flops
+        case Precision.FP16_MIXED:
+            return gpu.fp16_flops
+        case Precision.FP32:
+            return gpu.tf32_flops if tf32 else gpu.fp32_flops
+        case _:
+            raise ValueError(f"unknown precision {precision!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives
+# ---------------------------------------------------------------------------------------------
+
+
+def ring_bandwidth(gpu: GPUSpec, hardware: Hardware, size: int, per_node: int) -> float:
+    """Link bytes/s of a ring over a group of ``size`` ranks, ``per_node`` of them in each node
+    it spans. Inside a node: the GPU's link. Across nodes: each node's network carries the
+    group's ring traffic once per direction for every concurrent group in the node (``GPUs per
+    node / per_node`` of them), so the ring gets ``inter x per_node / gpus_per_node``, unless
+    the GPU's own link is slower."""
+    per_node = max(1, min(per_node, size, hardware.gpus_per_node))
+    if size <= per_node or hardware.nodes == 1:
+        return gpu.intra_node_bandwidth
+    across = gpu.inter_node_bandwidth * per_node / hardware.gpus_per_node
+    return min(gpu.intra_node_bandwidth, across)
+
+
+class _Collectives:
+    """Seconds of each collective of one unit of ``params`` parameters, for one candidate."""
+
+    def __init__(
+        self,
+        candidate: Candidate,
+        hardware: Hardware,
+        gpu: GPUSpec,
+        factors: SpeedFactors,
+    ) -> None:
+        self.latency = factors.collective_latency_s
+        gpn, world = hardware.gpus_per_node, hardware.world_size
+        _, cb = _element_bytes(candidate)
+        self.gather_bytes = cb
+        self.reduce_bytes = reduce_bytes(candidate)
+        eff = factors.comm_efficiency
+        match candidate.sharding:
+            case Sharding.NO_SHARD:
+                self.shard, self.replicas = 1, world
+                self.shard_bw = 1.0
+                self.replica_bw = ring_bandwidth(gpu, hardware, world, gpn) * eff
+            case Sharding.HYBRID_SHARD:
+                assert candidate.hybrid_mesh is not None
+                self.replicas, self.shard = candidate.hybrid_mesh
+                self.shard_bw = ring_bandwidth(gpu, hardware, self.shard, self.shard) * eff
+                per_node = max(1, gpn // self.shard)
+                self.replica_bw = ring_bandwidth(gpu, hardware, self.replicas, per_node) * eff
+            case Sharding.FULL_SHARD | Sharding.SHARD_GRAD_OP:
+                self.shard, self.replicas = world, 1
+                self.shard_bw = ring_bandwidth(gpu, hardware, world, gpn) * eff
+                self.replica_bw = 1.0
+            case _:
+                raise ValueError(f"unknown sharding {candidate.sharding!r}")
+
+    def _ring(self, nbytes: float, size: int, bandwidth: float, factor: float = 1.0) -> float:
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        return self.latency + factor * (size - 1) / size * nbytes / bandwidth
+
+    def all_gather(self, params: float) -> float:
+        """Gather a unit's parameters in the compute dtype from its shard group."""
+        return self._ring(params * self.gather_bytes, self.shard, self.shard_bw)
+
+    def reduce(self, params: float) -> float:
+        """Reduce a unit's gradients: reduce-scatter in the shard group, then all-reduce of the
+        shard across replicas (HYBRID_SHARD), or one all-reduce (NO_SHARD)."""
+        nbytes = params * self.reduce_bytes
+        scatter = self._ring(nbytes, self.shard, self.shard_bw)
+        across = self._ring(nbytes / self.shard, self.replicas, self.replica_bw, factor=2.0)
+        return scatter + across
+
+
+def _element_bytes(candidate: Candidate) -> tuple[int, int]:
+    """(bytes of a stored parameter, bytes of the compute dtype)."""
+    stored = 2 if candidate.precision is Precision.BF16_TRUE else 4
+    compute = 4 if candidate.precision is Precision.FP32 else 2
+    return stored, compute
+
+
+def reduce_bytes(candidate: Candidate) -> int:
+    """Bytes per gradient element in the reduction: Lightning's FSDP1 reduces in the compute
+    dtype (its ``MixedPrecision`` sets ``reduce_dtype`` to it); FSDP2 here in fp32 under mixed
+    precision (``reduce_dtype_fp32``), as the memory model assumes."""
+    _, cb = _element_bytes(candidate)
+    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    if mixed and candidate.engine is Engine.FSDP2 and candidate.reduce_dtype_fp32:
+        return 4
+    return cb
+
+
+# ---------------------------------------------------------------------------------------------
+# The timeline
+# ---------------------------------------------------------------------------------------------
+
+Unit = tuple[float, float, float]  # (gather seconds, compute seconds, reduce seconds)
+
+
+def timeline(units: Sequence[Unit], *, prefetch: bool = True) -> tuple[float, float]:
+    """(elapsed seconds, communication seconds) of ``units`` run in order on two streams: one
+    computes, one communicates (collectives in the order they are issued). A unit computes
+    once its gather is done and the unit before it has computed; its gather is issued when the
+    unit before it starts computing (``prefetch``: FSDP's forward and backward prefetch) or
+    when it is reached; its reduction is issued when its compute is done.
+
+    >>> from autoshard.predict.speed import timeline
+    >>> timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)])  # the second gather hides
+    (5.0, 2.0)
+    >>> timeline([(1.0, 2.0, 1.0)])  # one unit: nothing hides
+    (4.0, 2.0)
+    """
+    if not units:
+        return 0.0, 0.0
+    comm_free = gathered = units[0][0]
+    compute_free = 0.0
+    for i, (_, compute, reduce) in enumerate(units):
+        start = max(compute_free, gathered)
+        if i + 1 < len(units):
+            issue = start if prefetch else start + compute
+            comm_free = max(comm_free, issue) + units[i + 1][0]
+            gathered = comm_free
+        compute_free = start + compute
+        if reduce:
+            comm_free = max(comm_free, compute_free) + reduce
+    comm = sum(g + r for g, _, r in units)
+    return max(compute_free, comm_free), comm
+
+
+# ---------------------------------------------------------------------------------------------
+# The prediction
+# ---------------------------------------------------------------------------------------------
+
+
+def checkpointed(candidate: Candidate, blocks: int) -> list[bool]:
+    """Which of ``blocks`` recompute their forward in backward: all, every k-th from the first
+    (as :func:`autoshard.predict.analytic.activation_bytes` counts them), or none."""
+    match candidate.checkpointing:
+        case Checkpointing.NONE:
+            return [False] * blocks
+        case Checkpointing.ALL:
+            return [True] * blocks
+        case Checkpointing.EVERY_K:
+            return [i % candidate.checkpoint_every == 0 for i in range(blocks)]
+        case _:
+            raise ValueError(f"unknown checkpointing {candidate.checkpointing!r}")
+
+
+class _Work:
+    """Seconds of a piece of one micro-batch's work on the device: its FLOPs (per profiled
+    sample) over the compute rate, its memory traffic over the memory rate, and launching its
+    operations. A GPU runs the kernels while the host launches the next ones, so the piece
+    takes the longer of the two (a small model is launch-bound); a CPU does both in turn."""
+
+    def __init__(self, flop_s: float, byte_s: float, op_s: float, *, host_is_device: bool):
+        self.flop_s, self.byte_s, self.op_s = flop_s, byte_s, op_s
+        self.host_is_device = host_is_device
+
+    def seconds(self, flops: float, traffic: float, ops: float) -> float:
+        device = flops / self.flop_s + traffic / self.byte_s
+        host = ops * self.op_s
+        return device + host if self.host_is_device else max(device, host)
+
+
+def _pad(values: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """A per-block count, or zeros where the profile has none (estimated FLOPs)."""
+    return values if len(values) == n else (0,) * n
+
+
+def _block_seconds(
+    profile: ModelProfile, flops: FlopProfile, work: _Work
+) -> tuple[list[float], list[float]]:
+    """Seconds of each wrapped block's forward and backward in one micro-batch: the profile's
+    per block when it found the same blocks, else the blocks' total spread over the analysed
+    block count."""
+    n = len(flops.block_forward)
+    fwd = [
+        work.seconds(f, t, o)
+        for f, t, o in zip(
+            flops.block_forward,
+            _pad(flops.block_forward_traffic, n),
+            _pad(flops.block_forward_ops, n),
+            strict=True,
+        )
+    ]
+    bwd = [
+        work.seconds(f, t, o)
+        for f, t, o in zip(
+            flops.block_backward,
+            _pad(flops.block_backward_traffic, n),
+            _pad(flops.block_backward_ops, n),
+            strict=True,
+        )
+    ]
+    count = profile.block_count
+    if n == count:
+        return fwd, bwd
+    if count == 0:  # blocks the analysis does not wrap: their work in one piece
+        return ([sum(fwd)], [sum(bwd)]) if fwd else ([], [])
+    return [sum(fwd) / count] * count, [sum(bwd) / count] * count
+
+
+def predict_speed(
+    profile: ModelProfile,
+    flops: FlopProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    factors: SpeedFactors | None = None,
+    *,
+    gpu: GPUSpec | None = None,
+    tf32: bool = False,
+) -> SpeedEstimate:
+    """Predict one optimizer step of ``candidate`` on ``hardware`` (``gpu``: the resolved
+    catalogue entry, :func:`speed_for`'s when None), with ``factors`` (the defaults for that
+    GPU when None).
+
+    >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec, analyze_target
+    >>> from autoshard.predict.flops import profile_flops
+    >>> from autoshard.predict.speed import predict_speed
+    >>> profile, built = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "1b"}))
+    >>> workload = WorkloadSpec(seq_len=2048)
+    >>> flops = profile_flops(built.model, profile, workload)
+    >>> nodes = Hardware(gpus_per_node=8, nodes=2, gpu_memory=80 * 2**30, gpu="h100-sxm")
+    >>> full = predict_speed(profile, flops, Candidate(wrap_classes=profile.wrap_policy),
+    ...                      nodes, workload)
+    >>> one_unit = predict_speed(profile, flops, Candidate(), nodes, workload)
+    >>> one_unit.breakdown.exposed_comm_s > 3 * full.breakdown.exposed_comm_s  # hides nothing
+    True
+    >>> 0.2 < full.mfu < 0.55
+    True
+    """
+    if gpu is None:
+        gpu = speed_for(hardware)[0]
+    factors = factors or default_factors(gpu)
+    candidate = as_run(candidate, hardware)
+    mbs, accumulate = candidate.micro_batch_size, workload.accumulate
+    peak = dense_flops(gpu, candidate.precision, tf32=tf32)
+    # Seconds per profiled FLOP and per profiled byte (fp32) of memory-bound work, at the
+    # candidate's micro-batch: FLOPs and traffic are linear in it.
+    flop_s = peak * factors.compute_efficiency / mbs
+    _, cb = _element_bytes(candidate)
+    if gpu.id == "cpu-gloo":
+        # CPU kernels compute bf16 element-wise work in fp32 and convert (measured here: the tiny
+        # GPT's step is 20% slower under bf16 autocast than in fp32): no fewer bytes per second.
+        cb = 4
+    byte_s = gpu.hbm_bandwidth * factors.memory_efficiency * 4 / cb / mbs
+    comm = _Collectives(candidate, hardware, gpu, factors)
+
+    work = _Work(flop_s, byte_s, factors.op_overhead_s, host_is_device=gpu.id == "cpu-gloo")
+    fwd, bwd = _block_seconds(profile, flops, work)
+    blocks = len(fwd)
+    recompute = [f if c else 0.0 for f, c in zip(fwd, checkpointed(candidate, blocks), strict=True)]
+    other_fwd = work.seconds(
+        flops.other_forward, flops.other_forward_traffic, flops.other_forward_ops
+    )
+    other_bwd = work.seconds(
+        flops.other_backward, flops.other_backward_traffic, flops.other_backward_ops
+    )
+    params = float(profile.total_params)
+    block_params = float(profile.block_params) if blocks else 0.0
+    wrapped = not candidate.one_unit and blocks > 0
+    root_params = max(params - blocks * block_params, 0.0) if wrapped else params
+
+    sharded = candidate.sharding is not Sharding.NO_SHARD and comm.shard > 1
+    regather = sharded and candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+    # FSDP1 never reshards the root after forward; FSDP2 does unless told to keep it.
+    root_regather = (
+        regather and candidate.engine is Engine.FSDP2 and candidate.reshard is Reshard.ALL
+    )
+    last_regather = regather and not (
+        candidate.engine is Engine.FSDP2 and candidate.reshard is Reshard.KEEP_ROOT_AND_LAST
+    )
+    prefetch_backward = (
+        candidate.engine is Engine.FSDP2
+        or candidate.backward_prefetch is BackwardPrefetch.BACKWARD_PRE
+    )
+
+    def gather(n: float) -> float:
+        return comm.all_gather(n) if sharded else 0.0
+
+    def micro_batch(reduce: bool) -> tuple[float, float]:
+        """(elapsed, communication) seconds of one micro-batch's forward and backward."""
+        red = comm.reduce if reduce else (lambda _n: 0.0)
+        if wrapped:
+            forward = [
+                (gather(root_params), 0.0, 0.0),
+                *((gather(block_params), f, 0.0) for f in fwd),
+                (0.0, other_fwd, 0.0),
+            ]
+            backward = [(gather(root_params) if root_regather else 0.0,
+                         other_bwd, 0.0)]  # fmt: skip
+            for i in reversed(range(blocks)):
+                regathered = last_regather if i == blocks - 1 else regather
+                backward.append(
+                    (
+                        gather(block_params) if regathered else 0.0,
+                        bwd[i] + recompute[i],
+                        red(block_params),
+                    )
+                )
+            backward.append((0.0, 0.0, red(root_params)))
+        else:
+            forward = [(gather(params), sum(fwd) + other_fwd, 0.0)]
+            backward = [
+                (
+                    gather(params) if root_regather else 0.0,
+                    sum(bwd) + other_bwd + sum(recompute),
+                    red(params),
+                )
+            ]
+        f_elapsed, f_comm = timeline(forward)
+        b_elapsed, b_comm = timeline(backward, prefetch=prefetch_backward)
+        return f_elapsed + b_elapsed, f_comm + b_comm
+
+    # Gradients accumulate unreduced (no_sync / set_requires_gradient_sync(False)) until the
+    # last micro-batch of the step, which reduces them.
+    elapsed, comm_s = micro_batch(reduce=True)
+    if accumulate > 1:
+        quiet, quiet_comm = micro_batch(reduce=False)
+        elapsed += (accumulate - 1) * quiet
+        comm_s += (accumulate - 1) * quiet_comm
+    compute_s = accumulate * (sum(fwd) + sum(bwd) + other_fwd + other_bwd)
+    recompute_s = accumulate * sum(recompute)
+    hidden_exposed = max(0.0, elapsed - compute_s - recompute_s)
+    exposed = factors.overlap * hidden_exposed + (1 - factors.overlap) * comm_s
+
+    stored, _ = _element_bytes(candidate)
+    shard_params = params / max(comm.shard, 1)
+    step_bytes = shard_params * optimizer_bytes_per_param(candidate)
+    offload_s = optimizer_s = 0.0
+    if candidate.cpu_offload:
+        # Every gather copies the parameter shard to the GPU first; the gradient shard comes
+        # back once per step; each rank's optimizer steps its shard in host memory, all ranks of
+        # a node at once.
+        gathers = accumulate * (1 + (1 if regather else 0))
+        copied = shard_params * stored * (gathers + 1)
+        offload_s = copied / (gpu.host_link_bandwidth * factors.host_efficiency)
+        if gpu.id == "cpu-gloo":  # the host is the device: each rank's share of its memory
+            offload_s += step_bytes / (gpu.hbm_bandwidth * factors.memory_efficiency)
+        else:
+            offload_s += step_bytes * hardware.gpus_per_node / factors.host_memory_bandwidth
+    else:
+        optimizer_s = step_bytes / (gpu.hbm_bandwidth * factors.memory_efficiency)
+
+    step = compute_s + recompute_s + exposed + offload_s + optimizer_s
+    samples = mbs * accumulate
+    tokens = workload.seq_len
+    return SpeedEstimate(
+        step_time_s=step,
+        samples_per_s=samples * hardware.world_size / step,
+        tokens_per_s_per_gpu=samples * tokens / step if tokens else None,
+        mfu=accumulate * mbs * flops.total / (step * peak),
+        breakdown=SpeedBreakdown(
+            compute_s=compute_s,
+            recompute_s=recompute_s,
+            exposed_comm_s=exposed,
+            offload_s=offload_s,
+            optimizer_s=optimizer_s,
+        ),
+        gpu=gpu.id,
+    )

@@ -1,0 +1,170 @@
+"""The driver's loop: claim the next candidate, run it, record it; until ``--trials`` candidates
+have been launched (by every driver of the study together) or none is left.
+
+Each turn, under the storage's claim lock (:meth:`autoshard.study.storage.StudyStore.turn`):
+1. the candidates predicted not to fit are recorded as pruned (once, by the first turn of any
+   driver);
+2. what the failures so far teach is applied (:mod:`autoshard.study.lessons`): the candidates
+   they rule out are recorded as skipped with the reason, or the study stops when no candidate
+   can avoid an error;
+3. the next candidate is chosen: a transient crash's one retry first; then, while fewer than
+   ``n_trials`` have been launched, the fastest-expected candidate that is neither settled,
+   running, ruled out nor dominated (:func:`autoshard.search.dominated_by`) — or, while
+   nothing has run fine, the one with the fewest of the settings the failures suspect;
+4. it is claimed (a RUNNING trial), and run once the lock is released.
+When nothing is left to claim while other drivers still run trials, the loop waits for them, so
+that every driver decides on every trial.
+
+No optuna here: the store is the only door to it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+from autoshard.config import Candidate, ProgressEvent
+from autoshard.results import MemoryEstimate, Scored, TrialResult, TrialStatus
+from autoshard.study.lessons import Lessons, learn, probe_order
+from autoshard.study.view import StudyView, Ticket, identity
+
+Emit = Callable[[ProgressEvent, Scored], None]
+Dominated = Callable[[Candidate, Sequence[TrialResult]], TrialResult | None]
+Reorder = Callable[[Sequence[MemoryEstimate], Sequence[TrialResult]], list[MemoryEstimate]]
+WAIT_S = 2.0  # how often a driver with nothing to claim looks again while others run trials
+
+
+class Store(Protocol):
+    """What the loop needs of :class:`autoshard.study.storage.StudyStore`."""
+
+    def turn(self) -> AbstractContextManager[StudyView]: ...
+
+    def view(self) -> StudyView: ...
+
+    def record(self, result: TrialResult, estimate: str | None = None) -> None: ...
+
+    def start(self, label: str, estimate: str | None = None) -> Ticket: ...
+
+    def finish(self, ticket: Ticket, result: TrialResult) -> None: ...
+
+    def abandon(self, ticket: Ticket) -> None: ...
+
+
+def run_trials(
+    store: Store,
+    ranked: Sequence[MemoryEstimate],
+    run: Callable[[Candidate], TrialResult],
+    *,
+    n_trials: int,
+    dominated: Dominated | None = None,
+    emit: Emit | None = None,
+    wait_s: float = WAIT_S,
+    reorder: Reorder | None = None,
+) -> list[TrialResult]:
+    """Run the study (see the module docstring); returns the result that settles each
+    candidate, every driver's, in the order the storage recorded them."""
+    tell = emit or (lambda kind, scored: None)
+    by_label = {e.candidate.label(): e for e in ranked}
+    candidates = [e.candidate for e in ranked]
+    seen: set[tuple[str, str]] = set()
+
+    def announce(view: StudyView, kind: ProgressEvent) -> None:
+        for result in view.settled().values():
+            if identity(result) not in seen:
+                seen.add(identity(result))
+                tell(kind, _scored(result, by_label))
+
+    first = True
+    while True:
+        with store.turn() as view:
+            if first:
+                _record_pruned(store, ranked, view)
+                announce(view, ProgressEvent.RESUMED)
+                first = False
+            else:
+                announce(view, ProgressEvent.DONE)  # other drivers' trials
+            settled = view.settled()
+            untried = {
+                label
+                for label, e in by_label.items()
+                if e.fits and label not in view.attempts and label not in view.running
+            }
+            lessons = learn(candidates, list(settled.values()), untried)
+            for label, why in lessons.ruled_out.items():
+                skipped = TrialResult(
+                    candidate=by_label[label].candidate, status=TrialStatus.SKIPPED, error=why
+                )
+                store.record(skipped, by_label[label].model_dump_json())
+                view.add(skipped)
+            announce(view, ProgressEvent.DONE)
+            # The order to try the rest in, after what was measured (a calibrated speed model).
+            order = reorder(ranked, list(settled.values())) if reorder else ranked
+            choice = _pick(view, order, candidates, lessons, n_trials, dominated)
+            ticket = None
+            if choice is not None:
+                ticket = store.start(choice.candidate.label(), choice.model_dump_json())
+            elif not view.running:
+                break
+        if choice is None or ticket is None:
+            time.sleep(wait_s)
+            continue
+        tell(ProgressEvent.START, Scored(candidate=choice.candidate, estimate=choice))
+        try:
+            result = run(choice.candidate)
+        except BaseException:
+            store.abandon(ticket)
+            raise
+        store.finish(ticket, result)
+        seen.add(identity(result))
+        tell(ProgressEvent.DONE, _scored(result, by_label))
+    return list(store.view().settled().values())
+
+
+def _pick(
+    view: StudyView,
+    ranked: Sequence[MemoryEstimate],
+    candidates: Sequence[Candidate],
+    lessons: Lessons,
+    n_trials: int,
+    dominated: Dominated | None,
+) -> MemoryEstimate | None:
+    retries = set(view.to_retry())
+    for e in ranked:
+        if e.candidate.label() in retries:
+            return e  # already counted against n_trials
+    if view.launched() >= n_trials:
+        return None
+    done = list(view.settled().values())
+    eligible = [
+        e
+        for e in ranked
+        if e.fits
+        and e.candidate.label() not in view.attempts
+        and e.candidate.label() not in view.running
+        and e.candidate.label() not in lessons.ruled_out
+        and not (dominated and dominated(e.candidate, done))
+    ]
+    if not eligible:
+        return None
+    if lessons.suspects is not None:
+        order = probe_order(candidates, [e.candidate for e in eligible], lessons.suspects)
+        by_candidate = {e.candidate.label(): e for e in eligible}
+        return by_candidate[order[0].label()]
+    return eligible[0]
+
+
+def _record_pruned(store: Store, ranked: Sequence[MemoryEstimate], view: StudyView) -> None:
+    for e in ranked:
+        label = e.candidate.label()
+        if not e.fits and label not in view.attempts:
+            result = TrialResult(candidate=e.candidate, status=TrialStatus.PRUNED, error=e.reason)
+            store.record(result, e.model_dump_json())
+            view.add(result)
+
+
+def _scored(result: TrialResult, by_label: dict[str, MemoryEstimate]) -> Scored:
+    return Scored(
+        candidate=result.candidate, estimate=by_label.get(result.candidate.label()), trial=result
+    )

@@ -1,0 +1,627 @@
+"""The optuna storage of a study: where it is, who may write it, and how several drivers share it.
+
+A study is an optuna study named by its settings (:mod:`autoshard.study.settings`), one optuna
+trial per candidate, the candidate's label as the trial's one categorical parameter and its
+full :class:`~autoshard.results.TrialResult` as a user attribute. The storage is SQLite in the
+output folder by default, or any ``--storage`` URL: an RDB server (PostgreSQL, MySQL) lets
+several drivers on several machines run the trials of one study at once.
+
+Several drivers, one study (optuna's own distributed optimisation, on its RDB storage):
+- a driver *claims* its next candidate by creating a RUNNING trial for it; the look at the
+  study that decides which candidate is free and the creation of that trial happen under one
+  lock of the database (PostgreSQL's ``pg_advisory_lock``, MySQL's ``GET_LOCK``; for SQLite an
+  ``flock`` next to the file), so two drivers never claim the same candidate, and ``--trials``
+  counts every driver's trials exactly;
+- a running trial carries its driver (host, PID, output folder) and optuna's heartbeat
+  (``RDBStorage(heartbeat_interval=...)``, recorded by a thread while the trial runs): a trial
+  whose driver is gone (killed, its machine lost) is failed by the next claim
+  (``optuna.storages.fail_stale_trials``), immediately when that driver ran on this machine,
+  after the grace period otherwise, and its candidate is free again;
+- every decision reads every driver's trials from the storage, so every driver that ends
+  recommends the same configuration.
+
+Every failure of the storage or of the output folder is a one-line
+:class:`~autoshard.errors.StorageError` saying what to do; a missing, emptied or corrupt SQLite
+file is rebuilt from ``trials.jsonl`` (a corrupt one is moved aside first), never silently
+reset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import socket
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import optuna
+import sqlalchemy
+from optuna.distributions import CategoricalDistribution
+from optuna.storages import RDBStorage
+from optuna.trial import FrozenTrial, TrialState
+from pydantic import ValidationError
+from sqlalchemy.engine import URL, make_url
+
+from autoshard.errors import MissingDependencyError, StorageError
+from autoshard.results import TrialResult, TrialStatus
+from autoshard.study.journal import JOURNAL_NAME, Journal
+from autoshard.study.lock import OutLock, pid_alive
+from autoshard.study.settings import StudySettings
+from autoshard.study.view import StudyView, Ticket, identity
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
+
+DB_NAME = "study.db"
+PARAM = "candidate"
+RESULT_ATTR = "autoshard_result"
+ESTIMATE_ATTR = "estimate"
+OWNER_ATTR = "autoshard_driver"
+SETTINGS_ATTR = "autoshard_settings"
+HEARTBEAT_S = 5
+GRACE_S = 30  # a driver silent this long is taken for gone
+SHARED_BACKENDS = ("sqlite", "postgresql", "mysql")
+_LOCK_KEY = 0x6175_746F_7368_6172  # "autoshar": the advisory lock of autoshard's claims
+_EXAMPLE_URLS = "sqlite:///runs/study.db or postgresql://user@host/dbname"
+
+
+def default_storage(out_dir: Path | str) -> str:
+    return f"sqlite:///{(Path(out_dir) / DB_NAME).resolve()}"
+
+
+def check_storage(url: str) -> str:
+    """The URL optuna will open, its driver filled in (``postgresql://`` uses psycopg 3 when
+    psycopg2 is not installed), or one line saying what is wrong with it. Cheap: call it before
+    anything slow.
+
+    >>> from autoshard.errors import StorageError
+    >>> check_storage("postgresql://me@db/x").split("@")[0]  # with autoshard[postgres] installed
+    'postgresql://me'
+    >>> try:
+    ...     check_storage("notaurl")
+    ... except StorageError as error:
+    ...     print(str(error)[:45])
+    --storage 'notaurl': not a database URL; give
+    """
+    try:
+        u = make_url(url)
+    except (sqlalchemy.exc.ArgumentError, ValueError):
+        raise StorageError(
+            f"--storage {url!r}: not a database URL; give e.g. {_EXAMPLE_URLS}"
+        ) from None
+    shown = f"--storage {u.render_as_string(hide_password=True)}"
+    backend = u.get_backend_name()
+    if backend == "sqlite":
+        _check_sqlite_path(u, shown)
+    elif (
+        backend == "postgresql"
+        and u.get_driver_name() == "psycopg2"
+        and not _importable("psycopg2")
+        and _importable("psycopg")
+    ):
+        # SQLAlchemy < 2.1 takes psycopg2 for postgresql://; autoshard[postgres] installs
+        # psycopg 3 (binary wheels everywhere), which SQLAlchemy names postgresql+psycopg.
+        u = u.set(drivername="postgresql+psycopg")
+    try:
+        u.get_dialect().import_dbapi()
+    except sqlalchemy.exc.NoSuchModuleError:
+        raise StorageError(
+            f"{shown}: unknown database kind {u.drivername!r}; give e.g. {_EXAMPLE_URLS}"
+        ) from None
+    except ImportError as exc:
+        extra = "postgres" if backend == "postgresql" else None
+        package = "psycopg" if extra else (exc.name or u.get_driver_name())
+        raise MissingDependencyError(package, f"{shown.split('://')[0]}://", extra=extra) from None
+    if backend not in SHARED_BACKENDS:
+        raise StorageError(
+            f"{shown}: autoshard keeps studies in SQLite, PostgreSQL or MySQL; give e.g. "
+            f"{_EXAMPLE_URLS}"
+        )
+    return u.render_as_string(hide_password=False)
+
+
+def _check_sqlite_path(u: URL, shown: str) -> None:
+    db = u.database
+    if not db or db == ":memory:" or db.startswith("file::memory:"):
+        raise StorageError(
+            f"{shown}: an in-memory database keeps nothing between runs; give a file, e.g. "
+            "sqlite:///runs/study.db, or leave --storage out to keep the study in --out"
+        )
+    path = Path(db)
+    if path.is_dir():
+        raise StorageError(f"{shown}: {path} is a folder; give a file in it, e.g. {path}/study.db")
+    if not path.parent.is_dir():
+        raise StorageError(
+            f"{shown}: the folder {path.parent} does not exist; create it, or leave --storage "
+            "out to keep the study in --out"
+        )
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def prepare_out(out_dir: Path | str) -> Path:
+    """Create the output folder, or say in one line why it cannot be used."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise StorageError(
+            f"--out {out}: a file is in the way (a folder is needed); remove it or give "
+            "another --out"
+        ) from None
+    except OSError as exc:
+        raise StorageError(
+            f"--out {out}: cannot create it ({exc.strerror or exc}); choose a writable folder "
+            "with --out"
+        ) from None
+    if not out.is_dir():
+        raise StorageError(f"--out {out}: not a folder; give a folder with --out")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The claim lock
+# ---------------------------------------------------------------------------------------------
+
+
+class ClaimLock:
+    """Serialises the claims of every driver of one storage (see the module docstring). Held
+    only while a driver looks at the study and claims a candidate: milliseconds. Released by
+    the database (or the kernel, for the SQLite file lock) when its holder dies."""
+
+    def __init__(self, url: str) -> None:
+        u = make_url(url)
+        self.backend = u.get_backend_name()
+        self.fd: int | None = None
+        self.conn: sqlalchemy.Connection | None = None
+        self.engine: sqlalchemy.Engine | None = None
+        if self.backend == "sqlite":
+            self.path: Path | None = Path(f"{u.database}.lock")
+        else:
+            self.path = None
+            self.engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+
+    def __enter__(self) -> ClaimLock:
+        if self.path is not None:
+            if self.fd is None:
+                try:
+                    self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                except OSError as exc:
+                    raise StorageError(
+                        f"{self.path}: cannot create the lock next to the study database "
+                        f"({exc.strerror or exc}); its folder must be writable"
+                    ) from None
+            if fcntl is not None:
+                fcntl.flock(self.fd, fcntl.LOCK_EX)
+            return self
+        assert self.engine is not None
+        if self.conn is None:
+            self.conn = self.engine.connect()
+        sql = {
+            "postgresql": "SELECT pg_advisory_lock(:k)",
+            "mysql": "SELECT GET_LOCK(CONCAT('autoshard-', :k), 3600)",
+        }[self.backend]
+        self.conn.execute(sqlalchemy.text(sql), {"k": _LOCK_KEY})
+        self.conn.commit()  # the lock belongs to the session, not to the transaction
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None and fcntl is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        if self.conn is not None:
+            sql = {
+                "postgresql": "SELECT pg_advisory_unlock(:k)",
+                "mysql": "SELECT RELEASE_LOCK(CONCAT('autoshard-', :k))",
+            }[self.backend]
+            with contextlib.suppress(sqlalchemy.exc.SQLAlchemyError):
+                self.conn.execute(sqlalchemy.text(sql), {"k": _LOCK_KEY})
+                self.conn.commit()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.conn is not None:
+            with contextlib.suppress(sqlalchemy.exc.SQLAlchemyError):
+                self.conn.close()
+            self.conn = None
+        if self.engine is not None:
+            self.engine.dispose()
+
+
+# ---------------------------------------------------------------------------------------------
+# The store
+# ---------------------------------------------------------------------------------------------
+
+
+class _Heartbeat:
+    """Records optuna's heartbeat of the running trial every HEARTBEAT_S seconds."""
+
+    def __init__(self, storage: RDBStorage, trial_id: int) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(
+            target=self._beat, args=(storage, trial_id), daemon=True, name="autoshard-heartbeat"
+        )
+        self.thread.start()
+
+    def _beat(self, storage: RDBStorage, trial_id: int) -> None:
+        while not self.stop.wait(HEARTBEAT_S):
+            # A missed beat is not an error: the claim's grace period is several beats long.
+            with contextlib.suppress(Exception):
+                storage.record_heartbeat(trial_id)
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=HEARTBEAT_S)
+
+
+def open_store(
+    out_dir: Path | str,
+    storage: str | None = None,
+    *,
+    wait: bool = False,
+    notice: Callable[[str], None] = print,
+) -> StudyStore:
+    """Check and lock the output folder, repair its journal, open the storage (rebuilding a
+    corrupt SQLite file). Fast: call it before the model is analysed. Use the store as a
+    context manager (it holds the folder's lock)."""
+    given = check_storage(storage) if storage else None  # bad input: no folder made
+    out = prepare_out(out_dir).resolve()
+    url = given or default_storage(out)
+    shown = (
+        f"--storage {make_url(url).render_as_string(hide_password=True)}"
+        if given
+        else str(out / DB_NAME)
+    )
+    lock = OutLock(out, wait=wait, notice=notice)
+    lock.acquire()
+    claims: ClaimLock | None = None
+    try:
+        journal = Journal(out / JOURNAL_NAME, notice)
+        journal.repair()
+        journal.keep_reserve()
+        claims = ClaimLock(url)
+        with _db_errors(shown), claims:
+            rdb = _open_rdb(url, shown, notice)
+        return StudyStore(out, url, shown, lock, journal, claims, rdb, notice)
+    except BaseException:
+        if claims is not None:
+            claims.close()
+        lock.release()
+        raise
+
+
+def _open_rdb(url: str, shown: str, notice: Callable[[str], None]) -> RDBStorage:
+    u = make_url(url)
+    sqlite = u.get_backend_name() == "sqlite"
+    db = Path(u.database) if sqlite and u.database else None
+    if db is not None and db.exists() and not os.access(db, os.W_OK):
+        raise StorageError(
+            f"{shown}: the study database is read-only; make it writable (chmod u+w {db}) or "
+            "choose another --out"
+        )
+    kwargs: dict[str, Any] = {"connect_args": {"timeout": 60}} if sqlite else {}
+    for attempt in (1, 2):
+        try:
+            with warnings.catch_warnings():
+                # optuna marks the heartbeat experimental; its API is the documented one.
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return RDBStorage(
+                    url,
+                    engine_kwargs=kwargs,
+                    heartbeat_interval=HEARTBEAT_S,
+                    grace_period=GRACE_S,
+                )
+        except sqlalchemy.exc.DatabaseError as exc:
+            if db is None or attempt == 2 or not _corrupt(exc):
+                raise
+            aside = _move_aside(db)
+            notice(
+                f"{db} is not a readable study database ({_first_line(exc)}): moved it to "
+                f"{aside.name}; the study is rebuilt from {JOURNAL_NAME}"
+            )
+        except RuntimeError as exc:  # optuna: the schema needs `optuna storage upgrade`
+            raise StorageError(f"{shown}: {_first_line(exc)}") from None
+    raise AssertionError("unreachable")
+
+
+def _corrupt(exc: BaseException) -> bool:
+    text = str(getattr(exc, "orig", exc)).lower()
+    return "not a database" in text or "malformed" in text or "file is encrypted" in text
+
+
+def _move_aside(db: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = db.with_name(f"{db.name}.corrupt-{stamp}")
+    db.rename(aside)
+    for suffix in ("-journal", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            db.with_name(db.name + suffix).rename(aside.with_name(aside.name + suffix))
+    return aside
+
+
+class StudyStore:
+    """One driver's access to a study's storage and journal (see the module docstring).
+
+    Made by :func:`open_store`; then :meth:`open_study` once the candidates are known; then
+    turns of the driver's loop (:mod:`autoshard.study.loop`): ``with store.turn() as view``
+    (the claim lock held, stale trials failed, a fresh view of every driver's trials), in which
+    :meth:`record` and :meth:`start`; then :meth:`finish` once the trial has run.
+    """
+
+    def __init__(
+        self,
+        out: Path,
+        url: str,
+        shown: str,
+        lock: OutLock,
+        journal: Journal,
+        claims: ClaimLock,
+        storage: RDBStorage,
+        notice: Callable[[str], None],
+    ) -> None:
+        self.out, self.url, self.shown = out, url, shown
+        self.lock, self.journal, self.claims, self.storage = lock, journal, claims, storage
+        self.notice = notice
+        self.name = ""
+        self.study: optuna.Study | None = None
+        self.study_id = -1
+        self.distribution: CategoricalDistribution | None = None
+        self.host = socket.gethostname()
+        self.token = uuid.uuid4().hex
+        self._beat: _Heartbeat | None = None
+        self._running: Ticket | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def __enter__(self) -> StudyStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._running is not None:
+            self.abandon(self._running)
+        self.claims.close()
+        with contextlib.suppress(Exception):
+            self.storage.engine.dispose()
+        self.lock.release()
+
+    def open_study(self, settings: StudySettings, labels: Sequence[str]) -> None:
+        """Create or load the study of ``settings`` (whose candidates are ``labels``) and bring
+        it in line with the journal: records the storage lacks (lost, emptied or corrupt
+        database; a crash between the two writes) are added to it, with one line saying so."""
+        self.name = settings.name(labels)
+        self.distribution = CategoricalDistribution(sorted(set(labels)))
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        with _db_errors(self.shown), self.claims:
+            try:
+                self.storage.get_study_id_from_name(self.name)
+                existed = True
+            except KeyError:
+                existed = False
+            self.study = optuna.create_study(
+                storage=self.storage,
+                study_name=self.name,
+                direction="maximize",
+                load_if_exists=True,
+            )
+            self.study_id = self.storage.get_study_id_from_name(self.name)
+            if not existed:
+                self.study.set_user_attr(SETTINGS_ATTR, settings.model_dump(mode="json"))
+            known = self._read().identities()
+            missing = [r for r in self.journal.read(self.name) if identity(r) not in known]
+            for result in missing:
+                self._add_finished(result)
+        if missing:
+            where = "had no such study" if not existed else "lacked them"
+            self.notice(
+                f"restored {len(missing)} trial records of study {self.name} from "
+                f"{self.journal.path.name} ({self.shown} {where}); none is run again"
+            )
+
+    # -- a turn of the loop ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[StudyView]:
+        """The claim lock held: stale trials failed, then every driver's trials as they are."""
+        with _db_errors(self.shown), self.claims:
+            self._fail_stale()
+            yield self._read()
+
+    def view(self) -> StudyView:
+        with _db_errors(self.shown):
+            return self._read()
+
+    def record(self, result: TrialResult, estimate: str | None = None) -> None:
+        """A result that ran no trial (pruned, skipped): to the journal, then the storage."""
+        self.journal.append(self.name, result)
+        with _db_errors(self.shown):
+            self._add_finished(result, estimate)
+
+    def start(self, label: str, estimate: str | None = None) -> Ticket:
+        """Claim ``label``: a RUNNING trial naming this driver, its heartbeat started."""
+        assert self.distribution is not None
+        template = FrozenTrial(
+            number=-1,
+            state=TrialState.RUNNING,
+            value=None,
+            datetime_start=datetime.now(),
+            datetime_complete=None,
+            params={PARAM: label},
+            distributions={PARAM: self.distribution},
+            user_attrs={OWNER_ATTR: self._owner()},
+            system_attrs={},
+            intermediate_values={},
+            trial_id=-1,
+        )
+        with _db_errors(self.shown):
+            trial_id = self.storage.create_new_trial(self.study_id, template_trial=template)
+            self.storage.record_heartbeat(trial_id)
+        self._beat = _Heartbeat(self.storage, trial_id)
+        self._running = Ticket(trial_id, label, estimate)
+        return self._running
+
+    def finish(self, ticket: Ticket, result: TrialResult) -> None:
+        """The trial's result: to the journal (fsync'd) first, then the storage."""
+        self._stop_beat()
+        self._running = None
+        self.journal.append(self.name, result)
+        with _db_errors(self.shown):
+            try:
+                for key, value in self._attrs(result, ticket.estimate).items():
+                    self.storage.set_trial_user_attr(ticket.trial_id, key, value)
+                ok = result.status is TrialStatus.OK
+                self.storage.set_trial_state_values(
+                    ticket.trial_id,
+                    TrialState.COMPLETE if ok else TrialState.FAIL,
+                    values=[_throughput(result)] if ok else None,
+                )
+            except optuna.exceptions.UpdateFinishedTrialError:
+                # Another driver took this one for stale (no heartbeat within the grace
+                # period) and failed it: the result is kept all the same, as a trial of its own.
+                self._add_finished(result, ticket.estimate)
+
+    def abandon(self, ticket: Ticket) -> None:
+        """The trial will not finish (Ctrl-C, an error): failed without a result, so that its
+        candidate is free again."""
+        self._stop_beat()
+        self._running = None
+        with contextlib.suppress(Exception):
+            self.storage.set_trial_state_values(ticket.trial_id, TrialState.FAIL)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _owner(self) -> dict[str, Any]:
+        return {"host": self.host, "pid": os.getpid(), "out": str(self.out), "token": self.token}
+
+    def _stop_beat(self) -> None:
+        if self._beat is not None:
+            self._beat.end()
+            self._beat = None
+
+    def _read(self) -> StudyView:
+        view = StudyView()
+        for t in self.storage.get_all_trials(self.study_id, deepcopy=False):
+            if t.state is TrialState.RUNNING:
+                label = t.params.get(PARAM)
+                if isinstance(label, str):
+                    view.running.add(label)
+                continue
+            raw = t.user_attrs.get(RESULT_ATTR)
+            if raw and t.state.is_finished():
+                try:
+                    view.add(TrialResult.model_validate_json(raw))
+                except ValidationError:
+                    continue  # written by another version of autoshard; not this study's kind
+        return view
+
+    def _fail_stale(self) -> None:
+        """Fail the RUNNING trials of drivers that are gone: on this machine, a driver with
+        this output folder (whose lock this one holds) or whose process has ended; elsewhere,
+        one whose heartbeat stopped for the grace period (optuna's fail_stale_trials)."""
+        assert self.study is not None
+        for t in self.storage.get_all_trials(
+            self.study_id, deepcopy=False, states=(TrialState.RUNNING,)
+        ):
+            owner = t.user_attrs.get(OWNER_ATTR)
+            if not isinstance(owner, dict):
+                gone = True  # not claimed by autoshard's loop: nobody tends it
+            elif owner.get("token") == self.token:
+                gone = False
+            elif owner.get("host") == self.host:
+                gone = owner.get("out") == str(self.out) or not pid_alive(int(owner.get("pid", 0)))
+            else:
+                gone = False
+            if gone:
+                with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                    self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(self.study)
+
+    def _attrs(self, result: TrialResult, estimate: str | None) -> dict[str, Any]:
+        attrs: dict[str, Any] = {RESULT_ATTR: result.model_dump_json()}
+        if estimate is not None:
+            attrs[ESTIMATE_ATTR] = estimate
+        return attrs
+
+    def _add_finished(self, result: TrialResult, estimate: str | None = None) -> None:
+        assert self.study is not None and self.distribution is not None
+        label = result.candidate.label()
+        if label not in self.distribution.choices:
+            return  # not a candidate of this study (cannot happen for its own records)
+        if result.status is TrialStatus.OK:
+            state, value = TrialState.COMPLETE, _throughput(result)
+        else:
+            state = TrialState.FAIL if result.status.launched else TrialState.PRUNED
+            value = None
+        self.study.add_trial(
+            optuna.trial.create_trial(
+                state=state,
+                value=value,
+                params={PARAM: label},
+                distributions={PARAM: self.distribution},
+                user_attrs=self._attrs(result, estimate),
+            )
+        )
+
+
+def _throughput(result: TrialResult) -> float:
+    return float(result.tokens_per_s or result.samples_per_s or 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _db_errors(shown: str) -> Iterator[None]:
+    """A database error as one line: where, what the database said, what to do."""
+    try:
+        yield
+    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
+        raise StorageError(db_problem(shown, exc)) from None
+
+
+def db_problem(shown: str, exc: BaseException) -> str:
+    cause: BaseException = exc
+    while isinstance(cause, optuna.exceptions.StorageInternalError) and cause.__cause__:
+        cause = cause.__cause__
+    first = _first_line(cause)
+    low = first.lower()
+    if "readonly" in low or "read-only" in low:
+        advice = "make it writable, or choose another --out (or --storage)"
+    elif "disk is full" in low or "no space" in low or "disk full" in low:
+        advice = "free some space, then run the same command again to resume"
+    elif "unable to open" in low:
+        advice = "check that its folder exists and is writable"
+    elif "connect" in low or "connection" in low or "password" in low:
+        advice = "check that the database server runs and the URL (host, port, user, database)"
+    elif "not a database" in low or "malformed" in low:
+        advice = "move it away; autoshard rebuilds the study from trials.jsonl"
+    else:
+        advice = "run with --debug for the whole error"
+    return f"{shown}: {first}; {advice}"
+
+
+def _first_line(exc: BaseException) -> str:
+    inner = getattr(exc, "orig", None) or exc
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(inner).__name__

@@ -1,0 +1,75 @@
+"""What a study's storage knows about each candidate, at one moment: its recorded attempts, and
+whether a driver is running it now. Plain data, built by :mod:`autoshard.study.storage`, read by
+the driver's loop and by :mod:`autoshard.study.lessons`.
+
+A candidate is *settled* by its last attempt, unless that attempt was a transient crash (a rank
+killed by a signal: ``TrialResult.transient``) that has not been retried yet: such a candidate is
+retried once, on the spot or by the next run; a second crash settles it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoshard.results import TrialResult
+
+TRANSIENT_RETRIES = 1
+
+
+def is_transient(result: TrialResult) -> bool:
+    """A crash worth one retry (``TrialResult.transient``, set by the worker group when a rank
+    died by a signal)."""
+    return result.transient and result.status.launched
+
+
+@dataclass
+class StudyView:
+    """The study as the storage has it (every driver's trials)."""
+
+    attempts: dict[str, list[TrialResult]] = field(default_factory=dict)
+    running: set[str] = field(default_factory=set)
+
+    def add(self, result: TrialResult) -> None:
+        self.attempts.setdefault(result.candidate.label(), []).append(result)
+
+    def settled(self) -> dict[str, TrialResult]:
+        """The result that settles each candidate, in the order they were first recorded."""
+        out: dict[str, TrialResult] = {}
+        for label, tries in self.attempts.items():
+            last = tries[-1]
+            crashes = sum(1 for t in tries if is_transient(t))
+            if not is_transient(last) or crashes > TRANSIENT_RETRIES:
+                out[label] = last
+        return out
+
+    def to_retry(self) -> list[str]:
+        """Candidates whose last attempt crashed transiently and may run once more."""
+        settled = self.settled()
+        return [
+            label for label in self.attempts if label not in settled and label not in self.running
+        ]
+
+    def launched(self) -> int:
+        """Candidates launched so far (running now or with a launched attempt); a retry does
+        not count twice."""
+        ran = {
+            label for label, tries in self.attempts.items() if any(t.status.launched for t in tries)
+        }
+        return len(ran | self.running)
+
+    def identities(self) -> set[tuple[str, str]]:
+        """(label, start time) of every recorded attempt: how journal records are matched."""
+        return {identity(t) for tries in self.attempts.values() for t in tries}
+
+
+@dataclass
+class Ticket:
+    """A claimed candidate: the RUNNING trial created for it in the storage."""
+
+    trial_id: int
+    label: str
+    estimate: str | None = None
+
+
+def identity(result: TrialResult) -> tuple[str, str]:
+    return result.candidate.label(), result.started_at.isoformat()

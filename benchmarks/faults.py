@@ -1,0 +1,401 @@
+"""Benchmark: the fault matrix. Every fault a study must survive, injected for real into
+`autoshard tune` (or a worker group), one row each.
+
+    python benchmarks/faults.py [--only CASE ...] [--write benchmarks/results/faults.md]
+
+The model is tests/targets/faults.py (a small token model that hangs, raises, exits or kills
+itself on demand, in trial workers only); 2 gloo CPU processes. Columns:
+
+- time to detect: seconds from the fault to the study reporting it (a hang: the trial's wall
+  time against its --trial-timeout);
+- trials lost or rerun: finished trials missing from trials.jsonl, or run twice;
+- processes left: processes of the study (found by its output folder in their command line)
+  still running 10 s after the study ended or its driver was killed;
+- exit code of the command; lines shown: the lines the user saw on stderr (after Ctrl-C, for
+  that case), and the last one.
+
+Adding a row: write a function that takes a fresh folder and returns a :class:`Row`, and
+decorate it with ``@case("name", "what it injects")``. Rows are run in the order defined.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+ROOT = Path(__file__).resolve().parents[1]
+FAULTS = f"{ROOT}/tests/targets/faults.py:build"
+TIMEOUT = 10.0  # --trial-timeout of the hang cases
+SETTLE = 10.0  # processes still running this long after the end count as left behind
+
+
+@dataclass
+class Row:
+    case: str
+    detect: str  # "12.3 s (timeout 10)", "-", ...
+    lost_or_rerun: str
+    processes_left: int
+    exit_code: int | None
+    lines: list[str] = field(default_factory=list)
+    passed: bool = True
+    note: str = ""
+
+
+@dataclass
+class Case:
+    name: str
+    summary: str
+    run: Callable[[Path], Row]
+
+
+CASES: list[Case] = []
+
+
+def case(name: str, summary: str) -> Callable[[Callable[[Path], Row]], Callable[[Path], Row]]:
+    def register(fn: Callable[[Path], Row]) -> Callable[[Path], Row]:
+        CASES.append(Case(name, summary, fn))
+        return fn
+
+    return register
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def tune_command(out: Path, *args: str, trials: int = 1, timeout: float = TIMEOUT) -> list[str]:
+    return [
+        sys.executable, "-m", "autoshard", "tune", FAULTS, *args,
+        "--seq-len", "16", "--gpu-memory", "4GiB", "--precision", "32-true",
+        "--trials", str(trials), "--trial-timeout", str(timeout),
+        "--warmup", "1", "--steps", "2", "--out", str(out),
+    ]  # fmt: skip
+
+
+def fault_args(**kwargs: object) -> list[str]:
+    return [item for k, v in kwargs.items() for item in ("--arg", f"{k}={v}")]
+
+
+def study_processes(marker: Path) -> list[int]:
+    found = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def left_after(marker: Path, settle: float = SETTLE) -> int:
+    deadline = time.monotonic() + settle
+    while study_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = study_processes(marker)
+    for pid in left:  # never leave them to the next case
+        subprocess.run(["kill", "-9", str(pid)], capture_output=True)
+    return len(left)
+
+
+def trials(out: Path) -> list[dict]:
+    log = out / "trials.jsonl"
+    if not log.exists():
+        return []
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return [t for t in rows if t["status"] != "pruned"]
+
+
+def shown(stderr: str) -> list[str]:
+    return [line.strip() for line in stderr.splitlines() if line.strip()]
+
+
+def wait_for_trial(out: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(out.glob("workers/group-*/request-0.json")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no trial started in {out}")
+        time.sleep(0.1)
+
+
+def reruns(records: list[dict]) -> int:
+    labels = [json.dumps(t["candidate"], sort_keys=True) for t in records]
+    return len(labels) - len(set(labels))
+
+
+# --------------------------------------------------------------------------------------------
+# The cases of the worker group (issue 15: 1, 2, 4, 8, 10, and a transient crash)
+# --------------------------------------------------------------------------------------------
+
+
+def _hang(folder: Path, rank: int, batch_sizes: str, n: int) -> Row:
+    out = folder / "out"
+    command = tune_command(
+        out, *fault_args(fault="hang", rank=rank), "--batch-size", batch_sizes, trials=n
+    )
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    records = trials(out)
+    durations = [t["duration"] for t in records]
+    worst = max(durations, default=float("nan"))
+    return Row(
+        case="",
+        detect=f"{worst:.1f} s worst of {len(records)} (timeout {TIMEOUT:g})",
+        lost_or_rerun=f"{reruns(records)} rerun",
+        processes_left=left_after(out),
+        exit_code=done.returncode,
+        lines=shown(done.stderr),
+        passed=bool(records)
+        and all(t["status"] == "timeout" for t in records)
+        and worst <= TIMEOUT + 5,
+    )
+
+
+@case("hang, first trial of every group", "rank 1 hangs, rank 0 waits in a collective; 2 trials")
+def hang_first_trial(folder: Path) -> Row:
+    return _hang(folder, rank=1, batch_sizes="1,2", n=2)
+
+
+@case("hang after a crash relaunch", "rank 1 exits (code 3), then the next trial hangs")
+def hang_after_relaunch(folder: Path) -> Row:
+    # the worker group directly: the order of the two faults must be fixed
+    script = textwrap.dedent(
+        f"""
+        import json, sys, time
+        from pathlib import Path
+        from autoshard.config import Candidate, WorkloadSpec
+        from autoshard.target.resolve import TargetSpec
+        from autoshard.trials.group import WorkerGroup
+        c = Candidate(wrap_classes=("faults.Block",), precision="32-true")
+        def t(**kw):
+            return TargetSpec(spec={FAULTS!r}, kwargs=kw)
+        w = WorkloadSpec(seq_len=16)
+        with WorkerGroup(t(), log_dir=Path(sys.argv[1]), nproc=2, trial_timeout={TIMEOUT}) as g:
+            a = g.run(c, w, warmup=1, steps=2, target=t(fault="exit", rank=1))
+            b = g.run(c, w, warmup=1, steps=2, target=t(fault="hang", rank=1))
+            print(json.dumps([a.model_dump(mode="json"), b.model_dump(mode="json"), g.launches]))
+        """
+    )
+    out = folder / "out"
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    crashed, hung, launches = json.loads(done.stdout.splitlines()[-1])
+    return Row(
+        case="",
+        detect=f"{hung['duration']:.1f} s (timeout {TIMEOUT:g})",
+        lost_or_rerun="0",
+        processes_left=left_after(out),
+        exit_code=done.returncode,
+        lines=[crashed["error"], hung["error"]],
+        passed=crashed["status"] == "error"
+        and hung["status"] == "timeout"
+        and hung["duration"] <= TIMEOUT + 5
+        and launches == 2,
+    )
+
+
+IDLE_DRIVER = """
+import sys, time
+from pathlib import Path
+from autoshard.config import Candidate, WorkloadSpec
+from autoshard.target.resolve import TargetSpec
+from autoshard.trials.group import WorkerGroup
+group = WorkerGroup(TargetSpec(spec=sys.argv[1]), log_dir=Path(sys.argv[2]), nproc=2)
+result = group.run(Candidate(wrap_classes=("faults.Block",), precision="32-true"),
+                   WorkloadSpec(seq_len=16), warmup=1, steps=1)
+print(result.status.value, flush=True)
+time.sleep(3600)
+"""
+
+
+def _kill_driver(folder: Path, state: str) -> Row:
+    out = folder / "out"
+    if state == "idle":
+        driver = subprocess.Popen(
+            [sys.executable, "-c", IDLE_DRIVER, FAULTS, str(out)],
+            cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert driver.stdout is not None
+        driver.stdout.readline()
+    else:
+        fault = (
+            fault_args(fault="slow", seconds=60)
+            if state == "mid-trial"
+            else fault_args(fault="hang", rank=1)
+        )
+        driver = subprocess.Popen(
+            tune_command(out, *fault, timeout=300),
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_for_trial(out)
+        time.sleep(3)
+    before = len(study_processes(out))
+    driver.kill()
+    driver.wait()
+    killed = time.monotonic()
+    while study_processes(out) and time.monotonic() - killed < SETTLE:
+        time.sleep(0.1)
+    gone = time.monotonic() - killed
+    left = left_after(out, settle=0)
+    return Row(
+        case="",
+        detect=f"all {before - 1} gone in {gone:.1f} s" if not left else "-",
+        lost_or_rerun="- (a trial in flight dies with its driver)",
+        processes_left=left,
+        exit_code=-9,
+        passed=left == 0 and before >= 4,
+    )
+
+
+@case("kill -9 of the driver, group idle", "between trials")
+def kill_idle(folder: Path) -> Row:
+    return _kill_driver(folder, "idle")
+
+
+@case("kill -9 of the driver, mid-trial", "both ranks busy in a step")
+def kill_mid_trial(folder: Path) -> Row:
+    return _kill_driver(folder, "mid-trial")
+
+
+@case("kill -9 of the driver, trial hung", "rank 0 waits in a collective for rank 1")
+def kill_hung(folder: Path) -> Row:
+    return _kill_driver(folder, "hung")
+
+
+@case("exception on one rank only", "rank 1 raises in step 2; rank 0 waits in a collective")
+def rank_only_exception(folder: Path) -> Row:
+    out = folder / "out"
+    message = "rank one alone fails"
+    command = tune_command(
+        out, *fault_args(fault="raise", rank=1, step=2, message=repr(message)), timeout=120
+    )
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    records = trials(out)
+    error = records[0]["error"] if records else ""
+    return Row(
+        case="",
+        detect=f"{records[0]['duration']:.1f} s (timeout 120)" if records else "-",
+        lost_or_rerun=f"{reruns(records)} rerun",
+        processes_left=left_after(out),
+        exit_code=done.returncode,
+        lines=shown(done.stderr),
+        passed=bool(records) and error == f"rank 1: RuntimeError: {message}",
+    )
+
+
+@case("Ctrl-C during a hang", "SIGINT to the driver 3 s into a hung trial")
+def ctrl_c(folder: Path) -> Row:
+    out = folder / "out"
+    driver = subprocess.Popen(
+        tune_command(out, *fault_args(fault="hang", rank=1), timeout=300),
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    timed: list[tuple[float, str]] = []  # stderr's lines and when they came
+    assert driver.stderr is not None
+    stream = driver.stderr
+    reader = threading.Thread(
+        target=lambda: timed.extend((time.monotonic(), line.strip()) for line in stream)
+    )
+    reader.start()
+    wait_for_trial(out)
+    time.sleep(3)
+    sent = time.monotonic()
+    driver.send_signal(signal.SIGINT)
+    driver.wait(timeout=60)
+    took = time.monotonic() - sent
+    reader.join()
+    lines = [text for at, text in timed if at >= sent and text]  # shown after Ctrl-C
+    return Row(
+        case="",
+        detect=f"exited {took:.1f} s after Ctrl-C",
+        lost_or_rerun="-",
+        processes_left=left_after(out),
+        exit_code=driver.returncode,
+        lines=lines,
+        passed=took < 3 and driver.returncode == 130 and lines[-1:] == ["interrupted"],
+    )
+
+
+@case("a rank killed by a signal", "rank 1 SIGKILLs itself (as the OOM killer would)")
+def rank_killed(folder: Path) -> Row:
+    out = folder / "out"
+    command = tune_command(out, *fault_args(fault="kill", rank=1), timeout=120)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    records = trials(out)
+    return Row(
+        case="",
+        detect=f"{records[0]['duration']:.1f} s" if records else "-",
+        lost_or_rerun=f"{reruns(records)} rerun",
+        processes_left=left_after(out),
+        exit_code=done.returncode,
+        lines=shown(done.stderr),
+        passed=bool(records) and bool(records[0].get("transient")),
+        note="transient: " + str(bool(records and records[0].get("transient"))),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------
+
+
+def _cell(text: str, width: int = 110) -> str:
+    text = text.replace("|", "\\|")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def table(rows: list[Row]) -> str:
+    head = (
+        "| case | time to detect | trials lost or rerun | processes left | exit code "
+        "| lines shown (last) | as it should |\n| --- | --- | --- | ---: | ---: | --- | --- |"
+    )
+    body = [
+        f"| {r.case} | {r.detect} | {r.lost_or_rerun} | {r.processes_left} | {r.exit_code} "
+        f"| {len(r.lines)}: {_cell(r.lines[-1] if r.lines else '')}"
+        f"{(' (' + r.note + ')') if r.note else ''} | {'yes' if r.passed else 'NO'} |"
+        for r in rows
+    ]
+    return "\n".join([head, *body])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="run only the cases whose name contains this")
+    parser.add_argument("--write", type=Path, help="also write the table (markdown) here")
+    args = parser.parse_args()
+    chosen = [c for c in CASES if not args.only or any(o in c.name for o in args.only)]
+    rows = []
+    for c in chosen:
+        print(f"running: {c.name} ({c.summary})", file=sys.stderr, flush=True)
+        with TemporaryDirectory(prefix="autoshard-faults-") as tmp:
+            try:
+                row = c.run(Path(tmp))
+            except Exception as exc:  # a case that breaks is a row that says so
+                row = Row("", "-", "-", left_after(Path(tmp)), None, [repr(exc)], False)
+        row.case = c.name
+        rows.append(row)
+    text = table(rows)
+    print(text)
+    if args.write:
+        command = "python benchmarks/faults.py" + (
+            " --only " + " ".join(args.only) if args.only else ""
+        )
+        args.write.write_text(
+            f"# Fault matrix\n\n`{command} --write {args.write}`\n\n"
+            f"2 gloo CPU processes, tests/targets/faults.py; hang cases with --trial-timeout "
+            f"{TIMEOUT:g}; processes counted {SETTLE:g} s after the end.\n\n{text}\n\n"
+            "As it should: a hang reported within the trial timeout + 5 s, as a timeout; no "
+            "process left; an exception on one rank reported with its message, not as a hang; "
+            "Ctrl-C answered in under 3 s with one line and exit code 130; a rank killed by a "
+            "signal reported as transient.\n"
+        )
+    sys.exit(0 if all(r.passed for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""A small token model that fails on demand, the way a worker group must survive, and only
+inside trial workers (torchrun sets LOCAL_RANK): the driver analyses and estimates it normally.
+
+``fault`` (in the forward pass of the chosen rank, micro-batch size and step):
+- ``none``: trains normally;
+- ``hang``: sleeps ``seconds`` (a hang: the other ranks wait for it in their next collective);
+- ``slow``: the same sleep, meant to be short: a trial that is busy, not hung;
+- ``raise``: raises ``RuntimeError(message)``;
+- ``kill``: the process kills itself with SIGKILL (as the OOM killer would);
+- ``exit``: the process exits with code 3 (as a crash in native code would).
+``rank=-1`` means every rank, ``batch=0`` every micro-batch size; ``step`` counts forward passes
+of one trial from 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.gelu(self.fc(x))
+
+
+class FaultyLM(nn.Module):
+    def __init__(
+        self,
+        *,
+        fault: str,
+        rank: int,
+        batch: int,
+        step: int,
+        seconds: float,
+        message: str,
+        vocab: int,
+        width: int,
+        layers: int,
+    ) -> None:
+        super().__init__()
+        self.fault, self.rank, self.batch, self.step = fault, rank, batch, step
+        self.seconds, self.message = seconds, message
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+        self.forwards = 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        if self._strikes(ids):
+            self._fail()
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def _strikes(self, ids: torch.Tensor) -> bool:
+        in_worker = "LOCAL_RANK" in os.environ
+        this_rank = self.rank < 0 or os.environ.get("RANK") == str(self.rank)
+        this_batch = self.batch <= 0 or ids.shape[0] == self.batch
+        return in_worker and this_rank and this_batch and self.forwards == self.step
+
+    def _fail(self) -> None:
+        match self.fault:
+            case "hang" | "slow":
+                time.sleep(self.seconds)
+            case "raise":
+                raise RuntimeError(self.message)
+            case "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            case "exit":
+                os._exit(3)
+            case "none":
+                pass
+            case _:
+                raise ValueError(f"unknown fault {self.fault!r}")
+
+
+def build(
+    fault: str = "none",
+    rank: int = -1,
+    batch: int = 0,
+    step: int = 1,
+    seconds: float = 3600.0,
+    message: str = "injected fault",
+    vocab: int = 256,
+    width: int = 32,
+    layers: int = 2,
+) -> FaultyLM:
+    return FaultyLM(
+        fault=fault,
+        rank=rank,
+        batch=batch,
+        step=step,
+        seconds=seconds,
+        message=message,
+        vocab=vocab,
+        width=width,
+        layers=layers,
+    )

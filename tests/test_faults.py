@@ -1,0 +1,266 @@
+"""Faults a study must survive, reproduced with real worker groups (torchrun + gloo): hangs in any
+trial of any group, a killed driver in every state, an exception on one rank only, Ctrl-C, a
+rank killed by a signal, and the first trial of a group measured like the next ones.
+
+The model is tests/targets/faults.py, which fails on demand inside workers only."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from autoshard.config import Candidate, WorkloadSpec
+from autoshard.results import TrialResult, TrialStatus
+from autoshard.study.journal import read_records
+from autoshard.target.resolve import TargetSpec
+from autoshard.trials.group import WorkerGroup
+
+from .conftest import ROOT, TARGETS
+
+pytestmark = pytest.mark.slow
+
+FAULTS = f"{TARGETS}/faults.py:build"
+BLOCK = Candidate(wrap_classes=("faults.Block",), precision="32-true")
+TOKENS = WorkloadSpec(seq_len=16)
+SLACK = 5.0  # seconds past --trial-timeout within which a hang must be reported
+
+
+def faulty(**kwargs: object) -> TargetSpec:
+    return TargetSpec(spec=FAULTS, kwargs=kwargs)
+
+
+def tune_command(out: Path, *args: str, trials: int = 1, timeout: float = 60) -> list[str]:
+    return [
+        sys.executable, "-m", "autoshard", "tune", FAULTS, *args,
+        "--seq-len", "16", "--gpu-memory", "4GiB", "--precision", "32-true",
+        "--trials", str(trials), "--trial-timeout", str(timeout),
+        "--warmup", "1", "--steps", "2", "--out", str(out),
+    ]  # fmt: skip
+
+
+def study_processes(marker: Path) -> list[str]:
+    """Every process whose command line names ``marker`` (the study's output folder): the
+    driver, torchrun and the workers (their control folder lies under it)."""
+    found = subprocess.run(["pgrep", "-af", str(marker)], capture_output=True, text=True)
+    return [line for line in found.stdout.splitlines() if "pgrep" not in line]
+
+
+@pytest.fixture
+def reap(tmp_path):
+    """Whatever a failed test leaves running under its folder is killed afterwards."""
+    yield
+    for line in study_processes(tmp_path):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def first_request(out: Path) -> bool:
+    return any(out.glob("workers/group-*/request-0.json"))
+
+
+def timed_lines(stream) -> list[tuple[float, str]]:
+    return [(time.monotonic(), line.strip()) for line in stream if line.strip()]
+
+
+def read_trials(out: Path) -> list[TrialResult]:
+    log = out / "trials.jsonl"
+    return list(read_records(log)) if log.exists() else []
+
+
+# --------------------------------------------------------------------------------------------
+# Hangs: detected within --trial-timeout + a few seconds, in any trial of any group
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_hang_in_the_first_trial_of_a_group_is_reported_in_time(tmp_path, reap) -> None:
+    """Rank 1 hangs and rank 0 waits for it in a collective, in every group's first trial."""
+    out, timeout = tmp_path / "out", 8.0
+    command = tune_command(
+        out, "--arg", "fault=hang", "--arg", "rank=1", "--batch-size", "1,2",
+        trials=2, timeout=timeout,
+    )  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    took = time.monotonic() - started
+    hung = [t for t in read_trials(out) if t.status is not TrialStatus.PRUNED]
+    assert hung and all(t.status is TrialStatus.TIMEOUT for t in hung), done.stderr
+    for trial in hung:
+        assert timeout <= trial.duration <= timeout + SLACK, trial
+        assert f"(trial timeout {timeout:g} s)" in (trial.error or "")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    # one launch per hung trial, each a first trial: nothing waited for a start timeout
+    assert len(list(out.glob("workers/group-*.log"))) == len(hung)
+    assert took < 60 + len(hung) * (timeout + SLACK + 30), took
+
+
+def test_a_hang_in_the_first_trial_after_a_crash_relaunch_is_reported_in_time(tmp_path) -> None:
+    timeout = 8.0
+    with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=timeout) as group:
+        crashed = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=faulty(fault="exit", rank=1))
+        assert crashed.status is TrialStatus.ERROR, crashed
+        assert "rank 1 exited with code 3" in (crashed.error or "")
+        started = time.monotonic()
+        hung = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=faulty(fault="hang", rank=1))
+        took = time.monotonic() - started
+        assert group.launches == 2
+        assert group.launch_seconds is not None
+    assert hung.status is TrialStatus.TIMEOUT
+    assert timeout <= hung.duration <= timeout + SLACK
+    assert took <= group.launch_seconds + timeout + SLACK  # the launch, then the trial's own time
+
+
+# --------------------------------------------------------------------------------------------
+# A killed driver leaves no process behind, whatever the group was doing
+# --------------------------------------------------------------------------------------------
+
+IDLE_DRIVER = """
+import sys, time
+from pathlib import Path
+from autoshard.config import Candidate, WorkloadSpec
+from autoshard.target.resolve import TargetSpec
+from autoshard.trials.group import WorkerGroup
+
+group = WorkerGroup(TargetSpec(spec=sys.argv[1]), log_dir=Path(sys.argv[2]), nproc=2)
+result = group.run(Candidate(wrap_classes=("faults.Block",), precision="32-true"),
+                   WorkloadSpec(seq_len=16), warmup=1, steps=1)
+print(result.status.value, flush=True)
+time.sleep(3600)  # idle: the workers wait for the next request
+"""
+
+
+@pytest.mark.parametrize("state", ["idle", "mid_trial", "hung"])
+def test_no_process_outlives_a_driver_killed_with_sigkill(tmp_path, reap, state: str) -> None:
+    out = tmp_path / "out"
+    if state == "idle":
+        driver = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(IDLE_DRIVER), FAULTS, str(out)],
+            cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert driver.stdout is not None and driver.stdout.readline().strip() == "ok"
+    else:
+        fault = ["fault=slow", "seconds=60"] if state == "mid_trial" else ["fault=hang", "rank=1"]
+        args = [item for f in fault for item in ("--arg", f)]
+        driver = subprocess.Popen(
+            tune_command(out, *args, timeout=300), cwd=ROOT,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_for(lambda: first_request(out), 120, "the first trial")
+        time.sleep(3)  # in the trial: both ranks busy, or rank 0 waiting in a collective
+    assert len(study_processes(out)) >= 4  # the driver, torchrun, two workers
+    driver.kill()  # kill -9: nothing runs in the driver any more
+    driver.wait()
+    killed = time.monotonic()
+    while study_processes(out) and time.monotonic() - killed < 10:
+        time.sleep(0.2)
+    assert study_processes(out) == [], f"left running 10 s after the driver was killed ({state})"
+
+
+# --------------------------------------------------------------------------------------------
+# An exception on one rank only
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_an_exception_on_one_rank_is_the_trials_error(tmp_path, rank: int) -> None:
+    """The other rank waits in a collective of the second step: the failing rank's message is
+    the trial's error (and in the log), soon, not a hang until the timeout."""
+    message = f"rank {rank} alone says no"
+    target = faulty(fault="raise", rank=rank, step=2, message=message)
+    with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
+        failed = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=target)
+        assert group.log_path is not None
+        log = group.log_path.read_text(errors="replace")
+        assert failed.status is TrialStatus.ERROR and not failed.transient
+        assert failed.error == f"rank {rank}: RuntimeError: {message}"
+        assert failed.duration < group.agree_timeout + 20  # not the 120 s trial timeout
+        assert message in log
+        after = group.run(BLOCK, TOKENS, warmup=1, steps=2)  # a fresh group takes over
+        assert after.status is TrialStatus.OK, after.error
+        assert group.launches == 2
+
+
+def test_an_exception_on_every_rank_keeps_the_group(tmp_path) -> None:
+    with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
+        failed = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=faulty(fault="raise"))
+        assert failed.status is TrialStatus.ERROR
+        assert "RuntimeError: injected fault" in (failed.error or "")
+        assert group.run(BLOCK, TOKENS, warmup=1, steps=2).status is TrialStatus.OK
+        assert group.launches == 1
+
+
+# --------------------------------------------------------------------------------------------
+# A rank killed by a signal is transient; one that exits by itself is not
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_rank_killed_by_a_signal_is_a_transient_error(tmp_path) -> None:
+    with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
+        killed = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=faulty(fault="kill", rank=1))
+        exited = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=faulty(fault="exit", rank=0))
+    assert killed.status is TrialStatus.ERROR and killed.transient
+    assert "rank 1 was killed by SIGKILL" in (killed.error or "")
+    assert exited.status is TrialStatus.ERROR and not exited.transient
+    assert "rank 0 exited with code 3" in (exited.error or "")
+
+
+# --------------------------------------------------------------------------------------------
+# Ctrl-C
+# --------------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_during_a_hang_ends_the_study_at_once_in_one_line(tmp_path, reap) -> None:
+    out = tmp_path / "out"
+    driver = subprocess.Popen(
+        tune_command(out, "--arg", "fault=hang", "--arg", "rank=1", timeout=300),
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    shown: list[tuple[float, str]] = []  # every line on stderr, with when it came
+    reader = threading.Thread(target=lambda: shown.extend(timed_lines(driver.stderr)))
+    reader.start()
+    wait_for(lambda: first_request(out), 120, "the first trial")
+    time.sleep(3)
+    interrupted = time.monotonic()
+    driver.send_signal(signal.SIGINT)
+    driver.wait(timeout=30)
+    reader.join()
+    after = [(at - interrupted, text) for at, text in shown if at >= interrupted]
+    assert [text for _, text in after] == ["interrupted"], shown
+    assert after[0][0] < 2, "Ctrl-C was not answered at once"
+    # (the interpreter's exit after it takes a few seconds more under load: its final garbage
+    # collection of torch's objects)
+    assert driver.returncode == 130 and time.monotonic() - interrupted < 10
+    wait_for(lambda: not study_processes(out), 5, "the workers to end")
+
+
+# --------------------------------------------------------------------------------------------
+# The first trial of a group measures what the next one does (CPU: the process's growth)
+# --------------------------------------------------------------------------------------------
+
+
+def test_two_identical_trials_in_one_group_measure_the_same_memory(
+    tmp_path, examples_gpt_tiny
+) -> None:
+    candidate = Candidate(wrap_classes=("gpt.Block",), precision="32-true")
+    with WorkerGroup(examples_gpt_tiny, log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
+        first, second = (
+            group.run(candidate, WorkloadSpec(seq_len=64), warmup=1, steps=2) for _ in range(2)
+        )
+    assert first.status is second.status is TrialStatus.OK
+    for a, b in zip(first.peak_allocated, second.peak_allocated, strict=True):
+        assert a == pytest.approx(b, rel=0.05), (first.peak_allocated, second.peak_allocated)

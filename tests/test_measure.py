@@ -1,0 +1,240 @@
+"""Measurements that mean something: the median's spread, when to stop timing, the tie rule, and
+the recommendation and its reasons built on them."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from autoshard.config import Candidate, Hardware, Sharding, WorkloadSpec
+from autoshard.decide import choose_from_trials as recommend_from_trials
+from autoshard.measure import (
+    compare,
+    enough_steps,
+    faster,
+    is_tie,
+    median_interval,
+    median_spread,
+    rank_trials,
+    speed_basis,
+)
+from autoshard.results import MemoryEstimate, SpeedEstimate, TrialResult, TrialStatus
+from tests.test_emit import PROFILE, estimate
+
+GIB = 1024**3
+
+
+def run(
+    step: float,
+    *,
+    spread: float | None = 0.02,
+    peak: int = 100 * 2**20,
+    mbs: int = 2,
+    device: str = "cpu",
+    **update: object,
+) -> TrialResult:
+    candidate = Candidate.model_validate(
+        {"wrap_classes": ("gpt.Block",), "micro_batch_size": mbs, **update}
+    )
+    return TrialResult(
+        candidate=candidate,
+        status=TrialStatus.OK,
+        device=device,
+        world_size=2,
+        step_time=step,
+        step_time_spread=spread,
+        samples_per_s=2 * mbs / step,
+        tokens_per_s=2 * mbs * 128 / step,
+        peak_allocated=(peak, peak),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The spread of the median and the stopping rule
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [6, 9, 15, 40])
+def test_median_interval_covers_the_true_median_95_percent_of_the_time(n: int) -> None:
+    """On skewed noise (log-normal step times, a long tail like GC pauses), the order-statistic
+    interval holds the true median in at least 95% of 4,000 repetitions, and not far above
+    (an interval that is too wide would make everything a tie)."""
+    rng = np.random.default_rng(n)
+    true_median = 0.2  # exp(mu) of the log-normal
+    samples = true_median * np.exp(rng.normal(0.0, 0.3, size=(4000, n)))
+    hits = 0
+    for row in samples:
+        lo, hi = median_interval(row.tolist())
+        hits += lo <= true_median <= hi
+    coverage = hits / len(samples)
+    assert 0.95 <= coverage <= 0.995, coverage
+
+
+def test_spread_shrinks_as_more_steps_are_timed() -> None:
+    rng = np.random.default_rng(0)
+    times = (0.1 * np.exp(rng.normal(0, 0.1, 400))).tolist()
+    spreads = [median_spread(times[:n]) for n in (10, 40, 160, 400)]
+    assert spreads == sorted(spreads, reverse=True)
+    assert spreads[-1] < spreads[0] / 3  # roughly 1/sqrt(n)
+
+
+def test_timing_stops_on_spread_or_budget_never_before_the_minimum() -> None:
+    steady = [0.1] * 20
+    assert not enough_steps(steady[:5], min_steps=3)  # 95% needs 6 order statistics
+    assert enough_steps(steady[:6], min_steps=3)
+    assert not enough_steps(steady[:6], min_steps=10)  # --steps is the minimum
+    assert enough_steps(steady[:10], min_steps=10)
+    noisy = [0.1, 0.15, 0.2, 0.12] * 20
+    assert not enough_steps(noisy[:30], min_steps=3)
+    assert enough_steps(noisy[:40], min_steps=3)  # the step budget
+    assert enough_steps(noisy[:8], min_steps=3, max_seconds=1.0)  # the time budget
+    assert not enough_steps(noisy[:8], min_steps=3, max_seconds=2.0)
+    assert enough_steps(noisy[:8], min_steps=3, target_spread=0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tie rule
+# ---------------------------------------------------------------------------------------------
+
+
+def test_difference_within_the_spreads_is_a_tie_won_by_headroom() -> None:
+    slim = run(0.104, spread=0.03, peak=80 * 2**20)  # 4% slower, less memory
+    quick = run(0.100, spread=0.03, peak=120 * 2**20)
+    outcome = compare(quick, slim)
+    assert outcome.tie and is_tie(slim, quick)
+    assert outcome.winner is slim and faster(quick, slim) is slim and faster(slim, quick) is slim
+    assert outcome.describe() == "tie within noise (±6%), chosen by headroom"
+
+
+def test_difference_beyond_the_spreads_is_a_win() -> None:
+    slim = run(0.104, spread=0.01, peak=80 * 2**20)
+    quick = run(0.100, spread=0.01, peak=120 * 2**20)
+    outcome = compare(slim, quick)
+    assert not outcome.tie and outcome.winner is quick and faster(slim, quick) is quick
+    assert outcome.describe() == "1.04x faster"
+
+
+def test_throughput_not_step_time_is_compared() -> None:
+    # Twice the micro-batch in 1.5x the time: faster per sample, though each step is slower.
+    small, big = run(0.100, mbs=2), run(0.150, mbs=4)
+    assert faster(small, big) is big and not is_tie(small, big)
+
+
+def test_a_record_without_a_spread_uses_its_step_times() -> None:
+    noisy = run(0.100, spread=None).model_copy(
+        update={"step_times": (0.08, 0.1, 0.12, 0.1, 0.09, 0.11)}
+    )
+    other = run(0.105, spread=0.0)
+    assert is_tie(noisy, other)  # ±20% from the step times
+    assert not is_tie(noisy.model_copy(update={"step_times": ()}), other)
+
+
+def test_rank_trials_orders_ties_by_headroom_and_the_rest_by_throughput() -> None:
+    a = run(0.100, spread=0.02, peak=300)  # the fastest
+    b = run(0.102, spread=0.02, peak=100)  # tied with a, least memory
+    c = run(0.103, spread=0.02, peak=200)  # tied with a
+    d = run(0.200, spread=0.02, peak=50)  # clearly slower
+    failed = TrialResult(candidate=Candidate(), status=TrialStatus.OOM)
+    assert rank_trials([d, a, failed, c, b]) == [b, c, a, d]
+
+
+# ---------------------------------------------------------------------------------------------
+# What the recommendation says
+# ---------------------------------------------------------------------------------------------
+
+HARDWARE = Hardware(gpus_per_node=2, gpu_memory=2 * GIB, backend="gloo")
+WORKLOAD = WorkloadSpec(micro_batch_size=2, seq_len=128)
+
+
+def recommend(trials: list[TrialResult], hardware: Hardware = HARDWARE, estimates=()):
+    ests = list(estimates) or [estimate(t.candidate) for t in trials]
+    return recommend_from_trials(PROFILE, hardware, WORKLOAD, ests, trials)
+
+
+def test_recommendation_never_announces_a_win_inside_noise() -> None:
+    quick = run(0.100, spread=0.04, peak=150 * 2**20)
+    slim = run(0.104, spread=0.04, peak=90 * 2**20, sharding=Sharding.SHARD_GRAD_OP)
+    rec = recommend([quick, slim])
+    assert rec.chosen.trial is slim  # as fast as far as can be told, and more headroom
+    text = "\n".join(rec.reasons)
+    assert "tie within noise (±8%)" in text and "chosen by headroom" in text
+    assert not re.search(r"\d\.\d\dx", text), text  # no ratio at all inside noise
+    assert "sharding=FULL_SHARD: tie within noise" in text
+
+
+def test_recommendation_names_a_real_win() -> None:
+    quick = run(0.100, spread=0.01, peak=150 * 2**20)
+    slow = run(0.130, spread=0.01, peak=90 * 2**20, sharding=Sharding.SHARD_GRAD_OP)
+    rec = recommend([slow, quick])
+    assert rec.chosen.trial is quick
+    assert rec.reasons[0].startswith("fastest of 2 measured configurations: 0.100 s/step (±1%)")
+    assert "sharding=SHARD_GRAD_OP measured 1.30x slower" in rec.reasons
+
+
+def test_every_trial_is_in_the_recommendation() -> None:
+    """Six OK trials and an OOM: all seven are listed (runners-up were cut at four)."""
+    oks = [run(0.1 + 0.02 * i, spread=0.01, mbs=i + 1) for i in range(6)]
+    oom = TrialResult(candidate=Candidate(micro_batch_size=64), status=TrialStatus.OOM)
+    rec = recommend([*oks, oom])
+    listed = [s.trial for s in (rec.chosen, *rec.runners_up, *rec.ruled_out)]
+    assert len(listed) == 7 and all(t in listed for t in [*oks, oom])
+
+
+def with_speed(e: MemoryEstimate, samples_per_s: float) -> MemoryEstimate:
+    speed = SpeedEstimate(
+        step_time_s=4 / samples_per_s, samples_per_s=samples_per_s, gpu="h100-sxm"
+    )
+    return e.model_copy(update={"speed": speed})
+
+
+def test_cpu_trials_for_gpus_check_and_the_model_ranks() -> None:
+    """Planning for GPUs with CPU trials: the measured CPU order is ignored, the predicted one
+    decides among the configurations that ran, and the reasons say so in one line."""
+    gpus = Hardware(gpus_per_node=8, gpu_memory=80 * GIB, gpu="h100-sxm")
+    cpu_fast = run(0.050, spread=0.01)  # fastest on the CPU
+    gpu_fast = run(0.200, spread=0.01, sharding=Sharding.SHARD_GRAD_OP)  # fastest predicted
+    estimates = [with_speed(estimate(cpu_fast.candidate), 900.0)]
+    estimates.append(with_speed(estimate(gpu_fast.candidate), 1200.0))
+    assert speed_basis(gpus, [cpu_fast, gpu_fast]) == "model"
+    rec = recommend([cpu_fast, gpu_fast], gpus, estimates)
+    assert rec.chosen.trial is gpu_fast
+    assert rec.reasons[0] == (
+        "trials ran on CPU processes: they checked that configurations build, train and fit; "
+        "the speed order is the model's for 8 x h100-sxm"
+    )
+    assert "sharding=FULL_SHARD predicted 1.33x slower" in rec.reasons
+    # The same trials planning for CPU processes: the measurement decides.
+    assert speed_basis(HARDWARE, [cpu_fast, gpu_fast]) == "trials"
+    assert recommend([cpu_fast, gpu_fast], HARDWARE, estimates).chosen.trial is cpu_fast
+
+
+def test_the_module_examples_run() -> None:
+    import doctest
+
+    import autoshard.measure
+
+    result = doctest.testmod(autoshard.measure, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 8 and result.failed == 0
+
+
+def test_each_trial_is_reported_against_the_prediction_it_was_tried_with() -> None:
+    """The study re-predicts untried candidates after each trial (calibrated): the
+    recommendation carries those predictions, not the plan's first ones."""
+    from types import SimpleNamespace
+
+    from autoshard.decide import decide_from_trials
+
+    first, second = run(0.100, spread=0.01), run(0.130, sharding=Sharding.SHARD_GRAD_OP)
+    plan_estimates = [with_speed(estimate(t.candidate), 100.0) for t in (first, second)]
+    calibrated = with_speed(estimate(second.candidate), 31.0)
+    calibrated = calibrated.model_copy(
+        update={"speed": calibrated.speed.model_copy(update={"calibrated": True})}
+    )
+    plan = SimpleNamespace(profile=PROFILE, hardware=HARDWARE, workload=WORKLOAD,
+                           estimates=plan_estimates, notes=())  # fmt: skip
+    rec = decide_from_trials(plan, [first, second], {second.candidate.label(): calibrated})
+    by_trial = {s.trial.candidate.label(): s.estimate for s in (rec.chosen, *rec.runners_up)}
+    assert by_trial[second.candidate.label()] == calibrated
+    assert by_trial[first.candidate.label()] == plan_estimates[0]

@@ -1,0 +1,458 @@
+"""The step-time model (autoshard.predict.speed) and the FLOP profile it rests on
+(autoshard.predict.flops), against numbers worked out by hand.
+
+The communication tests use a GPU with round bandwidths, every factor at 1 and no latency, and
+``overlap=0`` (nothing hidden), so ``exposed_comm_s`` is the sum of every collective's bytes
+over its link: the volumes of each strategy, computed by hand below from the model's sizes.
+"""
+
+from __future__ import annotations
+
+import doctest
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autoshard.analyze import analyze_model
+from autoshard.config import Candidate, Hardware, WorkloadSpec
+from autoshard.gpus import CATALOGUE
+from autoshard.predict import flops as flops_module
+from autoshard.predict import speed as speed_module
+from autoshard.predict.calibrate import SpeedModel
+from autoshard.predict.flops import FlopProfile, profile_flops
+from autoshard.predict.speed import (
+    SpeedFactors,
+    default_factors,
+    dense_flops,
+    predict_speed,
+    speed_for,
+    timeline,
+)
+from autoshard.results import MemoryBreakdown, MemoryEstimate
+from autoshard.space import rank_candidates
+
+D = 64  # width of every Linear
+BLOCKS = 4
+INTRA, INTER = 100e9, 25e9  # bytes/s: one GPU's link in a node, one node's network
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class Net(nn.Module):
+    """4 blocks of one D x D Linear between an input and an output Linear (the root unit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D, bias=False)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(D, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.fixture(scope="module")
+def net():
+    with torch.device("meta"):
+        model = Net()
+    profile = analyze_model(model)
+    assert profile.block_count == BLOCKS and profile.block_params == D * D
+    flops = profile_flops(model, profile, WorkloadSpec(), batch=torch.randn(2, D))
+    return profile, flops
+
+
+GPU = CATALOGUE["h100-sxm"].model_copy(
+    update={
+        "id": "test-gpu",
+        "bf16_flops": 1e12,
+        "fp16_flops": 1e12,
+        "fp32_flops": 0.5e12,
+        "tf32_flops": 0.5e12,
+        "intra_node_bandwidth": INTRA,
+        "inter_node_bandwidth": INTER,
+        "host_link_bandwidth": 10e9,
+        "hbm_bandwidth": 1e12,
+    }
+)
+EXACT = SpeedFactors(
+    compute_efficiency=1.0,
+    comm_efficiency=1.0,
+    collective_latency_s=0.0,
+    memory_efficiency=1.0,
+    host_efficiency=1.0,
+    host_memory_bandwidth=50e9,
+    op_overhead_s=0.0,
+    overlap=0.0,
+)
+ONE_NODE = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
+TWO_NODES = Hardware(gpus_per_node=4, nodes=2, gpu_memory=80 * 2**30)
+WRAP = ("tests.test_speed.Block",)
+
+
+def comm_seconds(net, candidate: Candidate, hardware: Hardware, **workload: int) -> float:
+    profile, flops = net
+    speed = predict_speed(
+        profile, flops, candidate, hardware, WorkloadSpec(**workload), EXACT, gpu=GPU
+    )
+    return speed.breakdown.exposed_comm_s
+
+
+# --------------------------------------------------------------------------------------------
+# Communication volumes, by hand
+# --------------------------------------------------------------------------------------------
+
+P = 6 * D * D  # every parameter: input, 4 blocks, head
+B = D * D  # one block
+ROOT = 2 * D * D  # the input and head Linears stay in the root unit
+
+
+def test_full_shard_gathers_forward_and_backward_and_reduce_scatters(net) -> None:
+    # bf16-mixed, FSDP1: gathered in bf16, reduced in bf16 (Lightning's reduce_dtype). Forward
+    # gathers every unit; backward gathers the blocks again (FSDP1 keeps the root gathered);
+    # every gradient is reduce-scattered once. Ring: 7/8 of each over the GPU's link.
+    hand = 7 / 8 * 2 * (P + BLOCKS * B + P) / INTRA
+    full = Candidate(wrap_classes=WRAP, sharding="FULL_SHARD")
+    assert comm_seconds(net, full, ONE_NODE) == pytest.approx(hand, rel=1e-9)
+
+
+def test_shard_grad_op_gathers_once(net) -> None:
+    hand = 7 / 8 * 2 * (P + P) / INTRA
+    grad_op = Candidate(wrap_classes=WRAP, sharding="SHARD_GRAD_OP")
+    assert comm_seconds(net, grad_op, ONE_NODE) == pytest.approx(hand, rel=1e-9)
+
+
+def test_no_shard_all_reduces_the_gradients(net) -> None:
+    hand = 2 * 7 / 8 * 2 * P / INTRA
+    no_shard = Candidate(wrap_classes=WRAP, sharding="NO_SHARD")
+    assert comm_seconds(net, no_shard, ONE_NODE) == pytest.approx(hand, rel=1e-9)
+
+
+def test_hybrid_shard_inside_the_node_and_all_reduce_across(net) -> None:
+    # 2 nodes x 4 GPUs, shard group of 4 inside a node: gathers and reduce-scatters over 3/4 of
+    # each unit at the GPU's link; then each GPU all-reduces its quarter with its one peer in
+    # the other node, the 4 GPUs of a node sharing its network: 25 GB/s / 4 each.
+    inside = 3 / 4 * 2 * (P + BLOCKS * B + P) / INTRA
+    across = 2 * 1 / 2 * 2 * (P / 4) / (INTER / 4)
+    hybrid = Candidate(wrap_classes=WRAP, sharding="HYBRID_SHARD", hybrid_mesh=(2, 4))
+    assert comm_seconds(net, hybrid, TWO_NODES) == pytest.approx(inside + across, rel=1e-9)
+
+
+def test_full_shard_across_nodes_runs_at_the_network(net) -> None:
+    # One ring over 8 GPUs in 2 nodes: each node's network carries the ring's traffic, 25 GB/s
+    # for the node's 4 GPUs together, slower than their 100 GB/s links.
+    hand = 7 / 8 * 2 * (P + BLOCKS * B + P) / INTER
+    full = Candidate(wrap_classes=WRAP, sharding="FULL_SHARD")
+    assert comm_seconds(net, full, TWO_NODES) == pytest.approx(hand, rel=1e-9)
+
+
+def test_fsdp2_regathers_the_root_and_reduces_in_fp32(net) -> None:
+    # FSDP2 with every unit resharded: the root is gathered again for backward; gradients
+    # reduce-scatter in fp32 (4 bytes) under bf16-mixed.
+    hand = 7 / 8 * (2 * (P + P) + 4 * P) / INTRA
+    fsdp2 = Candidate(engine="fsdp2", wrap_classes=WRAP, sharding="FULL_SHARD", reshard="all")
+    assert comm_seconds(net, fsdp2, ONE_NODE) == pytest.approx(hand, rel=1e-9)
+    keep_root = Candidate(engine="fsdp2", wrap_classes=WRAP, reshard="keep_root")
+    kept = 7 / 8 * (2 * (P + BLOCKS * B) + 4 * P) / INTRA
+    assert comm_seconds(net, keep_root, ONE_NODE) == pytest.approx(kept, rel=1e-9)
+
+
+def test_fp32_gathers_four_bytes(net) -> None:
+    hand = 7 / 8 * 4 * (P + BLOCKS * B + P) / INTRA
+    fp32 = Candidate(wrap_classes=WRAP, sharding="FULL_SHARD", precision="32-true")
+    assert comm_seconds(net, fp32, ONE_NODE) == pytest.approx(hand, rel=1e-9)
+
+
+def test_accumulation_gathers_every_micro_batch_and_reduces_once(net) -> None:
+    gathers = 7 / 8 * 2 * (P + BLOCKS * B) / INTRA
+    reduce = 7 / 8 * 2 * P / INTRA
+    full = Candidate(wrap_classes=WRAP, sharding="FULL_SHARD")
+    assert comm_seconds(net, full, ONE_NODE, accumulate=4) == pytest.approx(
+        4 * gathers + reduce, rel=1e-9
+    )
+
+
+def test_one_rank_moves_nothing(net) -> None:
+    alone = Hardware(gpus_per_node=1, gpu_memory=80 * 2**30)
+    assert comm_seconds(net, Candidate(wrap_classes=WRAP), alone) == 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Overlap
+# --------------------------------------------------------------------------------------------
+
+
+def test_timeline_hides_a_prefetched_gather_behind_the_previous_compute() -> None:
+    # gather 1 | compute 2 of unit 0 while unit 1's gather (1) runs | compute 2
+    assert timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)]) == (5.0, 2.0)
+    # a gather longer than the compute it hides behind shows by the difference
+    assert timeline([(1.0, 2.0, 0.0), (3.0, 2.0, 0.0)]) == (6.0, 4.0)
+    # without prefetch the second gather waits for the first compute to end
+    assert timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], prefetch=False) == (6.0, 2.0)
+    # a reduction runs behind the next unit's compute; the last one is exposed
+    assert timeline([(0.0, 2.0, 1.0), (0.0, 2.0, 1.0)]) == (5.0, 2.0)
+
+
+def test_one_unit_overlaps_nothing(net) -> None:
+    profile, flops = net
+    hidden = EXACT.model_copy(update={"overlap": 1.0})
+    for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        one = Candidate(sharding=sharding)
+        exposed = predict_speed(profile, flops, one, ONE_NODE, WorkloadSpec(), hidden, gpu=GPU)
+        total = comm_seconds(net, one, ONE_NODE)
+        assert total > 0
+        assert exposed.breakdown.exposed_comm_s == pytest.approx(total, rel=1e-9)
+    # per-block units hide some of theirs behind the blocks' compute
+    slow_compute = GPU.model_copy(update={"bf16_flops": 1e6})
+    wrapped = Candidate(wrap_classes=WRAP)
+    some = predict_speed(
+        profile, flops, wrapped, ONE_NODE, WorkloadSpec(), hidden, gpu=slow_compute
+    )
+    assert some.breakdown.exposed_comm_s < 0.5 * comm_seconds(net, wrapped, ONE_NODE)
+
+
+# --------------------------------------------------------------------------------------------
+# Compute, recompute, offload, optimizer
+# --------------------------------------------------------------------------------------------
+
+
+def test_flops_and_memory_traffic_of_linear_blocks(net) -> None:
+    _, flops = net
+    # per sample: 6 Linears of 2 x D x D forward; backward twice that except the input
+    # Linear's input gradient (the batch needs none)
+    assert flops.forward == 6 * 2 * D * D
+    assert flops.backward == (6 * 2 - 1) * 2 * D * D
+    # each block's ReLU reads D floats and writes D; its backward reads the gradient and the
+    # output and writes the input's gradient; the matrix products count as FLOPs only
+    assert flops.block_forward_traffic == (2 * 4 * D,) * BLOCKS
+    assert flops.block_backward_traffic == (3 * 4 * D,) * BLOCKS
+
+
+def test_compute_is_flops_over_the_peak_and_traffic_over_the_memory(net) -> None:
+    profile, flops = net
+    for precision, peak, element in (("bf16-mixed", 1e12, 2), ("32-true", 0.5e12, 4)):
+        candidate = Candidate(wrap_classes=WRAP, precision=precision, micro_batch_size=3)
+        speed = predict_speed(
+            profile, flops, candidate, ONE_NODE, WorkloadSpec(accumulate=2), EXACT, gpu=GPU
+        )
+        # traffic was counted in fp32: bf16 moves half the bytes; HBM is 1e12 bytes/s
+        hand = 2 * 3 * (flops.total / peak + flops.traffic * element / 4 / 1e12)
+        assert speed.breakdown.compute_s == pytest.approx(hand, rel=1e-9)
+        # MFU counts the FLOPs only
+        assert speed.mfu == pytest.approx(2 * 3 * flops.total / peak / speed.step_time_s)
+
+
+def test_a_small_model_is_bound_by_launching_its_operations(net) -> None:
+    profile, flops = net
+    # per sample: blocks 2 ops forward and 3 backward, the root 2 and 6 (with the loss); at
+    # 1 ms an operation the launches outlast the work on a GPU (which runs the kernels while
+    # the host launches the next ones), and add to it on a CPU (which does both in turn)
+    ops = BLOCKS * (2 + 3) + 2 + 6
+    assert sum(flops.block_forward_ops) + sum(flops.block_backward_ops) == BLOCKS * (2 + 3)
+    assert flops.other_forward_ops + flops.other_backward_ops == 2 + 6
+    slow_host = EXACT.model_copy(update={"op_overhead_s": 1e-3})
+    candidate = Candidate(wrap_classes=WRAP, micro_batch_size=4)
+    on_gpu = predict_speed(profile, flops, candidate, ONE_NODE, WorkloadSpec(), slow_host, gpu=GPU)
+    assert on_gpu.breakdown.compute_s == pytest.approx(ops * 1e-3, rel=1e-9)
+    device = predict_speed(profile, flops, candidate, ONE_NODE, WorkloadSpec(), EXACT, gpu=GPU)
+    cpu = GPU.model_copy(update={"id": "cpu-gloo"})
+    on_cpu = predict_speed(profile, flops, candidate, ONE_NODE, WorkloadSpec(), slow_host, gpu=cpu)
+    # (on the CPU entry bf16 element-wise work moves fp32 bytes: the traffic part doubles)
+    cpu_work = predict_speed(profile, flops, candidate, ONE_NODE, WorkloadSpec(), EXACT, gpu=cpu)
+    assert cpu_work.breakdown.compute_s > device.breakdown.compute_s
+    assert on_cpu.breakdown.compute_s == pytest.approx(
+        ops * 1e-3 + cpu_work.breakdown.compute_s, rel=1e-9
+    )
+
+
+def test_fp32_runs_at_the_fp32_rate_unless_tf32() -> None:
+    h100 = CATALOGUE["h100-sxm"]
+    assert dense_flops(h100, "32-true") == h100.fp32_flops  # type: ignore[arg-type]
+    assert dense_flops(h100, "32-true", tf32=True) == h100.tf32_flops  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("checkpointing", "every", "blocks"), [
+    ("none", 1, 0), ("all", 1, BLOCKS), ("every_k", 2, BLOCKS // 2),
+])  # fmt: skip
+def test_recompute_is_the_checkpointed_blocks_forward(net, checkpointing, every, blocks) -> None:
+    profile, flops = net
+    candidate = Candidate(
+        wrap_classes=WRAP,
+        checkpointing=checkpointing,
+        checkpoint_every=every,
+        checkpoint_classes=WRAP if checkpointing != "none" else (),
+        micro_batch_size=2,
+    )
+    speed = predict_speed(profile, flops, candidate, ONE_NODE, WorkloadSpec(), EXACT, gpu=GPU)
+    # micro-batch 2; per block and sample 2 x D x D FLOPs at 1e12 FLOP/s and its ReLU's
+    # traffic (2 x D values, 2 bytes each in bf16) at 1e12 bytes/s
+    hand = 2 * blocks * (2 * D * D / 1e12 + 2 * D * 2 / 1e12)
+    assert speed.breakdown.recompute_s == pytest.approx(hand, rel=1e-9)
+
+
+def test_offload_copies_shards_and_steps_on_the_host(net) -> None:
+    # FULL_SHARD over 8: a rank's shard is P / 8 fp32 parameters. Copied to the GPU for the
+    # forward gather and the backward regather, the gradient shard back: 3 copies over the host
+    # link. The 8 ranks' AdamW steps (foreach: 20 passes of 4 bytes per parameter) stream
+    # through the node's host memory together.
+    profile, flops = net
+    offload = Candidate(wrap_classes=WRAP, cpu_offload=True)
+    speed = predict_speed(profile, flops, offload, ONE_NODE, WorkloadSpec(), EXACT, gpu=GPU)
+    shard = P / 8
+    hand = 3 * shard * 4 / 10e9 + 8 * shard * 80 / 50e9
+    assert speed.breakdown.offload_s == pytest.approx(hand, rel=1e-9)
+    assert speed.breakdown.optimizer_s == 0.0
+    on_gpu = predict_speed(
+        profile, flops, offload.model_copy(update={"cpu_offload": False}), ONE_NODE,
+        WorkloadSpec(), EXACT, gpu=GPU,
+    )  # fmt: skip
+    assert on_gpu.breakdown.offload_s == 0.0
+    assert on_gpu.breakdown.optimizer_s == pytest.approx(shard * 80 / 1e12, rel=1e-9)
+    fused = Candidate(wrap_classes=WRAP, optimizer_impl="fused")
+    fused_speed = predict_speed(profile, flops, fused, ONE_NODE, WorkloadSpec(), EXACT, gpu=GPU)
+    assert fused_speed.breakdown.optimizer_s == pytest.approx(shard * 28 / 1e12, rel=1e-9)
+    # bf16-true keeps parameters, gradients and states in 2 bytes
+    bf16 = Candidate(wrap_classes=WRAP, optimizer_impl="fused", precision="bf16-true")
+    bf16_speed = predict_speed(profile, flops, bf16, ONE_NODE, WorkloadSpec(), EXACT, gpu=GPU)
+    assert bf16_speed.breakdown.optimizer_s == pytest.approx(shard * 14 / 1e12, rel=1e-9)
+
+
+def test_the_step_is_the_sum_of_its_parts_and_throughput_follows(net) -> None:
+    profile, flops = net
+    candidate = Candidate(wrap_classes=WRAP, micro_batch_size=4, cpu_offload=True)
+    speed = predict_speed(
+        profile, flops, candidate, ONE_NODE, WorkloadSpec(seq_len=16, accumulate=2), EXACT,
+        gpu=GPU,
+    )  # fmt: skip
+    parts = speed.breakdown
+    total = (parts.compute_s + parts.recompute_s + parts.exposed_comm_s + parts.offload_s
+             + parts.optimizer_s)  # fmt: skip
+    assert speed.step_time_s == pytest.approx(total)
+    assert speed.samples_per_s == pytest.approx(4 * 2 * 8 / speed.step_time_s)
+    assert speed.tokens_per_s_per_gpu == pytest.approx(4 * 2 * 16 / speed.step_time_s)
+
+
+# --------------------------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------------------------
+
+
+def test_flops_of_a_transformer_block_match_the_formula() -> None:
+    # examples/gpt.py's Llama-style block: q and o (d x d), kv (d x 2 kv_dim), MLP up
+    # (d x 2 ffn) and down (ffn x d): 2 x T x params forward, plus causal attention: two
+    # T x T x d products, half of them computed.
+    from examples.gpt import build
+
+    d, heads, kv_heads, ffn, seq = 256, 8, 2, 512, 64
+    with torch.device("meta"):
+        model = build("1b", n_layer=3, n_head=heads, n_kv_head=kv_heads, d_model=d,
+                      ffn_hidden=ffn, vocab_size=1000)  # fmt: skip
+    profile = analyze_model(model)
+    flops = profile_flops(model, profile, WorkloadSpec(seq_len=seq))
+    assert flops.measured, flops.note
+    kv = 2 * kv_heads * (d // heads)
+    matmuls = d * d + d * kv + d * d + d * 2 * ffn + ffn * d
+    attention = 2 * (2 * seq * seq * d) // 2
+    assert flops.block_forward == (2 * seq * matmuls + attention,) * 3
+    # backward: twice the products, 2.5x the attention (torch's flash backward formula)
+    assert flops.block_backward == (2 * 2 * seq * matmuls + 5 * attention // 2,) * 3
+    assert flops.other_forward == 2 * seq * d * 1000  # the head
+    assert flops.other_backward == 2 * flops.other_forward
+
+
+@pytest.mark.parametrize("example", ["hf_gpt2", "hf_t5"])
+def test_hugging_face_models_are_counted_on_fake_tensors(example: str) -> None:
+    # GPT-2 and T5's decoder pass a key/value cache object to their blocks, holding tensors of
+    # the model's pass: both must be counted, not estimated.
+    pytest.importorskip("transformers")
+    from autoshard.analyze import analyze_target
+    from autoshard.target.resolve import TargetSpec
+
+    root = Path(__file__).resolve().parents[1]
+    profile, built = analyze_target(TargetSpec(spec=f"{root}/examples/{example}.py:build"))
+    flops = profile_flops(built.model, profile, WorkloadSpec(), batch=built.batch)
+    assert flops.measured, flops.note
+    assert len(flops.block_forward) == profile.block_count
+    assert all(b > f > 0 for f, b in zip(flops.block_forward, flops.block_backward, strict=True))
+
+
+def test_a_forward_that_cannot_run_on_fake_tensors_falls_back_to_six_n_t() -> None:
+    class Opaque(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.tolist()  # data-dependent: fails on fake tensors
+            return x
+
+    with torch.device("meta"):
+        model = Opaque()
+    profile = analyze_model(model)
+    flops = profile_flops(model, profile, WorkloadSpec(seq_len=10), batch=torch.randn(1, D))
+    assert not flops.measured and "6 x parameters x tokens" in flops.note
+    assert flops.total == 6 * profile.total_params * 10
+
+
+# --------------------------------------------------------------------------------------------
+# Hardware and ranking
+# --------------------------------------------------------------------------------------------
+
+
+def test_speed_for_resolves_the_catalogue_and_the_overrides() -> None:
+    gpu, note = speed_for(Hardware(gpu_memory=40 * 2**30, gpu="a100-40gb-pcie"))
+    assert gpu == CATALOGUE["a100-40gb-pcie"] and note == ""
+    fast = Hardware(gpu_memory=1, gpu="l4", intra_node_bandwidth=1e9, inter_node_bandwidth=2e9)
+    gpu, _ = speed_for(fast)
+    assert (gpu.intra_node_bandwidth, gpu.inter_node_bandwidth) == (1e9, 2e9)
+    gpu, note = speed_for(Hardware(gpu_memory=1))
+    assert gpu.id == "h100-sxm" and "assumed" in note
+    cpu, note = speed_for(Hardware(gpu_memory=1, gpus_per_node=2, backend="gloo"))
+    assert cpu.id == "cpu-gloo" and note == ""
+    assert 1e8 < cpu.fp32_flops < 1e13  # measured here: one core's matmul rate
+
+
+def test_ranking_puts_the_fastest_first(net) -> None:
+    profile, flops = net
+    wrapped = Candidate(wrap_classes=WRAP)
+    estimates = [
+        MemoryEstimate(
+            candidate=c,
+            method="analytic",
+            gpu_peak=1,
+            breakdown=MemoryBreakdown(),
+            fits=True,
+            headroom=1,
+        )
+        for c in (wrapped.model_copy(update={"cpu_offload": True}), wrapped)
+    ]
+    hardware = ONE_NODE.model_copy(update={"gpu": "h100-sxm"})
+    gpu, _ = speed_for(hardware)
+    model = SpeedModel(profile, flops, hardware, WorkloadSpec(), gpu, default_factors(gpu))
+    ranked = rank_candidates(model.attach(estimates))
+    assert [e.candidate.cpu_offload for e in ranked] == [False, True]
+    assert all(e.speed is not None and e.speed.gpu == "h100-sxm" for e in ranked)
+    assert estimates[0].speed is None  # copies: the inputs are unchanged
+
+
+def test_a_flop_profile_round_trips_as_json(net) -> None:
+    _, flops = net
+    assert FlopProfile.model_validate_json(flops.model_dump_json()) == flops
+
+
+@pytest.mark.parametrize("module", [flops_module, speed_module], ids=["flops", "speed"])
+def test_the_examples_in_the_docstrings_run(module, monkeypatch) -> None:
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # they name examples/gpt.py
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 5 and result.failed == 0

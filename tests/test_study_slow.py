@@ -1,0 +1,139 @@
+"""The study's storage side with real trials (slow): several drivers sharing one study in a
+real PostgreSQL server, and changed settings through the command line (issue 15, case 11)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from autoshard.config import Candidate
+from autoshard.study.journal import read_records
+
+from .conftest import EXAMPLES, ROOT
+from .postgres import binaries, postgres_server
+
+pytestmark = pytest.mark.slow
+
+TINY = [f"{EXAMPLES}/gpt.py:build", "--arg", "size=tiny", "--seq-len", "32"]
+QUICK = ["--gpu-memory", "4GiB", "--precision", "32-true", "--steps", "2", "--warmup", "1"]
+
+
+def tune(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "autoshard", "tune", *TINY, *QUICK, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def launched(out: Path, study: str | None = None) -> list[str]:
+    return [
+        r.candidate.label() for r in read_records(out / "trials.jsonl", study) if r.status.launched
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# A real PostgreSQL server
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A PostgreSQL server of its own (tests/postgres.py); yields its URL."""
+    pytest.importorskip("psycopg")
+    if binaries() is None:
+        pytest.skip("no PostgreSQL binaries (initdb, pg_ctl) on this machine")
+    with postgres_server() as url:
+        yield url
+
+
+def test_two_drivers_share_one_postgresql_study(postgres: str, tmp_path: Path) -> None:
+    """Two `autoshard tune` processes (own worker groups, own output folders), one study in
+    PostgreSQL: no candidate runs twice, --trials counts both, both end with the same choice."""
+    # Two precisions and two micro-batches: four candidates that no measured one dominates, so
+    # that --trials 4 is reached whatever the order in which the drivers finish.
+    args = ["--gpus", "1", "--batch-size", "1,2", "--precision", "bf16-mixed", "--trials", "4",
+            "--storage", postgres, "--json"]  # fmt: skip
+    command = [sys.executable, "-m", "autoshard", "tune", *TINY, *QUICK, *args]
+    drivers = {
+        name: subprocess.Popen(
+            [*command, "--out", str(tmp_path / name)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("a", "b")
+    }
+    outputs = {name: p.communicate(timeout=500) for name, p in drivers.items()}
+    for name, p in drivers.items():
+        assert p.returncode == 0, outputs[name][1][-3000:]
+    recs = {name: json.loads(out) for name, (out, _) in outputs.items()}
+
+    ran = {name: launched(tmp_path / name) for name in drivers}
+    assert ran["a"] and ran["b"], ran  # both drivers ran trials
+    every = ran["a"] + ran["b"]
+    assert len(every) == len(set(every)) == 4, ran  # none twice; the cap counts both
+    chosen = {name: Candidate.model_validate(r["chosen"]["candidate"]) for name, r in recs.items()}
+    assert chosen["a"] == chosen["b"]
+    assert recs["a"]["study"] == recs["b"]["study"]
+    # Both decided on all four trials, whichever driver ran them.
+    for rec in recs.values():
+        tried = [rec["chosen"], *rec["runners_up"], *rec["ruled_out"]]
+        labels = {Candidate.model_validate(s["candidate"]).label() for s in tried if s["trial"]}
+        assert set(every) <= labels
+
+    # The study in the database: one finished trial per candidate.
+    import optuna
+
+    study = optuna.load_study(study_name=recs["a"]["study"], storage=recs_url(postgres))
+    per_candidate = Counter(
+        t.params["candidate"] for t in study.get_trials(deepcopy=False) if t.state.is_finished()
+    )
+    assert max(per_candidate.values()) == 1
+
+
+def recs_url(url: str) -> str:
+    from autoshard.study.storage import check_storage
+
+    return check_storage(url)
+
+
+# ---------------------------------------------------------------------------------------------
+# Changed settings through the command line (issue 15, case 11)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_changed_batch_sizes_start_a_new_study(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    first = tune("--batch-size", "1,2", "--trials", "2", "--out", str(out), "--json")
+    assert first.returncode == 0, first.stderr[-3000:]
+    study_12 = json.loads(first.stdout)["study"]
+
+    second = tune("--batch-size", "1", "--trials", "1", "--out", str(out), "--json")
+    assert second.returncode == 0, second.stderr[-3000:]
+    rec = json.loads(second.stdout)
+    assert rec["study"] != study_12
+    assert rec["chosen"]["candidate"]["micro_batch_size"] == 1  # never the excluded 2
+    assert rec["chosen"]["estimate"] is not None  # predictions of its own study
+    report = json.loads((out / "report.json").read_text())
+    assert {t["candidate"]["micro_batch_size"] for t in report["trials"]} == {1}
+    assert len(launched(out, rec["study"])) == 1 and len(launched(out, study_12)) == 2
+
+    from autoshard.ui.files import load_result
+
+    (out / "report.json").unlink()  # read back through recommendation.json + trials.jsonl
+    _, trials = load_result(out)
+    assert [t.candidate.micro_batch_size for t in trials if t.status.launched] == [1]
+
+    again = tune("--batch-size", "1", "--trials", "1", "--out", str(out), "--json")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout)["study"] == rec["study"]
+    assert len(launched(out)) == 3  # resumed: nothing ran again
