@@ -561,8 +561,10 @@ def forward_moments(
     - the end of forward, inside the loss: the logits in the compute dtype, their fp32 copy (a
       cast, or the non-contiguous shifted slice of a micro-batch above 1) and the fp32
       log-probabilities (counted with the saved activations);
-    - FSDP2: the last block's all-gather (its buffer beside the previous unit's, which FSDP2
-      keeps until the root's forward ends, with every earlier block's activations saved), the
+    - FSDP2: the forward's start (the root's all-gather and the first block's prefetch, each
+      a buffer and a copy), the last block's all-gather (its buffer beside the previous
+      unit's, which FSDP2 keeps until the root's forward ends, with every earlier block's
+      activations saved), the
       end of the last block's forward, and the end of the root's forward (the logits made, the
       root still gathered: FSDP2 gathers a copy even with NO_SHARD);
     - FSDP1: the end of the root's forward (the root, or its low-precision copy, still held
@@ -592,6 +594,16 @@ def forward_moments(
     if candidate.engine is Engine.FSDP2:
         gathered = params * cb if keeps_all or one_unit else root + unit
         buffer = 0 if shard_size(candidate, hardware) == 1 else (unit or root)
+        # The forward's start: every unit was resharded after the last backward; the root is
+        # gathered (its all-gather buffer beside its copy) as the first block is prefetched.
+        gathering = root + unit
+        out["forward start"] = base.model_copy(
+            update={
+                "unsharded_params": gathering,
+                "activations": 0,
+                "comm_buffers": 0 if shard_size(candidate, hardware) == 1 else gathering,
+            }
+        )
         out["last block all-gather"] = base.model_copy(
             update={
                 "unsharded_params": gathered,
