@@ -276,21 +276,19 @@ def measure(points: list[dict[str, Any]], device_kind: str, nproc: int) -> list[
 # ---------------------------------------------------------------------------------------------
 
 
-def estimate(
-    points: list[dict[str, Any]], device_kind: str, world: int
-) -> list[tuple[int, int | None]]:
+def estimate(points: list[dict[str, Any]], device_kind: str, world: int) -> list[tuple[int, int]]:
     """(analytic, simulated) bytes without the allowance, for every point, planned for the
-    backend the measurements ran on (simulated: None where the simulation refuses the point)."""
+    backend the measurements ran on."""
     from autoshard.analyze import analyze_target
     from autoshard.config import Hardware, Precision, WorkloadSpec
     from autoshard.predict.activations import profile_activations
     from autoshard.predict.analytic import estimate_memory
-    from autoshard.predict.simulate import SimulationUnsupportedError, simulate_memory
+    from autoshard.predict.simulate import simulate_memory
 
     backend = "nccl" if device_kind == "cuda" else "gloo"
     hardware = Hardware(gpus_per_node=world, gpu_memory=80 * 1024**3, backend=backend)
     cache: dict[str, Any] = {}
-    out: list[tuple[int, int | None]] = []
+    out: list[tuple[int, int]] = []
     for point in points:
         target = target_of_point(point)
         if str(target) not in cache:
@@ -305,14 +303,10 @@ def estimate(
         candidate = candidate_of(point, profile)
         workload = workload_of(point)
         ana = estimate_memory(profile, candidate, hardware, workload, activations=acts)
-        try:
-            sim = simulate_memory(
-                target, candidate, hardware, workload, block_classes=profile.block_classes
-            )
-            simulated: int | None = sim.gpu_peak - sim.breakdown.allowance
-        except SimulationUnsupportedError:
-            simulated = None
-        out.append((ana.gpu_peak - ana.breakdown.allowance, simulated))
+        sim = simulate_memory(
+            target, candidate, hardware, workload, block_classes=profile.block_classes
+        )
+        out.append((ana.gpu_peak - ana.breakdown.allowance, sim.gpu_peak - sim.breakdown.allowance))
     return out
 
 
@@ -329,7 +323,7 @@ def label(point: dict[str, Any]) -> str:
 def report(
     points: list[dict[str, Any]],
     measured: list[dict[str, Any]],
-    estimates: list[tuple[int, int | None]],
+    estimates: list[tuple[int, int]],
     device_kind: str,
 ) -> str:
     mib = 1024**2
@@ -347,12 +341,9 @@ def report(
         group = "the user's loop" if "loop" in point else "plain loop"
         ea = 100 * (ana - real) / real
         errors.setdefault((group, "analytic"), []).append(abs(ea))
-        if sim is None:
-            simulated = "not simulated | (FSDP1 SHARD_GRAD_OP, frozen parameters)"
-        else:
-            es = 100 * (sim - real) / real
-            errors.setdefault((group, "simulated"), []).append(abs(es))
-            simulated = f"{sim / mib:.1f} | {es:+.1f}%"
+        es = 100 * (sim - real) / real
+        errors.setdefault((group, "simulated"), []).append(abs(es))
+        simulated = f"{sim / mib:.1f} | {es:+.1f}%"
         lines.append(
             f"| {label(point)} | {real / mib:.1f} | {ana / mib:.1f} | {ea:+.1f}% | {simulated} |"
         )

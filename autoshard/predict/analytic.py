@@ -679,11 +679,12 @@ def loop_moments(
         )
     if workload.loop == Loop.LIGHTNING:
         alive = dict(forward)
-        if candidate.engine is Engine.FSDP1 and candidate.sharding is not Sharding.SHARD_GRAD_OP:
-            # zero_grad() sets the original parameters' gradients to None, but the flat
-            # parameters' sharded gradients live on until the root's pre-backward hook, which
-            # runs once the loss's backward reaches the logits (measured on fake tensors;
-            # SHARD_GRAD_OP, whose units are all gathered then, frees them at zero_grad).
+        if candidate.engine is Engine.FSDP1:
+            # zero_grad() sets the original parameters' gradients (views, use_orig_params=True
+            # as trials and Lightning run it) to None, but the flat parameters' sharded
+            # gradients live on until the root's pre-backward hook, which runs once the loss's
+            # backward reaches the logits: the loss is computed beside them (measured on 2
+            # gloo processes and on fake tensors, every sharding)
             alive["loss"] = moments["loss"]
         for name, m in alive.items():
             out[f"{name}, last step's gradients"] = m.model_copy(
