@@ -245,6 +245,16 @@ def _key(point: dict[str, Any]) -> str:
     return json.dumps(point, sort_keys=True)  # tuples and lists alike
 
 
+def _larger(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """The record with the larger peak of two measurements of one point (a failed one loses)."""
+    if old is None or "error" in old:
+        return new
+    if "error" in new:
+        return old
+    return {k: max(old[k], new[k]) if k in old and k in new and k != "point" else new[k]
+            for k in new}  # fmt: skip
+
+
 def world_size(device_kind: str) -> int:
     """2 gloo processes on CPU; on CUDA one process per GPU, at most 2 (NCCL refuses two ranks
     on one GPU, so a one-GPU machine measures at world size 1, and the estimates plan for 1)."""
@@ -375,6 +385,21 @@ def main() -> None:
         default=RESULTS,
         help="Where the measurements are saved (and reused from), before the estimates run.",
     )
+    parser.add_argument(
+        "--remeasure",
+        action="append",
+        default=[],
+        metavar="WORDS",
+        help="With --reuse: measure again the points whose label has all these words (e.g. "
+        "'fsdp2 FULL_SHARD'), keeping the larger peak of the saved and the new runs. Repeatable.",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="Measure each point this many times and keep its largest peak: a peak that "
+        "depends on thread timing (gloo's all-gather race, see the results' Findings).",
+    )
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -392,19 +417,31 @@ def main() -> None:
     previous = json.loads(saved.read_text()) if args.reuse and saved.exists() else []
     # Reused point by point: a grid that grew measures only its new points.
     by_point = {_key(m["point"]): m for m in previous if "error" not in m}
-    missing = [p for p in points if _key(p) not in by_point]
-    if missing:
-        by_point.update((_key(m["point"]), m) for m in measure(missing, args.device, world))
+    remeasured = [
+        p
+        for p in points
+        if _key(p) in by_point
+        and any(set(words.split()) <= set(label(p).split()) for words in args.remeasure)
+    ]
+    missing = [p for p in points if _key(p) not in by_point] + remeasured
+    for _ in range(args.repeat if missing else 0):
+        for m in measure(missing, args.device, world):
+            by_point[_key(m["point"])] = _larger(by_point.get(_key(m["point"])), m)
     measured = [by_point[_key(p)] for p in points]
     if missing:
         saved.parent.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(measured, indent=1) + "\n")
     shown = saved.relative_to(ROOT) if saved.is_relative_to(ROOT) else saved
     parts = []
-    if len(missing) < len(points):
-        parts.append(f"{len(points) - len(missing)} measurements reused from `{shown}`")
+    if len(missing) < len(points) or remeasured:
+        reused = len(points) - len(missing) + len(remeasured)
+        parts.append(f"{reused} measurements reused from `{shown}`")
     if missing:
-        parts.append(f"{len(missing)} measured in {time.perf_counter() - start:.0f} s")
+        again = f" ({len(remeasured)} of them again)" if remeasured else ""
+        times = f", {args.repeat} times each," if args.repeat > 1 else ""
+        parts.append(
+            f"{len(missing)} measured{again}{times} in {time.perf_counter() - start:.0f} s"
+        )
     how = ", ".join(parts)
     start = time.perf_counter()
     estimates = estimate(points, args.device, world)

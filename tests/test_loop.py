@@ -393,3 +393,90 @@ def test_a_lora_model_trains_in_a_real_two_process_trial(tmp_path, lora) -> None
             r = group.run(c, WorkloadSpec(loop="lightning", accumulate=2), warmup=2, steps=3)
             assert r.status is TrialStatus.OK, (engine, r.error)
             assert r.losses[-1] < r.losses[0], (engine, r.losses)
+
+
+@pytest.mark.parametrize(
+    ("engine", "sharding", "loop", "accumulate"),
+    [
+        # FSDP1's last micro-batch after no_sync: stored gradients above, kept ones below
+        ("fsdp1", "NO_SHARD", "plain", 4),
+        # a loss computed in the root's forward runs beside FSDP1's low-precision root copy
+        ("fsdp1", "NO_SHARD", "lightning", 1),
+        # gloo may still hold the root's all-gather output when the last block is prefetched
+        ("fsdp2", "FULL_SHARD", "lightning", 1),
+        ("fsdp2", "FULL_SHARD", "plain", 4),
+    ],
+)
+def test_analytic_lora_moments_agree_with_the_simulation(
+    lora, engine, sharding, loop, accumulate
+) -> None:
+    from autoshard.predict.simulate import simulate_memory
+
+    target, profile, built = lora
+    c = Candidate(
+        engine=engine, sharding=sharding, wrap_classes=profile.wrap_policy, precision="bf16-mixed"
+    )
+    workload = WorkloadSpec(loop=loop, accumulate=accumulate)
+    acts = profile_activations(
+        built.model, profile, workload, built.batch, precisions=(Precision.BF16_MIXED,)
+    )
+    analytic = estimate_memory(profile, c, GLOO2, workload, activations=acts)
+    simulated = simulate_memory(target, c, GLOO2, workload)
+    assert analytic.gpu_peak == pytest.approx(simulated.gpu_peak, rel=0.03)
+
+
+def test_gloo_may_hold_the_roots_all_gather_at_the_backward_prefetch() -> None:
+    """A race in ProcessGroupGloo, planned for in both estimators on gloo only: the root's
+    all-gather output beside its copy and the last block's all-gather buffer (the peak of the
+    tiny GPT in fp32 at sequence 128, as measured in benchmarks/estimate_accuracy.py)."""
+    from autoshard.predict.simulate import simulate_memory
+
+    profile, built = analyze_target(gpt())
+    workload = WorkloadSpec(seq_len=128, loop="plain")
+    acts = profile_activations(built.model, profile, workload, precisions=(Precision.FP32,))
+    c = Candidate(engine="fsdp2", wrap_classes=profile.wrap_policy, precision="32-true")
+    nccl = GLOO2.model_copy(update={"backend": "nccl"})
+    moments, _ = peak_moments(profile, c, GLOO2, workload, acts)
+    start = moments["backward start"]
+    held = moments["backward start, last block prefetched"]
+    assert held.comm_buffers == start.comm_buffers + profile.block_params * 4
+    assert (
+        "backward start, last block prefetched"
+        not in peak_moments(profile, c, nccl, workload, acts)[0]
+    )
+    peaks, at = {}, {}
+    for hardware in (GLOO2, nccl):
+        analytic = estimate_memory(profile, c, hardware, workload, activations=acts)
+        simulated = simulate_memory(gpt(), c, hardware, workload)
+        assert analytic.gpu_peak == pytest.approx(simulated.gpu_peak, rel=0.01), hardware.backend
+        peaks[hardware.backend] = simulated.gpu_peak - simulated.breakdown.allowance
+        at[hardware.backend] = analytic.peak_at
+    assert at["gloo"] == "backward start, last block prefetched"
+    assert peaks["gloo"] == pytest.approx(held.total, rel=0.01)  # the simulation holds it too
+    assert peaks["gloo"] > peaks["nccl"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("loop", "accumulate"), [("plain", 4), ("lightning", 1)])
+def test_fsdp1_no_shard_lora_moments_of_the_benchmark_shape(loop, accumulate) -> None:
+    """benchmarks/estimate_accuracy.py's LoRA Llama under FSDP1 NO_SHARD bf16-mixed, where the
+    analytic estimate was 5.6% (accumulation: the last micro-batch's stored gradients above the
+    block, kept ones below) and 5.0% low (the root's low-precision copy beside the loss the
+    model computes in its forward)."""
+    pytest.importorskip("peft")
+    from autoshard.predict.simulate import simulate_memory
+
+    target = TargetSpec(
+        spec=f"{EXAMPLES}/hf_llama_lora.py:build",
+        kwargs={"size": "tiny", "hidden_size": 256, "intermediate_size": 512,
+                "num_hidden_layers": 4, "vocab_size": 2048, "batch_size": 1, "seq_len": 64},
+    )  # fmt: skip
+    profile, built = analyze_target(target)
+    c = Candidate(sharding="NO_SHARD", wrap_classes=profile.wrap_policy, precision="bf16-mixed")
+    workload = WorkloadSpec(seq_len=64, loop=loop, accumulate=accumulate)
+    acts = profile_activations(
+        built.model, profile, workload, built.batch, precisions=(Precision.BF16_MIXED,)
+    )
+    analytic = estimate_memory(profile, c, GLOO2, workload, activations=acts)
+    simulated = simulate_memory(target, c, GLOO2, workload)
+    assert analytic.gpu_peak == pytest.approx(simulated.gpu_peak, rel=0.02)

@@ -273,7 +273,11 @@ def peak_moments(
     elif candidate.sharding is Sharding.NO_SHARD:
         # low-precision copies of the current unit and the prefetched one (or of the one unit)
         unsharded = ((2 * unit if wrapped else params) * cb) if mixed else 0
-        after_forward = 0
+        # A loss computed in the root's forward (a Hugging Face model given labels) runs
+        # beside FSDP1's low-precision copy of the root, freed when the root's forward ends
+        # (simulated: a LoRA Llama, 5% low without it; a loss outside the model runs without)
+        in_root = mixed and candidate.engine is Engine.FSDP1 and acts.loss_in_forward
+        after_forward = root * cb if in_root else 0
     else:
         unsharded = (2 * unit + root) * cb  # current + prefetched unit, and the root
         # When the loss is computed, FSDP1 keeps the root gathered from forward into backward;
@@ -634,7 +638,12 @@ def forward_moments(
                 "activations": saved,
             }
         )
-        if candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD) and not one_unit:
+        # NO_SHARD under mixed precision makes a low-precision copy of each unit as it runs
+        # forward, beside the root's (simulated: a LoRA Llama's peak in Lightning's order)
+        copies = candidate.sharding is Sharding.NO_SHARD and mixed
+        if (
+            candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD) or copies
+        ) and not one_unit:
             out["last block forward"] = base.model_copy(
                 update={"unsharded_params": root + unit, "activations": through_blocks}
             )
@@ -664,6 +673,10 @@ def loop_moments(
     start = backward_start_moment(moments["head backward"], profile, candidate, hardware)
     if start is not None:  # in every loop: no gradients are alive then
         out["backward start"] = start
+    saved = moments["loss"].activations
+    held = gloo_held_root_moment(start, saved, profile, candidate, hardware, acts)
+    if held is not None:
+        out["backward start, last block prefetched"] = held
     # The forward's own moments, with no gradient alive: the peak where backward holds little
     # (frozen parameters, LoRA: no weight gradients).
     out.update({name: m for name, m in forward.items() if name != "forward end"})
@@ -811,6 +824,10 @@ def no_sync_moments(
     start = backward_start_moment(head_kept, profile, candidate, hardware)
     if start is not None:
         out["accumulating backward start"] = start
+    saved = moments["loss"].activations
+    held = gloo_held_root_moment(start, saved, profile, candidate, hardware, acts)
+    if held is not None:
+        out["accumulating backward start, last block prefetched"] = held
     # The last micro-batch: the top block reduces its gradients (and gloo copies the reduce
     # input) while every other unit's are still unsharded.
     top = moments["top block backward"]
@@ -820,6 +837,8 @@ def no_sync_moments(
         update={"gradients": top.gradients + kept, "comm_buffers": max(0, top.comm_buffers - own)}
     )
     out["synchronising top block backward"] = sync
+    if candidate.engine is Engine.FSDP1 and not one_unit and not keeps_all:
+        out.update(_fsdp1_synchronising_blocks(sync, profile, candidate, hardware, acts, kept))
     if hardware.backend == "gloo" and shard_size(candidate, hardware) > 1:
         out["synchronising block reduce-scatter"] = sync.model_copy(
             update={
@@ -828,6 +847,51 @@ def no_sync_moments(
             }
         )
     return out
+
+
+def _fsdp1_synchronising_blocks(
+    sync: MemoryBreakdown,
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    acts: ActivationProfile,
+    kept: int,
+) -> dict[str, MemoryBreakdown]:
+    """FSDP1's last micro-batch after ``no_sync``: each block, once its backward is done,
+    reduces its kept (unsharded, compute-dtype) flat gradient into its stored gradient (NO_SHARD:
+    cast to the parameters' dtype, the whole unit) while the blocks below still keep theirs. The
+    worst block is where the stored gradients above outgrow the activations freed (simulated,
+    torch 2.13: a LoRA Llama's second block under NO_SHARD bf16-mixed, 5.6% above the top)."""
+    stored, cb = precision_bytes(candidate.precision)
+    shard = shard_size(candidate, hardware)
+    _, _, trained_unit = gradient_params(profile, candidate)
+    at = acts.at(candidate.precision)
+    scale = at.scale(candidate)
+    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    gathers = shard > 1 or mixed
+    root = profile.root_unit_params
+    unit = profile.block_params
+    blocks = max(profile.block_count, 1)
+    reduced = trained_unit * stored // shard  # one unit's stored gradient
+    worst: MemoryBreakdown | None = None
+    freed = 0
+    for j in range(blocks):
+        freed += int(at.block_bytes[blocks - 1 - j] * scale) if j < len(at.block_bytes) else 0
+        moment = sync.model_copy(
+            update={
+                # FSDP1 keeps the root gathered; the block and the next one prefetched
+                "unsharded_params": (root + (2 if j < blocks - 1 else 1) * unit) * cb
+                if gathers
+                else 0,
+                "gradients": kept + j * (reduced - trained_unit * cb),
+                "activations": max(0, sync.activations - freed),
+                "comm_buffers": 0,
+                "temporaries": reduced,  # the block's own, beside its kept one
+            }
+        )
+        if worst is None or moment.total > worst.total:
+            worst = moment
+    return {} if worst is None else {"synchronising block backward": worst}
 
 
 def _last_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
@@ -871,6 +935,10 @@ def synced_accumulation_moments(
     start = backward_start_moment(out["accumulating head backward"], profile, candidate, hardware)
     if start is not None:
         out["accumulating backward start"] = start
+    saved = moments["loss"].activations
+    held = gloo_held_root_moment(start, saved, profile, candidate, hardware, acts)
+    if held is not None:
+        out["accumulating backward start, last block prefetched"] = held
     if candidate.engine is Engine.FSDP2 and not candidate.one_unit:
         # The second block from the top: its fresh gradients and the top block's reduce-scatter
         # input beside the head's gradient waiting in the root (measured on fake tensors).
@@ -946,6 +1014,39 @@ def backward_start_moment(
             "temporaries": head.temporaries * cb // 4,
         }
     )
+
+
+def gloo_held_root_moment(
+    start: MemoryBreakdown | None,
+    saved: int,
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    acts: ActivationProfile,
+) -> MemoryBreakdown | None:
+    """gloo: the root's pre-backward hook waits on the root's re-gather as soon as it is issued,
+    copies it out and at once allocates the last block's all-gather (its prefetch). gloo's
+    worker thread drops its reference to a collective's tensors only after it has woken the
+    waiting thread, so the root's all-gather output can still be alive then: a race, the worst
+    case planned here (measured on 2 gloo processes, a LoRA Llama: 2 runs of 2 in fp32, 1 of 4
+    in bf16; a 20 ms pause before the prefetch removes it, and torch's fake process group never
+    holds it). The moment: ``start`` (the root gathered beside its all-gather buffer) with the
+    last block's buffer and, under mixed precision, its shards cast to the compute dtype. A
+    loss computed in forward carries the root's backward hook: every activation ``saved`` is
+    still alive, the loss's backward has not run. None where ``start`` is None."""
+    if start is None or hardware.backend != "gloo":
+        return None
+    candidate = as_run(candidate, hardware)
+    if candidate.one_unit:
+        return None
+    _, cb = precision_bytes(candidate.precision)
+    unit = profile.block_params * cb
+    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    cast = unit // shard_size(candidate, hardware) if mixed else 0
+    update = {"comm_buffers": start.comm_buffers + unit + cast}
+    if acts.loss_in_forward:
+        update.update(activations=saved, temporaries=0)
+    return start.model_copy(update=update)
 
 
 def needs_simulation(
