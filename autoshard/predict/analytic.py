@@ -1028,7 +1028,7 @@ def gloo_held_root_moment(
     copies it out and at once allocates the last block's all-gather (its prefetch). gloo's
     worker thread drops its reference to a collective's tensors only after it has woken the
     waiting thread, so the root's all-gather output can still be alive then: a race, the worst
-    case planned here (measured on 2 gloo processes, a LoRA Llama: 2 runs of 2 in fp32, 1 of 4
+    case planned here (measured on 2 gloo processes, a LoRA Llama: 4 ranks of 4 in fp32, 3 of 8
     in bf16; a 20 ms pause before the prefetch removes it, and torch's fake process group never
     holds it). The moment: ``start`` (the root gathered beside its all-gather buffer) with the
     last block's buffer and, under mixed precision, its shards cast to the compute dtype. A

@@ -380,7 +380,7 @@ def _gloo_holds_the_waited_all_gather(backend: str) -> Iterator[None]:
     # a unit that was not prefetched (the root, re-gathered when backward starts) waits on its
     # all-gather as soon as it is issued, copies it out, frees the output and at once allocates
     # the next unit's all-gather (its prefetch): the output can still be alive then (a race,
-    # measured on 2 gloo processes: 2 runs of 2 and 5 ranks of 6 on a LoRA Llama; a 20 ms pause
+    # measured on 2 gloo processes: 4 ranks of 4 and 5 ranks of 6 on a LoRA Llama; a 20 ms pause
     # before the prefetch removes it). The fake process group never holds it: its worst case is
     # planned here, the output kept until the hook returns. An all-gather prefetched earlier
     # completed long before it is copied out, and forward keeps its outputs on purpose.
