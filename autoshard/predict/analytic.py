@@ -21,6 +21,7 @@ checked against measured runs by ``benchmarks/estimate_accuracy.py``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from autoshard.config import (
     Candidate,
@@ -202,48 +203,62 @@ def state_bytes(profile: ModelProfile, candidate: Candidate, shard: int) -> int:
     return (root + (profile.block_count - profile.frozen_blocks) * block) * stored
 
 
-def peak_moments(
+@dataclass(frozen=True)
+class _StepTerms:
+    """The byte counts every moment of a training step is made of (one rank, before the
+    allowance), computed once by :func:`_step_terms` for :func:`peak_moments`."""
+
+    candidate: Candidate
+    profile: ModelProfile
+    hardware: Hardware
+    workload: WorkloadSpec
+    acts: ActivationProfile
+    uniform: ActivationProfile
+    stored: int
+    cb: int
+    params: int
+    shard: int
+    wrapped: bool
+    unit: int
+    root: int
+    mixed: bool
+    trained: int
+    trained_root: int
+    trained_unit: int
+    sharded: int
+    grads: int
+    states: int
+    one_state: int
+    optimizer: int
+    unsharded: int
+    after_forward: int
+    fp32_reduce: bool
+    reduce_bytes: int
+    gather: int
+    comm: int
+    saved: int
+    recompute: int
+    loss_saved: int
+    scale: float
+    block_grad: int
+    block_backward: int
+    logits: int
+    foreach: int
+    block_grads: int
+    frozen_root: int
+    host: int
+
+
+def _step_terms(
     profile: ModelProfile,
     candidate: Candidate,
     hardware: Hardware,
     workload: WorkloadSpec,
     acts: ActivationProfile,
-) -> tuple[dict[str, MemoryBreakdown], int]:
-    """The per-rank bytes at each moment that can hold the peak of a training step (before the
-    allowance), and the host bytes per node.
-
-    >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec
-    >>> from autoshard import analyze_target, peak_moments, profile_activations
-    >>> profile, built = analyze_target(
-    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
-    >>> workload = WorkloadSpec(seq_len=128, loop="plain")  # zero_grad after step
-    >>> candidate = Candidate(wrap_classes=profile.wrap_policy)
-    >>> gpus = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
-    >>> acts = profile_activations(built.model, profile, workload)
-    >>> moments, host = peak_moments(profile, candidate, gpus, workload, acts)
-    >>> for moment in moments:
-    ...     print(moment)
-    loss
-    head backward
-    top block backward
-    bottom block backward
-    root backward
-    optimizer step
-    top block gradient
-    bottom block gradient
-    root forward end
-    last block forward
-    >>> host  # nothing offloaded
-    0
-    >>> trainer = WorkloadSpec(seq_len=128, loop="lightning")  # zero_grad before backward
-    >>> lightning, _ = peak_moments(profile, candidate, gpus, trainer, acts)
-    >>> for moment in sorted(lightning.keys() - moments):  # the last step's gradients alive
-    ...     print(moment)
-    forward end, last step's gradients
-    last block forward, last step's gradients
-    loss, last step's gradients
-    root forward end, last step's gradients
-    """
+) -> _StepTerms:
+    """What the moments share: the candidate as run, the parameter, gradient and optimizer bytes
+    of one rank (nothing of those on the GPU when offloaded; ``host`` then), the gathered units,
+    the collectives' buffers, and the activations at the candidate's precision."""
     candidate = as_run(candidate, hardware)
     stored, cb = precision_bytes(candidate.precision)
     params = profile.total_params
@@ -345,7 +360,64 @@ def peak_moments(
         # working set only
         host = (sharded + grads + optimizer) * hardware.gpus_per_node
         sharded = grads = optimizer = foreach = block_grads = 0
+    return _StepTerms(
+        candidate=candidate,
+        profile=profile,
+        hardware=hardware,
+        workload=workload,
+        acts=acts,
+        uniform=uniform,
+        stored=stored,
+        cb=cb,
+        params=params,
+        shard=shard,
+        wrapped=wrapped,
+        unit=unit,
+        root=root,
+        mixed=mixed,
+        trained=trained,
+        trained_root=trained_root,
+        trained_unit=trained_unit,
+        sharded=sharded,
+        grads=grads,
+        states=states,
+        one_state=one_state,
+        optimizer=optimizer,
+        unsharded=unsharded,
+        after_forward=after_forward,
+        fp32_reduce=fp32_reduce,
+        reduce_bytes=reduce_bytes,
+        gather=gather,
+        comm=comm,
+        saved=saved,
+        recompute=recompute,
+        loss_saved=loss_saved,
+        scale=scale,
+        block_grad=block_grad,
+        block_backward=block_backward,
+        logits=logits,
+        foreach=foreach,
+        block_grads=block_grads,
+        frozen_root=frozen_root,
+        host=host,
+    )
 
+
+def _loss_moment(t: _StepTerms) -> MemoryBreakdown:
+    """Moment 0, the loss at the end of forward."""
+    candidate = t.candidate
+    profile = t.profile
+    acts = t.acts
+    cb = t.cb
+    wrapped = t.wrapped
+    unit = t.unit
+    root = t.root
+    sharded = t.sharded
+    optimizer = t.optimizer
+    after_forward = t.after_forward
+    gather = t.gather
+    saved = t.saved
+    logits = t.logits
     # Several moments compete for the peak (measured with torch's tracker, design notes "Memory");
     # gradients are set to None after each step, so backward starts without any.
     # 0. The loss, at the end of forward: every activation saved; the logits, their shifted
@@ -375,6 +447,26 @@ def peak_moments(
         temporaries=2 * logits,
         buffers=profile.buffer_bytes,
     )
+    return loss_moment
+
+
+def _head_moment(t: _StepTerms) -> MemoryBreakdown:
+    """Moment 1, the head's backward."""
+    candidate = t.candidate
+    profile = t.profile
+    cb = t.cb
+    wrapped = t.wrapped
+    unit = t.unit
+    root = t.root
+    trained_unit = t.trained_unit
+    sharded = t.sharded
+    optimizer = t.optimizer
+    unsharded = t.unsharded
+    reduce_bytes = t.reduce_bytes
+    comm = t.comm
+    saved = t.saved
+    loss_saved = t.loss_saved
+    logits = t.logits
     # 1. The head's backward: the loss's backward is done (its log-probabilities freed), the
     #    logits' gradient alive, the root gathered again with the working set.
     #    FSDP2 gathers the last block into its all-gather buffer meanwhile (prefetched), and
@@ -395,6 +487,26 @@ def peak_moments(
         temporaries=logits,
         buffers=profile.buffer_bytes,
     )
+    return head
+
+
+def _block_moments(
+    t: _StepTerms, head: MemoryBreakdown
+) -> tuple[MemoryBreakdown, MemoryBreakdown, bool]:
+    """Moments 2 and 3, the top and the bottom block's backward, and whether units are
+    resharded after backward (the bottom block's moment counts only then)."""
+    candidate = t.candidate
+    profile = t.profile
+    acts = t.acts
+    cb = t.cb
+    wrapped = t.wrapped
+    unit = t.unit
+    root = t.root
+    unsharded = t.unsharded
+    gather = t.gather
+    comm = t.comm
+    block_backward = t.block_backward
+    block_grads = t.block_grads
     # 2. The top block's backward: the block recomputes under checkpointing and makes its
     #    gradients.
     resharded = wrapped and candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
@@ -449,6 +561,24 @@ def peak_moments(
                 "gradients": block_grads * max(blocks - 2, 0) // blocks,
             }
         )
+    return top_block, bottom_block, resharded
+
+
+def _root_backward_moment(t: _StepTerms) -> tuple[MemoryBreakdown, bool]:
+    """Moment 4, the root's backward, and whether FSDP1 holds the root gathered then."""
+    candidate = t.candidate
+    profile = t.profile
+    acts = t.acts
+    cb = t.cb
+    shard = t.shard
+    root = t.root
+    mixed = t.mixed
+    trained_root = t.trained_root
+    sharded = t.sharded
+    optimizer = t.optimizer
+    reduce_bytes = t.reduce_bytes
+    scale = t.scale
+    block_grads = t.block_grads
     # 4. The root's backward, at the very end: the embedding's gradient completes the root's
     #    unsharded gradient, which is reduced (cast to the reduce dtype) into its shard; every
     #    block's gradient is already sharded. FSDP1 still holds the root gathered; FSDP2 has
@@ -464,6 +594,17 @@ def peak_moments(
         activations=int(acts.other_bytes * scale),
         buffers=profile.buffer_bytes,
     )
+    return root_backward, gathered_root
+
+
+def _optimizer_step_moment(t: _StepTerms) -> MemoryBreakdown:
+    """Moment 5, the optimizer step."""
+    profile = t.profile
+    sharded = t.sharded
+    grads = t.grads
+    optimizer = t.optimizer
+    foreach = t.foreach
+    frozen_root = t.frozen_root
     # 5. The optimizer step: gradients and the foreach transient, no activations.
     step = MemoryBreakdown(
         sharded_params=sharded,
@@ -473,6 +614,34 @@ def peak_moments(
         temporaries=foreach,
         buffers=profile.buffer_bytes,
     )
+    return step
+
+
+def _reduce_scatter_moments(
+    t: _StepTerms,
+    top_block: MemoryBreakdown,
+    bottom_block: MemoryBreakdown,
+    root_backward: MemoryBreakdown,
+    resharded: bool,
+    gathered_root: bool,
+) -> dict[str, MemoryBreakdown]:
+    """FSDP1's flat-gradient concatenation and gloo's reduce-scatter copies."""
+    candidate = t.candidate
+    hardware = t.hardware
+    acts = t.acts
+    cb = t.cb
+    params = t.params
+    shard = t.shard
+    wrapped = t.wrapped
+    unit = t.unit
+    root = t.root
+    trained_root = t.trained_root
+    trained_unit = t.trained_unit
+    unsharded = t.unsharded
+    reduce_bytes = t.reduce_bytes
+    saved = t.saved
+    loss_saved = t.loss_saved
+    frozen_root = t.frozen_root
     reduce_scatters = {}
     # gloo reduce-scatters a copy of its input (ProcessGroupGloo: +1x the input, measured around
     # a bare collective; NCCL works in place, all-reduce copies nothing).
@@ -512,6 +681,60 @@ def peak_moments(
                 "comm_buffers": root_backward.comm_buffers + trained_root * reduce_bytes,
             }
         )
+    return reduce_scatters
+
+
+def peak_moments(
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    acts: ActivationProfile,
+) -> tuple[dict[str, MemoryBreakdown], int]:
+    """The per-rank bytes at each moment that can hold the peak of a training step (before the
+    allowance), and the host bytes per node.
+
+    >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec
+    >>> from autoshard import analyze_target, peak_moments, profile_activations
+    >>> profile, built = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
+    >>> workload = WorkloadSpec(seq_len=128, loop="plain")  # zero_grad after step
+    >>> candidate = Candidate(wrap_classes=profile.wrap_policy)
+    >>> gpus = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
+    >>> acts = profile_activations(built.model, profile, workload)
+    >>> moments, host = peak_moments(profile, candidate, gpus, workload, acts)
+    >>> for moment in moments:
+    ...     print(moment)
+    loss
+    head backward
+    top block backward
+    bottom block backward
+    root backward
+    optimizer step
+    top block gradient
+    bottom block gradient
+    root forward end
+    last block forward
+    >>> host  # nothing offloaded
+    0
+    >>> trainer = WorkloadSpec(seq_len=128, loop="lightning")  # zero_grad before backward
+    >>> lightning, _ = peak_moments(profile, candidate, gpus, trainer, acts)
+    >>> for moment in sorted(lightning.keys() - moments):  # the last step's gradients alive
+    ...     print(moment)
+    forward end, last step's gradients
+    last block forward, last step's gradients
+    loss, last step's gradients
+    root forward end, last step's gradients
+    """
+    t = _step_terms(profile, candidate, hardware, workload, acts)
+    loss_moment = _loss_moment(t)
+    head = _head_moment(t)
+    top_block, bottom_block, resharded = _block_moments(t, head)
+    root_backward, gathered_root = _root_backward_moment(t)
+    step = _optimizer_step_moment(t)
+    reduce_scatters = _reduce_scatter_moments(
+        t, top_block, bottom_block, root_backward, resharded, gathered_root
+    )
     moments = {
         "loss": loss_moment,
         "head backward": head,
@@ -521,8 +744,8 @@ def peak_moments(
         "optimizer step": step,
         **reduce_scatters,
     }
-    moments.update(loop_moments(moments, profile, candidate, hardware, workload, acts))
-    return moments, host
+    moments.update(loop_moments(moments, profile, t.candidate, hardware, workload, t.acts))
+    return moments, t.host
 
 
 def skips_gradient_sync(candidate: Candidate, workload: WorkloadSpec) -> bool:
