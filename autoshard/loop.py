@@ -70,7 +70,7 @@ def gradient_sync_skipped(model: nn.Module, skip: bool) -> Iterator[None]:
 
 def _skips_sync(model: nn.Module, loop: Loop) -> bool:
     """Whether the loop skips the gradient sync of the micro-batches before the last."""
-    if loop is Loop.PLAIN:
+    if loop == Loop.PLAIN:
         return True
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -104,7 +104,7 @@ def optimizer_step(
                 loss = compute_loss(forward(model, batch), batch, loss_fn)
             if n > 1:
                 loss = loss / n  # as the Trainer normalises (ClosureResult)
-            if workload.loop is Loop.LIGHTNING and i == 0:
+            if workload.loop == Loop.LIGHTNING and i == 0:
                 # The Trainer's closure: training_step, then zero_grad, then backward. Its
                 # LightningModule.optimizer_zero_grad calls zero_grad() (set_to_none=True).
                 optimizer.zero_grad()
@@ -114,7 +114,7 @@ def optimizer_step(
         if after_micro_batch is not None and i < n - 1:
             after_micro_batch()
     optimizer.step()
-    if workload.loop is Loop.PLAIN:
+    if workload.loop == Loop.PLAIN:
         optimizer.zero_grad(set_to_none=True)
     return total
 

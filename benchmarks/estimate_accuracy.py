@@ -5,7 +5,9 @@
 
 For every configuration of a grid (two model shapes, both engines, three sharding strategies,
 checkpointing on and off, fp32 and bf16 mixed precision, two micro-batch sizes; FSDP2's reshard
-policies; a tiny Mixtral, mixture of experts) it compares:
+policies; a tiny Mixtral, mixture of experts), all in a plain loop (``zero_grad`` after
+``step``), and of the user's loops (issue 14: Lightning's order, gradient accumulation over 4
+micro-batches in both loops, a frozen embedding, a Llama with LoRA adapters), it compares:
 - measured: one ``torch.distributed.run`` group of 2 gloo processes runs each configuration for
   real, built and sharded exactly as a trial does (``autoshard.trials.worker.build_sharded``),
   for two training steps under torch's own memory tracker
@@ -49,6 +51,17 @@ SHAPES = {
 # token), whose own batch (one sequence of 128 tokens) the measurement and both estimates use.
 SPECS = {"mixtral-tiny": f"{ROOT}/examples/hf_mixtral.py:build"}
 SHAPES["mixtral-tiny"] = ({"size": "tiny", "batch_size": 1, "seq_len": 128}, 128)
+# A Llama with rank-8 LoRA adapters on q_proj and v_proj: only the adapters train.
+SPECS["llama-lora"] = f"{ROOT}/examples/hf_llama_lora.py:build"
+SHAPES["llama-lora"] = (
+    {"size": "tiny", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+     "vocab_size": 2048, "batch_size": 1, "seq_len": 64},
+    64,
+)  # fmt: skip
+# Keys of a point that are not Candidate fields: the training loop and the target's variant.
+# A point without "loop" ran in a plain loop (every point before issue 14).
+WORKLOAD_KEYS = ("loop", "accumulate")
+TARGET_KEYS = ("freeze",)
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -102,22 +115,73 @@ def grid(quick: bool, world: int = 2) -> list[dict[str, Any]]:
         point = dict(shape="mixtral-tiny", engine=engine, sharding=sharding, checkpointing=ckpt,
                      precision=precision, micro_batch_size=1)  # fmt: skip
         points.append({**point, **({"reshard": reshard} if reshard != "all" else {})})
+    return points + loop_points(quick)
+
+
+def loop_points(quick: bool) -> list[dict[str, Any]]:
+    """Issue 14: the loop the user runs. Lightning's order (the last step's gradients alive
+    through the next forward), accumulation over 4 micro-batches in Lightning's order and in a
+    plain loop, a frozen embedding, and LoRA adapters (frozen base weights)."""
+    shapes = ("gpt-tiny",) if quick else ("gpt-tiny", "gpt-deep")
+    engines, shardings = ("fsdp1", "fsdp2"), ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+    precisions = ("32-true", "bf16-mixed")
+
+    def point(shape: str, engine: str, sharding: str, precision: str, **extra: Any) -> dict:
+        return dict(shape=shape, engine=engine, sharding=sharding,
+                    checkpointing=extra.pop("checkpointing", "none"), precision=precision,
+                    micro_batch_size=1, **extra)  # fmt: skip
+
+    points = []
+    for shape, engine, sharding, precision in itertools.product(
+        shapes, engines, shardings, precisions
+    ):
+        points.append(point(shape, engine, sharding, precision, loop="lightning"))
+    if not quick:
+        for engine, sharding in itertools.product(engines, ("FULL_SHARD", "SHARD_GRAD_OP")):
+            points.append(point("gpt-deep", engine, sharding, "32-true", loop="lightning",
+                                checkpointing="all"))  # fmt: skip
+    for shape, engine, sharding, precision, loop in itertools.product(
+        shapes, engines, shardings, precisions, ("lightning", "plain")
+    ):
+        points.append(point(shape, engine, sharding, precision, loop=loop, accumulate=4))
+    variants = [("gpt-tiny", {"freeze": "tok_emb"})] + ([] if quick else [("llama-lora", {})])
+    for (shape, variant), engine, sharding, precision, loop in itertools.product(
+        variants, engines, shardings, precisions, ({"loop": "lightning"},
+        {"loop": "plain", "accumulate": 4})
+    ):  # fmt: skip
+        points.append(point(shape, engine, sharding, precision, **loop, **variant))
     return points
 
 
 def candidate_of(point: dict[str, Any], profile: Any) -> Any:
     from autoshard.config import Candidate
 
-    fields = {k: v for k, v in point.items() if k != "shape"}
+    skip = {"shape", *WORKLOAD_KEYS, *TARGET_KEYS}
+    fields = {k: v for k, v in point.items() if k not in skip}
     return Candidate(
         wrap_classes=profile.wrap_policy, checkpoint_classes=profile.checkpoint_policy, **fields
     )
 
 
-def target_of(shape: str) -> Any:
+def target_of(shape: str, **variant: Any) -> Any:
     from autoshard.target.resolve import TargetSpec
 
-    return TargetSpec(spec=SPECS.get(shape, GPT), kwargs=SHAPES[shape][0])
+    return TargetSpec(spec=SPECS.get(shape, GPT), kwargs={**SHAPES[shape][0], **variant})
+
+
+def target_of_point(point: dict[str, Any]) -> Any:
+    return target_of(point["shape"], **{k: point[k] for k in TARGET_KEYS if k in point})
+
+
+def workload_of(point: dict[str, Any]) -> Any:
+    """The point's workload: its loop (plain where it names none) and accumulation."""
+    from autoshard.config import WorkloadSpec
+
+    return WorkloadSpec(
+        seq_len=SHAPES[point["shape"]][1],
+        loop=point.get("loop", "plain"),
+        accumulate=point.get("accumulate", 1),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +194,6 @@ def worker(points_path: Path, out_path: Path, device_kind: str) -> None:
     import torch.distributed as dist
 
     from autoshard.analyze import analyze_target
-    from autoshard.config import WorkloadSpec
     from autoshard.predict.simulate import measure_training_peak
     from autoshard.trials.worker import exit_worker
 
@@ -151,8 +214,9 @@ def worker(points_path: Path, out_path: Path, device_kind: str) -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            workload = WorkloadSpec(seq_len=SHAPES[point["shape"]][1])
-            kinds = measure_training_peak(target_of(point["shape"]), candidate, workload, device)
+            kinds = measure_training_peak(
+                target_of_point(point), candidate, workload_of(point), device
+            )
             record["tracked"] = kinds["Total"]
             if device.type == "cuda":
                 record["allocated"] = torch.cuda.max_memory_allocated(device)
@@ -179,6 +243,16 @@ def worker(points_path: Path, out_path: Path, device_kind: str) -> None:
 
 def _key(point: dict[str, Any]) -> str:
     return json.dumps(point, sort_keys=True)  # tuples and lists alike
+
+
+def _larger(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """The record with the larger peak of two measurements of one point (a failed one loses)."""
+    if old is None or "error" in old:
+        return new
+    if "error" in new:
+        return old
+    return {k: max(old[k], new[k]) if k in old and k in new and k != "point" else new[k]
+            for k in new}  # fmt: skip
 
 
 def world_size(device_kind: str) -> int:
@@ -224,22 +298,23 @@ def estimate(points: list[dict[str, Any]], device_kind: str, world: int) -> list
     backend = "nccl" if device_kind == "cuda" else "gloo"
     hardware = Hardware(gpus_per_node=world, gpu_memory=80 * 1024**3, backend=backend)
     cache: dict[str, Any] = {}
-    out = []
+    out: list[tuple[int, int]] = []
     for point in points:
-        shape = point["shape"]
-        if shape not in cache:
-            profile, built = analyze_target(target_of(shape))
-            workload = WorkloadSpec(seq_len=SHAPES[shape][1])
+        target = target_of_point(point)
+        if str(target) not in cache:
+            profile, built = analyze_target(target)
+            workload = WorkloadSpec(seq_len=SHAPES[point["shape"]][1])
             precisions = tuple(Precision)
             acts = profile_activations(
                 built.model, profile, workload, built.batch, precisions=precisions
             )
-            cache[shape] = (profile, workload, acts)
-        profile, workload, acts = cache[shape]
+            cache[str(target)] = (profile, acts)
+        profile, acts = cache[str(target)]
         candidate = candidate_of(point, profile)
+        workload = workload_of(point)
         ana = estimate_memory(profile, candidate, hardware, workload, activations=acts)
         sim = simulate_memory(
-            target_of(shape), candidate, hardware, workload, block_classes=profile.block_classes
+            target, candidate, hardware, workload, block_classes=profile.block_classes
         )
         out.append((ana.gpu_peak - ana.breakdown.allowance, sim.gpu_peak - sim.breakdown.allowance))
     return out
@@ -267,28 +342,32 @@ def report(
         "| configuration | measured MiB | analytic MiB | error | simulated MiB | error |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    errors: dict[str, list[float]] = {"analytic": [], "simulated": []}
+    errors: dict[tuple[str, str], list[float]] = {}
     for point, m, (ana, sim) in zip(points, measured, estimates, strict=True):
         if "error" in m or key not in m:
             lines.append(f"| {label(point)} | failed: {m.get('error')} | | | | |")
             continue
         real = m[key]
-        ea, es = 100 * (ana - real) / real, 100 * (sim - real) / real
-        errors["analytic"].append(abs(ea))
-        errors["simulated"].append(abs(es))
+        group = "the user's loop" if "loop" in point else "plain loop"
+        ea = 100 * (ana - real) / real
+        errors.setdefault((group, "analytic"), []).append(abs(ea))
+        es = 100 * (sim - real) / real
+        errors.setdefault((group, "simulated"), []).append(abs(es))
+        simulated = f"{sim / mib:.1f} | {es:+.1f}%"
         lines.append(
-            f"| {label(point)} | {real / mib:.1f} | {ana / mib:.1f} | {ea:+.1f}% | "
-            f"{sim / mib:.1f} | {es:+.1f}% |"
+            f"| {label(point)} | {real / mib:.1f} | {ana / mib:.1f} | {ea:+.1f}% | {simulated} |"
         )
-    lines += ["", "| estimator | points | median abs error | max abs error | within target |",
-              "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
-    for name, target in (("analytic", 5.0), ("simulated", 3.0)):
-        errs = errors[name]
-        if errs:
-            lines.append(
-                f"| {name} | {len(errs)} | {statistics.median(errs):.1f}% | {max(errs):.1f}% | "
-                f"{sum(e <= target for e in errs)}/{len(errs)} within {target:.0f}% |"
-            )
+    lines += ["", "| points | estimator | points | median abs error | max abs error | "
+              "within target |", "| --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for group in ("plain loop", "the user's loop"):
+        for name, target in (("analytic", 5.0), ("simulated", 3.0)):
+            errs = errors.get((group, name), [])
+            if errs:
+                lines.append(
+                    f"| {group} | {name} | {len(errs)} | {statistics.median(errs):.1f}% | "
+                    f"{max(errs):.1f}% | {sum(e <= target for e in errs)}/{len(errs)} within "
+                    f"{target:.0f}% |"
+                )
     return "\n".join(lines)
 
 
@@ -305,6 +384,21 @@ def main() -> None:
         type=Path,
         default=RESULTS,
         help="Where the measurements are saved (and reused from), before the estimates run.",
+    )
+    parser.add_argument(
+        "--remeasure",
+        action="append",
+        default=[],
+        metavar="WORDS",
+        help="With --reuse: measure again the points whose label has all these words (e.g. "
+        "'fsdp2 FULL_SHARD'), keeping the larger peak of the saved and the new runs. Repeatable.",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="Measure each point this many times and keep its largest peak: a peak that "
+        "depends on thread timing (gloo's all-gather race, see the results' Findings).",
     )
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -323,19 +417,31 @@ def main() -> None:
     previous = json.loads(saved.read_text()) if args.reuse and saved.exists() else []
     # Reused point by point: a grid that grew measures only its new points.
     by_point = {_key(m["point"]): m for m in previous if "error" not in m}
-    missing = [p for p in points if _key(p) not in by_point]
-    if missing:
-        by_point.update((_key(m["point"]), m) for m in measure(missing, args.device, world))
+    remeasured = [
+        p
+        for p in points
+        if _key(p) in by_point
+        and any(set(words.split()) <= set(label(p).split()) for words in args.remeasure)
+    ]
+    missing = [p for p in points if _key(p) not in by_point] + remeasured
+    for _ in range(args.repeat if missing else 0):
+        for m in measure(missing, args.device, world):
+            by_point[_key(m["point"])] = _larger(by_point.get(_key(m["point"])), m)
     measured = [by_point[_key(p)] for p in points]
     if missing:
         saved.parent.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(measured, indent=1) + "\n")
     shown = saved.relative_to(ROOT) if saved.is_relative_to(ROOT) else saved
     parts = []
-    if len(missing) < len(points):
-        parts.append(f"{len(points) - len(missing)} measurements reused from `{shown}`")
+    if len(missing) < len(points) or remeasured:
+        reused = len(points) - len(missing) + len(remeasured)
+        parts.append(f"{reused} measurements reused from `{shown}`")
     if missing:
-        parts.append(f"{len(missing)} measured in {time.perf_counter() - start:.0f} s")
+        again = f" ({len(remeasured)} of them again)" if remeasured else ""
+        times = f", {args.repeat} times each," if args.repeat > 1 else ""
+        parts.append(
+            f"{len(missing)} measured{again}{times} in {time.perf_counter() - start:.0f} s"
+        )
     how = ", ".join(parts)
     start = time.perf_counter()
     estimates = estimate(points, args.device, world)

@@ -149,9 +149,17 @@ class GPT(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def build(size: str = "tiny", **overrides: Any) -> GPT:
+def build(size: str = "tiny", freeze: str = "", **overrides: Any) -> GPT:
     """Build a GPT from a preset (``tiny``, ``small``, ``124m``, ``1b``, ``7b``, ``13b``, ``70b``)
-    with any argument of :class:`GPT` overridden, e.g. ``build(size="7b", n_layer=48)``."""
+    with any argument of :class:`GPT` overridden, e.g. ``build(size="7b", n_layer=48)``.
+
+    ``freeze``: comma-separated parameter-name prefixes to freeze (``requires_grad=False``), as
+    in fine-tuning, e.g. ``freeze="tok_emb"`` for a frozen embedding."""
     if size not in PRESETS:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(PRESETS)}")
-    return GPT(**{**PRESETS[size], **overrides})
+    model = GPT(**{**PRESETS[size], **overrides})
+    prefixes = tuple(p for p in freeze.split(",") if p)
+    for name, param in model.named_parameters():
+        if name.startswith(prefixes):
+            param.requires_grad_(False)
+    return model

@@ -17,6 +17,7 @@ from autoshard.predict.analytic import (
     accumulated_gradient_bytes,
     estimate_memory,
     forward_moments,
+    gradient_params,
     needs_simulation,
     peak_moments,
     skips_gradient_sync,
@@ -121,6 +122,27 @@ def test_accumulated_gradients_equal_one_large_batch() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def test_the_analyzer_counts_frozen_parameters_where_they_are() -> None:
+    profile, built = analyze_target(gpt(freeze="tok_emb"))
+    embedding = built.model.tok_emb.weight.numel()
+    assert profile.frozen_params == profile.root_frozen_params == embedding
+    assert profile.trainable_params == profile.total_params - embedding
+    assert profile.block_frozen_params == profile.frozen_blocks == 0
+    stats = {c.name: c for c in profile.classes}
+    assert stats["Embedding"].frozen_total == embedding
+    assert stats["Block"].frozen_total == 0
+
+
+def test_fsdp1_gives_a_unit_with_any_trainable_parameter_a_whole_gradient() -> None:
+    profile, _ = analyze_target(gpt(freeze="tok_emb"))
+    wrap = profile.wrap_policy
+    fsdp1 = gradient_params(profile, Candidate(wrap_classes=wrap))
+    fsdp2 = gradient_params(profile, Candidate(engine="fsdp2", wrap_classes=wrap))
+    assert fsdp1[0] == profile.total_params  # the root's flat gradient covers the embedding
+    assert fsdp2[0] == profile.trainable_params
+    assert fsdp1[1] - fsdp2[1] == profile.root_frozen_params
+
+
 @pytest.fixture(scope="module")
 def lora() -> tuple:
     pytest.importorskip("peft")
@@ -144,6 +166,55 @@ def test_the_analyzer_counts_trainable_lora_adapters(lora) -> None:
     assert profile.frozen_params == profile.total_params - profile.trainable_params
     assert profile.root_frozen_params == profile.root_unit_params  # embedding, head: frozen
     assert profile.frozen_blocks == 0  # every decoder layer holds adapters
+
+
+@pytest.mark.parametrize("engine", ["fsdp1", "fsdp2"])
+def test_a_lora_models_optimizer_state_counts_only_the_adapters(lora, engine) -> None:
+    from autoshard.predict.simulate import simulate_memory
+
+    target, profile, built = lora
+    candidate = Candidate(engine=engine, wrap_classes=profile.wrap_policy, precision="32-true")
+    workload = WorkloadSpec(loop="plain")
+    acts = profile_activations(built.model, profile, workload, batch=built.batch)
+    analytic = estimate_memory(profile, candidate, GLOO2, workload, activations=acts)
+    # AdamW: two fp32 states of the adapters, sharded over 2 ranks (FSDP1: a rank may hold up to
+    # a unit's whole trainable part, when that is under its shard of the unit)
+    adapters = profile.trainable_params
+    if engine == "fsdp2":
+        assert analytic.breakdown.optimizer == 2 * 4 * adapters // 2
+    else:
+        assert 2 * 4 * adapters // 2 <= analytic.breakdown.optimizer <= 2 * 4 * adapters
+    assert analytic.breakdown.optimizer < 2 * 4 * profile.total_params // 2 // 10
+    # the real optimizer on the real (fake-tensor) FSDP model: the simulation's peak holds it
+    simulated = simulate_memory(target, candidate, GLOO2, workload)
+    steps = 4 * sum(1 for n, _ in built.model.named_parameters() if "lora_" in n)  # AdamW's
+    assert 0 < simulated.breakdown.optimizer <= 2 * 4 * adapters + steps
+    fewer = simulate_memory(
+        TargetSpec(spec=target.spec, kwargs={**target.kwargs, "targets": "q_proj"}),
+        candidate,
+        GLOO2,
+        workload,
+    )
+    assert 0 < fewer.breakdown.optimizer < simulated.breakdown.optimizer
+
+
+def test_simulate_on_the_command_line_runs_with_frozen_parameters(cli) -> None:
+    """The FSDP1 tracker hooked every parameter and crashed on a frozen one ("cannot register a
+    hook on a tensor that doesn't require gradient")."""
+    import json
+
+    code, out, err = cli(
+        "estimate", f"{EXAMPLES}/gpt.py:build", "--arg", "size=tiny", "--arg", "freeze=tok_emb",
+        "--gpus", "2", "--gpu-memory", "8GiB", "--seq-len", "64", "--simulate", "3", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    simulated = [e for e in json.loads(out)["estimates"] if e["method"] == "simulated"]
+    assert any(e["candidate"]["engine"] == "fsdp1" for e in simulated)
+
+
+# ---------------------------------------------------------------------------------------------
+# The analytic moments of the loop
+# ---------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +247,30 @@ def test_lightning_adds_the_last_steps_gradients_to_the_forward(tiny) -> None:
     assert all("last step" not in name for name in plain)
     # SHARD_GRAD_OP holds every unit gathered at the end of forward: the peak moves there
     assert max(m.total for m in lightning.values()) > max(m.total for m in plain.values())
+    # FSDP1 (use_orig_params=True) frees its flat gradients only at the root's pre-backward
+    # hook: the loss is computed beside them too (measured: 6% low without this moment)
+    assert lightning["loss, last step's gradients"].total == plain["loss"].total + grads
+
+
+def test_fsdp1_shard_grad_op_with_frozen_parameters_is_simulated() -> None:
+    """FSDP1 SHARD_GRAD_OP with a frozen parameter was refused on fake tensors: use_orig_params
+    =False cannot mix frozen and trainable parameters in a flat parameter, and True asserted in
+    its write-back check (a fake tensor's storage has no data pointer). It runs as trials do."""
+    from autoshard.predict.simulate import simulate_memory
+
+    target = gpt(freeze="tok_emb")
+    profile, built = analyze_target(target)
+    acts = profile_activations(built.model, profile, WorkloadSpec(seq_len=64), built.batch)
+    c = Candidate(wrap_classes=profile.wrap_policy, sharding="SHARD_GRAD_OP", precision="32-true")
+    peaks = {}
+    for loop in ("plain", "lightning"):
+        workload = WorkloadSpec(seq_len=64, loop=loop)
+        simulated = simulate_memory(target, c, GLOO2, workload)
+        analytic = estimate_memory(profile, c, GLOO2, workload, activations=acts)
+        assert analytic.gpu_peak == pytest.approx(simulated.gpu_peak, rel=0.03), loop
+        peaks[loop] = simulated.gpu_peak - simulated.breakdown.allowance
+    # Lightning's order keeps the last step's flat gradients through the next forward and loss
+    assert peaks["lightning"] > peaks["plain"]
 
 
 @pytest.mark.parametrize(
@@ -249,3 +344,139 @@ def test_needs_simulation_names_what_the_analytic_estimate_cannot_model() -> Non
         for c in (Candidate(min_num_params=10), Candidate(cpu_offload=True))
         for w in (WorkloadSpec(), WorkloadSpec(accumulate=2))
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Real trials: 2 gloo processes
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_lightning_order_trial_measures_the_gradients_kept_through_forward(tmp_path) -> None:
+    """NO_SHARD keeps the whole fp32 gradient on every rank; with a micro-batch of 2 the peak
+    is at the end of forward, where Lightning's order still holds the last step's gradients
+    and a plain loop has freed them. The trials measure the difference."""
+    from autoshard.results import TrialStatus
+    from autoshard.trials.group import WorkerGroup
+
+    target = gpt()
+    profile, _ = analyze_target(target)
+    c = Candidate(
+        wrap_classes=profile.wrap_policy, sharding="NO_SHARD", precision="32-true",
+        micro_batch_size=2,
+    )  # fmt: skip
+    peaks = {}
+    # glibc serves large blocks from its heap once its dynamic mmap threshold has grown, and a
+    # freed heap block stays resident: the CPU trial's resident-set peak then lags the tensors.
+    # A fixed threshold maps every tensor of 64 KiB and more on its own and unmaps it when freed.
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    with WorkerGroup(target, log_dir=tmp_path, nproc=2, trial_timeout=300, env=env) as group:
+        for loop in ("plain", "lightning", "plain", "lightning"):
+            r = group.run(c, WorkloadSpec(seq_len=128, loop=loop), warmup=2, steps=3)
+            assert r.status is TrialStatus.OK, r.error
+            peaks.setdefault(loop, []).append(r.max_allocated)
+    gradients = 4 * profile.total_params  # unsharded fp32 gradients
+    difference = min(peaks["lightning"]) - min(peaks["plain"])
+    assert difference == pytest.approx(gradients, rel=0.25), (peaks, gradients)
+
+
+@pytest.mark.slow
+def test_a_lora_model_trains_in_a_real_two_process_trial(tmp_path, lora) -> None:
+    """peft's LoRA Llama under both engines: only the adapters change, and the loss goes down."""
+    from autoshard.results import TrialStatus
+    from autoshard.trials.group import WorkerGroup
+
+    target, profile, _ = lora
+    with WorkerGroup(target, log_dir=tmp_path, nproc=2, trial_timeout=300) as group:
+        for engine in ("fsdp1", "fsdp2"):
+            c = Candidate(engine=engine, wrap_classes=profile.wrap_policy, precision="32-true")
+            r = group.run(c, WorkloadSpec(loop="lightning", accumulate=2), warmup=2, steps=3)
+            assert r.status is TrialStatus.OK, (engine, r.error)
+            assert r.losses[-1] < r.losses[0], (engine, r.losses)
+
+
+@pytest.mark.parametrize(
+    ("engine", "sharding", "loop", "accumulate"),
+    [
+        # FSDP1's last micro-batch after no_sync: stored gradients above, kept ones below
+        ("fsdp1", "NO_SHARD", "plain", 4),
+        # a loss computed in the root's forward runs beside FSDP1's low-precision root copy
+        ("fsdp1", "NO_SHARD", "lightning", 1),
+        # gloo may still hold the root's all-gather output when the last block is prefetched
+        ("fsdp2", "FULL_SHARD", "lightning", 1),
+        ("fsdp2", "FULL_SHARD", "plain", 4),
+    ],
+)
+def test_analytic_lora_moments_agree_with_the_simulation(
+    lora, engine, sharding, loop, accumulate
+) -> None:
+    from autoshard.predict.simulate import simulate_memory
+
+    target, profile, built = lora
+    c = Candidate(
+        engine=engine, sharding=sharding, wrap_classes=profile.wrap_policy, precision="bf16-mixed"
+    )
+    workload = WorkloadSpec(loop=loop, accumulate=accumulate)
+    acts = profile_activations(
+        built.model, profile, workload, built.batch, precisions=(Precision.BF16_MIXED,)
+    )
+    analytic = estimate_memory(profile, c, GLOO2, workload, activations=acts)
+    simulated = simulate_memory(target, c, GLOO2, workload)
+    assert analytic.gpu_peak == pytest.approx(simulated.gpu_peak, rel=0.03)
+
+
+def test_gloo_may_hold_the_roots_all_gather_at_the_backward_prefetch() -> None:
+    """A race in ProcessGroupGloo, planned for in both estimators on gloo only: the root's
+    all-gather output beside its copy and the last block's all-gather buffer (the peak of the
+    tiny GPT in fp32 at sequence 128, as measured in benchmarks/estimate_accuracy.py)."""
+    from autoshard.predict.simulate import simulate_memory
+
+    profile, built = analyze_target(gpt())
+    workload = WorkloadSpec(seq_len=128, loop="plain")
+    acts = profile_activations(built.model, profile, workload, precisions=(Precision.FP32,))
+    c = Candidate(engine="fsdp2", wrap_classes=profile.wrap_policy, precision="32-true")
+    nccl = GLOO2.model_copy(update={"backend": "nccl"})
+    moments, _ = peak_moments(profile, c, GLOO2, workload, acts)
+    start = moments["backward start"]
+    held = moments["backward start, last block prefetched"]
+    assert held.comm_buffers == start.comm_buffers + profile.block_params * 4
+    assert (
+        "backward start, last block prefetched"
+        not in peak_moments(profile, c, nccl, workload, acts)[0]
+    )
+    peaks, at = {}, {}
+    for hardware in (GLOO2, nccl):
+        analytic = estimate_memory(profile, c, hardware, workload, activations=acts)
+        simulated = simulate_memory(gpt(), c, hardware, workload)
+        assert analytic.gpu_peak == pytest.approx(simulated.gpu_peak, rel=0.01), hardware.backend
+        peaks[hardware.backend] = simulated.gpu_peak - simulated.breakdown.allowance
+        at[hardware.backend] = analytic.peak_at
+    assert at["gloo"] == "backward start, last block prefetched"
+    assert peaks["gloo"] == pytest.approx(held.total, rel=0.01)  # the simulation holds it too
+    assert peaks["gloo"] > peaks["nccl"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("loop", "accumulate"), [("plain", 4), ("lightning", 1)])
+def test_fsdp1_no_shard_lora_moments_of_the_benchmark_shape(loop, accumulate) -> None:
+    """benchmarks/estimate_accuracy.py's LoRA Llama under FSDP1 NO_SHARD bf16-mixed, where the
+    analytic estimate was 5.6% (accumulation: the last micro-batch's stored gradients above the
+    block, kept ones below) and 5.0% low (the root's low-precision copy beside the loss the
+    model computes in its forward)."""
+    pytest.importorskip("peft")
+    from autoshard.predict.simulate import simulate_memory
+
+    target = TargetSpec(
+        spec=f"{EXAMPLES}/hf_llama_lora.py:build",
+        kwargs={"size": "tiny", "hidden_size": 256, "intermediate_size": 512,
+                "num_hidden_layers": 4, "vocab_size": 2048, "batch_size": 1, "seq_len": 64},
+    )  # fmt: skip
+    profile, built = analyze_target(target)
+    c = Candidate(sharding="NO_SHARD", wrap_classes=profile.wrap_policy, precision="bf16-mixed")
+    workload = WorkloadSpec(seq_len=64, loop=loop, accumulate=accumulate)
+    acts = profile_activations(
+        built.model, profile, workload, built.batch, precisions=(Precision.BF16_MIXED,)
+    )
+    analytic = estimate_memory(profile, c, GLOO2, workload, activations=acts)
+    simulated = simulate_memory(target, c, GLOO2, workload)
+    assert analytic.gpu_peak == pytest.approx(simulated.gpu_peak, rel=0.02)

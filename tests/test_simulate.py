@@ -103,30 +103,8 @@ def gpt_tiny():
     return target, profile, workload, acts
 
 
-# Known gap (issue 14, open): under Lightning's order (the default loop) FSDP2 FULL_SHARD with
-# checkpointing at fp32 peaks where the next step's root all-gather meets the last step's
-# gradients; the analytic moment misses that buffer (-10.6% at world 2). strict: when the
-# analytic model learns it, this test says so.
-KNOWN_GAPS = [
-    dict(engine="fsdp2", sharding="FULL_SHARD", checkpointing="all", precision="32-true", mbs=1)
-]
-
-
-def _point(p: dict) -> object:
-    marks = (
-        [
-            pytest.mark.xfail(
-                strict=True, reason="issue 14: FSDP2 root all-gather in Lightning's order"
-            )
-        ]
-        if p in KNOWN_GAPS
-        else []
-    )
-    return pytest.param(p, marks=marks, id="-".join(str(v) for v in p.values()))
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("point", [_point(p) for p in GRID])
+@pytest.mark.parametrize("point", GRID, ids=lambda p: "-".join(str(v) for v in p.values()))
 def test_analytic_agrees_with_simulated_on_the_example(gpt_tiny, point) -> None:
     """The issue's target: the analytic estimate within 10% of the simulated peak (both without
     the GPU allowance, which is the same stated number in both)."""

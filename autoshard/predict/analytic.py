@@ -21,6 +21,7 @@ checked against measured runs by ``benchmarks/estimate_accuracy.py``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from autoshard.config import (
     Candidate,
@@ -180,41 +181,84 @@ def gradient_params(profile: ModelProfile, candidate: Candidate) -> tuple[int, i
     return trained_root + trained_blocks, trained_root, trained_unit
 
 
-def peak_moments(
+def state_bytes(profile: ModelProfile, candidate: Candidate, shard: int) -> int:
+    """Bytes of one optimizer state (AdamW keeps two) on the rank that holds the most.
+
+    Only trainable parameters get state. FSDP2 shards every parameter evenly. FSDP1 cuts each
+    unit's flat parameter into equal contiguous shards, so with frozen parameters the ranks
+    differ: a rank may hold a unit's whole trainable part, up to its shard of the unit (the
+    tiny GPT with a frozen embedding: the rank holding the head keeps 5.1 MiB of AdamW state,
+    the one holding the embedding 3.1 MiB)."""
+    stored, _ = precision_bytes(candidate.precision)
+    if candidate.engine is Engine.FSDP2 or not profile.frozen_params:
+        return profile.trainable_params * stored // shard
+
+    def largest(size: int, trainable: int) -> int:
+        return min(max(trainable, 0), -(-size // shard))
+
+    if candidate.one_unit or not profile.block_count:
+        return largest(profile.total_params, profile.trainable_params) * stored
+    root = largest(profile.root_unit_params, profile.root_unit_params - profile.root_frozen_params)
+    block = largest(profile.block_params, profile.block_params - profile.block_frozen_params)
+    return (root + (profile.block_count - profile.frozen_blocks) * block) * stored
+
+
+@dataclass(frozen=True)
+class _StepTerms:
+    """The byte counts every moment of a training step is made of (one rank, before the
+    allowance), computed once by :func:`_step_terms` for :func:`peak_moments`."""
+
+    candidate: Candidate
+    profile: ModelProfile
+    hardware: Hardware
+    workload: WorkloadSpec
+    acts: ActivationProfile
+    uniform: ActivationProfile
+    stored: int
+    cb: int
+    params: int
+    shard: int
+    wrapped: bool
+    unit: int
+    root: int
+    mixed: bool
+    trained: int
+    trained_root: int
+    trained_unit: int
+    sharded: int
+    grads: int
+    states: int
+    one_state: int
+    optimizer: int
+    unsharded: int
+    after_forward: int
+    fp32_reduce: bool
+    reduce_bytes: int
+    gather: int
+    comm: int
+    saved: int
+    recompute: int
+    loss_saved: int
+    scale: float
+    block_grad: int
+    block_backward: int
+    logits: int
+    foreach: int
+    block_grads: int
+    frozen_root: int
+    host: int
+
+
+def _step_terms(
     profile: ModelProfile,
     candidate: Candidate,
     hardware: Hardware,
     workload: WorkloadSpec,
     acts: ActivationProfile,
-) -> tuple[dict[str, MemoryBreakdown], int]:
-    """The per-rank bytes at each moment that can hold the peak of a training step (before the
-    allowance), and the host bytes per node.
-
-    >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec
-    >>> from autoshard import analyze_target, peak_moments, profile_activations
-    >>> profile, built = analyze_target(
-    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
-    >>> workload = WorkloadSpec(seq_len=128)
-    >>> moments, host = peak_moments(
-    ...     profile, Candidate(wrap_classes=profile.wrap_policy),
-    ...     Hardware(gpus_per_node=8, gpu_memory=80 * 2**30), workload,
-    ...     profile_activations(built.model, profile, workload))
-    >>> for moment in moments:
-    ...     print(moment)
-    loss
-    head backward
-    top block backward
-    bottom block backward
-    root backward
-    optimizer step
-    top block gradient
-    bottom block gradient
-    forward end, last step's gradients
-    last block forward, last step's gradients
-    loss, last step's gradients
-    >>> host  # nothing offloaded
-    0
-    """
+) -> _StepTerms:
+    """What the moments share: the candidate as run, the parameter, gradient and optimizer bytes
+    of one rank (nothing of those on the GPU when offloaded; ``host`` then), the gathered units,
+    the collectives' buffers, and the activations at the candidate's precision."""
     candidate = as_run(candidate, hardware)
     stored, cb = precision_bytes(candidate.precision)
     params = profile.total_params
@@ -230,15 +274,25 @@ def peak_moments(
     sharded = params * stored // shard
     grads = trained * stored // shard
     states = OPTIMIZER_STATES[candidate.optimizer]
-    optimizer = states * profile.trainable_params * stored // shard
+    one_state = state_bytes(profile, candidate, shard)  # one optimizer state of one rank
+    optimizer = states * one_state
 
     if candidate.sharding is Sharding.SHARD_GRAD_OP:
         unsharded = params * cb  # kept gathered from forward to backward
         after_forward = unsharded
+    elif candidate.sharding is Sharding.NO_SHARD and candidate.engine is Engine.FSDP2:
+        # FSDP2 replicates on a (world, 1) mesh and still gathers copies, in every precision:
+        # the root and the current unit (measured on fake tensors; nothing is prefetched)
+        unsharded = (unit + root) * cb if wrapped else params * cb
+        after_forward = 0
     elif candidate.sharding is Sharding.NO_SHARD:
         # low-precision copies of the current unit and the prefetched one (or of the one unit)
         unsharded = ((2 * unit if wrapped else params) * cb) if mixed else 0
-        after_forward = 0
+        # A loss computed in the root's forward (a Hugging Face model given labels) runs
+        # beside FSDP1's low-precision copy of the root, freed when the root's forward ends
+        # (simulated: a LoRA Llama, 5% low without it; a loss outside the model runs without)
+        in_root = mixed and candidate.engine is Engine.FSDP1 and acts.loss_in_forward
+        after_forward = root * cb if in_root else 0
     else:
         unsharded = (2 * unit + root) * cb  # current + prefetched unit, and the root
         # When the loss is computed, FSDP1 keeps the root gathered from forward into backward;
@@ -284,7 +338,7 @@ def peak_moments(
         # the logits' gradient in fp32 (cross-entropy)
         logits = candidate.micro_batch_size * workload.seq_len * profile.vocab_size * 4
     foreach = (
-        profile.trainable_params * stored // shard
+        one_state
         if candidate.optimizer_impl is OptimizerImpl.FOREACH
         and candidate.optimizer is not Optimizer.SGD
         else 0
@@ -292,13 +346,78 @@ def peak_moments(
 
     # the blocks' gradients, reduced to shards
     block_grads = (trained - trained_root) * stored // shard
+    # FSDP1 never reshards a root unit that does not train (no gradient, so no post-backward
+    # hook): once gathered by the first forward it stays gathered (measured on fake tensors,
+    # a LoRA Llama whose embedding and head are frozen).
+    frozen_root = (
+        root * cb
+        if candidate.engine is Engine.FSDP1 and wrapped and shard > 1 and not trained_root
+        else 0
+    )
     host = 0
     if candidate.cpu_offload:
         # parameters, gradients and optimizer state live in host memory; the GPU keeps the
         # working set only
         host = (sharded + grads + optimizer) * hardware.gpus_per_node
         sharded = grads = optimizer = foreach = block_grads = 0
+    return _StepTerms(
+        candidate=candidate,
+        profile=profile,
+        hardware=hardware,
+        workload=workload,
+        acts=acts,
+        uniform=uniform,
+        stored=stored,
+        cb=cb,
+        params=params,
+        shard=shard,
+        wrapped=wrapped,
+        unit=unit,
+        root=root,
+        mixed=mixed,
+        trained=trained,
+        trained_root=trained_root,
+        trained_unit=trained_unit,
+        sharded=sharded,
+        grads=grads,
+        states=states,
+        one_state=one_state,
+        optimizer=optimizer,
+        unsharded=unsharded,
+        after_forward=after_forward,
+        fp32_reduce=fp32_reduce,
+        reduce_bytes=reduce_bytes,
+        gather=gather,
+        comm=comm,
+        saved=saved,
+        recompute=recompute,
+        loss_saved=loss_saved,
+        scale=scale,
+        block_grad=block_grad,
+        block_backward=block_backward,
+        logits=logits,
+        foreach=foreach,
+        block_grads=block_grads,
+        frozen_root=frozen_root,
+        host=host,
+    )
 
+
+def _loss_moment(t: _StepTerms) -> MemoryBreakdown:
+    """Moment 0, the loss at the end of forward."""
+    candidate = t.candidate
+    profile = t.profile
+    acts = t.acts
+    cb = t.cb
+    wrapped = t.wrapped
+    unit = t.unit
+    root = t.root
+    sharded = t.sharded
+    optimizer = t.optimizer
+    after_forward = t.after_forward
+    gather = t.gather
+    saved = t.saved
+    logits = t.logits
     # Several moments compete for the peak (measured with torch's tracker, design notes "Memory");
     # gradients are set to None after each step, so backward starts without any.
     # 0. The loss, at the end of forward: every activation saved; the logits, their shifted
@@ -328,6 +447,26 @@ def peak_moments(
         temporaries=2 * logits,
         buffers=profile.buffer_bytes,
     )
+    return loss_moment
+
+
+def _head_moment(t: _StepTerms) -> MemoryBreakdown:
+    """Moment 1, the head's backward."""
+    candidate = t.candidate
+    profile = t.profile
+    cb = t.cb
+    wrapped = t.wrapped
+    unit = t.unit
+    root = t.root
+    trained_unit = t.trained_unit
+    sharded = t.sharded
+    optimizer = t.optimizer
+    unsharded = t.unsharded
+    reduce_bytes = t.reduce_bytes
+    comm = t.comm
+    saved = t.saved
+    loss_saved = t.loss_saved
+    logits = t.logits
     # 1. The head's backward: the loss's backward is done (its log-probabilities freed), the
     #    logits' gradient alive, the root gathered again with the working set.
     #    FSDP2 gathers the last block into its all-gather buffer meanwhile (prefetched), and
@@ -348,6 +487,26 @@ def peak_moments(
         temporaries=logits,
         buffers=profile.buffer_bytes,
     )
+    return head
+
+
+def _block_moments(
+    t: _StepTerms, head: MemoryBreakdown
+) -> tuple[MemoryBreakdown, MemoryBreakdown, bool]:
+    """Moments 2 and 3, the top and the bottom block's backward, and whether units are
+    resharded after backward (the bottom block's moment counts only then)."""
+    candidate = t.candidate
+    profile = t.profile
+    acts = t.acts
+    cb = t.cb
+    wrapped = t.wrapped
+    unit = t.unit
+    root = t.root
+    unsharded = t.unsharded
+    gather = t.gather
+    comm = t.comm
+    block_backward = t.block_backward
+    block_grads = t.block_grads
     # 2. The top block's backward: the block recomputes under checkpointing and makes its
     #    gradients.
     resharded = wrapped and candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
@@ -402,6 +561,24 @@ def peak_moments(
                 "gradients": block_grads * max(blocks - 2, 0) // blocks,
             }
         )
+    return top_block, bottom_block, resharded
+
+
+def _root_backward_moment(t: _StepTerms) -> tuple[MemoryBreakdown, bool]:
+    """Moment 4, the root's backward, and whether FSDP1 holds the root gathered then."""
+    candidate = t.candidate
+    profile = t.profile
+    acts = t.acts
+    cb = t.cb
+    shard = t.shard
+    root = t.root
+    mixed = t.mixed
+    trained_root = t.trained_root
+    sharded = t.sharded
+    optimizer = t.optimizer
+    reduce_bytes = t.reduce_bytes
+    scale = t.scale
+    block_grads = t.block_grads
     # 4. The root's backward, at the very end: the embedding's gradient completes the root's
     #    unsharded gradient, which is reduced (cast to the reduce dtype) into its shard; every
     #    block's gradient is already sharded. FSDP1 still holds the root gathered; FSDP2 has
@@ -417,14 +594,54 @@ def peak_moments(
         activations=int(acts.other_bytes * scale),
         buffers=profile.buffer_bytes,
     )
+    return root_backward, gathered_root
+
+
+def _optimizer_step_moment(t: _StepTerms) -> MemoryBreakdown:
+    """Moment 5, the optimizer step."""
+    profile = t.profile
+    sharded = t.sharded
+    grads = t.grads
+    optimizer = t.optimizer
+    foreach = t.foreach
+    frozen_root = t.frozen_root
     # 5. The optimizer step: gradients and the foreach transient, no activations.
     step = MemoryBreakdown(
         sharded_params=sharded,
+        unsharded_params=frozen_root,
         gradients=grads,
         optimizer=optimizer,
         temporaries=foreach,
         buffers=profile.buffer_bytes,
     )
+    return step
+
+
+def _reduce_scatter_moments(
+    t: _StepTerms,
+    top_block: MemoryBreakdown,
+    bottom_block: MemoryBreakdown,
+    root_backward: MemoryBreakdown,
+    resharded: bool,
+    gathered_root: bool,
+) -> dict[str, MemoryBreakdown]:
+    """FSDP1's flat-gradient concatenation and gloo's reduce-scatter copies."""
+    candidate = t.candidate
+    hardware = t.hardware
+    acts = t.acts
+    cb = t.cb
+    params = t.params
+    shard = t.shard
+    wrapped = t.wrapped
+    unit = t.unit
+    root = t.root
+    trained_root = t.trained_root
+    trained_unit = t.trained_unit
+    unsharded = t.unsharded
+    reduce_bytes = t.reduce_bytes
+    saved = t.saved
+    loss_saved = t.loss_saved
+    frozen_root = t.frozen_root
     reduce_scatters = {}
     # gloo reduce-scatters a copy of its input (ProcessGroupGloo: +1x the input, measured around
     # a bare collective; NCCL works in place, all-reduce copies nothing).
@@ -460,10 +677,64 @@ def peak_moments(
         reduce_scatters["root reduce-scatter"] = root_backward.model_copy(
             update={
                 "unsharded_params": root_backward.unsharded_params
-                - (root * cb if gathered_root else 0),
+                - (root * cb if gathered_root and not frozen_root else 0),
                 "comm_buffers": root_backward.comm_buffers + trained_root * reduce_bytes,
             }
         )
+    return reduce_scatters
+
+
+def peak_moments(
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    acts: ActivationProfile,
+) -> tuple[dict[str, MemoryBreakdown], int]:
+    """The per-rank bytes at each moment that can hold the peak of a training step (before the
+    allowance), and the host bytes per node.
+
+    >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec
+    >>> from autoshard import analyze_target, peak_moments, profile_activations
+    >>> profile, built = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
+    >>> workload = WorkloadSpec(seq_len=128, loop="plain")  # zero_grad after step
+    >>> candidate = Candidate(wrap_classes=profile.wrap_policy)
+    >>> gpus = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
+    >>> acts = profile_activations(built.model, profile, workload)
+    >>> moments, host = peak_moments(profile, candidate, gpus, workload, acts)
+    >>> for moment in moments:
+    ...     print(moment)
+    loss
+    head backward
+    top block backward
+    bottom block backward
+    root backward
+    optimizer step
+    top block gradient
+    bottom block gradient
+    root forward end
+    last block forward
+    >>> host  # nothing offloaded
+    0
+    >>> trainer = WorkloadSpec(seq_len=128, loop="lightning")  # zero_grad before backward
+    >>> lightning, _ = peak_moments(profile, candidate, gpus, trainer, acts)
+    >>> for moment in sorted(lightning.keys() - moments):  # the last step's gradients alive
+    ...     print(moment)
+    forward end, last step's gradients
+    last block forward, last step's gradients
+    loss, last step's gradients
+    root forward end, last step's gradients
+    """
+    t = _step_terms(profile, candidate, hardware, workload, acts)
+    loss_moment = _loss_moment(t)
+    head = _head_moment(t)
+    top_block, bottom_block, resharded = _block_moments(t, head)
+    root_backward, gathered_root = _root_backward_moment(t)
+    step = _optimizer_step_moment(t)
+    reduce_scatters = _reduce_scatter_moments(
+        t, top_block, bottom_block, root_backward, resharded, gathered_root
+    )
     moments = {
         "loss": loss_moment,
         "head backward": head,
@@ -473,8 +744,8 @@ def peak_moments(
         "optimizer step": step,
         **reduce_scatters,
     }
-    moments.update(loop_moments(moments, profile, candidate, hardware, workload, acts))
-    return moments, host
+    moments.update(loop_moments(moments, profile, t.candidate, hardware, workload, t.acts))
+    return moments, t.host
 
 
 def skips_gradient_sync(candidate: Candidate, workload: WorkloadSpec) -> bool:
@@ -483,7 +754,7 @@ def skips_gradient_sync(candidate: Candidate, workload: WorkloadSpec) -> bool:
     ``set_requires_gradient_sync(False)``); Lightning's Trainer only for FSDP1."""
     if workload.accumulate == 1:
         return False
-    return workload.loop is Loop.PLAIN or candidate.engine is Engine.FSDP1
+    return workload.loop == Loop.PLAIN or candidate.engine is Engine.FSDP1
 
 
 def accumulated_gradient_bytes(
@@ -517,12 +788,15 @@ def forward_moments(
     - the end of forward, inside the loss: the logits in the compute dtype, their fp32 copy (a
       cast, or the non-contiguous shifted slice of a micro-batch above 1) and the fp32
       log-probabilities (counted with the saved activations);
-    - FSDP2: the last block's all-gather (its buffer beside the previous unit's, which FSDP2
-      keeps until the root's forward ends, with every earlier block's activations saved), the
+    - FSDP2: the forward's start (the root's all-gather and the first block's prefetch, each
+      a buffer and a copy), the last block's all-gather (its buffer beside the previous
+      unit's, which FSDP2 keeps until the root's forward ends, with every earlier block's
+      activations saved), the
       end of the last block's forward, and the end of the root's forward (the logits made, the
       root still gathered: FSDP2 gathers a copy even with NO_SHARD);
-    - FSDP1 with resharding units: the end of the last block's forward (FSDP1 gathers into the
-      flat parameter itself: no buffer)."""
+    - FSDP1: the end of the root's forward (the root, or its low-precision copy, still held
+      with the logits) and, with resharding units, the end of the last block's forward (FSDP1
+      gathers into the flat parameter itself: no buffer)."""
     candidate = as_run(candidate, hardware)
     _, cb = precision_bytes(candidate.precision)
     loss = moments["loss"]
@@ -547,6 +821,16 @@ def forward_moments(
     if candidate.engine is Engine.FSDP2:
         gathered = params * cb if keeps_all or one_unit else root + unit
         buffer = 0 if shard_size(candidate, hardware) == 1 else (unit or root)
+        # The forward's start: every unit was resharded after the last backward; the root is
+        # gathered (its all-gather buffer beside its copy) as the first block is prefetched.
+        gathering = root + unit
+        out["forward start"] = base.model_copy(
+            update={
+                "unsharded_params": gathering,
+                "activations": 0,
+                "comm_buffers": 0 if shard_size(candidate, hardware) == 1 else gathering,
+            }
+        )
         out["last block all-gather"] = base.model_copy(
             update={
                 "unsharded_params": gathered,
@@ -568,10 +852,24 @@ def forward_moments(
                 "comm_buffers": buffer,
             }
         )
-    elif candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD) and not one_unit:
-        out["last block forward"] = base.model_copy(
-            update={"unsharded_params": root + unit, "activations": through_blocks}
+    else:
+        mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+        gathers = shard_size(candidate, hardware) > 1 or mixed  # no copy: fp32 NO_SHARD
+        out["root forward end"] = base.model_copy(
+            update={
+                "unsharded_params": params * cb if keeps_all else root if gathers else 0,
+                "activations": saved,
+            }
         )
+        # NO_SHARD under mixed precision makes a low-precision copy of each unit as it runs
+        # forward, beside the root's (simulated: a LoRA Llama's peak in Lightning's order)
+        copies = candidate.sharding is Sharding.NO_SHARD and mixed
+        if (
+            candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD) or copies
+        ) and not one_unit:
+            out["last block forward"] = base.model_copy(
+                update={"unsharded_params": root + unit, "activations": through_blocks}
+            )
     return out
 
 
@@ -595,13 +893,34 @@ def loop_moments(
     sharded_grads = moments["optimizer step"].gradients  # 0 when offloaded to the host
     forward = forward_moments(moments, profile, candidate, hardware, acts)
     out: dict[str, MemoryBreakdown] = {}
-    if workload.loop is Loop.LIGHTNING:
+    start = backward_start_moment(moments["head backward"], profile, candidate, hardware)
+    if start is not None:  # in every loop: no gradients are alive then
+        out["backward start"] = start
+    saved = moments["loss"].activations
+    held = gloo_held_root_moment(start, saved, profile, candidate, hardware, acts)
+    if held is not None:
+        out["backward start, last block prefetched"] = held
+    # The forward's own moments, with no gradient alive: the peak where backward holds little
+    # (frozen parameters, LoRA: no weight gradients).
+    out.update({name: m for name, m in forward.items() if name != "forward end"})
+    run = as_run(candidate, hardware)
+    if run.engine is Engine.FSDP1 and shard_size(run, hardware) == 1 and not run.one_unit:
+        # FSDP1 concatenates a unit's gradients into its flat gradient: the bottom block's
+        # views and flat copy beside every other unit's gradient (measured on fake tensors)
+        _, cb = precision_bytes(run.precision)
+        trained_unit = gradient_params(profile, run)[2]
+        root = moments["root backward"]
+        out["bottom block's flat gradient"] = root.model_copy(
+            update={"gradients": root.gradients + trained_unit * cb}
+        )
+    if workload.loop == Loop.LIGHTNING:
         alive = dict(forward)
-        if candidate.engine is Engine.FSDP1 and candidate.sharding is not Sharding.SHARD_GRAD_OP:
-            # zero_grad() sets the original parameters' gradients to None, but the flat
-            # parameters' sharded gradients live on until the root's pre-backward hook, which
-            # runs once the loss's backward reaches the logits (measured on fake tensors;
-            # SHARD_GRAD_OP, whose units are all gathered then, frees them at zero_grad).
+        if candidate.engine is Engine.FSDP1:
+            # zero_grad() sets the original parameters' gradients (views, use_orig_params=True
+            # as trials and Lightning run it) to None, but the flat parameters' sharded
+            # gradients live on until the root's pre-backward hook, which runs once the loss's
+            # backward reaches the logits: the loss is computed beside them (measured on 2
+            # gloo processes and on fake tensors, every sharding)
             alive["loss"] = moments["loss"]
         for name, m in alive.items():
             out[f"{name}, last step's gradients"] = m.model_copy(
@@ -728,11 +1047,21 @@ def no_sync_moments(
     start = backward_start_moment(head_kept, profile, candidate, hardware)
     if start is not None:
         out["accumulating backward start"] = start
+    saved = moments["loss"].activations
+    held = gloo_held_root_moment(start, saved, profile, candidate, hardware, acts)
+    if held is not None:
+        out["accumulating backward start, last block prefetched"] = held
     # The last micro-batch: the top block reduces its gradients (and gloo copies the reduce
     # input) while every other unit's are still unsharded.
     top = moments["top block backward"]
-    sync = top.model_copy(update={"gradients": top.gradients + kept})
+    # FSDP1 reduce-scatters the unit's flat gradient itself, one of the kept ones
+    own = trained_unit * _reduce_bytes(candidate) if candidate.engine is Engine.FSDP1 else 0
+    sync = top.model_copy(
+        update={"gradients": top.gradients + kept, "comm_buffers": max(0, top.comm_buffers - own)}
+    )
     out["synchronising top block backward"] = sync
+    if candidate.engine is Engine.FSDP1 and not one_unit and not keeps_all:
+        out.update(_fsdp1_synchronising_blocks(sync, profile, candidate, hardware, acts, kept))
     if hardware.backend == "gloo" and shard_size(candidate, hardware) > 1:
         out["synchronising block reduce-scatter"] = sync.model_copy(
             update={
@@ -741,6 +1070,51 @@ def no_sync_moments(
             }
         )
     return out
+
+
+def _fsdp1_synchronising_blocks(
+    sync: MemoryBreakdown,
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    acts: ActivationProfile,
+    kept: int,
+) -> dict[str, MemoryBreakdown]:
+    """FSDP1's last micro-batch after ``no_sync``: each block, once its backward is done,
+    reduces its kept (unsharded, compute-dtype) flat gradient into its stored gradient (NO_SHARD:
+    cast to the parameters' dtype, the whole unit) while the blocks below still keep theirs. The
+    worst block is where the stored gradients above outgrow the activations freed (simulated,
+    torch 2.13: a LoRA Llama's second block under NO_SHARD bf16-mixed, 5.6% above the top)."""
+    stored, cb = precision_bytes(candidate.precision)
+    shard = shard_size(candidate, hardware)
+    _, _, trained_unit = gradient_params(profile, candidate)
+    at = acts.at(candidate.precision)
+    scale = at.scale(candidate)
+    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    gathers = shard > 1 or mixed
+    root = profile.root_unit_params
+    unit = profile.block_params
+    blocks = max(profile.block_count, 1)
+    reduced = trained_unit * stored // shard  # one unit's stored gradient
+    worst: MemoryBreakdown | None = None
+    freed = 0
+    for j in range(blocks):
+        freed += int(at.block_bytes[blocks - 1 - j] * scale) if j < len(at.block_bytes) else 0
+        moment = sync.model_copy(
+            update={
+                # FSDP1 keeps the root gathered; the block and the next one prefetched
+                "unsharded_params": (root + (2 if j < blocks - 1 else 1) * unit) * cb
+                if gathers
+                else 0,
+                "gradients": kept + j * (reduced - trained_unit * cb),
+                "activations": max(0, sync.activations - freed),
+                "comm_buffers": 0,
+                "temporaries": reduced,  # the block's own, beside its kept one
+            }
+        )
+        if worst is None or moment.total > worst.total:
+            worst = moment
+    return {} if worst is None else {"synchronising block backward": worst}
 
 
 def _last_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
@@ -784,6 +1158,10 @@ def synced_accumulation_moments(
     start = backward_start_moment(out["accumulating head backward"], profile, candidate, hardware)
     if start is not None:
         out["accumulating backward start"] = start
+    saved = moments["loss"].activations
+    held = gloo_held_root_moment(start, saved, profile, candidate, hardware, acts)
+    if held is not None:
+        out["accumulating backward start, last block prefetched"] = held
     if candidate.engine is Engine.FSDP2 and not candidate.one_unit:
         # The second block from the top: its fresh gradients and the top block's reduce-scatter
         # input beside the head's gradient waiting in the root (measured on fake tensors).
@@ -851,7 +1229,47 @@ def backward_start_moment(
         return None
     _, cb = precision_bytes(candidate.precision)
     root = profile.total_params if candidate.one_unit else profile.root_unit_params
-    return head.model_copy(update={"unsharded_params": root * cb, "comm_buffers": root * cb})
+    return head.model_copy(
+        update={
+            "unsharded_params": root * cb,
+            "comm_buffers": root * cb,
+            # the logits' gradient, cast back to the compute dtype by the loss's backward
+            "temporaries": head.temporaries * cb // 4,
+        }
+    )
+
+
+def gloo_held_root_moment(
+    start: MemoryBreakdown | None,
+    saved: int,
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    acts: ActivationProfile,
+) -> MemoryBreakdown | None:
+    """gloo: the root's pre-backward hook waits on the root's re-gather as soon as it is issued,
+    copies it out and at once allocates the last block's all-gather (its prefetch). gloo's
+    worker thread drops its reference to a collective's tensors only after it has woken the
+    waiting thread, so the root's all-gather output can still be alive then: a race, the worst
+    case planned here (measured on 2 gloo processes, a LoRA Llama: 4 ranks of 4 in fp32, 3 of 8
+    in bf16; a 20 ms pause before the prefetch removes it, and torch's fake process group never
+    holds it). The moment: ``start`` (the root gathered beside its all-gather buffer) with the
+    last block's buffer and, under mixed precision, its shards cast to the compute dtype. A
+    loss computed in forward carries the root's backward hook: every activation ``saved`` is
+    still alive, the loss's backward has not run. None where ``start`` is None."""
+    if start is None or hardware.backend != "gloo":
+        return None
+    candidate = as_run(candidate, hardware)
+    if candidate.one_unit:
+        return None
+    _, cb = precision_bytes(candidate.precision)
+    unit = profile.block_params * cb
+    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    cast = unit // shard_size(candidate, hardware) if mixed else 0
+    update = {"comm_buffers": start.comm_buffers + unit + cast}
+    if acts.loss_in_forward:
+        update.update(activations=saved, temporaries=0)
+    return start.model_copy(update=update)
 
 
 def needs_simulation(
