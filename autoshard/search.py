@@ -28,6 +28,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 from autoshard.config import Candidate, Checkpointing, TuneOptions
 from autoshard.decide import decide_from_trials
 from autoshard.errors import StorageError, StudyNotice
@@ -37,6 +39,7 @@ from autoshard.predict.calibrate import Calibration, reorder_untried
 from autoshard.predict.speed import SpeedFactors
 from autoshard.recommendation import Recommendation
 from autoshard.results import Decision, MemoryEstimate, TrialResult, TrialStatus
+from autoshard.sharding import cpu_workers_cannot_run
 from autoshard.space import rank_candidates
 from autoshard.study.loop import run_trials
 from autoshard.study.settings import StudySettings
@@ -192,6 +195,7 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
                 dominated=dominated_by if opts.skip_dominated else None,
                 emit=opts.on_event,
                 reorder=reorder,
+                cannot_run=None if torch.cuda.is_available() else cpu_workers_cannot_run,
             )
         rec = decide_from_trials(plan, results, tried_with)
         rec = rec.model_copy(update={"study": store.name})

@@ -232,6 +232,19 @@ def fsdp2_kwargs(candidate: Candidate, mesh: Any, *, pin_memory: bool) -> dict[s
     return kwargs
 
 
+def cpu_workers_cannot_run(candidate: Candidate) -> str | None:
+    """Why trial workers on CPU processes (gloo, no GPU) cannot run ``candidate``; None if they
+    can. FSDP1's CPU offload moves its parameters to the accelerator in the root's pre-forward
+    and raises "Cannot access accelerator device when none is available" (torch 2.13); FSDP2's
+    offload runs (unpinned) on CPU processes."""
+    if candidate.engine is Engine.FSDP1 and candidate.cpu_offload:
+        return (
+            "not tried: FSDP1's CPU offload needs a GPU (torch cannot run it on CPU processes); "
+            "its memory is the estimate's"
+        )
+    return None
+
+
 def apply_fsdp2(model: nn.Module, candidate: Candidate, mesh: Any) -> nn.Module:
     """Checkpoint the blocks, then ``fully_shard`` each wrap unit and the root, in place, each
     with its ``reshard_after_forward`` (:func:`reshard_after_forward`)."""

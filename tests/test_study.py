@@ -25,6 +25,7 @@ from autoshard.config import Candidate, Engine, Hardware, WorkloadSpec
 from autoshard.errors import StorageError, StudyLockedError, TrialsFailedError
 from autoshard.results import MemoryBreakdown, MemoryEstimate, TrialResult, TrialStatus
 from autoshard.search import dominated_by
+from autoshard.sharding import cpu_workers_cannot_run
 from autoshard.study import journal as journal_mod
 from autoshard.study.journal import read_records
 from autoshard.study.lessons import learn
@@ -212,6 +213,21 @@ def test_trials_end_the_study_exactly_at_n(tmp_path: Path) -> None:
     study(tmp_path, cands, more, n_trials=5, unfit=4)
     assert len(more.calls) == 2 and not set(more.calls) & set(runner.calls)
     assert len([r for r in journal(tmp_path) if r.status.launched]) == 5
+
+
+def test_what_the_workers_cannot_run_is_skipped_with_its_reason_never_launched(
+    tmp_path: Path,
+) -> None:
+    # CPU workers cannot run FSDP1's CPU offload: it leads the order here, yet is never run
+    cands = [c.model_copy(update={"cpu_offload": True}) for c in space(sizes=(1,))] + space()
+    runner = Runner()
+    _, results = study(tmp_path, cands, runner, n_trials=3, cannot_run=cpu_workers_cannot_run)
+    assert len(runner.calls) == 3 and not any("offload" in label for label in runner.calls)
+    skipped = [r for r in results if r.status is TrialStatus.SKIPPED]
+    assert len(skipped) == 6 and all(r.candidate.cpu_offload for r in skipped)
+    assert all("needs a GPU" in (r.error or "") for r in skipped)
+    # FSDP2's offload runs on CPU processes (tests/test_group.py trains it there)
+    assert cpu_workers_cannot_run(Candidate(engine="fsdp2", cpu_offload=True)) is None
 
 
 def test_a_killed_study_resumes_without_losing_or_rerunning(tmp_path: Path) -> None:

@@ -62,9 +62,11 @@ def run_trials(
     emit: Emit | None = None,
     wait_s: float = WAIT_S,
     reorder: Reorder | None = None,
+    cannot_run: Callable[[Candidate], str | None] | None = None,
 ) -> list[TrialResult]:
     """Run the study (see the module docstring); returns the result that settles each
-    candidate, every driver's, in the order the storage recorded them."""
+    candidate, every driver's, in the order the storage recorded them. ``cannot_run`` says why
+    the workers cannot run a candidate (recorded as skipped with that reason, never launched)."""
     tell = emit or (lambda kind, scored: None)
     by_label = {e.candidate.label(): e for e in ranked}
     candidates = [e.candidate for e in ranked]
@@ -81,6 +83,7 @@ def run_trials(
         with store.turn() as view:
             if first:
                 _record_pruned(store, ranked, view)
+                _record_unrunnable(store, ranked, view, cannot_run)
                 announce(view, ProgressEvent.RESUMED)
                 first = False
             else:
@@ -160,6 +163,22 @@ def _record_pruned(store: Store, ranked: Sequence[MemoryEstimate], view: StudyVi
         label = e.candidate.label()
         if not e.fits and label not in view.attempts:
             result = TrialResult(candidate=e.candidate, status=TrialStatus.PRUNED, error=e.reason)
+            store.record(result, e.model_dump_json())
+            view.add(result)
+
+
+def _record_unrunnable(
+    store: Store,
+    ranked: Sequence[MemoryEstimate],
+    view: StudyView,
+    cannot_run: Callable[[Candidate], str | None] | None,
+) -> None:
+    if cannot_run is None:
+        return
+    for e in ranked:
+        why = cannot_run(e.candidate)
+        if why and e.fits and e.candidate.label() not in view.attempts:
+            result = TrialResult(candidate=e.candidate, status=TrialStatus.SKIPPED, error=why)
             store.record(result, e.model_dump_json())
             view.add(result)
 
