@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -11,6 +12,16 @@ from autoshard.cli import app
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TARGETS = Path(__file__).resolve().parent / "targets"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ctrl_c_reaches_the_tests():
+    # A shell without job control starts `cmd &` with SIGINT ignored, and an ignored signal is
+    # inherited: the Ctrl-C tests (tests/test_faults.py, tests/test_group_logic.py) would then
+    # wait for an interrupt that never comes. Python's own handler again, for this process and,
+    # as SIG_DFL after exec, for the drivers it starts.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
