@@ -3,8 +3,8 @@
 
 The per-rank peak is the largest of the moments of a training step, each a sum of terms (see
 ``../shared/design.md``, "Memory", and :func:`peak_moments`): the loss at the end of forward,
-the head's backward, the top and bottom blocks' backward, the root's backward, the optimizer
-step, and with gloo each reduce-scatter. The terms:
+the head's backward, the top, second (FSDP2) and bottom blocks' backward, the root's backward,
+the optimizer step, and with gloo each reduce-scatter. The terms:
 - sharded parameters, gradients and optimizer states: ``P x bytes / shard_size``;
 - the unsharded working set: the unit being computed and the prefetched next one (2 x largest
   unit in the compute dtype) and the root unit, or the whole model for SHARD_GRAD_OP (no
@@ -246,6 +246,7 @@ class _StepTerms:
     foreach: int
     block_grads: int
     frozen_root: int
+    head_grad: int
     host: int
 
 
@@ -354,6 +355,12 @@ def _step_terms(
         if candidate.engine is Engine.FSDP1 and wrapped and shard > 1 and not trained_root
         else 0
     )
+    # FSDP2 reduces a unit's gradients in its post-backward hook, and the root's runs last: the
+    # head's gradient, made first in backward, waits unsharded in the root through every block's
+    # backward (simulated, torch 2.13: the 2 MiB head gradient of gpt-deep alive at the second
+    # block's peak; without it the analytic estimate was 5.7% below a measured gloo run). FSDP1's
+    # gradients flow into views of the root's flat parameter, allocated when its backward ends.
+    head_grad = fsdp2_head_gradient(profile, candidate)
     host = 0
     if candidate.cpu_offload:
         # parameters, gradients and optimizer state live in host memory; the GPU keeps the
@@ -399,6 +406,7 @@ def _step_terms(
         foreach=foreach,
         block_grads=block_grads,
         frozen_root=frozen_root,
+        head_grad=head_grad,
         host=host,
     )
 
@@ -532,7 +540,10 @@ def _block_moments(
         )
     else:  # NO_SHARD: nothing is gathered or freed
         top_block = head.model_copy(update={"temporaries": block_backward})
-    top_block = top_block.model_copy(update={"comm_buffers": comm})  # it reduces its gradients
+    # it reduces its gradients; the head's gradient waits in the root (FSDP2)
+    top_block = top_block.model_copy(
+        update={"comm_buffers": comm, "gradients": top_block.gradients + t.head_grad}
+    )
     # 3. The bottom block's backward: the other blocks' activations are freed and their
     #    gradients reduced into shards; the root (the embedding) is prefetched in place of a
     #    next block. (SHARD_GRAD_OP holds everything all along: the top block is worse.)
@@ -541,7 +552,7 @@ def _block_moments(
         update={
             "unsharded_params": (unit + root) * cb,
             # every block's gradient in shards but its own
-            "gradients": block_grads * (blocks - 1) // blocks,
+            "gradients": block_grads * (blocks - 1) // blocks + t.head_grad,
             "activations": first_block_bytes(candidate, acts),
             # the block above's reduce-scatter; nothing left to prefetch (the root is gathered)
             "comm_buffers": comm - gather if wrapped else comm,
@@ -562,6 +573,35 @@ def _block_moments(
             }
         )
     return top_block, bottom_block, resharded
+
+
+def _fsdp2_second_block_moment(
+    t: _StepTerms, top_block: MemoryBreakdown
+) -> tuple[MemoryBreakdown, MemoryBreakdown | None]:
+    """FSDP2 keeps a unit's reduce-scatter input alive until the next unit's post-backward
+    (``comm_ctx.reduce_scatter_state``), so the top block's backward holds only the next block's
+    all-gather buffer, and the second block's the top block's reduce-scatter input and reduced
+    shard beside it, with the top block's activations freed (simulated, torch 2.13: gpt-deep's
+    peak at micro-batch 2 is the second block's backward). Returns the top block's moment and
+    the second block's (None with fewer than two blocks); other candidates keep
+    :func:`_block_moments`' moment, which counts both collectives' buffers."""
+    candidate = t.candidate
+    resharded = t.wrapped and resharded_sharding(candidate)
+    if candidate.engine is not Engine.FSDP2 or not resharded:
+        return top_block, None
+    blocks = t.profile.block_count
+    prefetched = t.gather if blocks > 1 else 0  # the next block's all-gather buffer
+    top = top_block.model_copy(update={"comm_buffers": prefetched})
+    if blocks < 2:
+        return top, None
+    second = top_block.model_copy(
+        update={
+            "gradients": top_block.gradients + t.block_grads // blocks,
+            "activations": top_block.activations - last_block_bytes(candidate, t.acts),
+            "comm_buffers": t.trained_unit * t.reduce_bytes + (t.gather if blocks > 2 else 0),
+        }
+    )
+    return top, second
 
 
 def _root_backward_moment(t: _StepTerms) -> tuple[MemoryBreakdown, bool]:
@@ -730,6 +770,7 @@ def peak_moments(
     loss_moment = _loss_moment(t)
     head = _head_moment(t)
     top_block, bottom_block, resharded = _block_moments(t, head)
+    top_alone, second_block = _fsdp2_second_block_moment(t, top_block)
     root_backward, gathered_root = _root_backward_moment(t)
     step = _optimizer_step_moment(t)
     reduce_scatters = _reduce_scatter_moments(
@@ -738,7 +779,8 @@ def peak_moments(
     moments = {
         "loss": loss_moment,
         "head backward": head,
-        "top block backward": top_block,
+        "top block backward": top_alone,
+        **({"second block backward": second_block} if second_block is not None else {}),
         **({"bottom block backward": bottom_block} if resharded else {}),
         "root backward": root_backward,
         "optimizer step": step,
@@ -945,6 +987,17 @@ def _reduce_bytes(candidate: Candidate) -> int:
     return 4 if fp32_reduce else cb
 
 
+def fsdp2_head_gradient(profile: ModelProfile, candidate: Candidate) -> int:
+    """Bytes of the head's unsharded gradient that FSDP2 holds in the root unit from the head's
+    backward until the root's post-backward, after every block's (0 for FSDP1, without block
+    units, or when the head is frozen). ``candidate`` as run (:func:`as_run`)."""
+    if candidate.engine is not Engine.FSDP2 or candidate.one_unit:
+        return 0
+    _, cb = precision_bytes(candidate.precision)
+    _, trained_root, _ = gradient_params(profile, candidate)
+    return min(_head_params(profile), trained_root) * cb
+
+
 def _head_params(profile: ModelProfile) -> int:
     """Parameters of the output head (vocabulary x hidden), whose gradient is made first in
     backward and waits in the root unit until the root's backward ends; 0 without one."""
@@ -1054,10 +1107,14 @@ def no_sync_moments(
     # The last micro-batch: the top block reduces its gradients (and gloo copies the reduce
     # input) while every other unit's are still unsharded.
     top = moments["top block backward"]
+    if "second block backward" in moments:  # FSDP2 holds the block above's reduce-scatter input
+        top = top.model_copy(update={"comm_buffers": moments["second block backward"].comm_buffers})
     # FSDP1 reduce-scatters the unit's flat gradient itself, one of the kept ones
     own = trained_unit * _reduce_bytes(candidate) if candidate.engine is Engine.FSDP1 else 0
+    # the head's gradient is one of the kept ones
+    gradients = top.gradients - fsdp2_head_gradient(profile, candidate) + kept
     sync = top.model_copy(
-        update={"gradients": top.gradients + kept, "comm_buffers": max(0, top.comm_buffers - own)}
+        update={"gradients": gradients, "comm_buffers": max(0, top.comm_buffers - own)}
     )
     out["synchronising top block backward"] = sync
     if candidate.engine is Engine.FSDP1 and not one_unit and not keeps_all:
@@ -1151,7 +1208,11 @@ def synced_accumulation_moments(
             continue
         # the moment's unsharded gradients beside every unit's sharded ones (a reduce-scatter
         # output is added in after the collective, past the moment's peak)
-        unsharded_grads = max(0, m.gradients - block_grads) if sharded_grads else m.gradients
+        # (FSDP2's head gradient, waiting unsharded in the root, is one of them)
+        waiting = min(fsdp2_head_gradient(profile, candidate), m.gradients)
+        unsharded_grads = (
+            max(0, m.gradients - waiting - block_grads) + waiting if sharded_grads else m.gradients
+        )
         out[f"accumulating {name}"] = m.model_copy(
             update={"gradients": sharded_grads + unsharded_grads}
         )
