@@ -102,7 +102,7 @@ def test_killed_study_resumes_without_rerunning(tmp_path) -> None:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     after = read_trials(log)
-    launched = [json_label(t) for t in after if t["status"] != "pruned"]
+    launched = [json_label(t) for t in after if TrialStatus(t["status"]).launched]
     assert len(launched) == len(set(launched)) == 3  # nothing ran twice
     assert after[: len(before)] == before  # the first run's records are kept as they were
     # The killed run's workers stopped by themselves once the driver was gone.
