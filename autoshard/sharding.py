@@ -239,8 +239,8 @@ def cpu_workers_cannot_run(candidate: Candidate) -> str | None:
     offload runs (unpinned) on CPU processes."""
     if candidate.engine is Engine.FSDP1 and candidate.cpu_offload:
         return (
-            "not tried: FSDP1's CPU offload needs a GPU (torch cannot run it on CPU processes); "
-            "its memory is the estimate's"
+            "FSDP1's CPU offload needs a GPU: CPU workers cannot try it (torch cannot run it on "
+            "CPU processes); its memory is the estimate's"
         )
     return None
 

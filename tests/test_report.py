@@ -18,7 +18,7 @@ from rich.console import Console
 from autoshard.config import Hardware
 from autoshard.errors import ResultError
 from autoshard.recommendation import Recommendation, load_result
-from autoshard.results import Scored, SpeedEstimate, TrialStatus
+from autoshard.results import Scored, SpeedEstimate, TrialResult, TrialStatus
 from autoshard.ui.files import write_report
 from autoshard.ui.html import render_html
 from autoshard.ui.report import SCHEMA, print_summary
@@ -46,6 +46,29 @@ def test_summary_says_what_won_why_and_what_was_ruled_out() -> None:
     assert "measured peak (cpu)" in text
     # no speed predictions here: the measured order decided, and nothing says otherwise
     assert "trials ran on CPU processes" not in text
+
+
+def test_the_terminal_says_a_repeated_reason_once_per_fold() -> None:
+    rec = make_rec()
+    why = "offload needs a GPU"
+    skipped = [
+        Scored(
+            candidate=candidate(cpu_offload=True, micro_batch_size=m),
+            trial=TrialResult(
+                candidate=candidate(cpu_offload=True, micro_batch_size=m),
+                status=TrialStatus.SKIPPED,
+                error=why,
+            ),
+        )
+        for m in (1, 2, 4, 8, 16)
+    ]
+    rec = rec.model_copy(update={"ruled_out": [*rec.ruled_out, *skipped]})
+    console = Console(record=True, width=250)
+    print_summary(rec, console, trials=all_trials(rec))
+    table = console.export_text().split("Configurations")[1]
+    assert table.count(why) == 3  # two of them, then "... and 3 more" with the reason once
+    assert "... and 3 more" in table
+    assert "oom: CUDA out of memory" in table and "usable GPU memory" in table  # not folded
 
 
 def test_write_report_and_load_it_back(tmp_path: Path) -> None:

@@ -125,6 +125,26 @@ def trials_note(rec: Decision, trials: Sequence[TrialResult] = ()) -> str | None
     return trials_checked_line(rec.hardware, predicted_device(rec))
 
 
+FOLD_AFTER = 2  # never-launched candidates listed per reason in the terminal; report.html has all
+
+
+def _fold_not_launched(
+    rows: list[tuple[str, Scored]],
+) -> tuple[list[tuple[str, Scored]], dict[str, int]]:
+    """The rows with at most FOLD_AFTER never-launched (pruned, skipped) candidates per reason,
+    and how many more each reason had: a dozen identical "needs a GPU" rows say it once."""
+    kept: list[tuple[str, Scored]] = []
+    seen: dict[str, int] = {}
+    for kind, s in rows:
+        if kind == "ruled out" and s.trial is not None and not s.trial.status.launched:
+            why = why_ruled_out(s)
+            seen[why] = seen.get(why, 0) + 1
+            if seen[why] > FOLD_AFTER:
+                continue
+        kept.append((kind, s))
+    return kept, {why: n - FOLD_AFTER for why, n in seen.items() if n > FOLD_AFTER}
+
+
 def why_ruled_out(s: Scored) -> str:
     if s.trial is not None and s.trial.status is not TrialStatus.OK:
         return f"{s.trial.status.value}: {s.trial.error or ''}".strip(": ")
@@ -164,6 +184,7 @@ def print_summary(
         console.print(f"  • {line}", highlight=False)
     rows = listed_rows(rec, trials)
     if len(rows) > 1:
+        rows, folded = _fold_not_launched(rows)
         alt = Table(title="Configurations", title_justify="left")
         ran = {s.trial.device for _, s in rows if s.trial and s.trial.status is TrialStatus.OK}
         where = f" ({ran.pop()})" if len(ran) == 1 else ""
@@ -192,6 +213,8 @@ def print_summary(
                 measured_text,
                 "" if ok or kind == "chosen" else why_ruled_out(s)[:60],
             )
+        for why, more in folded.items():
+            alt.add_row("ruled out", f"... and {more} more", "", "", "", "", why[:60])
         console.print(alt)
     n = sum(1 for t in trials_of(rec, trials) if t.status.launched)
     if n:
