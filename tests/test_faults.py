@@ -253,6 +253,9 @@ def test_ctrl_c_during_a_hang_ends_the_study_at_once_in_one_line(tmp_path, reap)
 # --------------------------------------------------------------------------------------------
 
 
+RSS_RESOLUTION = 3 * 2**20
+
+
 def test_two_identical_trials_in_one_group_measure_the_same_memory(
     tmp_path, examples_gpt_tiny
 ) -> None:
@@ -262,5 +265,12 @@ def test_two_identical_trials_in_one_group_measure_the_same_memory(
             group.run(candidate, WorkloadSpec(seq_len=64), warmup=1, steps=2) for _ in range(2)
         )
     assert first.status is second.status is TrialStatus.OK
+    # A CPU trial's peak is the process's resident set, whose resolution is a couple of MiB
+    # (glibc arenas, pages): identical trials differed by up to 2.4 MiB of ~30 (8%) in about one
+    # run of four, on main before this change too. Without the warm-up the first trial reads
+    # 126 MiB against 30 (tried), which this still catches.
     for a, b in zip(first.peak_allocated, second.peak_allocated, strict=True):
-        assert a == pytest.approx(b, rel=0.05), (first.peak_allocated, second.peak_allocated)
+        assert abs(a - b) <= max(0.05 * b, RSS_RESOLUTION), (
+            first.peak_allocated,
+            second.peak_allocated,
+        )
