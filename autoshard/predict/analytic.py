@@ -1174,7 +1174,9 @@ def _fsdp1_synchronising_blocks(
     return {} if worst is None else {"synchronising block backward": worst}
 
 
-def _last_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
+def _last_block_all_activations(candidate: Candidate, acts: ActivationProfile) -> int:
+    # Everything the last block saves without checkpointing, whatever the candidate's
+    # checkpointing (unlike last_block_bytes, which is the block's input under checkpointing).
     at = acts.at(candidate.precision)
     return int(at.block_bytes[-1] * at.scale(candidate)) if at.block_bytes else 0
 
@@ -1233,7 +1235,7 @@ def synced_accumulation_moments(
                 "gradients": sharded_grads + trained_unit * reduce // shard,
                 "unsharded_params": (profile.root_unit_params + profile.block_params) * cb,
                 "comm_buffers": block if shard > 1 else 0,
-                "activations": head.activations - 2 * _last_block_bytes(candidate, acts),
+                "activations": head.activations - 2 * _last_block_all_activations(candidate, acts),
                 "temporaries": _head_params(profile) * cb * (trained_root > 0)
                 + trained_unit * (cb + reduce),
             }
