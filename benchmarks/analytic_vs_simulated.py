@@ -28,6 +28,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from results_file import write_results  # benchmarks/, the script's own folder
+
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT}/examples/gpt.py:build"
 # name -> (gpt.py kwargs, sequence length, micro-batch)
@@ -155,12 +157,11 @@ def main() -> None:
     print(table)
     if args.write:
         command = " ".join(["python", "benchmarks/analytic_vs_simulated.py", *sys.argv[1:]])
-        old = args.write.read_text() if args.write.exists() else ""
-        findings = old[old.index("\n## Findings") :] if "\n## Findings" in old else ""
-        args.write.write_text(
+        write_results(
+            args.write,
             f"# Analytic memory estimate against the simulation, 8 to 512 ranks\n\n`{command}`\n\n"
             f"{time.strftime('%Y-%m-%d')}. {header} Both without the GPU allowance.\n\n"
-            f"{table}\n{findings}"
+            f"{table}\n",
         )
 
 

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from results_file import write_results  # benchmarks/, the script's own folder
+
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT}/examples/gpt.py:build"
 # Two shapes: a wide-vocabulary shallow model (the loss and the embedding weigh most) and a
@@ -457,14 +459,12 @@ def main() -> None:
     print(table)
     if args.write:
         command = " ".join(["python", "benchmarks/estimate_accuracy.py", *sys.argv[1:]])
-        # Hand-written findings below the table are kept across reruns.
-        old = args.write.read_text() if args.write.exists() else ""
-        findings = old[old.index("\n## Findings") :] if "\n## Findings" in old else ""
-        args.write.write_text(
+        write_results(
+            args.write,
             f"# Memory estimators against measured peaks ({args.device})\n\n`{command}`\n\n"
             f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores. {header}\n\n"
             f"Measured: torch's memory tracker around two real training steps per configuration "
-            f"(the largest rank).\n\n{table}\n{findings}"
+            f"(the largest rank).\n\n{table}\n",
         )
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results_file import write_results  # benchmarks/, the script's own folder
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -216,11 +217,14 @@ def main() -> None:
     )
     print(text)
     if args.write:
-        args.write.write_text(
+        # (it overwrote the hand-written "Reading it" section before)
+        write_results(
+            args.write,
             "# Step-time model vs published FSDP throughput\n\n"
             f"`python benchmarks/step_time_published.py --write {args.write}`\n\n"
             f"Default factors for every source (`SpeedFactors()`); data and citations: "
-            f"`benchmarks/data/published_fsdp.json` (README beside it).\n\n{text}\n"
+            f"`benchmarks/data/published_fsdp.json` (README beside it).\n\n{text}\n",
+            hand_written_from="\n## Reading it",
         )
 
 
