@@ -161,6 +161,9 @@ class SpeedBreakdown(Frozen):
     exposed_comm_s: float = Field(
         0.0, description="All-gathers, reduce-scatters, all-reduces not overlapped with compute."
     )
+    contention_s: float = Field(
+        0.0, description="Compute slowed by the collectives that overlap it (hiding's price)."
+    )
     offload_s: float = Field(0.0, description="CPU offload: host<->GPU copies, host optimizer.")
     optimizer_s: float = Field(0.0, description="The optimizer step on the GPU.")
 

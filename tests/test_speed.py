@@ -206,6 +206,53 @@ def test_timeline_hides_a_prefetched_gather_behind_the_previous_compute() -> Non
     assert timeline([(0.0, 2.0, 1.0), (0.0, 2.0, 1.0)]) == (5.0, 2.0)
 
 
+def test_compute_beside_a_collective_runs_slower_by_the_slowdown() -> None:
+    # gather 1 | unit 0's compute (2 s of work) shares its first second with unit 1's gather
+    # and does 1/1.5 s of work in it; the other 4/3 s of work run alone | unit 1 alone: 2
+    elapsed, comm = timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], slowdown=0.5)
+    assert elapsed == pytest.approx(1 + 1 + 4 / 3 + 2) and comm == 2.0
+    # a reduction slows the next unit's compute the same way, prefetching or not
+    for prefetch in (True, False):
+        reduced = timeline([(0.0, 2.0, 1.0), (0.0, 2.0, 1.0)], prefetch=prefetch, slowdown=0.5)
+        assert reduced[0] == pytest.approx(2 + 1 + 4 / 3 + 1)
+    # compute wholly beside a longer gather is slowed but waited for anyway: no cost
+    assert timeline([(1.0, 2.0, 0.0), (5.0, 2.0, 0.0)], slowdown=0.5)[0] == pytest.approx(8.0)
+    # nothing beside the compute (no prefetch): nothing slowed
+    assert timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], prefetch=False, slowdown=0.5) == (
+        6.0,
+        2.0,
+    )
+
+
+def test_hiding_communication_costs_the_slowdown_of_the_compute_beside_it(net) -> None:
+    profile, flops = net
+    slowdown = 0.2
+    hiding = EXACT.model_copy(update={"overlap": 1.0, "overlap_slowdown": slowdown})
+    # compute much longer than any collective: every hidden collective runs wholly beside
+    # compute, which in its time does 1/(1 + slowdown) of the work it would alone
+    slow_compute = GPU.model_copy(update={"bf16_flops": 1e6})
+
+    def speed(sharding: str, factors: SpeedFactors = hiding) -> SpeedEstimate:
+        candidate = Candidate(wrap_classes=WRAP, sharding=sharding)
+        return predict_speed(
+            profile, flops, candidate, ONE_NODE, WorkloadSpec(), factors, gpu=slow_compute
+        )
+
+    for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        parts = speed(sharding).breakdown
+        hidden = comm_seconds(net, Candidate(wrap_classes=WRAP, sharding=sharding), ONE_NODE)
+        hidden -= parts.exposed_comm_s
+        assert hidden > 0
+        assert parts.contention_s == pytest.approx(hidden * slowdown / (1 + slowdown), rel=1e-6)
+    # FULL_SHARD hides its backward all-gathers too: it pays more than SHARD_GRAD_OP
+    assert (
+        speed("FULL_SHARD").breakdown.contention_s > speed("SHARD_GRAD_OP").breakdown.contention_s
+    )
+    # where collectives block the compute (gloo on CPU processes) nothing runs beside it
+    blocking = hiding.model_copy(update={"overlap": 0.0})
+    assert speed("FULL_SHARD", blocking).breakdown.contention_s == 0.0
+
+
 def test_one_unit_overlaps_nothing(net) -> None:
     profile, flops = net
     hidden = EXACT.model_copy(update={"overlap": 1.0})
@@ -333,14 +380,14 @@ def test_offload_copies_shards_and_steps_on_the_host(net) -> None:
 def test_the_step_is_the_sum_of_its_parts_and_throughput_follows(net) -> None:
     profile, flops = net
     candidate = Candidate(wrap_classes=WRAP, micro_batch_size=4, cpu_offload=True)
+    hiding = EXACT.model_copy(update={"overlap": 1.0, "overlap_slowdown": 0.2})
     speed = predict_speed(
-        profile, flops, candidate, ONE_NODE, WorkloadSpec(seq_len=16, accumulate=2), EXACT,
-        gpu=GPU,
+        profile, flops, candidate, ONE_NODE, WorkloadSpec(seq_len=16, accumulate=2), hiding,
+        gpu=GPU.model_copy(update={"bf16_flops": 1e6}),
     )  # fmt: skip
     parts = speed.breakdown
-    total = (parts.compute_s + parts.recompute_s + parts.exposed_comm_s + parts.offload_s
-             + parts.optimizer_s)  # fmt: skip
-    assert speed.step_time_s == pytest.approx(total)
+    assert parts.contention_s > 0 and parts.offload_s > 0
+    assert speed.step_time_s == pytest.approx(sum(parts.model_dump().values()))
     assert speed.samples_per_s == pytest.approx(4 * 2 * 8 / speed.step_time_s)
     assert speed.tokens_per_s_per_gpu == pytest.approx(4 * 2 * 16 / speed.step_time_s)
 

@@ -19,6 +19,9 @@ One optimizer step of one rank is the sum of
   computing (FSDP's prefetch), so it hides behind that unit's compute; a reduce-scatter starts
   when its unit's backward is done. What the compute does not hide is exposed; a model that is
   one FSDP unit hides nothing (its gather comes before all its compute, its reduction after);
+- **contention**: hiding is not free: while a collective runs beside it, the compute runs slower
+  (NCCL's kernels take SMs and memory bandwidth from it), by ``overlap_slowdown``; the seconds
+  this adds to the timeline;
 - **offload** (CPU offload): parameter shards to the GPU at every gather and gradient shards back,
   over the host link, and the optimizer step on the host CPU, bound by its memory bandwidth;
 - **optimizer**: otherwise the optimizer step on the GPU, bound by HBM bandwidth.
@@ -135,6 +138,17 @@ class SpeedFactors(Frozen):
         "launch). A GPU runs the kernels meanwhile, so this bounds a small model's step from "
         "below; CPU processes pay it on top of the work (measured at run time for cpu-gloo). "
         "Default: eager PyTorch issues a CUDA operation in 5-10 us.",
+    )
+    overlap_slowdown: float = Field(
+        0.189,
+        ge=0,
+        le=1,
+        description="How much slower compute runs while a collective runs beside it (0.189: "
+        "19% longer). Default: 'an average computational slowdown of 18.9%, with a maximum of "
+        "40.0%' when computation overlaps communication, measured on A100, H100, MI250 and "
+        "MI210 with GPT and LLaMA models (Lee et al. 2025, 'Characterizing Compute-Communication "
+        "Overlap in GPU-Accelerated Distributed Deep Learning', arXiv:2507.03114). Applies only "
+        "where collectives overlap compute (``overlap``).",
     )
     overlap: float = Field(
         1.0,
@@ -414,18 +428,34 @@ def reduce_bytes(candidate: Candidate) -> int:
 Unit = tuple[float, float, float]  # (gather seconds, compute seconds, reduce seconds)
 
 
-def timeline(units: Sequence[Unit], *, prefetch: bool = True) -> tuple[float, float]:
+def _slowed(compute: float, busy: float, slowdown: float) -> float:
+    """Seconds ``compute`` seconds of work take when a collective occupies the first ``busy``
+    seconds beside them, running ``1 + slowdown`` times slower meanwhile."""
+    if slowdown <= 0 or busy <= 0:
+        return compute
+    if compute * (1 + slowdown) <= busy:
+        return compute * (1 + slowdown)
+    return busy + compute - busy / (1 + slowdown)
+
+
+def timeline(
+    units: Sequence[Unit], *, prefetch: bool = True, slowdown: float = 0.0
+) -> tuple[float, float]:
     """(elapsed seconds, communication seconds) of ``units`` run in order on two streams: one
     computes, one communicates (collectives in the order they are issued). A unit computes
     once its gather is done and the unit before it has computed; its gather is issued when the
     unit before it starts computing (``prefetch``: FSDP's forward and backward prefetch) or
-    when it is reached; its reduction is issued when its compute is done.
+    when it is reached; its reduction is issued when its compute is done. While collectives
+    run beside a unit's compute, that compute runs ``1 + slowdown`` times slower (the
+    collectives are not slowed: their kernels are small and bandwidth-bound).
 
     >>> from autoshard.predict.speed import timeline
     >>> timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)])  # the second gather hides
     (5.0, 2.0)
     >>> timeline([(1.0, 2.0, 1.0)])  # one unit: nothing hides
     (4.0, 2.0)
+    >>> round(timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], slowdown=0.5)[0], 3)  # at a price
+    5.333
     """
     if not units:
         return 0.0, 0.0
@@ -433,11 +463,17 @@ def timeline(units: Sequence[Unit], *, prefetch: bool = True) -> tuple[float, fl
     compute_free = 0.0
     for i, (_, compute, reduce) in enumerate(units):
         start = max(compute_free, gathered)
-        if i + 1 < len(units):
-            issue = start if prefetch else start + compute
-            comm_free = max(comm_free, issue) + units[i + 1][0]
+        following = units[i + 1][0] if i + 1 < len(units) else None
+        if following is not None and prefetch:
+            comm_free = max(comm_free, start) + following
             gathered = comm_free
-        compute_free = start + compute
+        # Every collective queued so far was issued by ``start``: the stream is busy without a
+        # gap from ``start`` until ``comm_free``.
+        duration = _slowed(compute, comm_free - start, slowdown)
+        if following is not None and not prefetch:
+            comm_free = max(comm_free, start + duration) + following
+            gathered = comm_free
+        compute_free = start + duration
         if reduce:
             comm_free = max(comm_free, compute_free) + reduce
     comm = sum(g + r for g, _, r in units)
@@ -621,7 +657,7 @@ def predict_speed(
     def gather(n: float) -> float:
         return comm.all_gather(n) if sharded else 0.0
 
-    def micro_batch(reduce: bool) -> tuple[float, float]:
+    def micro_batch(reduce: bool, slowdown: float) -> tuple[float, float]:
         """(elapsed, communication) seconds of one micro-batch's forward and backward."""
         red = comm.reduce if reduce else (lambda _n: 0.0)
         if wrapped:
@@ -651,21 +687,32 @@ def predict_speed(
                     red(params),
                 )
             ]
-        f_elapsed, f_comm = timeline(forward)
-        b_elapsed, b_comm = timeline(backward, prefetch=prefetch_backward)
+        f_elapsed, f_comm = timeline(forward, slowdown=slowdown)
+        b_elapsed, b_comm = timeline(backward, prefetch=prefetch_backward, slowdown=slowdown)
         return f_elapsed + b_elapsed, f_comm + b_comm
 
-    # Gradients accumulate unreduced (no_sync / set_requires_gradient_sync(False)) until the
-    # last micro-batch of the step, which reduces them.
-    elapsed, comm_s = micro_batch(reduce=True)
-    if accumulate > 1:
-        quiet, quiet_comm = micro_batch(reduce=False)
-        elapsed += (accumulate - 1) * quiet
-        comm_s += (accumulate - 1) * quiet_comm
+    def step_timeline(slowdown: float) -> tuple[float, float]:
+        """(elapsed, communication) seconds of the step's micro-batches. Gradients accumulate
+        unreduced (no_sync / set_requires_gradient_sync(False)) until the last micro-batch of
+        the step, which reduces them."""
+        elapsed, comm = micro_batch(True, slowdown)
+        if accumulate > 1:
+            quiet, quiet_comm = micro_batch(False, slowdown)
+            elapsed += (accumulate - 1) * quiet
+            comm += (accumulate - 1) * quiet_comm
+        return elapsed, comm
+
+    elapsed, comm_s = step_timeline(0.0)
     compute_s = accumulate * (sum(fwd) + sum(bwd) + other_fwd + other_bwd)
     recompute_s = accumulate * sum(recompute)
     hidden_exposed = max(0.0, elapsed - compute_s - recompute_s)
     exposed = factors.overlap * hidden_exposed + (1 - factors.overlap) * comm_s
+    # What hiding costs: the same timeline with the compute slowed beside the collectives,
+    # counted apart so that "exposed" keeps meaning the collectives the compute did not hide.
+    contention_s = 0.0
+    if factors.overlap > 0 and factors.overlap_slowdown > 0 and comm_s > 0:
+        slowed = step_timeline(factors.overlap_slowdown)[0]
+        contention_s = factors.overlap * max(0.0, slowed - elapsed)
 
     stored, _ = _element_bytes(candidate)
     shard_params = params / max(comm.shard, 1)
@@ -685,7 +732,7 @@ def predict_speed(
     else:
         optimizer_s = step_bytes / (gpu.hbm_bandwidth * factors.memory_efficiency)
 
-    step = compute_s + recompute_s + exposed + offload_s + optimizer_s
+    step = compute_s + recompute_s + exposed + contention_s + offload_s + optimizer_s
     samples = mbs * accumulate
     tokens = workload.seq_len
     return SpeedEstimate(
@@ -697,6 +744,7 @@ def predict_speed(
             compute_s=compute_s,
             recompute_s=recompute_s,
             exposed_comm_s=exposed,
+            contention_s=contention_s,
             offload_s=offload_s,
             optimizer_s=optimizer_s,
         ),
