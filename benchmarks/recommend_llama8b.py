@@ -16,11 +16,11 @@ start = time.perf_counter()
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-import autoshard.api as api  # noqa: E402
+import autoshard  # noqa: E402
 
 imported = time.perf_counter()
 
-warnings.simplefilter("ignore", api.NoGPUWarning)
+warnings.simplefilter("ignore", autoshard.NoGPUWarning)
 config = LlamaConfig(
     hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
     num_key_value_heads=8, vocab_size=128256,
@@ -29,7 +29,7 @@ t0 = time.perf_counter()
 with torch.device("meta"):
     model = LlamaForCausalLM(config)
 t1 = time.perf_counter()
-rec = api.recommend(model, gpus=8, gpu_memory="80GiB", seq_len=4096)
+rec = autoshard.recommend(model, gpus=8, gpu_memory="80GiB", seq_len=4096)
 t2 = time.perf_counter()
 
 print(f"imports {imported - start:.1f} s (torch, transformers, autoshard)")
