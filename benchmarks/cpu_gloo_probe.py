@@ -11,6 +11,7 @@ with trials.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import time
@@ -68,4 +69,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     main()

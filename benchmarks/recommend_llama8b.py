@@ -9,6 +9,7 @@ estimate, choice and reasons), separately from importing torch and transformers.
 
 from __future__ import annotations
 
+import argparse
 import time
 import warnings
 
@@ -21,6 +22,7 @@ import autoshard  # noqa: E402
 imported = time.perf_counter()
 
 warnings.simplefilter("ignore", autoshard.NoGPUWarning)
+argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
 config = LlamaConfig(
     hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
     num_key_value_heads=8, vocab_size=128256,
