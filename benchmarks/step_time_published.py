@@ -113,6 +113,9 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> tuple[float, str]:
         sharding=record["sharding"],
         hybrid_mesh=(record["nodes"], record["gpus_per_node"]) if hybrid else None,
         precision="bf16-mixed",
+        # what the source's framework ran (Composer's FSDP defaults to BACKWARD_POST, whose
+        # next all-gather waits for the current gradients): FSDP1 only
+        backward_prefetch=record["backward_prefetch"] or "BACKWARD_PRE",
         micro_batch_size=record["micro_batch_size"],
         **ckpt,
     )

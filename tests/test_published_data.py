@@ -47,6 +47,12 @@ def test_record_is_complete_and_consistent(group: dict[str, Any], record: dict[s
     assert record["nodes"] * record["gpus_per_node"] == record["gpus"]
     assert record["throughput"]["tokens_per_s_per_gpu"] > 0
     assert record["activation_checkpointing"] and record["precision"] and record["engine"]
+    # FSDP1's backward prefetch decides whether backward all-gathers hide; FSDP2 has no setting
+    if record["engine"].startswith("fsdp2"):
+        assert record["backward_prefetch"] is None
+    else:
+        assert record["backward_prefetch"] in {"BACKWARD_PRE", "BACKWARD_POST", "NONE"}
+        assert any(line.startswith("backward_prefetch:") for line in record["inferred"])
     if group["complete"]:  # the links a step-time model needs are known
         assert record["intra_node"]["bandwidth"] > 0
         assert (record["inter_node"] is None) == (record["nodes"] == 1)
