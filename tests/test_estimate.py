@@ -362,9 +362,21 @@ def test_fsdp2_block_backward_holds_the_heads_gradient_not_the_heads_activations
 
 
 @pytest.mark.slow
-def test_fsdp2_checkpointed_7b_second_block_agrees_with_the_simulation() -> None:
-    """The row of benchmarks/results/analytic_vs_simulated.md that was +4.1% at 64 ranks while
-    the head's activations were counted beside its gradient (+0.7% without)."""
+@pytest.mark.parametrize(
+    ("ranks", "precision", "moment"),
+    [
+        (64, "bf16-mixed", "second block backward"),
+        (8, "32-true", "block above the bottom backward"),
+    ],
+)
+def test_fsdp2_checkpointed_7b_block_moments_agree_with_the_simulation(
+    ranks, precision, moment
+) -> None:
+    """Rows of benchmarks/results/analytic_vs_simulated.md. At 64 ranks the peak is the second
+    block's backward, +4.1% while the head's activations were counted beside its gradient (+0.7%
+    without). At 8 ranks a block's gradient shard (97 MiB in fp32) outweighs a checkpointed
+    block's input (64 MiB): each block down the backward holds more, and the worst is the one
+    above the bottom, with the bottom block's all-gather buffer (-3.2% without that moment)."""
     from autoshard.analyze import analyze_target
     from autoshard.predict.simulate import simulate_memory
 
@@ -374,16 +386,17 @@ def test_fsdp2_checkpointed_7b_second_block_agrees_with_the_simulation() -> None
     acts = profile_activations(
         built.model, profile, w, precisions=(Precision.BF16_MIXED, Precision.FP32)
     )
-    hw = Hardware(gpus_per_node=8, nodes=8, gpu_memory=80 * GIB)
+    hw = Hardware(gpus_per_node=8, nodes=ranks // 8, gpu_memory=80 * GIB)
     c = Candidate(
         engine="fsdp2",
         wrap_classes=profile.wrap_policy,
         checkpoint_classes=profile.checkpoint_policy,
         checkpointing="all",
+        precision=precision,
     )
     analytic = estimate_memory(profile, c, hw, w, activations=acts)
     simulated = simulate_memory(target, c, hw, w, block_classes=profile.block_classes)
-    assert analytic.peak_at == "second block backward"
+    assert analytic.peak_at == moment
     assert analytic.gpu_peak - analytic.breakdown.allowance == pytest.approx(
         simulated.gpu_peak - simulated.breakdown.allowance, rel=0.02
     )
