@@ -57,6 +57,11 @@ class ActivationProfile(BaseModel):
     block_bytes: tuple[int, ...] = Field((), description="Saved inside each block, per sample.")
     block_input_bytes: tuple[int, ...] = Field((), description="Each block's input, per sample.")
     other_bytes: int = Field(0, description="Saved outside the blocks (embedding, head).")
+    after_blocks_bytes: int = Field(
+        0,
+        description="Of other_bytes, what was saved after the last block (the final norm's and "
+        "the head's inputs), per sample: the head's backward frees it before any block's.",
+    )
     loss_bytes: int = Field(
         0, description="The loss's fp32 log-probabilities, per sample (fp32 at every precision)."
     )
@@ -94,8 +99,10 @@ class ActivationProfile(BaseModel):
 
 @contextlib.contextmanager
 def _block_hooks(
-    model: nn.Module, blocks: list[nn.Module], stack: list[int]
+    model: nn.Module, blocks: list[nn.Module], stack: list[int], finished: set[int]
 ) -> Iterator[list[int]]:
+    """Keep ``stack`` (the blocks running) and ``finished`` (the blocks that ran) up to date
+    through a forward; yields the blocks' input bytes, in call order."""
     inputs: list[int] = []
     handles = []
     for index, block in enumerate(blocks):
@@ -106,8 +113,9 @@ def _block_hooks(
             if isinstance(first, torch.Tensor):
                 inputs.append(first.numel() * first.element_size())
 
-        def post(_m: nn.Module, _args: Any, _out: Any) -> None:
+        def post(_m: nn.Module, _args: Any, _out: Any, index: int = index) -> None:
             stack.pop()
+            finished.add(index)
 
         handles.append(block.register_forward_pre_hook(pre))
         handles.append(block.register_forward_hook(post))
@@ -278,10 +286,11 @@ def _profile_once(
     seen: dict[int, int] = {}  # storage -> bytes, each saved storage counted once
     stack: list[int] = []
     per_block = [0] * len(blocks)
-    other = 0
+    finished: set[int] = set()
+    other = after = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal other
+        nonlocal other, after
         key = t.untyped_storage()._cdata
         if key in params or key in seen:
             return t
@@ -290,6 +299,10 @@ def _profile_once(
             per_block[stack[-1]] += nbytes
         else:
             other += nbytes
+            if blocks and len(finished) == len(blocks):
+                # after the last block (the final norm, the head): backward frees it before it
+                # reaches any block
+                after += nbytes
         return t
 
     counted: dict[Any, tuple[int, Any]] = {}  # (signature, input shapes) -> (saved, output)
@@ -329,7 +342,7 @@ def _profile_once(
     )
     for index, block in enumerate(blocks):
         block.forward = counting(index, block)
-    with fake, _block_hooks(model, blocks, stack) as inputs, autocast:
+    with fake, _block_hooks(model, blocks, stack, finished) as inputs, autocast:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = forward(model, batch)
         logits = getattr(out, "logits", out)
@@ -343,12 +356,14 @@ def _profile_once(
                 # The model computed its loss in forward (a Hugging Face model given labels):
                 # what the loss saved is counted outside the blocks already; it is the loss's.
                 other = max(0, other - loss)
+                after = max(0, after - loss)
     return ActivationProfile(
         seq_len=seq,
         precision=precision,
         block_bytes=tuple(per_block),
         block_input_bytes=tuple(inputs[: len(blocks)]),
         other_bytes=other,
+        after_blocks_bytes=after,
         loss_bytes=loss,
         loss_in_forward=in_forward,
         note=note,

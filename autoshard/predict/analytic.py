@@ -132,6 +132,14 @@ def last_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
     return int(last * acts.scale(candidate))
 
 
+def after_blocks_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
+    """What the forward saved after the last block (the final norm's and the head's inputs, in
+    :attr:`ActivationProfile.other_bytes`): the head's backward frees it, before any block's
+    backward starts."""
+    acts = acts.at(candidate.precision)
+    return int(acts.after_blocks_bytes * acts.scale(candidate))
+
+
 def first_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
     """What is still saved when the first block runs its backward: its own activations (its
     input under checkpointing) and what was saved before it (the embedding's)."""
@@ -540,9 +548,19 @@ def _block_moments(
         )
     else:  # NO_SHARD: nothing is gathered or freed
         top_block = head.model_copy(update={"temporaries": block_backward})
-    # it reduces its gradients; the head's gradient waits in the root (FSDP2)
+    # it reduces its gradients; the head's gradient waits in the root (FSDP2), and what the
+    # forward saved after the last block is freed: the head's backward has used it. FSDP1 keeps
+    # counting those activations: it too holds the head's gradient through the blocks' backward
+    # (in autograd's input buffer for the root's flat parameter, until the embedding's gradient
+    # completes it; simulated, torch 2.13: 250 MiB on the bf16 7B shape), which its moments do
+    # not count, and the activations (192 MiB there) stand in for it.
+    freed = after_blocks_bytes(candidate, acts) if candidate.engine is Engine.FSDP2 else 0
     top_block = top_block.model_copy(
-        update={"comm_buffers": comm, "gradients": top_block.gradients + t.head_grad}
+        update={
+            "comm_buffers": comm,
+            "gradients": top_block.gradients + t.head_grad,
+            "activations": top_block.activations - freed,
+        }
     )
     # 3. The bottom block's backward: the other blocks' activations are freed and their
     #    gradients reduced into shards; the root (the embedding) is prefetched in place of a
@@ -553,7 +571,7 @@ def _block_moments(
             "unsharded_params": (unit + root) * cb,
             # every block's gradient in shards but its own
             "gradients": block_grads * (blocks - 1) // blocks + t.head_grad,
-            "activations": first_block_bytes(candidate, acts),
+            "activations": first_block_bytes(candidate, acts) - freed,
             # the block above's reduce-scatter; nothing left to prefetch (the root is gathered)
             "comm_buffers": comm - gather if wrapped else comm,
         }
@@ -602,6 +620,52 @@ def _fsdp2_second_block_moment(
         }
     )
     return top, second
+
+
+def _fsdp2_above_bottom_moment(
+    t: _StepTerms, bottom_block: MemoryBreakdown
+) -> MemoryBreakdown | None:
+    """FSDP2's backward of the block above the bottom one: :func:`_block_moments`' bottom block
+    moment, with the bottom block's all-gather buffer (prefetched) beside the reduce-scatter
+    input of the block above, one block's gradient fewer in shards, and one block's saved
+    activations more. Going down the blocks, each holds one more block's gradient shard and one
+    block's saved activations fewer than the one above: where a gradient shard outweighs a
+    checkpointed block's input (few ranks), the worst block is this one, not the second from
+    the top (simulated, torch 2.13: a 4-block 7B shape at 8 ranks in fp32 peaks in block 1's
+    backward, 97 MiB shards against 64 MiB inputs). None for other candidates and with fewer
+    than four blocks (three: it is the second block from the top)."""
+    candidate = t.candidate
+    blocks = t.profile.block_count
+    if (
+        candidate.engine is not Engine.FSDP2
+        or not (t.wrapped and resharded_sharding(candidate))
+        or blocks < 4
+    ):
+        return None
+    return bottom_block.model_copy(
+        update={
+            "gradients": bottom_block.gradients - t.block_grads // blocks,
+            "activations": bottom_block.activations + _block_saved_bytes(candidate, t.acts, 1),
+            "comm_buffers": t.trained_unit * t.reduce_bytes + t.gather,
+        }
+    )
+
+
+def _block_saved_bytes(candidate: Candidate, acts: ActivationProfile, index: int) -> int:
+    """What block ``index`` saved in forward, by the candidate's checkpointing (its input where
+    it is checkpointed): freed when its backward is done."""
+    acts = acts.at(candidate.precision)
+    if index >= len(acts.block_bytes):
+        return 0
+    every = {Checkpointing.NONE: 0, Checkpointing.ALL: 1}.get(
+        candidate.checkpointing, candidate.checkpoint_every
+    )
+    inputs = acts.block_input_bytes
+    checkpointed = every and index % every == 0
+    saved = (
+        (inputs[index] if index < len(inputs) else 0) if checkpointed else acts.block_bytes[index]
+    )
+    return int(saved * acts.scale(candidate))
 
 
 def _root_backward_moment(t: _StepTerms) -> tuple[MemoryBreakdown, bool]:
@@ -771,6 +835,7 @@ def peak_moments(
     head = _head_moment(t)
     top_block, bottom_block, resharded = _block_moments(t, head)
     top_alone, second_block = _fsdp2_second_block_moment(t, top_block)
+    above_bottom = _fsdp2_above_bottom_moment(t, bottom_block)
     root_backward, gathered_root = _root_backward_moment(t)
     step = _optimizer_step_moment(t)
     reduce_scatters = _reduce_scatter_moments(
@@ -782,6 +847,7 @@ def peak_moments(
         "top block backward": top_alone,
         **({"second block backward": second_block} if second_block is not None else {}),
         **({"bottom block backward": bottom_block} if resharded else {}),
+        **({"block above the bottom backward": above_bottom} if above_bottom is not None else {}),
         "root backward": root_backward,
         "optimizer step": step,
         **reduce_scatters,
