@@ -177,8 +177,8 @@ def predicted_rate(estimate: MemoryEstimate) -> float:
 
 PREDICTED_TIE = 0.05
 """Two predicted rates closer than this fraction are a tie, broken by memory headroom. The
-step-time model cannot order candidates more finely than that (its median error against 39
-published runs is 12%, benchmarks/results/step_time_published.md), and a few percent of
+step-time model cannot order candidates more finely than that (its median error against 46
+published runs is 13%, benchmarks/results/step_time_published.md), and a few percent of
 predicted speed is not worth running at the edge of memory."""
 
 
