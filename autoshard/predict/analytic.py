@@ -421,19 +421,6 @@ def _step_terms(
 
 def _loss_moment(t: _StepTerms) -> MemoryBreakdown:
     """Moment 0, the loss at the end of forward."""
-    candidate = t.candidate
-    profile = t.profile
-    acts = t.acts
-    cb = t.cb
-    wrapped = t.wrapped
-    unit = t.unit
-    root = t.root
-    sharded = t.sharded
-    optimizer = t.optimizer
-    after_forward = t.after_forward
-    gather = t.gather
-    saved = t.saved
-    logits = t.logits
     # Several moments compete for the peak (measured with torch's tracker, design notes "Memory");
     # gradients are set to None after each step, so backward starts without any.
     # 0. The loss, at the end of forward: every activation saved; the logits, their shifted
@@ -441,67 +428,55 @@ def _loss_moment(t: _StepTerms) -> MemoryBreakdown:
     #    A model that computes its loss in forward (a Hugging Face model given labels) has the
     #    root's backward hooks on the loss itself: the root is gathered and the last block
     #    prefetched before the loss's backward, beside its temporaries (simulated).
-    early = acts.loss_in_forward and wrapped and resharded_sharding(candidate)
+    early = t.acts.loss_in_forward and t.wrapped and resharded_sharding(t.candidate)
     loss_moment = MemoryBreakdown(
-        sharded_params=sharded,
+        sharded_params=t.sharded,
         unsharded_params=(
             (
-                root
+                t.root
                 + (
-                    unit
-                    if candidate.engine is Engine.FSDP1
-                    else kept_after_forward(candidate, 0, unit)
+                    t.unit
+                    if t.candidate.engine is Engine.FSDP1
+                    else kept_after_forward(t.candidate, 0, t.unit)
                 )
             )
-            * cb
+            * t.cb
             if early
-            else after_forward
+            else t.after_forward
         ),
-        optimizer=optimizer,
-        comm_buffers=gather if early else 0,
-        activations=saved,
-        temporaries=2 * logits,
-        buffers=profile.buffer_bytes,
+        optimizer=t.optimizer,
+        comm_buffers=t.gather if early else 0,
+        activations=t.saved,
+        temporaries=2 * t.logits,
+        buffers=t.profile.buffer_bytes,
     )
     return loss_moment
 
 
 def _head_moment(t: _StepTerms) -> MemoryBreakdown:
     """Moment 1, the head's backward."""
-    candidate = t.candidate
-    profile = t.profile
-    cb = t.cb
-    wrapped = t.wrapped
-    unit = t.unit
-    root = t.root
-    trained_unit = t.trained_unit
-    sharded = t.sharded
-    optimizer = t.optimizer
-    unsharded = t.unsharded
-    reduce_bytes = t.reduce_bytes
-    comm = t.comm
-    saved = t.saved
-    loss_saved = t.loss_saved
-    logits = t.logits
     # 1. The head's backward: the loss's backward is done (its log-probabilities freed), the
     #    logits' gradient alive, the root gathered again with the working set.
     #    FSDP2 gathers the last block into its all-gather buffer meanwhile (prefetched), and
     #    copies it out only when the block's backward starts (simulated, torch 2.13).
     fsdp2_resharded = (
-        candidate.engine is Engine.FSDP2
-        and wrapped
-        and candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+        t.candidate.engine is Engine.FSDP2
+        and t.wrapped
+        and t.candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
     )
     head = MemoryBreakdown(
-        sharded_params=sharded,
+        sharded_params=t.sharded,
         unsharded_params=(
-            (root + kept_after_forward(candidate, 0, unit)) * cb if fsdp2_resharded else unsharded
+            (t.root + kept_after_forward(t.candidate, 0, t.unit)) * t.cb
+            if fsdp2_resharded
+            else t.unsharded
         ),
-        optimizer=optimizer,
-        comm_buffers=comm - trained_unit * reduce_bytes,  # no block has reduced its gradients yet
-        activations=saved - loss_saved,
-        temporaries=logits,
-        buffers=profile.buffer_bytes,
+        optimizer=t.optimizer,
+        # no block has reduced its gradients yet
+        comm_buffers=t.comm - t.trained_unit * t.reduce_bytes,
+        activations=t.saved - t.loss_saved,
+        temporaries=t.logits,
+        buffers=t.profile.buffer_bytes,
     )
     return head
 
@@ -511,53 +486,41 @@ def _block_moments(
 ) -> tuple[MemoryBreakdown, MemoryBreakdown, bool]:
     """Moments 2 and 3, the top and the bottom block's backward, and whether units are
     resharded after backward (the bottom block's moment counts only then)."""
-    candidate = t.candidate
-    profile = t.profile
-    acts = t.acts
-    cb = t.cb
-    wrapped = t.wrapped
-    unit = t.unit
-    root = t.root
-    unsharded = t.unsharded
-    gather = t.gather
-    comm = t.comm
-    block_backward = t.block_backward
-    block_grads = t.block_grads
     # 2. The top block's backward: the block recomputes under checkpointing and makes its
     #    gradients.
-    resharded = wrapped and candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
-    if not wrapped:  # the one unit stays gathered through backward
-        top_block = head.model_copy(update={"temporaries": block_backward})
+    resharded = t.wrapped and t.candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+    if not t.wrapped:  # the one unit stays gathered through backward
+        top_block = head.model_copy(update={"temporaries": t.block_backward})
     elif resharded:
         # The block being computed, the next one gathering into its all-gather buffer, and the
         # root, gathered from the head's backward until its own at the very end (torch 2.13,
         # simulated: FSDP2 holds the root and one block unsharded during the blocks' backward).
         top_block = head.model_copy(
             update={
-                "unsharded_params": (unit + root) * cb,
-                "temporaries": block_backward,
+                "unsharded_params": (t.unit + t.root) * t.cb,
+                "temporaries": t.block_backward,
             }
         )
-    elif candidate.sharding is Sharding.SHARD_GRAD_OP:
+    elif t.candidate.sharding is Sharding.SHARD_GRAD_OP:
         # the top block's parameters are freed once its gradients are reduced
         top_block = head.model_copy(
             update={
-                "unsharded_params": unsharded - unit * cb,
-                "temporaries": block_backward,
+                "unsharded_params": t.unsharded - t.unit * t.cb,
+                "temporaries": t.block_backward,
             }
         )
     else:  # NO_SHARD: nothing is gathered or freed
-        top_block = head.model_copy(update={"temporaries": block_backward})
+        top_block = head.model_copy(update={"temporaries": t.block_backward})
     # it reduces its gradients; the head's gradient waits in the root (FSDP2), and what the
     # forward saved after the last block is freed: the head's backward has used it. FSDP1 keeps
     # counting those activations: it too holds the head's gradient through the blocks' backward
     # (in autograd's input buffer for the root's flat parameter, until the embedding's gradient
     # completes it; simulated, torch 2.13: 250 MiB on the bf16 7B shape), which its moments do
     # not count, and the activations (192 MiB there) stand in for it.
-    freed = after_blocks_bytes(candidate, acts) if candidate.engine is Engine.FSDP2 else 0
+    freed = after_blocks_bytes(t.candidate, t.acts) if t.candidate.engine is Engine.FSDP2 else 0
     top_block = top_block.model_copy(
         update={
-            "comm_buffers": comm,
+            "comm_buffers": t.comm,
             "gradients": top_block.gradients + t.head_grad,
             "activations": top_block.activations - freed,
         }
@@ -565,29 +528,31 @@ def _block_moments(
     # 3. The bottom block's backward: the other blocks' activations are freed and their
     #    gradients reduced into shards; the root (the embedding) is prefetched in place of a
     #    next block. (SHARD_GRAD_OP holds everything all along: the top block is worse.)
-    blocks = max(profile.block_count, 1)
+    blocks = max(t.profile.block_count, 1)
     bottom_block = top_block.model_copy(
         update={
-            "unsharded_params": (unit + root) * cb,
+            "unsharded_params": (t.unit + t.root) * t.cb,
             # every block's gradient in shards but its own
-            "gradients": block_grads * (blocks - 1) // blocks + t.head_grad,
-            "activations": first_block_bytes(candidate, acts) - freed,
+            "gradients": t.block_grads * (blocks - 1) // blocks + t.head_grad,
+            "activations": first_block_bytes(t.candidate, t.acts) - freed,
             # the block above's reduce-scatter; nothing left to prefetch (the root is gathered)
-            "comm_buffers": comm - gather if wrapped else comm,
+            "comm_buffers": t.comm - t.gather if t.wrapped else t.comm,
         }
     )
-    if candidate.engine is Engine.FSDP1 and resharded:
+    if t.candidate.engine is Engine.FSDP1 and resharded:
         # FSDP1 keeps the root gathered until the root's own backward at the very end, and a
         # unit's flat gradient only appears when the unit's backward is done (the parameters'
         # gradients flow through views of the flat parameter), after its temporaries are freed
         # (the block gradient moments). The worst block but the top is the second: its own
         # unit, the first prefetched (simulated, torch 2.13).
-        top_block = top_block.model_copy(update={"unsharded_params": unsharded, "comm_buffers": 0})
+        top_block = top_block.model_copy(
+            update={"unsharded_params": t.unsharded, "comm_buffers": 0}
+        )
         bottom_block = bottom_block.model_copy(
             update={
-                "unsharded_params": unsharded,
+                "unsharded_params": t.unsharded,
                 "comm_buffers": 0,
-                "gradients": block_grads * max(blocks - 2, 0) // blocks,
+                "gradients": t.block_grads * max(blocks - 2, 0) // blocks,
             }
         )
     return top_block, bottom_block, resharded
@@ -603,9 +568,8 @@ def _fsdp2_second_block_moment(
     peak at micro-batch 2 is the second block's backward). Returns the top block's moment and
     the second block's (None with fewer than two blocks); other candidates keep
     :func:`_block_moments`' moment, which counts both collectives' buffers."""
-    candidate = t.candidate
-    resharded = t.wrapped and resharded_sharding(candidate)
-    if candidate.engine is not Engine.FSDP2 or not resharded:
+    resharded = t.wrapped and resharded_sharding(t.candidate)
+    if t.candidate.engine is not Engine.FSDP2 or not resharded:
         return top_block, None
     blocks = t.profile.block_count
     prefetched = t.gather if blocks > 1 else 0  # the next block's all-gather buffer
@@ -615,7 +579,7 @@ def _fsdp2_second_block_moment(
     second = top_block.model_copy(
         update={
             "gradients": top_block.gradients + t.block_grads // blocks,
-            "activations": top_block.activations - last_block_bytes(candidate, t.acts),
+            "activations": top_block.activations - last_block_bytes(t.candidate, t.acts),
             "comm_buffers": t.trained_unit * t.reduce_bytes + (t.gather if blocks > 2 else 0),
         }
     )
@@ -634,18 +598,17 @@ def _fsdp2_above_bottom_moment(
     the top (simulated, torch 2.13: a 4-block 7B shape at 8 ranks in fp32 peaks in block 1's
     backward, 97 MiB shards against 64 MiB inputs). None for other candidates and with fewer
     than four blocks (three: it is the second block from the top)."""
-    candidate = t.candidate
     blocks = t.profile.block_count
     if (
-        candidate.engine is not Engine.FSDP2
-        or not (t.wrapped and resharded_sharding(candidate))
+        t.candidate.engine is not Engine.FSDP2
+        or not (t.wrapped and resharded_sharding(t.candidate))
         or blocks < 4
     ):
         return None
     return bottom_block.model_copy(
         update={
             "gradients": bottom_block.gradients - t.block_grads // blocks,
-            "activations": bottom_block.activations + _block_saved_bytes(candidate, t.acts, 1),
+            "activations": bottom_block.activations + _block_saved_bytes(t.candidate, t.acts, 1),
             "comm_buffers": t.trained_unit * t.reduce_bytes + t.gather,
         }
     )
@@ -670,53 +633,38 @@ def _block_saved_bytes(candidate: Candidate, acts: ActivationProfile, index: int
 
 def _root_backward_moment(t: _StepTerms) -> tuple[MemoryBreakdown, bool]:
     """Moment 4, the root's backward, and whether FSDP1 holds the root gathered then."""
-    candidate = t.candidate
-    profile = t.profile
-    acts = t.acts
-    cb = t.cb
-    shard = t.shard
-    root = t.root
-    mixed = t.mixed
-    trained_root = t.trained_root
-    sharded = t.sharded
-    optimizer = t.optimizer
-    reduce_bytes = t.reduce_bytes
-    scale = t.scale
-    block_grads = t.block_grads
     # 4. The root's backward, at the very end: the embedding's gradient completes the root's
     #    unsharded gradient, which is reduced (cast to the reduce dtype) into its shard; every
     #    block's gradient is already sharded. FSDP1 still holds the root gathered; FSDP2 has
     #    resharded it. Both copy the gradient into a reduce-scatter input beside it (simulated:
     #    FSDP2 too, even when no cast is needed); NO_SHARD all-reduces in place unless it casts.
-    gathered_root = candidate.engine is Engine.FSDP1 and candidate.sharding is not Sharding.NO_SHARD
+    gathered_root = (
+        t.candidate.engine is Engine.FSDP1 and t.candidate.sharding is not Sharding.NO_SHARD
+    )
     root_backward = MemoryBreakdown(
-        sharded_params=sharded,
-        unsharded_params=root * cb if gathered_root or (mixed and shard == 1) else 0,
-        gradients=block_grads + trained_root * cb,
-        optimizer=optimizer,
-        comm_buffers=trained_root * reduce_bytes if shard > 1 or reduce_bytes != cb else 0,
-        activations=int(acts.other_bytes * scale),
-        buffers=profile.buffer_bytes,
+        sharded_params=t.sharded,
+        unsharded_params=t.root * t.cb if gathered_root or (t.mixed and t.shard == 1) else 0,
+        gradients=t.block_grads + t.trained_root * t.cb,
+        optimizer=t.optimizer,
+        comm_buffers=(
+            t.trained_root * t.reduce_bytes if t.shard > 1 or t.reduce_bytes != t.cb else 0
+        ),
+        activations=int(t.acts.other_bytes * t.scale),
+        buffers=t.profile.buffer_bytes,
     )
     return root_backward, gathered_root
 
 
 def _optimizer_step_moment(t: _StepTerms) -> MemoryBreakdown:
     """Moment 5, the optimizer step."""
-    profile = t.profile
-    sharded = t.sharded
-    grads = t.grads
-    optimizer = t.optimizer
-    foreach = t.foreach
-    frozen_root = t.frozen_root
     # 5. The optimizer step: gradients and the foreach transient, no activations.
     step = MemoryBreakdown(
-        sharded_params=sharded,
-        unsharded_params=frozen_root,
-        gradients=grads,
-        optimizer=optimizer,
-        temporaries=foreach,
-        buffers=profile.buffer_bytes,
+        sharded_params=t.sharded,
+        unsharded_params=t.frozen_root,
+        gradients=t.grads,
+        optimizer=t.optimizer,
+        temporaries=t.foreach,
+        buffers=t.profile.buffer_bytes,
     )
     return step
 
@@ -730,59 +678,43 @@ def _reduce_scatter_moments(
     gathered_root: bool,
 ) -> dict[str, MemoryBreakdown]:
     """FSDP1's flat-gradient concatenation and gloo's reduce-scatter copies."""
-    candidate = t.candidate
-    hardware = t.hardware
-    acts = t.acts
-    cb = t.cb
-    params = t.params
-    shard = t.shard
-    wrapped = t.wrapped
-    unit = t.unit
-    root = t.root
-    trained_root = t.trained_root
-    trained_unit = t.trained_unit
-    unsharded = t.unsharded
-    reduce_bytes = t.reduce_bytes
-    saved = t.saved
-    loss_saved = t.loss_saved
-    frozen_root = t.frozen_root
     reduce_scatters = {}
     # gloo reduce-scatters a copy of its input (ProcessGroupGloo: +1x the input, measured around
     # a bare collective; NCCL works in place, all-reduce copies nothing).
-    gloo_copy = hardware.backend == "gloo" and shard > 1
-    if candidate.engine is Engine.FSDP1 and wrapped and shard > 1:
+    gloo_copy = t.hardware.backend == "gloo" and t.shard > 1
+    if t.candidate.engine is Engine.FSDP1 and t.wrapped and t.shard > 1:
         # A unit's backward ends with its parameters' gradients concatenated into the flat
         # gradient (both alive), the unit still gathered (it is resharded next, then reduced):
         # the top block's activations are freed by then, the others' still saved; the bottom
         # block's are the last, with every other block's gradient in shards.
-        gradient = {"temporaries": 0, "comm_buffers": 2 * unit * reduce_bytes}
+        gradient = {"temporaries": 0, "comm_buffers": 2 * t.unit * t.reduce_bytes}
         reduce_scatters["top block gradient"] = top_block.model_copy(
             update={
                 **gradient,
-                "unsharded_params": unsharded if resharded else params * cb,
-                "activations": saved - loss_saved - last_block_bytes(candidate, acts),
+                "unsharded_params": t.unsharded if resharded else t.params * t.cb,
+                "activations": t.saved - t.loss_saved - last_block_bytes(t.candidate, t.acts),
             }
         )
         if resharded:
             reduce_scatters["bottom block gradient"] = bottom_block.model_copy(
-                update={**gradient, "unsharded_params": (unit + root) * cb}
+                update={**gradient, "unsharded_params": (t.unit + t.root) * t.cb}
             )
     if gloo_copy:
         # Each copy lives while its unit's gradients are reduced: after the unit's backward
         # temporaries are freed (simulated with the copy).
-        if wrapped:
+        if t.wrapped:
             last = bottom_block if resharded else top_block
             reduce_scatters["block reduce-scatter"] = last.model_copy(
                 update={
                     "temporaries": 0,
-                    "comm_buffers": last.comm_buffers + trained_unit * reduce_bytes,
+                    "comm_buffers": last.comm_buffers + t.trained_unit * t.reduce_bytes,
                 }
             )
         reduce_scatters["root reduce-scatter"] = root_backward.model_copy(
             update={
                 "unsharded_params": root_backward.unsharded_params
-                - (root * cb if gathered_root and not frozen_root else 0),
-                "comm_buffers": root_backward.comm_buffers + trained_root * reduce_bytes,
+                - (t.root * t.cb if gathered_root and not t.frozen_root else 0),
+                "comm_buffers": root_backward.comm_buffers + t.trained_root * t.reduce_bytes,
             }
         )
     return reduce_scatters
