@@ -657,8 +657,8 @@ def predict_speed(
     def gather(n: float) -> float:
         return comm.all_gather(n) if sharded else 0.0
 
-    def micro_batch(reduce: bool, slowdown: float) -> tuple[float, float]:
-        """(elapsed, communication) seconds of one micro-batch's forward and backward."""
+    def micro_batch_units(reduce: bool) -> tuple[list[Unit], list[Unit]]:
+        """The units of one micro-batch's forward and of its backward, in the order they run."""
         red = comm.reduce if reduce else (lambda _n: 0.0)
         if wrapped:
             forward = [
@@ -687,20 +687,23 @@ def predict_speed(
                     red(params),
                 )
             ]
-        f_elapsed, f_comm = timeline(forward, slowdown=slowdown)
-        b_elapsed, b_comm = timeline(backward, prefetch=prefetch_backward, slowdown=slowdown)
-        return f_elapsed + b_elapsed, f_comm + b_comm
+        return forward, backward
+
+    # Gradients accumulate unreduced (no_sync / set_requires_gradient_sync(False)) until the
+    # last micro-batch of the step, which reduces them: (units, how many such micro-batches).
+    micro_batches = [(micro_batch_units(True), 1)]
+    if accumulate > 1:
+        micro_batches.append((micro_batch_units(False), accumulate - 1))
 
     def step_timeline(slowdown: float) -> tuple[float, float]:
-        """(elapsed, communication) seconds of the step's micro-batches. Gradients accumulate
-        unreduced (no_sync / set_requires_gradient_sync(False)) until the last micro-batch of
-        the step, which reduces them."""
-        elapsed, comm = micro_batch(True, slowdown)
-        if accumulate > 1:
-            quiet, quiet_comm = micro_batch(False, slowdown)
-            elapsed += (accumulate - 1) * quiet
-            comm += (accumulate - 1) * quiet_comm
-        return elapsed, comm
+        """(elapsed, communication) seconds of the step's micro-batches."""
+        elapsed = comm_seconds = 0.0
+        for (forward, backward), count in micro_batches:
+            f_elapsed, f_comm = timeline(forward, slowdown=slowdown)
+            b_elapsed, b_comm = timeline(backward, prefetch=prefetch_backward, slowdown=slowdown)
+            elapsed += count * (f_elapsed + b_elapsed)
+            comm_seconds += count * (f_comm + b_comm)
+        return elapsed, comm_seconds
 
     elapsed, comm_s = step_timeline(0.0)
     compute_s = accumulate * (sum(fwd) + sum(bwd) + other_fwd + other_bwd)
