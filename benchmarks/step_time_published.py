@@ -119,7 +119,10 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> tuple[float, str]:
         micro_batch_size=record["micro_batch_size"],
         **ckpt,
     )
-    speed = predict_speed(profile, flops, candidate, hardware, workload)
+    # what the source's framework does with accumulation (Composer reduces every micro-batch)
+    sync = record["gradient_sync"]
+    skip_sync = None if sync is None else sync == "last_micro_batch"
+    speed = predict_speed(profile, flops, candidate, hardware, workload, skip_sync=skip_sync)
     assert speed.tokens_per_s_per_gpu is not None
     return speed.tokens_per_s_per_gpu, note
 

@@ -53,6 +53,11 @@ def test_record_is_complete_and_consistent(group: dict[str, Any], record: dict[s
     else:
         assert record["backward_prefetch"] in {"BACKWARD_PRE", "BACKWARD_POST", "NONE"}
         assert any(line.startswith("backward_prefetch:") for line in record["inferred"])
+    # with accumulation, the micro-batches before the last reduce their gradients or not
+    assert record["gradient_sync"] in {"every_micro_batch", "last_micro_batch", None}
+    if record["grad_accum"] > 1:
+        assert record["gradient_sync"] is not None
+        assert any(line.startswith("gradient_sync:") for line in record["inferred"])
     if group["complete"]:  # the links a step-time model needs are known
         assert record["intra_node"]["bandwidth"] > 0
         assert (record["inter_node"] is None) == (record["nodes"] == 1)

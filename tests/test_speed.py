@@ -185,6 +185,30 @@ def test_accumulation_gathers_every_micro_batch_and_reduces_once(net) -> None:
     )
 
 
+def test_accumulation_reduces_every_micro_batch_where_the_loop_does_not_skip_the_sync(net) -> None:
+    # FSDP2 under Lightning's Trainer: its modules have no no_sync, so every micro-batch
+    # reduce-scatters (in fp32 under bf16-mixed); a plain loop skips the sync until the last.
+    gathers = 7 / 8 * (2 * (P + P)) / INTRA  # FSDP2 regathers the root too (reshard "all")
+    reduce = 7 / 8 * 4 * P / INTRA
+    fsdp2 = Candidate(engine="fsdp2", wrap_classes=WRAP, sharding="FULL_SHARD", reshard="all")
+    lightning = comm_seconds(net, fsdp2, ONE_NODE, accumulate=4)
+    assert lightning == pytest.approx(4 * gathers + 4 * reduce, rel=1e-9)
+    profile, flops = net
+    plain = predict_speed(
+        profile, flops, fsdp2, ONE_NODE, WorkloadSpec(accumulate=4, loop="plain"), EXACT, gpu=GPU
+    )
+    assert plain.breakdown.exposed_comm_s == pytest.approx(4 * gathers + reduce, rel=1e-9)
+    # a trainer that reduces every micro-batch whatever the engine (Composer): said explicitly
+    full = Candidate(wrap_classes=WRAP, sharding="FULL_SHARD")
+    every = predict_speed(
+        profile, flops, full, ONE_NODE, WorkloadSpec(accumulate=4), EXACT, gpu=GPU, skip_sync=False
+    )
+    fsdp1_gathers = 7 / 8 * 2 * (P + BLOCKS * B) / INTRA
+    assert every.breakdown.exposed_comm_s == pytest.approx(
+        4 * fsdp1_gathers + 4 * 7 / 8 * 2 * P / INTRA, rel=1e-9
+    )
+
+
 def test_one_rank_moves_nothing(net) -> None:
     alone = Hardware(gpus_per_node=1, gpu_memory=80 * 2**30)
     assert comm_seconds(net, Candidate(wrap_classes=WRAP), alone) == 0.0

@@ -62,7 +62,7 @@ from autoshard.config import (
     WorkloadSpec,
 )
 from autoshard.gpus import CATALOGUE, DEFAULT_GPU, GPUSpec, gpu_spec, match_gpu_name
-from autoshard.predict.analytic import as_run
+from autoshard.predict.analytic import as_run, skips_gradient_sync
 from autoshard.predict.flops import FlopProfile
 from autoshard.results import ModelProfile, SpeedBreakdown, SpeedEstimate
 
@@ -573,10 +573,13 @@ def predict_speed(
     *,
     gpu: GPUSpec | None = None,
     tf32: bool = False,
+    skip_sync: bool | None = None,
 ) -> SpeedEstimate:
     """Predict one optimizer step of ``candidate`` on ``hardware`` (``gpu``: the resolved
     catalogue entry, :func:`speed_for`'s when None), with ``factors`` (the defaults for that
-    GPU when None).
+    GPU when None). ``skip_sync``: whether the micro-batches before the last skip the gradient
+    sync; None: as ``workload.loop`` does (:func:`~autoshard.predict.analytic.skips_gradient_sync`).
+    Other trainers differ: Composer reduces every micro-batch under FSDP.
 
     >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec, analyze_target
     >>> from autoshard.predict.flops import profile_flops
@@ -689,11 +692,14 @@ def predict_speed(
             ]
         return forward, backward
 
-    # Gradients accumulate unreduced (no_sync / set_requires_gradient_sync(False)) until the
-    # last micro-batch of the step, which reduces them: (units, how many such micro-batches).
+    # The last micro-batch of a step reduces its gradients; the others do too unless the loop
+    # skips their sync (no_sync / set_requires_gradient_sync(False): a plain loop, Lightning's
+    # Trainer only for FSDP1; the memory estimate reads the same rule). (units, how many.)
+    if skip_sync is None:
+        skip_sync = skips_gradient_sync(candidate, workload)
     micro_batches = [(micro_batch_units(True), 1)]
     if accumulate > 1:
-        micro_batches.append((micro_batch_units(False), accumulate - 1))
+        micro_batches.append((micro_batch_units(not skip_sync), accumulate - 1))
 
     def step_timeline(slowdown: float) -> tuple[float, float]:
         """(elapsed, communication) seconds of the step's micro-batches."""
