@@ -351,10 +351,21 @@ def explain_by_prediction(
             else ""
         )
         mfu = f", MFU {format_share(speed.mfu)}" if speed.mfu else ""
-        lines.append(
-            f"fastest predicted of {len(ok)} configurations that ran: "
-            f"{speed.step_time_s:.3f} s/step{per_gpu}{mfu}"
-        )
+        predicted = f"{speed.step_time_s:.3f} s/step{per_gpu}{mfu}"
+        # The tie rule (autoshard.space.tie_ranked) may have chosen one a little slower than
+        # the fastest predicted: say so rather than call it the fastest.
+        top = max(_predicted_rate(r, by_label) or 0.0 for r in ok)
+        tied = [
+            r for r in ok[1:] if top - (_predicted_rate(r, by_label) or 0.0) <= PREDICTED_TIE * top
+        ]
+        if (rate or 0.0) >= top and not tied:
+            lines.append(f"fastest predicted of {len(ok)} configurations that ran: {predicted}")
+        else:
+            lines.append(
+                f"predicted tie (within {PREDICTED_TIE:.0%}) between {len(tied) + 1} of "
+                f"{len(ok)} configurations that ran, chosen by headroom (measured peak "
+                f"{format_bytes(best.max_allocated or 0)}): {predicted}"
+            )
     lines.append(wrap_reason(best.candidate, profile))
     for r in ok[1:]:
         diff = _differences(best.candidate, r.candidate)

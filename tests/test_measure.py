@@ -210,6 +210,28 @@ def test_cpu_trials_for_gpus_check_and_the_model_ranks() -> None:
     assert recommend([cpu_fast, gpu_fast], HARDWARE, estimates).chosen.trial is cpu_fast
 
 
+def test_cpu_trials_for_gpus_call_a_predicted_tie_a_tie() -> None:
+    """Two configurations predicted within the model's tie: the one with more headroom is
+    chosen, and the reasons say it was a tie rather than calling it the fastest."""
+    gpus = Hardware(gpus_per_node=8, gpu_memory=80 * GIB, gpu="h100-sxm")
+    quick = run(0.100, spread=0.01, peak=150 * 2**20)
+    slim = run(0.100, spread=0.01, peak=90 * 2**20, sharding=Sharding.SHARD_GRAD_OP)
+    estimates = [with_speed(estimate(quick.candidate), 1020.0)]
+    estimates.append(with_speed(estimate(slim.candidate), 1000.0))
+    rec = recommend([quick, slim], gpus, estimates)
+    assert rec.chosen.trial is slim
+    assert rec.reasons[1].startswith(
+        "predicted tie (within 5%) between 2 of 2 configurations that ran, chosen by headroom "
+        "(measured peak 90 MiB)"
+    ), rec.reasons[1]
+    assert not any("fastest predicted" in line for line in rec.reasons)
+    # 1.25x apart: no tie, and the fastest predicted is named as such
+    estimates[1] = with_speed(estimate(slim.candidate), 1275.0)
+    rec = recommend([quick, slim], gpus, estimates)
+    assert rec.chosen.trial is slim
+    assert rec.reasons[1].startswith("fastest predicted of 2 configurations that ran")
+
+
 def test_the_module_examples_run() -> None:
     import doctest
 
