@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from autoshard.config import Candidate, Checkpointing, Hardware, WorkloadSpec
+from autoshard.config import Candidate, Checkpointing, Engine, Hardware, WorkloadSpec
 from autoshard.errors import ConfigError, TrialsFailedError
 from autoshard.measure import (
     compare,
@@ -253,8 +253,10 @@ def _differences(chosen: Candidate, other: Candidate) -> list[str]:
         if getattr(other, name) != getattr(chosen, name)
     ]
     if (other.wrap_classes, other.min_num_params) != (chosen.wrap_classes, chosen.min_num_params):
+        # in the engine's own terms: FSDP2 has no auto_wrap_policy, it shards chosen modules
+        units = "fully_shard units" if other.engine is Engine.FSDP2 else "auto_wrap_policy"
         diff.append(
-            "auto_wrap_policy="
+            f"{units}="
             + (
                 "none (one unit)"
                 if other.one_unit

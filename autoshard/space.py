@@ -30,7 +30,16 @@ T = TypeVar("T")
 
 
 def wrap_reason(candidate: Candidate, profile: ModelProfile) -> str:
-    """One line on the candidate's auto_wrap_policy."""
+    """One line on the candidate's units: FSDP1's auto_wrap_policy, or the modules FSDP2's
+    ``fully_shard`` is applied to."""
+    if Engine(candidate.engine) is Engine.FSDP2:
+        if candidate.wrap_classes:
+            units = ", ".join(candidate.wrap_classes)
+            return f"fully_shard on each {{{units}}}, then the root: {profile.wrap_reason}"
+        return (
+            "fully_shard on the root only: the whole model is one FSDP unit, gathered at once; "
+            "the fewest collectives, and it fits"
+        )
     if candidate.wrap_classes:
         return f"auto_wrap_policy {{{', '.join(candidate.wrap_classes)}}}: {profile.wrap_reason}"
     if candidate.min_num_params:

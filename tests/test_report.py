@@ -48,6 +48,46 @@ def test_summary_says_what_won_why_and_what_was_ruled_out() -> None:
     assert "trials ran on CPU processes" not in text
 
 
+def test_settings_use_the_chosen_engines_own_terms() -> None:
+    """FSDP2 has no auto_wrap_policy, limit_all_gathers or backward_prefetch: its summary names
+    the fully_shard units, the reshard policy and the MixedPrecisionPolicy it will apply."""
+    from autoshard.ui.report import settings_of
+
+    fsdp1 = settings_of(make_rec(candidate(), basis="estimate"))
+    assert fsdp1["auto_wrap_policy"] == "gpt.Block" and fsdp1["backward_prefetch"] == "BACKWARD_PRE"
+    chosen = candidate(engine="fsdp2", reshard="keep_root", precision="bf16-mixed")
+    fsdp2 = settings_of(make_rec(chosen, basis="estimate"))
+    assert not {"auto_wrap_policy", "limit_all_gathers / forward_prefetch", "backward_prefetch",
+                "sharding_strategy", "cpu_offload"} & set(fsdp2)  # fmt: skip
+    assert fsdp2["engine"] == "fsdp2 (fully_shard)"
+    assert fsdp2["fully_shard units"] == "each gpt.Block, then the root"
+    assert fsdp2["reshard_after_forward"].startswith("reshard policy keep_root: the root stays")
+    assert fsdp2["precision"] == (
+        "bf16-mixed (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))"
+    )
+    one_unit = settings_of(make_rec(candidate(engine="fsdp2", wrap_classes=()), basis="estimate"))
+    assert one_unit["fully_shard units"] == "the whole model as one unit (the root)"
+    grad_op = candidate(engine="fsdp2", sharding="SHARD_GRAD_OP", precision="32-true")
+    settings = settings_of(make_rec(grad_op, basis="estimate"))
+    assert "reshard_after_forward=False" in settings["reshard_after_forward"]
+    assert settings["precision"] == "32-true"
+
+
+def test_reasons_name_the_units_in_the_engines_terms() -> None:
+    from autoshard.decide import _differences
+    from autoshard.space import wrap_reason
+    from tests.test_emit import PROFILE
+
+    assert wrap_reason(candidate(), PROFILE).startswith("auto_wrap_policy {gpt.Block}")
+    blocks, root = candidate(engine="fsdp2"), candidate(engine="fsdp2", wrap_classes=())
+    assert wrap_reason(blocks, PROFILE).startswith("fully_shard on each {gpt.Block}, then the")
+    assert wrap_reason(root, PROFILE).startswith("fully_shard on the root only")
+    assert _differences(blocks, root) == ["fully_shard units=none (one unit)"]
+    assert _differences(candidate(), candidate(wrap_classes=())) == [
+        "auto_wrap_policy=none (one unit)"
+    ]
+
+
 def test_the_terminal_says_a_repeated_reason_once_per_fold() -> None:
     rec = make_rec()
     why = "offload needs a GPU"

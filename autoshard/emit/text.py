@@ -111,6 +111,21 @@ def describe_reshard(c: Candidate) -> str:
     return f"reshard policy {c.reshard.value}: {what}"
 
 
+def describe_fsdp2_precision(c: Candidate) -> str:
+    """FSDP2's ``MixedPrecisionPolicy`` for the candidate's precision (what
+    :func:`autoshard.sharding.fsdp2_kwargs` passes); "" without mixed precision.
+
+    >>> from autoshard import Candidate
+    >>> describe_fsdp2_precision(Candidate(engine="fsdp2", precision="bf16-mixed"))
+    'MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)'
+    """
+    if c.precision not in (Precision.BF16_MIXED, Precision.FP16_MIXED):
+        return ""
+    dtype = "bf16" if c.precision is Precision.BF16_MIXED else "fp16"
+    reduce = "fp32" if c.reduce_dtype_fp32 else dtype
+    return f"MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={reduce})"
+
+
 def _comment(lines: list[str]) -> str:
     return "".join(f"# {line}\n" for line in lines)
 

@@ -11,7 +11,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from autoshard.config import Hardware
+from autoshard.config import Engine, Hardware
+from autoshard.emit.text import describe_fsdp2_precision, describe_reshard
 from autoshard.measure import speed_basis, spread_of, trials_checked_line
 from autoshard.results import Decision, Scored, TrialResult, TrialStatus
 from autoshard.units import format_bytes
@@ -235,24 +236,52 @@ def summary_renderable(rec: Decision) -> Group:
 
 
 def settings_of(rec: Decision) -> dict[str, str]:
+    """The chosen settings, each under the name the chosen engine gives it: FSDP1's
+    ``FullyShardedDataParallel`` arguments, or FSDP2's ``fully_shard`` units and policies (which
+    have no ``limit_all_gathers`` or ``backward_prefetch``)."""
     c = rec.chosen.candidate
-    out = {
-        "engine": c.engine.value,
-        "auto_wrap_policy": ", ".join(c.wrap_classes)
-        or (f"size >= {c.min_num_params:,} params" if c.min_num_params else "none"),
-        "sharding_strategy": c.sharding.value
-        + (f" mesh {c.hybrid_mesh[0]}x{c.hybrid_mesh[1]}" if c.hybrid_mesh else ""),
-        "precision": c.precision.value,
-        "activation checkpointing": c.checkpointing.value
+    mesh = f" mesh {c.hybrid_mesh[0]}x{c.hybrid_mesh[1]}" if c.hybrid_mesh else ""
+    checkpointing = (
+        c.checkpointing.value
         + (f" (1 in {c.checkpoint_every})" if c.checkpointing.value == "every_k" else "")
-        + (f" of {', '.join(c.checkpoint_classes)}" if c.checkpoint_classes else ""),
-        "cpu_offload": str(c.cpu_offload),
-        "limit_all_gathers / forward_prefetch": f"{c.limit_all_gathers} / {c.forward_prefetch}",
-        "backward_prefetch": c.backward_prefetch.value,
-        "optimizer": f"{c.optimizer.value} ({c.optimizer_impl.value})",
-        "micro_batch_size": str(c.micro_batch_size),
-        "devices x nodes": f"{rec.hardware.gpus_per_node} x {rec.hardware.nodes}",
-    }
+        + (f" of {', '.join(c.checkpoint_classes)}" if c.checkpoint_classes else "")
+    )
+    out: dict[str, str]
+    if c.engine is Engine.FSDP2:
+        units = ", ".join(c.wrap_classes)
+        out = {
+            "engine": "fsdp2 (fully_shard)",
+            "fully_shard units": f"each {units}, then the root"
+            if units
+            else "the whole model as one unit (the root)",
+            "sharding": c.sharding.value + mesh,
+            "reshard_after_forward": describe_reshard(c),
+            "precision": c.precision.value
+            + (f" ({policy})" if (policy := describe_fsdp2_precision(c)) else ""),
+            "activation checkpointing": checkpointing,
+            "offload_policy": "CPUOffloadPolicy()" if c.cpu_offload else "none",
+        }
+    else:
+        out = {
+            "engine": c.engine.value,
+            "auto_wrap_policy": ", ".join(c.wrap_classes)
+            or (f"size >= {c.min_num_params:,} params" if c.min_num_params else "none"),
+            "sharding_strategy": c.sharding.value + mesh,
+            "precision": c.precision.value,
+            "activation checkpointing": checkpointing,
+            "cpu_offload": str(c.cpu_offload),
+            "limit_all_gathers / forward_prefetch": (
+                f"{c.limit_all_gathers} / {c.forward_prefetch}"
+            ),
+            "backward_prefetch": c.backward_prefetch.value,
+        }
+    out.update(
+        {
+            "optimizer": f"{c.optimizer.value} ({c.optimizer_impl.value})",
+            "micro_batch_size": str(c.micro_batch_size),
+            "devices x nodes": f"{rec.hardware.gpus_per_node} x {rec.hardware.nodes}",
+        }
+    )
     estimate = rec.chosen.estimate
     if estimate:
         out["predicted peak / rank"] = (
