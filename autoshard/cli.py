@@ -390,7 +390,7 @@ def tune(
         def notice(line: str) -> None:
             err_console.print(f"[yellow]note:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
-        with StudyProgress(progress_console, total=tune_opts.trials) as progress:
+        with StudyProgress(progress_console, tune_opts.trials, plan.hardware) as progress:
             rec = run_study(
                 plan, tune_opts.model_copy(update={"on_event": progress, "on_notice": notice})
             )

@@ -88,6 +88,31 @@ def test_reasons_name_the_units_in_the_engines_terms() -> None:
     ]
 
 
+def test_progress_lines_name_each_number_and_star_only_a_ranking_measurement() -> None:
+    """Without a terminal each finished trial is one line whose numbers say what they are; the
+    best measured so far gets a star only where measurements rank (not CPU trials standing in
+    for the planned GPUs, which the model ranks)."""
+    from autoshard.config import ProgressEvent
+    from autoshard.ui.progress import StudyProgress
+    from tests.test_emit import estimate
+
+    quick, slow = candidate(), candidate(sharding="SHARD_GRAD_OP")
+    runs = [Scored(candidate=c, estimate=estimate(c), trial=trial(c, step))
+            for c, step in ((slow, 0.30), (quick, 0.20))]  # fmt: skip
+    gloo = Hardware(gpus_per_node=2, gpu_memory=2 * 2**30, backend="gloo")
+    gpus = Hardware(gpus_per_node=2, gpu_memory=2 * 2**30, backend="nccl")
+    for hardware, stars in ((gloo, 2), (gpus, 0), (None, 2)):
+        console = Console(record=True, width=300, force_terminal=False)
+        with StudyProgress(console, 2, hardware) as progress:
+            for scored in runs:
+                progress(ProgressEvent.DONE, scored)
+        lines = console.export_text().splitlines()
+        assert len(lines) == 2 and all(line.startswith("trial: ") for line in lines)
+        assert sum("★" in line for line in lines) == stars, (hardware, lines)
+        assert "ok  0.200 s/step on cpu  peak 53.4 MiB (predicted " in lines[1]
+        assert lines[1].endswith("2,560 tok/s" + (" ★" if stars else ""))
+
+
 def test_the_terminal_says_a_repeated_reason_once_per_fold() -> None:
     rec = make_rec()
     why = "offload needs a GPU"
