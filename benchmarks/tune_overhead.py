@@ -53,7 +53,7 @@ def run(skip_dominated: bool, n_trials: int, out: Path, target: TargetSpec, seq:
     wall = time.perf_counter() - start
 
     trials = read_records(out / "trials.jsonl")
-    launched = [t for t in trials if t.status is not TrialStatus.PRUNED]
+    launched = [t for t in trials if t.status.launched]  # not pruned, not skipped
     return rec, launched, wall
 
 
