@@ -318,8 +318,14 @@ def rank_by_prediction(
     results: Sequence[TrialResult], by_label: dict[str, MemoryEstimate]
 ) -> list[TrialResult]:
     """Successful trials by predicted speed, with the tie rule of every door
-    (:func:`autoshard.space.tie_ranked`: within the model's resolution, more measured headroom
-    first); trials without a prediction last, by measured throughput."""
+    (:func:`autoshard.space.tie_ranked`: within the model's resolution, more predicted headroom
+    first); trials without a prediction last, by measured throughput.
+
+    The headroom is the model's for the planned GPUs, as the speed is: a CPU process's peak is
+    not a GPU's (no CUDA context, other kernels), and between two configurations of the same
+    memory its resident set differs by noise (the quick start's FULL_SHARD and SHARD_GRAD_OP of
+    one unit, 35.4-35.9 MiB each), which chose between them run by run. So the choice is the
+    one :func:`decide` makes without trials, among the configurations that ran."""
     ok = [r for r in results if r.status is TrialStatus.OK]
     predicted = [r for r in ok if _predicted_rate(r, by_label) is not None]
     unpredicted = sorted(
@@ -329,7 +335,7 @@ def rank_by_prediction(
         tie_ranked(
             predicted,
             lambda r: _predicted_rate(r, by_label) or 0.0,
-            lambda r: -(r.max_allocated or 0),
+            lambda r: by_label[r.candidate.label()].headroom,
         )
         + unpredicted
     )
@@ -365,8 +371,8 @@ def explain_by_prediction(
         else:
             lines.append(
                 f"predicted tie (within {PREDICTED_TIE:.0%}) between {len(tied) + 1} of "
-                f"{len(ok)} configurations that ran, chosen by headroom (measured peak "
-                f"{format_bytes(best.max_allocated or 0)}): {predicted}"
+                f"{len(ok)} configurations that ran, chosen by headroom (predicted peak "
+                f"{format_bytes(by_label[best.candidate.label()].gpu_peak)}): {predicted}"
             )
     lines.append(wrap_reason(best.candidate, profile))
     for r in ok[1:]:

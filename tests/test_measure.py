@@ -21,6 +21,7 @@ from autoshard.measure import (
     speed_basis,
 )
 from autoshard.results import MemoryEstimate, SpeedEstimate, TrialResult, TrialStatus
+from autoshard.units import format_bytes
 from tests.test_emit import PROFILE, estimate
 
 GIB = 1024**3
@@ -211,20 +212,27 @@ def test_cpu_trials_for_gpus_check_and_the_model_ranks() -> None:
 
 
 def test_cpu_trials_for_gpus_call_a_predicted_tie_a_tie() -> None:
-    """Two configurations predicted within the model's tie: the one with more headroom is
-    chosen, and the reasons say it was a tie rather than calling it the fastest."""
+    """Two configurations predicted within the model's tie: the one with more predicted
+    headroom on the planned GPUs is chosen (not the smaller CPU peak: CPU processes measure
+    neither a GPU's memory nor, between equal configurations, more than noise), and the
+    reasons say it was a tie rather than calling it the fastest."""
     gpus = Hardware(gpus_per_node=8, gpu_memory=80 * GIB, gpu="h100-sxm")
-    quick = run(0.100, spread=0.01, peak=150 * 2**20)
-    slim = run(0.100, spread=0.01, peak=90 * 2**20, sharding=Sharding.SHARD_GRAD_OP)
+    quick = run(0.100, spread=0.01, peak=90 * 2**20)
+    slim = run(0.100, spread=0.01, peak=150 * 2**20, sharding=Sharding.SHARD_GRAD_OP)
     estimates = [with_speed(estimate(quick.candidate), 1020.0)]
-    estimates.append(with_speed(estimate(slim.candidate), 1000.0))
+    estimates.append(with_speed(estimate(slim.candidate, scale=0.5), 1000.0))
     rec = recommend([quick, slim], gpus, estimates)
     assert rec.chosen.trial is slim
+    peak = format_bytes(estimates[1].gpu_peak)
     assert rec.reasons[1].startswith(
         "predicted tie (within 5%) between 2 of 2 configurations that ran, chosen by headroom "
-        "(measured peak 90 MiB)"
+        f"(predicted peak {peak})"
     ), rec.reasons[1]
     assert not any("fastest predicted" in line for line in rec.reasons)
+    # the same estimates without trials choose the same configuration: one answer
+    from autoshard.space import rank_candidates
+
+    assert rank_candidates(estimates)[0].candidate == slim.candidate
     # 1.25x apart: no tie, and the fastest predicted is named as such
     estimates[1] = with_speed(estimate(slim.candidate), 1275.0)
     rec = recommend([quick, slim], gpus, estimates)
