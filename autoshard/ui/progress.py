@@ -52,7 +52,8 @@ def _row(s: Scored, best: float | None) -> list[str]:
 
 def _line(s: Scored, best: float | None) -> str:
     """One finished trial as a plain line (no terminal for a live table): the table's cells,
-    each named, e.g. ``ok  0.068 s/step  peak 50.8 MiB (predicted 1.03 GiB)  7,557 tok/s``."""
+    each named, e.g. ``ok  0.068 s/step on cpu  peak 35.8 MiB (predicted 1.03 GiB)  7,557
+    tok/s``."""
     label, status, step, measured, est, detail = _row(s, best)
     peak = f"peak {measured}" if measured else ""
     if est:
