@@ -233,12 +233,20 @@ def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
         if name == "checkpointing" and c.checkpoint_classes:
             chosen += f" of {{{', '.join(c.checkpoint_classes)}}}"
         lines.append(f"{name} {chosen}: {why}")
-    lines.append(
-        f"limit_all_gathers={c.limit_all_gathers}, forward_prefetch={c.forward_prefetch}, "
-        f"backward_prefetch={c.backward_prefetch.value}, {c.optimizer.value} "
-        f"({c.optimizer_impl.value}): Lightning's defaults; they change speed a little, "
-        "memory by at most one unit; measure them with trials"
-    )
+    if c.engine is Engine.FSDP2:  # fully_shard has no limit_all_gathers or backward_prefetch
+        lines.append(
+            f"fully_shard's own prefetching (the next unit's all-gather issued ahead on its own "
+            f"stream, forward and backward), {c.optimizer.value} ({c.optimizer_impl.value}): "
+            "the defaults; the optimizer's implementation changes speed a little; measure it "
+            "with trials"
+        )
+    else:
+        lines.append(
+            f"limit_all_gathers={c.limit_all_gathers}, forward_prefetch={c.forward_prefetch}, "
+            f"backward_prefetch={c.backward_prefetch.value}, {c.optimizer.value} "
+            f"({c.optimizer_impl.value}): Lightning's defaults; they change speed a little, "
+            "memory by at most one unit; measure them with trials"
+        )
     lines.append(
         "basis: estimates only (no trial ran); run with trials to measure the leading candidates"
     )

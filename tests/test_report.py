@@ -88,6 +88,24 @@ def test_reasons_name_the_units_in_the_engines_terms() -> None:
     ]
 
 
+def test_estimate_reasons_do_not_give_fsdp2_fsdp1_knobs() -> None:
+    import warnings
+
+    import autoshard
+    from tests.conftest import EXAMPLES
+
+    for engine, present, absent in (
+        ("fsdp2", "fully_shard's own prefetching", "backward_prefetch="),
+        ("fsdp1", "backward_prefetch=BACKWARD_PRE", "fully_shard"),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", autoshard.NoGPUWarning)
+            rec = autoshard.recommend(f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny"},
+                                      gpus=8, gpu_memory="24GiB", seq_len=32, engine=engine)  # fmt: skip
+        text = "\n".join(rec.reasons)
+        assert present in text and absent not in text, text
+
+
 def test_progress_lines_name_each_number_and_star_only_a_ranking_measurement() -> None:
     """Without a terminal each finished trial is one line whose numbers say what they are; the
     best measured so far gets a star only where measurements rank (not CPU trials standing in
