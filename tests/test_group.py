@@ -128,7 +128,8 @@ def test_the_first_trial_of_each_shape_is_measured_as_its_repeat(
     oneDNN primitives per dtype and shape) must be paid before the trial that first meets them:
     unwarmed, the first bf16 trial of a group read 51 MiB against 35.5 next, and the first at a
     new micro-batch 36 against 26.7. The first-tried candidate is the model's favourite, and
-    the tie rule compares measured headroom."""
+    measured peaks break ties where the trials run on the planned device, and stand against
+    the estimate in the report."""
     group = WorkerGroup(examples_gpt_tiny, log_dir=tmp_path, nproc=2, trial_timeout=120)
     peaks: list[float] = []
     with group:
