@@ -407,7 +407,7 @@ def make_plan(request: PlanRequest) -> Plan:
         built.model, target=request.label or str(request.target), built_on=built.built_on,
         extra_warnings=built.warnings,
     )  # fmt: skip
-    workload, notes = resolve_workload(built, opts)
+    workload, notes = resolve_workload(built, opts, request.label or str(request.target))
     candidates = enumerate_candidates(
         profile,
         request.hardware,
@@ -462,13 +462,27 @@ def micro_batch_sizes(built: BuiltModel, options: PlanOptions) -> tuple[int, ...
     return DEFAULT_MICRO_BATCH_SIZES
 
 
-def resolve_workload(built: BuiltModel, options: PlanOptions) -> tuple[WorkloadSpec, list[str]]:
-    """The workload of one step, and a note for every number that was assumed."""
+def resolve_workload(
+    built: BuiltModel, options: PlanOptions, source: str = "the target"
+) -> tuple[WorkloadSpec, list[str]]:
+    """The workload of one step, and a note for every number that was assumed.
+
+    A batch that ``source`` returns is used as built (its FLOPs and activations are counted on
+    it), so a ``seq_len`` that contradicts its token length is an error: counted at one length
+    and reported at the other, the tokens/s and the memory would belong to different steps."""
     notes: list[str] = []
     vocab = find_vocab_size(built.model)
     seq_len = options.seq_len
-    if seq_len is None and built.batch is not None:
-        seq_len = _batch_seq_len(built.batch)
+    built_len = _batch_seq_len(built.batch) if built.batch is not None else None
+    if seq_len is not None and built_len is not None and seq_len != built_len:
+        raise ConfigError(
+            f"seq_len {seq_len} but the batch {source} returns has {built_len} tokens per "
+            f"sample, and that batch is what is measured: build it with {seq_len} (e.g. --arg "
+            f"seq_len={seq_len}, or kwargs={{'seq_len': {seq_len}}} in code) or leave out "
+            "--seq-len / seq_len="
+        )
+    if seq_len is None:
+        seq_len = built_len
     if seq_len is None and vocab is not None:
         context = _context_length(built.model)
         seq_len = min(context or DEFAULT_SEQ_LEN_CAP, DEFAULT_SEQ_LEN_CAP)

@@ -1,10 +1,11 @@
 """A Llama-architecture model from a Hugging Face ``LlamaConfig``: no weights are downloaded.
 
-    autoshard estimate examples/hf_llama.py:build --arg size=8b --gpus 8 --gpu-memory 80GiB
+    autoshard estimate examples/hf_llama.py:build --arg size=8b --arg seq_len=4096 --gpus 8 \
+        --gpu-memory 80GiB
 
     import autoshard
-    rec = autoshard.recommend("examples/hf_llama.py:build", kwargs={"size": "8b"},
-                              gpus=8, gpu_memory="80GiB", seq_len=4096)
+    rec = autoshard.recommend("examples/hf_llama.py:build", kwargs={"size": "8b", "seq_len": 4096},
+                              gpus=8, gpu_memory="80GiB")
 
 Block class: ``LlamaDecoderLayer``, named by the model's ``_no_split_modules``. The example batch
 is a dict with ``labels``, so the model returns its own causal-LM ``.loss``.

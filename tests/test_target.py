@@ -63,6 +63,27 @@ def test_a_required_argument_names_the_flag_that_gives_it(cli) -> None:
     assert "missing 1 required positional argument: 'width'" in err and "--arg width=" in err
 
 
+def test_a_seq_len_that_contradicts_the_targets_batch_is_one_line(cli) -> None:
+    """The target's batch is what is measured: counted at its length and reported at another,
+    tokens/s and memory would describe different steps (the README's Llama command once
+    reported 68,000 tokens/s per GPU at 2% MFU for Llama-8B this way)."""
+    from autoshard.plan import PlanOptions, resolve_workload
+
+    target = f"{EXAMPLES}/lightning_transformer.py:build"  # its batch: 32 tokens per sample
+    code, out, err = cli("estimate", target, "--gpus", "2", "--gpu-memory", "8GiB",
+                         "--seq-len", "64")  # fmt: skip
+    assert code == 1 and "Traceback" not in err + out, err
+    assert err.strip().count("error:") == 1
+    assert "seq_len 64 but the batch" in err and "has 32 tokens" in err
+    assert "--arg seq_len=64" in err
+    # the batch's own length, or none given: it plans at that length
+    built = build_target(TargetSpec(spec=target))
+    assert resolve_workload(built, PlanOptions(seq_len=32))[0].seq_len == 32
+    assert resolve_workload(built, PlanOptions())[0].seq_len == 32
+    built = build_target(TargetSpec(spec=target, kwargs={"seq_len": 64}))
+    assert resolve_workload(built, PlanOptions(seq_len=64))[0].seq_len == 64
+
+
 def test_bad_arg_syntax(cli) -> None:
     code, _, err = cli("analyze", f"{EXAMPLES}/gpt.py:build", "--arg", "size")
     assert code == 1 and "key=value" in err
