@@ -12,7 +12,7 @@ from autoshard.results import TrialStatus
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.group import WorkerGroup
 
-from .conftest import TARGETS
+from .conftest import EXAMPLES, TARGETS
 
 pytestmark = pytest.mark.slow
 
@@ -145,6 +145,18 @@ def test_the_first_trial_of_each_shape_is_measured_as_its_repeat(
     first, repeat, new_shape = peaks
     assert abs(first - repeat) < 3, peaks
     assert abs(new_shape - (again.max_allocated or 0) / 2**20) < 3, (peaks, again.max_allocated)
+
+
+def test_a_trial_runs_its_micro_batch_not_the_targets_batch_size(tmp_path) -> None:
+    """A factory's batch of 2 samples, trials at micro-batch 1 and 4: each runs its own."""
+    target = TargetSpec(spec=f"{EXAMPLES}/lightning_transformer.py:build")
+    with WorkerGroup(target, log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
+        for mbs in (1, 4):
+            c = Candidate(precision="32-true", micro_batch_size=mbs)
+            r = group.run(c, WorkloadSpec(seq_len=32, micro_batch_size=mbs), warmup=1, steps=2)
+            assert r.status is TrialStatus.OK, r.error
+            assert r.samples_per_s and r.step_time
+            assert r.samples_per_s * r.step_time == pytest.approx(2 * mbs)  # 2 ranks
 
 
 @pytest.mark.gpu

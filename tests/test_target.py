@@ -141,6 +141,26 @@ def test_factory_may_return_model_and_batch() -> None:
     assert isinstance(built.batch, torch.Tensor) and built.batch.shape == (2, 3)
 
 
+def test_a_targets_batch_is_cut_or_repeated_to_the_micro_batch() -> None:
+    """Trials and the simulation run the candidate's micro-batch, not the target's own batch
+    size (the estimators count per sample): every tensor led by the samples is resized, the
+    rest kept."""
+    from autoshard.target.step import batch_samples, make_batch
+
+    ids = torch.arange(8).reshape(2, 4)
+    pair = (ids, ids + 100)
+    mask = torch.ones(3, 3)  # not led by the 2 samples: kept
+    for mbs in (1, 2, 3, 5):
+        inputs, targets = make_batch(nn.Linear(1, 1), pair, micro_batch_size=mbs, seq_len=None,
+                                     device=torch.device("cpu"))  # fmt: skip
+        assert inputs.shape == targets.shape == (mbs, 4)
+        assert torch.equal(targets - inputs, torch.full((mbs, 4), 100))  # rows stay paired
+        assert inputs[:, 0].tolist() == [0, 4, 0, 4, 0][:mbs]
+        batch = make_batch(nn.Linear(1, 1), {"x": ids, "mask": mask}, micro_batch_size=mbs,
+                           seq_len=None, device=torch.device("cpu"))  # fmt: skip
+        assert batch_samples(batch) == mbs and batch["mask"] is mask
+
+
 def test_package_module_target() -> None:
     # "package.module:callable" form, on a module of torch itself that builds a module.
     built = build_target(

@@ -50,13 +50,15 @@ def make_batch(
     device: torch.device,
     seed: int = 0,
 ) -> Any:
-    """The example batch for one step on ``device``.
+    """The example batch for one step on ``device``, of ``micro_batch_size`` samples.
 
-    A batch from the target is used as it is (its micro-batch size is the target's); token
-    batches are synthesised at ``micro_batch_size x seq_len``.
+    A batch from the target keeps its contents and shapes but is cut or repeated to the
+    micro-batch (:func:`resize_batch`), as the estimators count it per sample: otherwise a
+    trial or a simulation labelled micro-batch 4 would run the target's 2 samples. Token batches
+    are synthesised at ``micro_batch_size x seq_len``.
     """
     if built_batch is not None:
-        return move_to(built_batch, device)
+        return move_to(resize_batch(built_batch, micro_batch_size), device)
     vocab = find_vocab_size(model)
     if vocab is None or seq_len is None:
         raise ConfigError(
@@ -67,6 +69,35 @@ def make_batch(
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (micro_batch_size, seq_len), generator=generator)
     return ids.to(device)
+
+
+def resize_batch(batch: Any, samples: int) -> Any:
+    """``batch`` with ``samples`` samples: every tensor whose leading dimension is the batch's
+    sample count (:func:`batch_samples`) is cut to its first ``samples`` rows or repeated until
+    it has them; everything else is kept as it is.
+
+    >>> import torch
+    >>> batch = {"input_ids": torch.arange(6).reshape(2, 3), "scale": torch.tensor(1.0)}
+    >>> resize_batch(batch, 3)["input_ids"].tolist(), resize_batch(batch, 1)["input_ids"].shape
+    ([[0, 1, 2], [3, 4, 5], [0, 1, 2]], torch.Size([1, 3]))
+    """
+    have = batch_samples(batch)
+    if samples == have:
+        return batch
+
+    def resize(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 or value.shape[0] != have:
+                return value
+            repeats = -(-samples // have)
+            return value.repeat(repeats, *([1] * (value.dim() - 1)))[:samples]
+        if isinstance(value, dict):
+            return {k: resize(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(resize(v) for v in value)
+        return value
+
+    return resize(batch)
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
