@@ -504,6 +504,32 @@ def test_hugging_face_models_are_counted_on_fake_tensors(example: str) -> None:
     assert all(b > f > 0 for f, b in zip(flops.block_forward, flops.block_backward, strict=True))
 
 
+def test_the_seed_guides_transformer_is_counted_on_fake_tensors() -> None:
+    """nn.Transformer's decoder asks whether its mask is the causal one, by value; on fake
+    tensors the shape answers (autoshard.predict.fakes.causal_masks_by_shape), so Lightning's
+    demo Transformer (the FSDP guide's model) is counted, not estimated."""
+    from autoshard.analyze import analyze_target
+    from autoshard.predict.activations import profile_activations
+    from autoshard.predict.fakes import causal_masks_by_shape
+    from autoshard.target.resolve import TargetSpec
+
+    root = Path(__file__).resolve().parents[1]
+    target = TargetSpec(spec=f"{root}/examples/lightning_transformer.py:build")
+    profile, built = analyze_target(target)
+    flops = profile_flops(built.model, profile, WorkloadSpec(), batch=built.batch)
+    assert flops.measured, flops.note
+    assert len(flops.block_forward) == profile.block_count > 0
+    acts = profile_activations(built.model, profile, WorkloadSpec(), batch=built.batch)
+    assert not acts.note, acts.note
+    # a real mask is still checked by its values
+    from torch.nn.modules import transformer
+
+    causal = transformer._generate_square_subsequent_mask(4)
+    with causal_masks_by_shape():
+        assert transformer._detect_is_causal_mask(causal, None, 4) is True
+        assert transformer._detect_is_causal_mask(torch.zeros(4, 4), None, 4) is False
+
+
 def test_a_forward_that_cannot_run_on_fake_tensors_falls_back_to_six_n_t() -> None:
     class Opaque(nn.Module):
         def __init__(self) -> None:

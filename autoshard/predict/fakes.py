@@ -10,6 +10,15 @@ in a real run:
   inputs of BF16 type", torch 2.13, ``torch/_meta_registrations.py``). Under
   :func:`fake_forward_support` the fake kernel answers every float dtype as the CPU kernel does:
   the output shape of the bf16 meta kernel, in the inputs' dtype.
+- ``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` ask whether the mask they are given is
+  the causal one (``torch.nn.modules.transformer._detect_is_causal_mask``: ``bool((mask ==
+  causal).all())``), a question about values that fake tensors cannot answer
+  (``DataDependentOutputException``): the seed guide's demo Transformer (Lightning's
+  ``lightning.pytorch.demos.Transformer``) fell back to the rule of thumb. Under
+  :func:`fake_forward_support` a fake mask of the sequence's square shape is taken as causal,
+  which is what the check finds for the ``generate_square_subsequent_mask`` masks these classes
+  are given; either answer runs the same attention FLOPs and saves the same tensors but the
+  mask.
 - When a fake kernel fails, torch logs the whole traceback at error level
   (``torch._subclasses.fake_tensor``: "failed while attempting to run meta for ...") before the
   exception reaches autoshard, which falls back and says so in one line. Those records are dropped
@@ -31,10 +40,36 @@ _NOISY_LOGGERS = ("torch._subclasses.fake_tensor",)
 
 @contextlib.contextmanager
 def fake_forward_support() -> Iterator[None]:
-    """Run fake-tensor forwards with :func:`grouped_mm_in_every_float_dtype` and without torch's
-    tracebacks of failing fake kernels (:func:`quiet_fake_kernel_errors`)."""
-    with quiet_fake_kernel_errors(), grouped_mm_in_every_float_dtype():
+    """Run fake-tensor forwards with :func:`grouped_mm_in_every_float_dtype`,
+    :func:`causal_masks_by_shape` and without torch's tracebacks of failing fake kernels
+    (:func:`quiet_fake_kernel_errors`)."""
+    with quiet_fake_kernel_errors(), grouped_mm_in_every_float_dtype(), causal_masks_by_shape():
         yield
+
+
+@contextlib.contextmanager
+def causal_masks_by_shape() -> Iterator[None]:
+    """``nn.Transformer*``'s causal-mask check answered from a fake mask's shape (see the
+    module's docstring); real masks are still checked by value."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.nn.modules import transformer
+
+    detect = getattr(transformer, "_detect_is_causal_mask", None)
+    if detect is None:
+        yield
+        return
+
+    def by_shape(mask: Any, is_causal: bool | None = None, size: int | None = None) -> bool:
+        if is_causal is None and isinstance(mask, FakeTensor):
+            side = size if size is not None else mask.size(-2)
+            return tuple(mask.shape) == (side, side)
+        return bool(detect(mask, is_causal, size))
+
+    transformer._detect_is_causal_mask = by_shape
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = detect
 
 
 @contextlib.contextmanager
