@@ -24,9 +24,12 @@ _STYLE = {
 
 
 def trial_rate(t: TrialResult) -> str:
+    """The trial's measured rate, all its ranks together (the summary's table shows it per
+    rank: say which)."""
+    ranks = f" on {t.world_size} ranks" if t.world_size > 1 else ""
     if t.tokens_per_s:
-        return f"{t.tokens_per_s:,.0f} tok/s"
-    return f"{t.samples_per_s:,.1f} samples/s" if t.samples_per_s else ""
+        return f"{t.tokens_per_s:,.0f} tok/s{ranks}"
+    return f"{t.samples_per_s:,.1f} samples/s{ranks}" if t.samples_per_s else ""
 
 
 def _row(s: Scored, best: float | None) -> list[str]:

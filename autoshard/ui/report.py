@@ -298,9 +298,12 @@ def settings_of(rec: Decision) -> dict[str, str]:
     t = rec.chosen.trial
     if t is not None and t.step_time is not None:
         rate, unit = trial_rate(t)
-        out["measured"] = f"{t.step_time:.3f} s/step" + (f", {rate:,.0f} {unit}" if rate else "")
+        ranks = f" on {t.world_size} ranks" if t.world_size > 1 else ""
+        out["measured"] = f"{t.step_time:.3f} s/step" + (
+            f", {rate:,.0f} {unit}{ranks}" if rate else ""
+        )
         if t.max_allocated:
-            out["measured"] += f", peak {format_bytes(t.max_allocated)} on {t.device}"
+            out["measured"] += f", peak {format_bytes(t.max_allocated)} per rank on {t.device}"
     return out
 
 
