@@ -167,6 +167,23 @@ class Candidate(Frozen):
         unit."""
         return not (self.wrap_classes or self.min_num_params)
 
+    def checkpoints(self, block: int) -> bool:
+        """Whether the ``block``-th block of ``checkpoint_classes`` (in forward order, from 0)
+        recomputes its forward in backward: every block, every ``checkpoint_every``-th from the
+        first, or none. The one rule that trials apply
+        (:func:`autoshard.sharding.apply_checkpointing`) and the estimators count.
+
+        >>> from autoshard import Candidate
+        >>> every2 = Candidate(checkpointing="every_k", checkpoint_every=2,
+        ...                    checkpoint_classes=("gpt.Block",))
+        >>> [every2.checkpoints(i) for i in range(4)], Candidate().checkpoints(0)
+        ([True, False, True, False], False)
+        """
+        if self.checkpointing is Checkpointing.NONE:
+            return False
+        every = self.checkpoint_every if self.checkpointing is Checkpointing.EVERY_K else 1
+        return block % every == 0
+
     def label(self) -> str:
         """A short human label, stable across runs (used in tables and as a trial key)."""
         parts = [self.engine.value, self.sharding.value]

@@ -294,8 +294,7 @@ def apply_checkpointing(model: nn.Module, candidate: Candidate) -> None:
 
     classes = tuple(wrap_classes_of(model, candidate.checkpoint_classes))
     blocks = [m for m in model.modules() if isinstance(m, classes)]
-    every = candidate.checkpoint_every if candidate.checkpointing is Checkpointing.EVERY_K else 1
-    chosen = {id(m) for i, m in enumerate(blocks) if i % every == 0}
+    chosen = {id(m) for i, m in enumerate(blocks) if candidate.checkpoints(i)}
     apply_activation_checkpointing(
         model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in chosen
     )

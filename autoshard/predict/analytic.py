@@ -86,24 +86,13 @@ def activation_bytes(candidate: Candidate, acts: ActivationProfile) -> tuple[int
     acts = acts.at(candidate.precision)
     scale = acts.scale(candidate)
     blocks, inputs = acts.block_bytes, acts.block_input_bytes
-    largest = max(blocks, default=0)
-    match candidate.checkpointing:
-        case Checkpointing.NONE:
-            saved = sum(blocks)
-            recompute = 0
-        case Checkpointing.ALL | Checkpointing.EVERY_K:
-            every = (
-                candidate.checkpoint_every
-                if candidate.checkpointing is Checkpointing.EVERY_K
-                else 1
-            )
-            saved = sum(
-                (inputs[i] if i < len(inputs) else 0) if i % every == 0 else b
-                for i, b in enumerate(blocks)
-            )
-            recompute = largest  # one block's activations are rebuilt at a time in backward
-        case _:
-            raise ValueError(f"unknown checkpointing {candidate.checkpointing!r}")
+    saved = sum(
+        (inputs[i] if i < len(inputs) else 0) if candidate.checkpoints(i) else b
+        for i, b in enumerate(blocks)
+    )
+    # one checkpointed block's activations are rebuilt at a time in backward
+    checkpointing = candidate.checkpointing is not Checkpointing.NONE
+    recompute = max(blocks, default=0) if checkpointing else 0
     loss = candidate.micro_batch_size * acts.loss_bytes
     return int((saved + acts.other_bytes) * scale) + loss, int(recompute * scale)
 
@@ -620,13 +609,11 @@ def _block_saved_bytes(candidate: Candidate, acts: ActivationProfile, index: int
     acts = acts.at(candidate.precision)
     if index >= len(acts.block_bytes):
         return 0
-    every = {Checkpointing.NONE: 0, Checkpointing.ALL: 1}.get(
-        candidate.checkpointing, candidate.checkpoint_every
-    )
     inputs = acts.block_input_bytes
-    checkpointed = every and index % every == 0
     saved = (
-        (inputs[index] if index < len(inputs) else 0) if checkpointed else acts.block_bytes[index]
+        (inputs[index] if index < len(inputs) else 0)
+        if candidate.checkpoints(index)
+        else acts.block_bytes[index]
     )
     return int(saved * acts.scale(candidate))
 

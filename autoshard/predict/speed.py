@@ -50,7 +50,6 @@ from pydantic import Field
 from autoshard.config import (
     BackwardPrefetch,
     Candidate,
-    Checkpointing,
     Engine,
     Frozen,
     Hardware,
@@ -486,17 +485,8 @@ def timeline(
 
 
 def checkpointed(candidate: Candidate, blocks: int) -> list[bool]:
-    """Which of ``blocks`` recompute their forward in backward: all, every k-th from the first
-    (as :func:`autoshard.predict.analytic.activation_bytes` counts them), or none."""
-    match candidate.checkpointing:
-        case Checkpointing.NONE:
-            return [False] * blocks
-        case Checkpointing.ALL:
-            return [True] * blocks
-        case Checkpointing.EVERY_K:
-            return [i % candidate.checkpoint_every == 0 for i in range(blocks)]
-        case _:
-            raise ValueError(f"unknown checkpointing {candidate.checkpointing!r}")
+    """Which of ``blocks`` recompute their forward in backward (:meth:`Candidate.checkpoints`)."""
+    return [candidate.checkpoints(i) for i in range(blocks)]
 
 
 class _Work:
