@@ -33,7 +33,13 @@ from autoshard.measure import (
 from autoshard.plan import Plan
 from autoshard.recommendation import Recommendation
 from autoshard.results import MemoryEstimate, ModelProfile, Scored, TrialResult, TrialStatus
-from autoshard.space import PREDICTED_TIE, predicted_rate, tie_ranked, wrap_reason
+from autoshard.space import (
+    PREDICTED_TIE,
+    predicted_rate,
+    predicted_tie,
+    tie_ranked,
+    wrap_reason,
+)
 from autoshard.units import format_bytes, format_share
 
 
@@ -182,8 +188,9 @@ def _differs_only_in(a: Candidate, b: Candidate, name: str) -> bool:
 
 def _tied_with_less_room(other: MemoryEstimate, best: MemoryEstimate) -> bool:
     # The tie rule of space.rank_candidates, seen from the chosen one.
-    rate = predicted_rate(best)
-    return predicted_rate(other) >= rate * (1 - PREDICTED_TIE) and other.headroom <= best.headroom
+    return predicted_tie(predicted_rate(other), predicted_rate(best)) and (
+        other.headroom <= best.headroom
+    )
 
 
 def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
@@ -371,9 +378,7 @@ def explain_by_prediction(
         # The tie rule (autoshard.space.tie_ranked) may have chosen one a little slower than
         # the fastest predicted: say so rather than call it the fastest.
         top = max(_predicted_rate(r, by_label) or 0.0 for r in ok)
-        tied = [
-            r for r in ok[1:] if top - (_predicted_rate(r, by_label) or 0.0) <= PREDICTED_TIE * top
-        ]
+        tied = [r for r in ok[1:] if predicted_tie(_predicted_rate(r, by_label) or 0.0, top)]
         if (rate or 0.0) >= top and not tied:
             lines.append(f"fastest predicted of {len(ok)} configurations that ran: {predicted}")
         else:

@@ -186,9 +186,14 @@ def predicted_rate(estimate: MemoryEstimate) -> float:
 
 PREDICTED_TIE = 0.05
 """Two predicted rates closer than this fraction are a tie, broken by memory headroom. The
-step-time model cannot order candidates more finely than that (its median error against 46
+step-time model cannot order candidates more finely than that (its median error against 50
 published runs is 13%, benchmarks/results/step_time_published.md), and a few percent of
 predicted speed is not worth running at the edge of memory."""
+
+
+def predicted_tie(rate: float, top: float) -> bool:
+    """Whether a predicted ``rate`` is a tie with the fastest, ``top`` (:data:`PREDICTED_TIE`)."""
+    return top - rate <= PREDICTED_TIE * top
 
 
 def tie_ranked(
@@ -201,7 +206,7 @@ def tie_ranked(
     ranked: list[T] = []
     while left:
         top = rate(left[0])
-        tied = [i for i, x in enumerate(left) if top - rate(x) <= PREDICTED_TIE * top]
+        tied = [i for i, x in enumerate(left) if predicted_tie(rate(x), top)]
         ranked.append(left.pop(max(tied, key=lambda i: headroom(left[i]))))
     return ranked
 

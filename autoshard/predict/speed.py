@@ -687,9 +687,10 @@ def predict_speed(
     # Trainer only for FSDP1; the memory estimate reads the same rule). (units, how many.)
     if skip_sync is None:
         skip_sync = skips_gradient_sync(candidate, workload)
-    micro_batches = [(micro_batch_units(True), 1)]
-    if accumulate > 1:
-        micro_batches.append((micro_batch_units(not skip_sync), accumulate - 1))
+    if skip_sync and accumulate > 1:
+        micro_batches = [(micro_batch_units(True), 1), (micro_batch_units(False), accumulate - 1)]
+    else:
+        micro_batches = [(micro_batch_units(True), accumulate)]
 
     def step_timeline(slowdown: float) -> tuple[float, float]:
         """(elapsed, communication) seconds of the step's micro-batches."""

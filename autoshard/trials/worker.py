@@ -559,9 +559,10 @@ def serve(control: Path, launch: Launch) -> NoReturn:
         if launch.warm_up and (request.target, request.candidate.engine) not in warmed:
             warm_up(request, device)
             warmed.append((request.target, request.candidate.engine))
-        if launch.warm_up and device.type == "cpu" and target_shape(request) not in warmed_shapes:
+        shape = target_shape(request)
+        if launch.warm_up and device.type == "cpu" and shape not in warmed_shapes:
             warm_up_target(request, device)
-            warmed_shapes.append(target_shape(request))
+            warmed_shapes.append(shape)
         report = run_trial(request, device)
         key = f"autoshard/trial-{n}"
         everyone_out = agree(store, key, report, world, launch.agree_timeout)

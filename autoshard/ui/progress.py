@@ -122,9 +122,10 @@ class StudyProgress:
         table = Table(title="Trials", title_justify="left")
         for name in ("configuration", "status", "step", "measured peak", "estimate", ""):
             table.add_column(name, overflow="fold")
+        star_above = self._star_above()
         for s in self.rows.values():
             if s.trial is None or s.trial.status is not TrialStatus.PRUNED:
-                table.add_row(*_row(s, self._star_above()))
+                table.add_row(*_row(s, star_above))
         pruned = sum(
             1 for s in self.rows.values() if s.trial and s.trial.status is TrialStatus.PRUNED
         )
