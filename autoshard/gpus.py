@@ -93,6 +93,15 @@ class GPUSpec(Frozen):
         description="Peak bytes/s in one direction between the GPU and host memory (the card's "
         "PCIe generation), what CPU offload moves parameters and gradients over.",
     )
+    fresh_page_bandwidth: float | None = Field(
+        None,
+        gt=0,
+        description="Bytes/s at which a process writes memory it has just mapped (each page "
+        "faults in and is zeroed first): what every new tensor costs where memory is not reused. "
+        "None on GPUs (the caching allocator reuses its blocks). CPU trial workers fix glibc's "
+        "mmap threshold so that their resident set measures live tensors "
+        "(autoshard.trials.group), and so map every tensor above it afresh.",
+    )
     matmul_fraction: float = Field(
         0.8,
         gt=0,
@@ -486,20 +495,26 @@ _ENTRIES: tuple[GPUSpec, ...] = (
         tf32_flops=0.15 * TFLOPS,
         fp32_flops=0.15 * TFLOPS,
         hbm_bandwidth=15 * GB,
-        # In CPU seconds, as CPU trials time their steps (autoshard.trials.worker.time_steps):
-        # a 1-8 MiB gloo all-gather between 2 processes here cost 1.5-2 GB/s of CPU time, while
-        # its wall time (0.4-1 GB/s, 0.25 on the busiest runs) waits on the other processes.
-        intra_node_bandwidth=1.5 * GB,
+        # In CPU seconds, as CPU trials time their steps (autoshard.trials.worker.time_steps),
+        # in processes started as the workers are (glibc's mmap threshold fixed): a 2-8 MiB
+        # all-gather between 2 processes into a reused output, 0.95-1.01 GB/s received
+        # (benchmarks/cpu_gloo_probe.py). FSDP gathers into a new tensor each time, whose
+        # pages fault in as gloo writes them (0.65-0.69 GB/s measured), which the step-time
+        # model adds at fresh_page_bandwidth. (Reused outputs at glibc's defaults: 1-1.7 GB/s.)
+        intra_node_bandwidth=1.0 * GB,
         intra_node_link="gloo over loopback TCP between processes on one host",
         inter_node_bandwidth=10 * Gbit,
         host_link_bandwidth=15 * GB,
+        # mmap'ed and written pages, one thread: 3.6-3.8 GB/s here (a resident fill: 25-27);
+        # measured at run time (autoshard.predict.speed.measured_cpu)
+        fresh_page_bandwidth=3.6 * GB,
         notes="Not a GPU: autoshard's CPU trials (one process per rank, one thread each, gloo). "
         "Every speed here is a PLACEHOLDER, measured at run time / calibrated by trials. The "
         "numbers are rounded from a few runs of benchmarks/cpu_gloo_probe.py on the project's "
         "2-core development VM (Intel Xeon with AMX, torch 2.13, one thread per process, cores "
         "shared with other jobs, so runs spread 2x): fp32 matmul 90-180 GFLOP/s, bf16/fp16 "
         "0.5-1.4 TFLOP/s (AMX; a CPU without AMX runs bf16 SLOWER than fp32), memcpy 9-19 GB/s, "
-        "gloo all-gather 0.2-0.65 GB/s received per rank with 2 ranks. TF32 does not exist on "
+        "gloo all-gather 0.2-1.0 GB/s received per rank with 2 ranks. TF32 does not exist on "
         "CPUs (= fp32). memory is that VM's RAM, shared by all ranks and the host. 'Offload' "
         "copies host to host (host_link = memcpy rate). Network: 10 Gb/s Ethernet assumed. "
         "Other CPUs differ by 10x either way.",

@@ -101,7 +101,7 @@ def main() -> None:
         for t in run["trials"]
     ]
 
-    points = [Point(c, t) for c, t, _ in measured]
+    points = [Point(c, t, spread) for c, t, spread in measured]
     calibrated = fit_factors(points[:FIRST], predict, prior)
     everything = fit_factors(points, predict, prior)
 

@@ -122,6 +122,30 @@ def test_three_trials_predict_the_other_nine() -> None:
         assert predicted == pytest.approx(model(c, TRUE).step_time_s, rel=0.25), c.label()
 
 
+def test_what_the_noise_cannot_tell_is_not_fitted() -> None:
+    """Trials carry how well their step time is known. Differences from the prior within that
+    noise fit nothing; and where the points cannot tell which factor is off (comm_efficiency
+    fits three exact points best, but within the noise of what compute_efficiency fits), the
+    factor that weighs most in the step is fitted, and no second one."""
+    cands = [c for c in grid() if not c.cpu_offload]
+    three = [cands[0], cands[2], cands[4]]  # FULL_SHARD mbs 1 and 4, SHARD_GRAD_OP mbs 1
+    truth = Factors(compute_efficiency=0.45, comm_efficiency=0.5)
+    exact = [Point(c, model(c, truth).step_time_s) for c in three]
+    assert fit_factors(exact, model, Factors()).fitted[0] == "comm_efficiency"
+    noisy = [Point(p.candidate, p.step_time, spread=0.05) for p in exact]
+    calibration = fit_factors(noisy, model, Factors())
+    assert calibration.fitted == ("compute_efficiency",)
+    assert calibration.factors.comm_efficiency == Factors().comm_efficiency
+    # within 5% of the prior's prediction, each known to 5%: nothing to fit
+    close = [
+        Point(c, model(c, Factors()).step_time_s * wobble, spread=0.05)
+        for c, wobble in zip(three, (1.03, 0.98, 1.04), strict=True)
+    ]
+    assert fit_factors(close, model, Factors()).fitted == ()
+    unknown = [Point(p.candidate, p.step_time) for p in close]  # no spread: fitted as before
+    assert fit_factors(unknown, model, Factors()).fitted != ()
+
+
 def test_factors_stay_within_bounds() -> None:
     # A measurement 1000x slower than anything plausible: the efficiency stops at prior / 100;
     # one 3x faster than the model allows at full efficiency: it stops at its declared le=1.

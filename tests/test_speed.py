@@ -349,6 +349,43 @@ def test_a_small_model_is_bound_by_launching_its_operations(net) -> None:
     )
 
 
+def test_new_tensors_are_counted_per_block(net) -> None:
+    _, flops = net
+    # per sample, fp32: a block's forward returns the Linear's output and the ReLU's; its
+    # backward the ReLU's input gradient, the weight's gradient and the Linear's input gradient
+    assert flops.block_forward_fresh == (2 * 4 * D,) * BLOCKS
+    assert flops.block_backward_fresh == ((2 * D + D * D) * 4,) * BLOCKS
+
+
+def test_cpu_processes_pay_fresh_pages_for_new_tensors_and_gathered_parameters(net) -> None:
+    """CPU trial workers map every large tensor afresh (their fixed mmap threshold): each new
+    tensor of the step, each gathered unit and each reduce-scattered shard is written into new
+    pages. On CPU processes nothing overlaps, so the step grows by exactly those bytes over the
+    rate of fresh pages; GPUs (no rate) pay nothing."""
+    profile, flops = net
+    two = Hardware(gpus_per_node=2, gpu_memory=8 * 2**30)
+    cpu = GPU.model_copy(update={"id": "cpu-gloo", "fresh_page_bandwidth": None})
+    faulting = cpu.model_copy(update={"fresh_page_bandwidth": 1e9})
+    candidate = Candidate(wrap_classes=WRAP, precision="32-true", micro_batch_size=3)
+
+    def step(gpu) -> float:
+        return predict_speed(profile, flops, candidate, two, WorkloadSpec(), EXACT, gpu=gpu)
+
+    new_tensors = 3 * (
+        sum(flops.block_forward_fresh) + sum(flops.block_backward_fresh)
+        + flops.other_forward_fresh + flops.other_backward_fresh
+    )  # fmt: skip
+    # FSDP1 FULL_SHARD, fp32: the root gathered once, each block twice; every unit's gradient
+    # reduce-scattered into a half-size shard (2 ranks)
+    gathered = 4 * (ROOT + 2 * BLOCKS * B)
+    shards = 4 * (ROOT + BLOCKS * B) / 2
+    extra = step(faulting).step_time_s - step(cpu).step_time_s
+    assert extra == pytest.approx((new_tensors + gathered + shards) / 1e9, rel=1e-9)
+    assert new_tensors > 0 and gathered > 0
+    on_gpu = GPU.model_copy(update={"fresh_page_bandwidth": None})
+    assert step(on_gpu).breakdown.compute_s < step(faulting).breakdown.compute_s
+
+
 def test_fp32_runs_at_the_fp32_rate_unless_tf32() -> None:
     h100 = CATALOGUE["h100-sxm"]
     assert dense_flops(h100, "32-true") == h100.fp32_flops  # type: ignore[arg-type]

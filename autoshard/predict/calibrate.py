@@ -20,6 +20,10 @@ Robust with few points:
   near-equals the dominant one, the largest share of the step), at most ``max(1, n - 1)`` with
   n points, and only while each lowers the error clearly: one trial fixes the overall speed
   through one factor, usually the compute efficiency;
+- where the trials say how well their step times are known (the spread of each median), a
+  factor is added only if what it explains stands out of that noise (a likelihood-ratio test:
+  the squared errors over the noise drop by at least 3.84, chi-square's 95% level for one more
+  parameter), and among factors whose fits the noise cannot tell apart, the dominant one;
 - a weak pull towards the prior (ridge on log factors) keeps factors that the points cannot
   tell apart (two terms that always move together) near where they were;
 - every factor stays within sane bounds: those its field declares (``le=1`` on an efficiency)
@@ -57,6 +61,11 @@ from autoshard.space import rank_candidates
 F = TypeVar("F", bound=BaseModel)
 Predict = Callable[[Candidate, F], SpeedEstimate]
 
+# A point's noise is never taken below this (relative): timings repeat no better between trials.
+NOISE_FLOOR = 0.01
+# What one more fitted factor must explain, in squared errors over the points' noise: 3.84 is
+# the 95% level of a chi-square with one degree of freedom (a likelihood-ratio test).
+MIN_CHI2_DROP = 3.84
 MIN_SENSITIVITY = 0.02  # d log(step time) / d log(factor) below this: the points cannot see it
 PRIOR_WEIGHT = 1e-3  # ridge on log factors, against the sum of squared log errors
 MAX_RATIO_TO_PRIOR = 100.0
@@ -68,10 +77,12 @@ NOT_FITTED = frozenset({"overlap"})
 
 @dataclass(frozen=True)
 class Point:
-    """One measured trial: the candidate and its measured seconds per step."""
+    """One measured trial: the candidate, its measured seconds per step, and how well that is
+    known (the relative half-width of the median's 95% interval, 0 where not measured)."""
 
     candidate: Candidate
     step_time: float
+    spread: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -97,7 +108,7 @@ class Calibration(Generic[F]):
 def points_of(trials: Sequence[TrialResult]) -> list[Point]:
     """The successful, timed trials as calibration points."""
     return [
-        Point(t.candidate, t.step_time)
+        Point(t.candidate, t.step_time, t.step_time_spread or 0.0)
         for t in trials
         if t.status is TrialStatus.OK and t.step_time and t.step_time > 0
     ]
@@ -241,6 +252,21 @@ def _solve(
     return theta, cost
 
 
+def _noise(points: Sequence[Point]) -> np.ndarray | None:
+    """Each point's relative noise, or None when some point has no measured spread (then the
+    fit cannot tell what is noise and stops by its improvement alone)."""
+    if not points or any(p.spread <= 0 for p in points):
+        return None
+    return np.array([max(p.spread, NOISE_FLOOR) for p in points])
+
+
+def _chi2(points: Sequence[Point], predict: Predict[F], factors: F, noise: np.ndarray) -> float:
+    """Squared log errors of ``factors``'s predictions, each over its point's noise."""
+    measured = np.array([math.log(p.step_time) for p in points])
+    r = (_log_times(points, predict, factors) - measured) / noise
+    return float(r @ r)
+
+
 def _best_addition(
     points: Sequence[Point],
     predict: Predict[F],
@@ -248,13 +274,20 @@ def _best_addition(
     chosen: Sequence[str],
     options: Sequence[tuple[str, ...]],
     iterations: int,
+    noise: np.ndarray | None = None,
 ) -> tuple[tuple[str, ...], np.ndarray, float]:
     """The option (factors to add) that fits best: (factors, log factors, cost). Options come
-    dominant-first; the first within 5% of the best wins."""
+    dominant-first; the first whose fit the best one's cannot be told from wins: within 5% of
+    its cost, or, where the points' noise is known, within MIN_CHI2_DROP of its chi2 (then the
+    points cannot say which factor is off, and the one that weighs most in the step is the
+    likeliest)."""
     tries = [(added, *_solve(points, predict, prior, [*chosen, *added], iterations))
              for added in options]  # fmt: skip
     least = min(c for _, _, c in tries)
-    return next(x for x in tries if x[2] <= least * 1.05 + 1e-15)
+    if noise is None:
+        return next(x for x in tries if x[2] <= least * 1.05 + 1e-15)
+    chi2 = [_chi2(points, predict, _with(prior, [*chosen, *a], t), noise) for a, t, _ in tries]
+    return next(x for x, c in zip(tries, chi2, strict=True) if c <= min(chi2) + MIN_CHI2_DROP)
 
 
 def fit_factors(
@@ -271,9 +304,11 @@ def fit_factors(
     ``prior`` but NOT_FITTED). Factors are added one at a time (forward selection): each round
     adds the one that lowers the squared log error most (among near-equals, the dominant one),
     up to ``max(1, n - 1)`` factors, and stops when the next would lower it by less than a
-    fifth (the points cannot tell it from noise). A round where no single factor helps tries
-    pairs: two terms can pull in opposite directions (faster compute and slower collectives
-    both, measured on 12 CPU trials), where either alone makes some points worse.
+    fifth, or, for points with a measured ``spread``, explain less than their noise (then
+    among near-equals by that noise, the dominant factor is the one added). A round where no
+    single factor helps tries pairs: two terms can pull in opposite directions (faster compute
+    and slower collectives both, measured on 12 CPU trials), where either alone makes some
+    points worse.
     """
     points = tuple(points)
     before = [math.exp(v) for v in _log_times(points, predict, prior)] if points else []
@@ -281,15 +316,27 @@ def fit_factors(
     chosen: list[str] = []
     theta = np.zeros(0)
     _, cost = _solve(points, predict, prior, chosen, iterations) if points else (theta, 0.0)
+    noise = _noise(points)
+    chi2 = _chi2(points, predict, prior, noise) if noise is not None else math.inf
     limit = max(1, len(points) - 1)
     while pool and len(chosen) < limit and cost > 1e-12:
-        step = _best_addition(points, predict, prior, chosen, [(n,) for n in pool], iterations)
+        singles = [(n,) for n in pool]
+        step = _best_addition(points, predict, prior, chosen, singles, iterations, noise)
         if step[2] > 0.8 * cost and len(chosen) + 2 <= limit and len(pool) >= 2:
             pairs = [(a, b) for i, a in enumerate(pool) for b in pool[i + 1 :]]
-            step = _best_addition(points, predict, prior, chosen, pairs, iterations)
+            step = _best_addition(points, predict, prior, chosen, pairs, iterations, noise)
         added, t, c = step
         if c > 0.8 * cost:
             break
+        if noise is not None:
+            # What it explains must stand out of the points' noise; fitting noise moves
+            # factors the untried candidates depend on (three CPU trials at one micro-batch,
+            # each known to 3-5%, moved the collective latency to fit their 4% differences,
+            # and the model then missed per-block trials at micro-batch 1 by 27%).
+            explained = _chi2(points, predict, _with(prior, [*chosen, *added], t), noise)
+            if chi2 - explained < MIN_CHI2_DROP * len(added):
+                break
+            chi2 = explained
         chosen.extend(added)
         pool = [n for n in pool if n not in added]
         theta, cost = t, c

@@ -108,6 +108,16 @@ class FlopProfile(BaseModel):
     )
     other_forward_attention: int = Field(0, description="The same outside the blocks, forward.")
     other_backward_attention: int = Field(0, description="The same outside the blocks, backward.")
+    block_forward_fresh: tuple[int, ...] = Field(
+        (),
+        description="Bytes of the new tensors each block's forward allocates (every operation's "
+        "outputs, in fp32): what a process that maps its tensors afresh pays page faults for.",
+    )
+    block_backward_fresh: tuple[int, ...] = Field(
+        (), description="The same for each block's backward."
+    )
+    other_forward_fresh: int = Field(0, description="The same outside the blocks, forward.")
+    other_backward_fresh: int = Field(0, description="The same outside the blocks, backward.")
     measured: bool = Field(True, description="False when estimated as 6 x parameters x tokens.")
     note: str = Field("", description="Why the FLOPs were estimated, when they were.")
 
@@ -182,14 +192,16 @@ _CPU_ATTENTION = {
 
 
 class _Traffic(TorchDispatchMode):
-    """Operations that run a kernel (not views), and the bytes read and written by those that
-    are not matrix products or attention: each input tensor once and each output, as an eager
-    kernel moves them through memory. Allocating (``empty``) moves nothing."""
+    """Operations that run a kernel (not views), the bytes read and written by those that are
+    not matrix products or attention (each input tensor once and each output, as an eager
+    kernel moves them through memory; allocating, ``empty``, moves nothing), and the bytes of
+    new tensors every operation (matrix products too) returns."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes = 0
         self.ops = 0
+        self.fresh = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -207,9 +219,10 @@ class _Traffic(TorchDispatchMode):
         if not in_place and any(t.untyped_storage()._cdata in storages for t in outs):
             return out  # a view of an input
         self.ops += 1
+        written = 0 if in_place else sum(_nbytes(t) for t in outs)
+        self.fresh += written
         if packet in _COMPUTE_BOUND:
             return out
-        written = 0 if in_place else sum(_nbytes(t) for t in outs)
         if name in ("embedding", "index_select"):  # reads the rows it returns, not the table
             read = written + sum(_nbytes(t) for t in ins.values() if not t.is_floating_point())
         elif name.endswith("_like"):  # zeros_like, ones_like...: the input gives a shape only
@@ -238,6 +251,7 @@ class _Counts(NamedTuple):
     traffic: int
     ops: int
     attention: int = 0  # the part of ``flops`` that is fused attention
+    fresh: int = 0  # bytes of the new tensors the operations return
 
     def __sub__(self, other: tuple[int, ...]) -> _Counts:
         return _Counts(*(a - b for a, b in zip(self, other, strict=True)))
@@ -254,7 +268,11 @@ class _Counter:
         by_op = self.flop_counter.get_flop_counts().get("Global", {})
         attention = sum(n for op, n in by_op.items() if op in _ATTENTION)
         return _Counts(
-            self.flop_counter.get_total_flops(), self.traffic.bytes, self.traffic.ops, attention
+            self.flop_counter.get_total_flops(),
+            self.traffic.bytes,
+            self.traffic.ops,
+            attention,
+            self.traffic.fresh,
         )
 
     def __enter__(self) -> _Counter:
@@ -314,7 +332,7 @@ def _backward(output: Any, counter: _Counter | None = None) -> _Counts:
     counter's totals once the seeds are made, so that they are not counted as backward work."""
     outs = _float_outputs(output)
     seeds = [torch.ones_like(t) for t in outs]
-    before = counter.totals() if counter is not None else _Counts(0, 0, 0, 0)
+    before = counter.totals() if counter is not None else _Counts(0, 0, 0)
     if outs:
         torch.autograd.backward(outs, seeds)
     return before
@@ -387,7 +405,7 @@ def _count(
         batch = move_to(batch, torch.device("cpu"))
 
     counter = _Counter()
-    forward_counts: list[_Counts] = [_Counts(0, 0, 0, 0)] * len(blocks)
+    forward_counts: list[_Counts] = [_Counts(0, 0, 0)] * len(blocks)
     # (signature, input shapes) -> (the block, fresh inputs, output template, forward counts)
     distinct: dict[Any, tuple[nn.Module, Any, Any, _Counts]] = {}
     keys: list[Any] = [None] * len(blocks)
@@ -433,9 +451,7 @@ def _count(
     if blocks and any(k is None for k in keys):
         raise RuntimeError("some blocks did not run in the model's forward")
     once = [d[3] for d in distinct.values()]  # each distinct block ran once in the model
-    blocks_once = (
-        _Counts(*(sum(c) for c in zip(*once, strict=True))) if once else _Counts(0, 0, 0, 0)
-    )
+    blocks_once = _Counts(*(sum(c) for c in zip(*once, strict=True))) if once else _Counts(0, 0, 0)
     other_forward = forward_total - blocks_once
     other_backward = total - forward_total  # the blocks' backward stood in: nothing counted
     backward_counts = [backward_of[k] for k in keys]
@@ -457,6 +473,10 @@ def _count(
         block_backward_attention=tuple(c.attention for c in backward_counts),
         other_forward_attention=other_forward.attention,
         other_backward_attention=other_backward.attention,
+        block_forward_fresh=tuple(c.fresh for c in forward_counts),
+        block_backward_fresh=tuple(c.fresh for c in backward_counts),
+        other_forward_fresh=other_forward.fresh,
+        other_backward_fresh=other_backward.fresh,
     )
 
 

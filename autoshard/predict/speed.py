@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import os
 import time
 from collections.abc import Sequence
@@ -171,13 +172,18 @@ def default_factors(gpu: GPUSpec) -> SpeedFactors:
     # Profiled here (torch.profiler, the tiny GPT's fp32 step on one thread, the machine
     # otherwise idle): its matrix products ran at 130 GFLOP/s against the 256 x 256 product's
     # 185, and torch's CPU AdamW streamed its 20 passes at 14 GB/s against a 54 GB/s copy.
-    # A 4 KB all-gather between 2 gloo processes took 1.2 ms of wall time, a 4 KB
-    # reduce-scatter 0.4 ms; CPU trials time CPU seconds (autoshard.trials.worker.time_steps),
-    # and in those a 1 KB all-gather cost 0.075 ms.
+    # A collective's fixed cost is FSDP's per unit, not gloo's: CPU trials time CPU seconds
+    # (autoshard.trials.worker.time_steps), in which a bare 1 KB gloo all-gather costs 0.075 ms,
+    # but each FSDP1 unit of a stack of Linear(64, 64) layers (2 ranks, batch 1) costs a step
+    # 2.1-2.7 ms under FULL_SHARD and 1.5-2.0 under SHARD_GRAD_OP: 0.7-1.0 ms per collective
+    # (hooks, flat-parameter views, the gloo calls and their copies; benchmarks/
+    # cpu_gloo_probe.py, results/cpu_gloo_probe.txt). With the bare gloo call's 0.1 ms, three
+    # CPU trials at one micro-batch could not tell it from compute, and the calibrated model
+    # missed per-block micro-batch 1 trials by 27-36% (benchmarks/speed_calibration_cpu.py).
     return SpeedFactors(
         compute_efficiency=0.7,
         memory_efficiency=0.25,
-        collective_latency_s=1e-4,
+        collective_latency_s=8e-4,
         overlap=0.0,
         op_overhead_s=_measure_cpu()[3],
     )
@@ -257,7 +263,7 @@ def detected_gpu() -> str | None:
 def measured_cpu(ranks: int = 1) -> GPUSpec:
     """The ``cpu-gloo`` entry with this CPU's speeds, as one of ``ranks`` one-thread processes
     sharing the machine's cores sees them (more ranks than cores share them)."""
-    flops32, flops16, bandwidth, _ = _measure_cpu()
+    flops32, flops16, bandwidth, _, fresh = _measure_cpu()
     # A bare bf16 product can outrun fp32 (AMX: 3.6x here), but a bf16-autocast step casts
     # every weight and activation (1,068 copies in the tiny GPT's step) and ran 25% slower than
     # its fp32 step here: bf16 is given no more than the fp32 rate.
@@ -272,15 +278,16 @@ def measured_cpu(ranks: int = 1) -> GPUSpec:
             "fp16_flops": flops16 * share,
             "hbm_bandwidth": bandwidth * share,
             "host_link_bandwidth": bandwidth * share,
+            "fresh_page_bandwidth": fresh * share,
         }
     )
 
 
 @functools.cache
-def _measure_cpu() -> tuple[float, float, float, float]:
+def _measure_cpu() -> tuple[float, float, float, float, float]:
     """(fp32 matmul FLOP/s, bf16 matmul FLOP/s, copy bytes/s, seconds to issue one small
-    operation) of one thread, as the trial workers run (OMP_NUM_THREADS=1). The best of a few
-    repeats: other processes only slow it."""
+    operation, bytes/s written into freshly mapped pages) of one thread, as the trial workers
+    run (OMP_NUM_THREADS=1). The best of a few repeats: other processes only slow it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -307,11 +314,17 @@ def _measure_cpu() -> tuple[float, float, float, float]:
             for _ in range(200):
                 one.add(one)
 
+        def fresh_pages() -> None:
+            # what a tensor above a fixed mmap threshold costs: a new mapping, written
+            pages = mmap.mmap(-1, src.numel())
+            torch.frombuffer(pages, dtype=torch.uint8).fill_(1)
+
         return (
             rate(lambda: torch.mm(a32, b32), 2 * n**3),
             rate(lambda: torch.mm(a16, b16), 2 * n**3),
             rate(lambda: dst.copy_(src), 2 * src.numel()),  # read and write
             1 / rate(small_ops, 200),
+            rate(fresh_pages, src.numel()),
         )
     finally:
         torch.set_num_threads(threads)
@@ -361,6 +374,9 @@ class _Collectives:
         factors: SpeedFactors,
     ) -> None:
         self.latency = factors.collective_latency_s
+        # FSDP gathers into a new tensor and reduce-scatters into a new shard; where memory is
+        # mapped afresh (CPU trial workers), their pages fault in as the collective writes them.
+        self.fresh_page = gpu.fresh_page_bandwidth
         gpn, world = hardware.gpus_per_node, hardware.world_size
         _, cb = _element_bytes(candidate)
         self.gather_bytes = cb
@@ -389,15 +405,20 @@ class _Collectives:
             return 0.0
         return self.latency + factor * (size - 1) / size * nbytes / bandwidth
 
+    def _new_output(self, nbytes: float) -> float:
+        return nbytes / self.fresh_page if self.fresh_page and self.shard > 1 else 0.0
+
     def all_gather(self, params: float) -> float:
         """Gather a unit's parameters in the compute dtype from its shard group."""
-        return self._ring(params * self.gather_bytes, self.shard, self.shard_bw)
+        nbytes = params * self.gather_bytes
+        return self._ring(nbytes, self.shard, self.shard_bw) + self._new_output(nbytes)
 
     def reduce(self, params: float) -> float:
         """Reduce a unit's gradients: reduce-scatter in the shard group, then all-reduce of the
-        shard across replicas (HYBRID_SHARD), or one all-reduce (NO_SHARD)."""
+        shard across replicas (HYBRID_SHARD), or one all-reduce (NO_SHARD, in place)."""
         nbytes = params * self.reduce_bytes
         scatter = self._ring(nbytes, self.shard, self.shard_bw)
+        scatter += self._new_output(nbytes / self.shard)
         across = self._ring(nbytes / self.shard, self.replicas, self.replica_bw, factor=2.0)
         return scatter + across
 
@@ -492,23 +513,28 @@ def checkpointed(candidate: Candidate, blocks: int) -> list[bool]:
 class _Work:
     """Seconds of a piece of one micro-batch's work on the device: its matrix-product FLOPs (per
     profiled sample) over the matrix rate, its fused-attention FLOPs over the attention rate,
-    its memory traffic over the memory rate, and launching its operations. A GPU runs the
-    kernels while the host launches the next ones, so the piece takes the longer of the two (a
-    small model is launch-bound); a CPU does both in turn."""
+    its memory traffic over the memory rate, the new tensors it writes over the rate of fresh
+    pages (where memory is not reused: CPU trial processes), and launching its operations. A
+    GPU runs the kernels while the host launches the next ones, so the piece takes the longer
+    of the two (a small model is launch-bound); a CPU does both in turn."""
 
     def __init__(
         self, flop_s: float, attention_s: float, byte_s: float, op_s: float, *,
-        host_is_device: bool,
+        host_is_device: bool, fresh_s: float | None = None,
     ):  # fmt: skip
         self.flop_s, self.attention_s = flop_s, attention_s
-        self.byte_s, self.op_s = byte_s, op_s
+        self.byte_s, self.op_s, self.fresh_s = byte_s, op_s, fresh_s
         self.host_is_device = host_is_device
 
-    def seconds(self, flops: float, attention: float, traffic: float, ops: float) -> float:
+    def seconds(
+        self, flops: float, attention: float, traffic: float, ops: float, fresh: float = 0.0
+    ) -> float:
         """``attention``: the part of ``flops`` that is fused attention."""
         device = (
             (flops - attention) / self.flop_s + attention / self.attention_s + traffic / self.byte_s
         )
+        if self.fresh_s:
+            device += fresh / self.fresh_s
         host = ops * self.op_s
         return device + host if self.host_is_device else max(device, host)
 
@@ -526,22 +552,24 @@ def _block_seconds(
     block count."""
     n = len(flops.block_forward)
     fwd = [
-        work.seconds(f, a, t, o)
-        for f, a, t, o in zip(
+        work.seconds(*piece)
+        for piece in zip(
             flops.block_forward,
             _pad(flops.block_forward_attention, n),
             _pad(flops.block_forward_traffic, n),
             _pad(flops.block_forward_ops, n),
+            _pad(flops.block_forward_fresh, n),
             strict=True,
         )
     ]
     bwd = [
-        work.seconds(f, a, t, o)
-        for f, a, t, o in zip(
+        work.seconds(*piece)
+        for piece in zip(
             flops.block_backward,
             _pad(flops.block_backward_attention, n),
             _pad(flops.block_backward_traffic, n),
             _pad(flops.block_backward_ops, n),
+            _pad(flops.block_backward_fresh, n),
             strict=True,
         )
     ]
@@ -610,9 +638,13 @@ def predict_speed(
     byte_s = gpu.hbm_bandwidth * factors.memory_efficiency * 4 / cb / mbs
     comm = _Collectives(candidate, hardware, gpu, factors)
 
+    # New tensors (the profile counts fp32; on CPUs bf16 no cheaper, as above), each written
+    # into fresh pages where the process maps them afresh (CPU trial workers).
+    fresh_s = gpu.fresh_page_bandwidth * 4 / cb / mbs if gpu.fresh_page_bandwidth else None
     work = _Work(
-        flop_s, attention_s, byte_s, factors.op_overhead_s, host_is_device=gpu.id == "cpu-gloo"
-    )
+        flop_s, attention_s, byte_s, factors.op_overhead_s,
+        host_is_device=gpu.id == "cpu-gloo", fresh_s=fresh_s,
+    )  # fmt: skip
     fwd, bwd = _block_seconds(profile, flops, work)
     blocks = len(fwd)
     recompute = [f if c else 0.0 for f, c in zip(fwd, checkpointed(candidate, blocks), strict=True)]
@@ -621,12 +653,14 @@ def predict_speed(
         flops.other_forward_attention,
         flops.other_forward_traffic,
         flops.other_forward_ops,
+        flops.other_forward_fresh,
     )
     other_bwd = work.seconds(
         flops.other_backward,
         flops.other_backward_attention,
         flops.other_backward_traffic,
         flops.other_backward_ops,
+        flops.other_backward_fresh,
     )
     params = float(profile.total_params)
     block_params = float(profile.block_params) if blocks else 0.0
