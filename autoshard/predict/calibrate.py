@@ -253,8 +253,9 @@ def _solve(
 
 
 def _noise(points: Sequence[Point]) -> np.ndarray | None:
-    """Each point's relative noise, or None when some point has no measured spread (then the
-    fit cannot tell what is noise and stops by its improvement alone)."""
+    """Each point's relative noise: its spread, the half-width of a 95% interval (about two
+    standard errors, so a cautious scale), or None when some point has no measured spread
+    (then the fit cannot tell what is noise and stops by its improvement alone)."""
     if not points or any(p.spread <= 0 for p in points):
         return None
     return np.array([max(p.spread, NOISE_FLOOR) for p in points])

@@ -111,7 +111,8 @@ class FlopProfile(BaseModel):
     block_forward_fresh: tuple[int, ...] = Field(
         (),
         description="Bytes of the new tensors each block's forward allocates (every operation's "
-        "outputs, in fp32): what a process that maps its tensors afresh pays page faults for.",
+        "outputs, in fp32): what a process that maps its tensors afresh pays page faults for "
+        "(CPU trial workers map those above 128 KiB so, which hold most of the bytes).",
     )
     block_backward_fresh: tuple[int, ...] = Field(
         (), description="The same for each block's backward."
