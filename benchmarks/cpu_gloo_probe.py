@@ -45,20 +45,6 @@ def copy_bandwidth(nbytes: int = 64 * 2**20, reps: int = 5) -> float:
     return nbytes * reps / (time.perf_counter() - start)
 
 
-def fresh_page_bandwidth(nbytes: int = 16 * 2**20, reps: int = 5) -> float:
-    """Bytes/s written into a new anonymous mapping (each page faults in, zeroed, first): what a
-    tensor above the workers' fixed mmap threshold costs when it is created."""
-    import mmap
-
-    best = float("inf")
-    for _ in range(reps):
-        start = time.thread_time()
-        pages = mmap.mmap(-1, nbytes)
-        torch.frombuffer(pages, dtype=torch.uint8).fill_(1)
-        best = min(best, time.thread_time() - start)
-    return nbytes / best
-
-
 def _all_gather(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -143,7 +129,11 @@ def main() -> None:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         print(f"matmul {dtype!s:15s} {matmul_flops(dtype, reps=3) / 1e9:8.0f} GFLOP/s")
     print(f"memcpy {copy_bandwidth() / 1e9:.1f} GB/s")
-    print(f"fresh pages (mmap, then written) {fresh_page_bandwidth() / 1e9:.1f} GB/s")
+    # the rate the step-time model uses, probed as it probes it at run time
+    from autoshard.predict.speed import measured_cpu
+
+    fresh = measured_cpu().fresh_page_bandwidth or 0.0
+    print(f"fresh pages (mmap, then written) {fresh / 1e9:.1f} GB/s")
     # The ranks run as autoshard's CPU trial workers do (autoshard.trials.group: their resident
     # set measures live tensors with glibc's mmap threshold fixed at 128 KiB).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
