@@ -172,7 +172,7 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
     ckpt, note = checkpointing(record, profile.checkpoint_policy)
     hybrid = record["sharding"] == "HYBRID_SHARD"
     candidate = Candidate(
-        engine="fsdp2" if record["engine"].startswith("fsdp2") else "fsdp1",
+        engine="fsdp2" if record["engine"].startswith(("fsdp2", "none")) else "fsdp1",
         wrap_classes=profile.wrap_policy,
         sharding=record["sharding"],
         hybrid_mesh=(record["nodes"], record["gpus_per_node"]) if hybrid else None,

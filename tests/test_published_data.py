@@ -1,4 +1,5 @@
-"""benchmarks/data/published_fsdp.json: complete, internally consistent, transcribed right.
+"""benchmarks/data/published_fsdp.json: complete, internally consistent, transcribed right;
+and the benchmark's split of it into a fitting and a held-out set, fixed and stable.
 
 The MFU check recomputes each published MFU from the record's own model, throughput and the
 catalogue's peak: a digit typed wrong in a throughput, a parameter count or a GPU id shows up as
@@ -6,16 +7,21 @@ an MFU that no longer matches the source's."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
-from autoshard.config import Sharding
+from autoshard.config import Candidate, Optimizer, Sharding
 from autoshard.gpus import CATALOGUE
 
-DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_fsdp.json"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+DATA = BENCHMARKS / "data" / "published_fsdp.json"
+EFFECTS = BENCHMARKS / "data" / "published_compile_float8.json"
 GROUPS: list[dict[str, Any]] = json.loads(DATA.read_text())["groups"]
 RECORDS = [(group, record) for group in GROUPS for record in group["records"]]
 IDS = [record["id"] for _, record in RECORDS]
@@ -25,10 +31,30 @@ MODEL_KEYS = {
 }  # fmt: skip
 
 
+def _benchmark() -> ModuleType:
+    """benchmarks/step_time_published.py as a module (it imports results_file beside it)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "step_time_published", BENCHMARKS / "step_time_published.py"
+        )
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+BENCHMARK = _benchmark()
+SOURCES = sorted({group["source"] for group in GROUPS})
+
+
 def test_sources_are_cited_and_grouped() -> None:
     assert len(IDS) == len(set(IDS)), "record ids must be unique"
     assert len({group["id"] for group in GROUPS}) == len(GROUPS)
     for group in GROUPS:
+        assert group["source"], "every group names the document it comes from"
         assert group["url"].startswith("https://") and group["title"] and group["where"]
         assert group["order"] and group["varies"] and group["records"]
         assert group["complete"] or group["missing"]
@@ -47,8 +73,15 @@ def test_record_is_complete_and_consistent(group: dict[str, Any], record: dict[s
     assert record["nodes"] * record["gpus_per_node"] == record["gpus"]
     assert record["throughput"]["tokens_per_s_per_gpu"] > 0
     assert record["activation_checkpointing"] and record["precision"] and record["engine"]
-    # FSDP1's backward prefetch decides whether backward all-gathers hide; FSDP2 has no setting
-    if record["engine"].startswith("fsdp2"):
+    assert isinstance(record["compile"], bool) and isinstance(record["cpu_offload"], bool)
+    assert record["float8"] is None or record["float8"]
+    assert record["optimizer"] in {o.value for o in Optimizer}
+    if record["memory"] is not None:  # published memory: a value, a unit, what it measures
+        assert record["memory"]["value"] > 0 and record["memory"]["what"]
+        assert record["memory"]["unit"] in {"GiB", "GB", "MB", "MiB"}
+    # FSDP1's backward prefetch decides whether backward all-gathers hide; FSDP2 (and one GPU
+    # without an FSDP wrapper) has no setting
+    if record["engine"].startswith(("fsdp2", "none")):
         assert record["backward_prefetch"] is None
     else:
         assert record["backward_prefetch"] in {"BACKWARD_PRE", "BACKWARD_POST", "NONE"}
@@ -63,6 +96,91 @@ def test_record_is_complete_and_consistent(group: dict[str, Any], record: dict[s
         assert (record["inter_node"] is None) == (record["nodes"] == 1)
     if record["sharding"] == "HYBRID_SHARD":
         assert record["nodes"] > 1, "HSDP on one node is FULL_SHARD"
+    if record["engine"].startswith("none"):
+        assert record["gpus"] == 1, "only a one-GPU run may have no FSDP wrapper"
+
+
+@pytest.mark.parametrize(("group", "record"), RECORDS, ids=IDS)
+def test_every_record_is_plannable_or_says_why_not(
+    group: dict[str, Any], record: dict[str, Any]
+) -> None:
+    """The benchmark plans a record, or names what the candidate space lacks for it: nothing
+    is dropped silently. A plannable record's fields make a valid Candidate."""
+    why = BENCHMARK.unplannable(record)
+    assert set(why) <= {"compile", "float8", "selective"}
+    assert ("compile" in why) == record["compile"]
+    assert ("float8" in why) == bool(record["float8"])
+    assert ("selective" in why) == BENCHMARK.is_selective_op(record["activation_checkpointing"])
+    if not why:
+        hybrid = record["sharding"] == "HYBRID_SHARD"
+        Candidate(
+            sharding=record["sharding"],
+            hybrid_mesh=(record["nodes"], record["gpus_per_node"]) if hybrid else None,
+            cpu_offload=record["cpu_offload"],
+            optimizer=record["optimizer"],
+            micro_batch_size=record["micro_batch_size"],
+        )
+
+
+def test_the_split_is_fixed_by_the_source_id() -> None:
+    """Same id, same set, whatever else changes; the documents the model was built on are
+    fitting; any other falls by sha256(id) mod 3 (values computed by hand below)."""
+    split = BENCHMARK.split
+    for source in BENCHMARK.BUILT_ON:
+        assert split(source) == "fitting"
+    # sha256 mod 3 of these ids: 0, 0, 1, 2 (hashlib, computed once and written here)
+    assert split("lightning-docs-fsdp-trainer-guide") == "held-out"
+    assert split("kempnerforge-mfu-scaling-report") == "held-out"
+    assert split("lightning-docs-fsdp-fabric-guide") == "fitting"
+    assert split("torchtitan-benchmarks-trainy-h200-202506") == "fitting"
+    assert [split(s) for s in SOURCES] == [split(s) for s in SOURCES]  # no state, no order
+
+
+def test_a_document_the_model_was_built_on_stays_fitting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Used is used: a built-on document whose hash would hold it out is still fitting."""
+    assert BENCHMARK.split("lightning-docs-fsdp-trainer-guide") == "held-out"
+    monkeypatch.setattr(BENCHMARK, "BUILT_ON", frozenset({"lightning-docs-fsdp-trainer-guide"}))
+    assert BENCHMARK.split("lightning-docs-fsdp-trainer-guide") == "fitting"
+
+
+def test_no_source_in_both_sets_and_both_sets_plannable() -> None:
+    sets_of: dict[str, set[str]] = {}
+    for group in GROUPS:
+        sets_of.setdefault(group["source"], set()).add(BENCHMARK.split(group["source"]))
+    assert all(len(sets) == 1 for sets in sets_of.values())
+    # every group of a document shares its set: the split is by document, not by group
+    plannable = {
+        name: [r for g, r in RECORDS if BENCHMARK.split(g["source"]) == name
+               and not BENCHMARK.unplannable(r)]
+        for name in ("fitting", "held-out")
+    }  # fmt: skip
+    assert plannable["held-out"] and plannable["fitting"]
+    # the documents the model was built and checked on are all in the data, and fitting
+    assert set(SOURCES) >= BENCHMARK.BUILT_ON
+
+
+def test_effect_sizes_are_cited_and_their_ratios_computed_right() -> None:
+    effects = json.loads(EFFECTS.read_text())["effects"]
+    assert {e["id"] for e in effects} >= {"torchtitan-h100-llama3.1-8b-g8"}
+    for effect in effects:
+        assert effect["url"].startswith("https://") and effect["where"]
+        for kind in ("compile", "float8"):
+            for pair in _pairs(effect.get(kind)):
+                assert pair["ratio"] == pytest.approx(pair["with"] / pair["baseline"], abs=1e-4)
+    # the torchtitan table, as published: 5762 -> 6667 -> 8532 tokens/s/GPU on 8 H100
+    tt = next(e for e in effects if e["id"] == "torchtitan-h100-llama3.1-8b-g8")
+    assert (tt["compile"]["speed"]["baseline"], tt["compile"]["speed"]["with"]) == (5762, 6667)
+    assert tt["float8"]["speed"]["with"] == 8532
+
+
+def _pairs(effect: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if not effect:
+        return []
+    found = [v for v in effect.values() if isinstance(v, dict) and "baseline" in v]
+    for value in effect.values():
+        if isinstance(value, list):
+            found += [v for v in value if "baseline" in v]
+    return found
 
 
 @pytest.mark.parametrize(
