@@ -257,21 +257,32 @@ def accelerate_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
         "use_cpu": False,
         "fsdp_config": fsdp,
     }
-    if c.hybrid_mesh is not None:
-        if c.engine is Engine.FSDP2:
-            config["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": c.hybrid_mesh[0],
-                "parallelism_config_dp_shard_size": c.hybrid_mesh[1],
-            }
-        else:
-            notes.append(
-                f"HYBRID_SHARD shards within groups of {c.hybrid_mesh[1]} ranks (accelerate "
-                "builds the node-sized groups itself)"
-            )
+    if c.hybrid_mesh is not None and c.engine is Engine.FSDP2:
+        config["parallelism_config"] = {
+            "parallelism_config_dp_replicate_size": c.hybrid_mesh[0],
+            "parallelism_config_dp_shard_size": c.hybrid_mesh[1],
+        }
+    notes.extend(_fsdp1_hybrid_notes(rec, "accelerate"))
     notes.extend(_accelerate_notes(c, "accelerate"))
     if not c.limit_all_gathers:
         notes.append("set fsdp_plugin.limit_all_gathers = False in code (no config key)")
     return config, notes
+
+
+def _fsdp1_hybrid_notes(rec: Decision, stack: str) -> list[str]:
+    """FSDP1's HYBRID_SHARD in accelerate shards within each node, a group that no key
+    changes: said, with what to do where autoshard chose other groups."""
+    c = rec.chosen.candidate
+    if c.engine is not Engine.FSDP1 or c.hybrid_mesh is None:
+        return []
+    per_node = rec.hardware.gpus_per_node
+    if c.hybrid_mesh[1] == per_node:
+        return [f"HYBRID_SHARD shards within each node ({per_node} ranks), as {stack} does"]
+    return [
+        f"{stack}'s HYBRID_SHARD shards within each node ({per_node} ranks); autoshard chose "
+        f"groups of {c.hybrid_mesh[1]} (mesh {c.hybrid_mesh[0]} x {c.hybrid_mesh[1]}), which "
+        f"{stack} has no setting for: rec.apply(model) applies it"
+    ]
 
 
 def _accelerate_notes(c: Candidate, stack: str) -> list[str]:
@@ -371,6 +382,7 @@ def hf_trainer_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
         fsdp["use_orig_params"] = True
         fsdp["sync_module_states"] = True
         fsdp["limit_all_gathers"] = c.limit_all_gathers
+        notes.extend(_fsdp1_hybrid_notes(rec, "the Hugging Face Trainer"))
     fsdp["cpu_offload"] = c.cpu_offload
     # FSDP's own checkpointing: the Trainer's activation_checkpointing (gradient_checkpointing)
     # argument would add an all-gather in backward (transformers' own advice).
