@@ -74,4 +74,10 @@ class HandoverNotice(UserWarning):
     """One line about what autoshard hands to the user's stack: what ``rec.apply(model)``
     applied, on which device (each rank's CUDA device, or the CPU with gloo) and where that
     differs from the plan; or a setting a stack cannot express as chosen, with the closest
-    faithful setting used instead."""
+    faithful setting used instead. A warning: ``warnings.simplefilter("error", HandoverNotice)``
+    makes each one an exception.
+
+    >>> import autoshard
+    >>> issubclass(autoshard.HandoverNotice, UserWarning)
+    True
+    """

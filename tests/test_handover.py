@@ -221,14 +221,31 @@ def check_lightning_cli(yaml_path: str, rec_path: str) -> dict[str, Any]:
     return out
 
 
+def check_readme(script: str) -> dict[str, Any]:
+    """The README's training script, run as written (it starts the process group itself)."""
+    import autoshard
+
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(Path(script).read_text(), script, "exec"), namespace)
+    out = structure(namespace["model"])
+    out["loss"] = namespace["loss"].item()
+    out["notice"] = [str(w.message) for w in caught if w.category is autoshard.HandoverNotice]
+    return out
+
+
 def main() -> None:
     import torch.distributed as dist
 
     from autoshard.trials.worker import exit_worker
 
-    dist.init_process_group("gloo")
     jobs = json.loads(Path(sys.argv[2]).read_text())
     out: dict[str, Any] = {}
+    if "readme" in jobs:  # first: it initialises the process group as a user's script does
+        out["readme"] = check_readme(jobs.pop("readme")[1])
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     for name, (kind, *paths) in jobs.items():
         check = {"apply": check_apply, "fabric": check_fabric, "cli": check_lightning_cli}[kind]
         out[name] = check(*paths)
@@ -255,6 +272,14 @@ def run_two_ranks(tmp_path: Path, jobs: dict[str, list[str]]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # The recommendations handed over
 # ---------------------------------------------------------------------------------------------
+
+
+def readme_script() -> str:
+    """The README's whole training script (the python block that calls ``rec.apply``)."""
+    text = (ROOT / "README.md").read_text()
+    blocks = [b.split("```")[0] for b in text.split("```python\n")[1:]]
+    (script,) = [b for b in blocks if "torchrun" in b and "rec.apply(" in b]
+    return script
 
 
 def only_with_checkpointing() -> tuple[Any, Any]:
@@ -306,7 +331,7 @@ def recs() -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_what_autoshard_hands_over_trains_on_two_gloo_processes(tmp_path: Path) -> None:
-    """One launch, five checks: rec.apply for FSDP1 (every 2nd block checkpointed) and FSDP2
+    """One launch, six checks: the README's script; rec.apply for FSDP1 (every 2nd block checkpointed) and FSDP2
     (HYBRID_SHARD mesh, every block), a recommendation that fits only with checkpointing,
     Fabric with the FSDP2 strategy, and LightningCLI with the exported YAML."""
     tight, without = only_with_checkpointing()
@@ -320,7 +345,12 @@ def test_what_autoshard_hands_over_trains_on_two_gloo_processes(tmp_path: Path) 
     lightning_yaml = recs()["fsdp2 every 2"].to_yaml("lightning")
     assert 'rec = autoshard.load("autoshard-out")' in lightning_yaml
     yaml_path.write_text(lightning_yaml)
+    # The README's script, next to the autoshard-out/ folder it loads.
+    (tmp_path / "autoshard-out").mkdir()
+    (tmp_path / "autoshard-out" / "recommendation.json").write_text(tight.to_yaml("json"))
+    (tmp_path / "train.py").write_text(readme_script())
     jobs = {
+        "readme": ["readme", str(tmp_path / "train.py")],
         "fsdp1 every 2": ["apply", paths["fsdp1 every 2"]],
         "fsdp2 hybrid ckpt": ["apply", paths["fsdp2 hybrid ckpt"]],
         "fits only with ckpt": ["apply", paths["fits only with ckpt"] + "/recommendation.json"],
@@ -330,6 +360,9 @@ def test_what_autoshard_hands_over_trains_on_two_gloo_processes(tmp_path: Path) 
     out = run_two_ranks(tmp_path, jobs)
     # Fits only with checkpointing: apply checkpoints every block, and what autograd keeps for
     # backward is what the estimate budgets, far below what the uncheckpointed model keeps.
+    readme = out["readme"]
+    assert readme["fsdp1 units"] == 5 and readme["checkpointed blocks"] == [0, 1, 2, 3]
+    assert math.isfinite(readme["loss"]) and "ckpt mbs16" in readme["notice"][0]
     tight_out = out["fits only with ckpt"]
     budget = tight.chosen.estimate.breakdown.activations
     assert tight_out["saved bytes"] <= 1.1 * budget, (tight_out["saved bytes"], budget)
