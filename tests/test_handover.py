@@ -37,6 +37,14 @@ def batch_for(rec: Any) -> Any:
     return torch.randint(0, 4096, (rec.chosen.candidate.micro_batch_size, seq + 1), generator=gen)
 
 
+def this_device() -> Any:
+    """The device this rank computes on (the CUDA device the process group's rank uses)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
 def gpt_loss(model: Any, idx: Any) -> Any:
     import torch.nn.functional as F
 
@@ -117,8 +125,9 @@ def check_apply(path: str) -> dict[str, Any]:
     out["mesh"] = [
         list(p.device_mesh.shape) for p in model.parameters() if hasattr(p, "device_mesh")
     ][:1]
-    idx = batch_for(rec)
+    idx = batch_for(rec).to(this_device())
     out["saved bytes"] = saved_bytes(model, rec, idx)
+    out["params on"] = sorted({p.device.type for p in model.parameters()})
     before = local_values(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
@@ -149,7 +158,7 @@ def check_fabric(path: str) -> dict[str, Any]:
     model = fabric.setup(gpt.build("tiny"))
     out = structure(model)
     opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
-    idx = batch_for(rec)
+    idx = fabric.to_device(batch_for(rec))
     before = local_values(model)
     losses = []
     for _ in range(STEPS):
@@ -221,6 +230,123 @@ def check_lightning_cli(yaml_path: str, rec_path: str) -> dict[str, Any]:
     return out
 
 
+# What only a GPU machine runs (FSDP on CPU is refused by these consumers): each for real.
+
+
+def check_trainer(path: str) -> dict[str, Any]:
+    """Lightning's Trainer with ``rec.strategy()`` (FSDPStrategy): fit 3 steps."""
+    import gpt
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    import autoshard
+
+    rec = autoshard.load(path)
+
+    class LitGPT(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = gpt.build("tiny")
+            self.losses: list[float] = []
+
+        def on_train_start(self) -> None:
+            self.applied = structure(self.trainer.strategy.model)
+
+        def training_step(self, batch: Any, _: int) -> Any:
+            loss = gpt_loss(self.model, batch)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    lit = LitGPT()
+    trainer = L.Trainer(
+        strategy=rec.strategy(), **rec.trainer_kwargs(), max_steps=STEPS, logger=False,  # type: ignore[arg-type]
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
+    )  # fmt: skip
+    trainer.fit(lit, DataLoader([batch_for(rec)] * STEPS, batch_size=None))
+    return {**lit.applied, "losses": lit.losses, "strategy": type(trainer.strategy).__name__}
+
+
+def check_accelerate(yaml_path: str, rec_path: str) -> dict[str, Any]:
+    """accelerate with the exported YAML, read as ``accelerate launch --config_file`` reads it
+    (the workers' environment), then ``Accelerator().prepare``: 3 steps."""
+    import gpt
+    import torch
+    from accelerate import Accelerator
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    import autoshard
+
+    args = launch_command_parser().parse_args(["--config_file", yaml_path, "train.py"])
+    _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    os.environ.update(
+        {k: v for k, v in env.items() if k.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_"))}
+    )
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = gpt.build("tiny")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = accelerator.prepare(model, opt)
+    out = structure(model)
+    idx = batch_for(autoshard.load(rec_path)).to(accelerator.device)
+    before = local_values(model)
+    losses = []
+    for _ in range(STEPS):
+        with accelerator.autocast():
+            loss = gpt_loss(model, idx)
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    out["losses"] = losses
+    out["params changed"] = bool((local_values(model) - before).abs().max() > 0)
+    return out
+
+
+def check_hf_trainer(path: str, output_dir: str) -> dict[str, Any]:
+    """The Hugging Face Trainer with ``TrainingArguments(**rec.trainer_arguments())``: train 3
+    steps of the tiny GPT (returning its loss as a Hugging Face model does)."""
+    import gpt
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from transformers import Trainer, TrainingArguments
+
+    import autoshard
+
+    rec = autoshard.load(path)
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = gpt.build("tiny")
+
+        def forward(self, input_ids: Any, labels: Any) -> dict[str, Any]:
+            logits = self.gpt(input_ids)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            return {"loss": loss, "logits": logits}
+
+    idx = batch_for(rec)
+    data = [{"input_ids": row[:-1], "labels": row[1:]} for row in idx] * STEPS * 2
+    torch.manual_seed(0)
+    training = TrainingArguments(
+        output_dir, max_steps=STEPS, report_to="none", save_strategy="no", logging_steps=1,
+        **rec.trainer_arguments(),  # type: ignore[arg-type]
+    )  # fmt: skip
+    trainer = Trainer(model=LM(), args=training, train_dataset=data)  # type: ignore[arg-type]
+    trainer.train()
+    out = structure(trainer.model_wrapped)
+    out["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return out
+
+
 def check_readme(script: str) -> dict[str, Any]:
     """The README's training script, run as written (it starts the process group itself)."""
     import autoshard
@@ -236,6 +362,7 @@ def check_readme(script: str) -> dict[str, Any]:
 
 
 def main() -> None:
+    import torch
     import torch.distributed as dist
 
     from autoshard.trials.worker import exit_worker
@@ -245,9 +372,15 @@ def main() -> None:
     if "readme" in jobs:  # first: it initialises the process group as a user's script does
         out["readme"] = check_readme(jobs.pop("readme")[1])
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    checks = {
+        "apply": check_apply, "fabric": check_fabric, "cli": check_lightning_cli,
+        "trainer": check_trainer, "accelerate": check_accelerate, "hf": check_hf_trainer,
+    }  # fmt: skip
     for name, (kind, *paths) in jobs.items():
-        check = {"apply": check_apply, "fabric": check_fabric, "cli": check_lightning_cli}[kind]
+        check = checks[kind]
         out[name] = check(*paths)
         dist.barrier()
     if dist.get_rank() == 0:
@@ -255,13 +388,13 @@ def main() -> None:
     exit_worker()  # not a plain exit: gloo can abort the interpreter's finalization
 
 
-def run_two_ranks(tmp_path: Path, jobs: dict[str, list[str]]) -> dict[str, Any]:
+def run_two_ranks(tmp_path: Path, jobs: dict[str, list[str]], nproc: int = 2) -> dict[str, Any]:
     spec, result = tmp_path / "jobs.json", tmp_path / "result.json"
     spec.write_text(json.dumps(jobs))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(ROOT)])}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
          "--standalone", __file__, str(result), str(spec)],
         env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path,
     )  # fmt: skip
@@ -393,6 +526,74 @@ def test_what_autoshard_hands_over_trains_on_two_gloo_processes(tmp_path: Path) 
     )  # fmt: skip
     assert cli["checkpointed blocks"] == [0, 2] and cli["compute"] == bf16
     assert len(cli["losses"]) == STEPS and all(math.isfinite(x) for x in cli["losses"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (FSDP on GPUs)")
+def test_each_consumer_trains_on_the_gpus(tmp_path: Path) -> None:
+    """On the GPUs here (NCCL, one process each): rec.apply with FSDP1 CPU offload (GPU-only)
+    and with FSDP2; Lightning's Trainer with FSDPStrategy; Fabric with FSDPStrategy and
+    ModelParallelStrategy; LightningCLI with the FSDP2 YAML; accelerate with its YAML; the
+    Hugging Face Trainer with trainer_arguments(). benchmarks/gpu.sh handover runs it."""
+    import torch
+
+    from autoshard.config import Checkpointing, Engine, Hardware, Precision, Reshard
+    from tests.test_emit import candidate, make_rec
+
+    n = torch.cuda.device_count()
+    hardware = Hardware(gpus_per_node=n, nodes=1, gpu_memory=torch.cuda.mem_get_info()[1])
+    bf16 = Precision.BF16_MIXED
+    every2 = {"checkpointing": Checkpointing.EVERY_K, "checkpoint_every": 2}
+    ckpt = {"checkpointing": Checkpointing.ALL}
+    recs = {
+        "fsdp1 offload": candidate(precision=bf16, cpu_offload=True, **every2),
+        "fsdp1 every 2": candidate(precision=bf16, **every2),
+        "fsdp1 ckpt": candidate(precision=bf16, **ckpt),
+        "fsdp2 every 2": candidate(engine=Engine.FSDP2, precision=bf16, **every2),
+        "fsdp2 ckpt": candidate(
+            engine=Engine.FSDP2, precision=bf16, reshard=Reshard.KEEP_ROOT_AND_LAST, **ckpt
+        ),
+    }
+    paths = {}
+    for name, c in recs.items():
+        paths[name] = tmp_path / f"{name.replace(' ', '-')}.json"
+        paths[name].write_text(make_rec(c, hardware=hardware).to_yaml("json"))
+    lightning_yaml = tmp_path / "fsdp2.yaml"
+    lightning_yaml.write_text(make_rec(recs["fsdp2 every 2"], hardware=hardware).to_yaml())
+    accelerate_yaml = tmp_path / "accelerate.yaml"
+    accelerate_yaml.write_text(
+        make_rec(recs["fsdp1 ckpt"], hardware=hardware).to_yaml("accelerate")
+    )
+    jobs = {
+        "apply fsdp1 offload": ["apply", str(paths["fsdp1 offload"])],
+        "apply fsdp2": ["apply", str(paths["fsdp2 ckpt"])],
+        "trainer": ["trainer", str(paths["fsdp1 every 2"])],
+        "fabric fsdp1": ["fabric", str(paths["fsdp1 every 2"])],
+        "fabric fsdp2": ["fabric", str(paths["fsdp2 every 2"])],
+        "lightning cli": ["cli", str(lightning_yaml), str(paths["fsdp2 every 2"])],
+        "accelerate": ["accelerate", str(accelerate_yaml), str(paths["fsdp1 ckpt"])],
+        "hf trainer": ["hf", str(paths["fsdp2 ckpt"]), str(tmp_path / "hf-out")],
+    }
+    out = run_two_ranks(tmp_path, jobs, nproc=n)
+    for name, result in out.items():
+        assert len(result["losses"]) == STEPS, name
+        assert all(math.isfinite(x) for x in result["losses"]), name
+    every, all_blocks = [0, 2], [0, 1, 2, 3]
+    offload = out["apply fsdp1 offload"]
+    assert (offload["fsdp1 units"], offload["checkpointed blocks"]) == (5, every)
+    assert offload["params on"] == ["cpu"] and "each rank's CUDA device" in offload["notice"][0]
+    assert out["apply fsdp2"]["checkpointed blocks"] == all_blocks
+    assert out["trainer"]["fsdp1 units"] == 5 and out["trainer"]["checkpointed blocks"] == every
+    assert out["fabric fsdp1"]["checkpointed blocks"] == every
+    assert out["fabric fsdp2"]["fsdp2 units"] == 5
+    assert out["lightning cli"]["checkpointed blocks"] == every
+    assert out["accelerate"]["fsdp1 units"] == 5
+    assert out["accelerate"]["checkpointed blocks"] == all_blocks
+    assert out["hf trainer"]["fsdp2 units"] >= 5
+    assert out["hf trainer"]["checkpointed blocks"] == all_blocks
+    bf16_compute = {"weight": "torch.bfloat16", "input": "torch.bfloat16"}
+    for name in ("apply fsdp1 offload", "apply fsdp2", "trainer", "fabric fsdp1", "accelerate"):
+        assert out[name]["compute"] == bf16_compute, name
 
 
 # ---------------------------------------------------------------------------------------------
