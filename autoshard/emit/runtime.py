@@ -196,15 +196,18 @@ def apply(rec: Decision, model: nn.Module) -> nn.Module:
 
 
 def _apply_notice(rec: Decision, device: Any, world: int) -> str:
-    c = rec.chosen.candidate
     import torch.distributed as dist
 
+    c = rec.chosen.candidate
     where = (
         f"each rank's CUDA device ({dist.get_backend()})"
         if device.type == "cuda"
         else "the CPU of each rank (gloo; no CUDA device here, so FSDP runs on the CPU)"
     )
-    line = f"rec.apply(): {c.label()} on {where}, {world} ranks"
+    line = (
+        f"rec.apply(): {c.label()} on {where}, {world} ranks (a micro-batch of "
+        f"{c.micro_batch_size} per rank is your loader's)"
+    )
     if world != rec.hardware.world_size:
         line += (
             f"; planned for {rec.hardware.world_size} ranks, so each rank's memory differs "
