@@ -7,12 +7,12 @@ from importlib.metadata import PackageNotFoundError, version
 from autoshard.analyze import analyze_model, analyze_target
 from autoshard.api import Estimates, estimate, recommend, tune
 from autoshard.config import Candidate, Hardware, TuneOptions, WorkloadSpec
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, HandoverNotice
 from autoshard.plan import NoGPUWarning, PlanOptions, PlanWarning, detect_hardware
 from autoshard.predict.activations import ActivationProfile, profile_activations
 from autoshard.predict.analytic import estimate_all, estimate_memory, peak_moments
 from autoshard.predict.simulate import simulate_memory
-from autoshard.recommendation import Recommendation
+from autoshard.recommendation import Recommendation, load
 from autoshard.results import MemoryEstimate, ModelProfile, TrialResult
 from autoshard.space import enumerate_candidates
 from autoshard.target.resolve import TargetSpec
@@ -27,6 +27,7 @@ __all__ = [
     "AutoshardError",
     "Candidate",
     "Estimates",
+    "HandoverNotice",
     "Hardware",
     "MemoryEstimate",
     "ModelProfile",
@@ -46,6 +47,7 @@ __all__ = [
     "estimate",
     "estimate_all",
     "estimate_memory",
+    "load",
     "peak_moments",
     "profile_activations",
     "recommend",

@@ -413,14 +413,20 @@ def export(
         ),
     ],
     fmt: Annotated[
-        str, typer.Option("--format", "-f", help="lightning, accelerate or json.")
+        str,
+        typer.Option(
+            "--format",
+            "-f",
+            help="lightning, accelerate, hf-trainer (TrainingArguments keyword arguments) or json.",
+        ),
     ] = "lightning",
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")
     ] = None,
     debug: DebugOpt = False,
 ) -> None:
-    """Write the recommendation as Lightning CLI YAML, accelerate YAML or JSON."""
+    """Write the recommendation as Lightning CLI YAML, accelerate YAML, Hugging Face Trainer
+    arguments (JSON) or JSON."""
 
     def work() -> None:
         from autoshard.emit import render

@@ -68,3 +68,16 @@ class StudyNotice(UserWarning):
     """One line about the study's storage that needs no action but should be seen: a repaired
     ``trials.jsonl``, a database rebuilt from it, a wait for another run's lock. The command line
     prints it; in Python it is a warning (``TuneOptions.on_notice`` receives it instead)."""
+
+
+class HandoverNotice(UserWarning):
+    """One line about what autoshard hands to the user's stack: what ``rec.apply(model)``
+    applied, on which device (each rank's CUDA device, or the CPU with gloo) and where that
+    differs from the plan; or a setting a stack cannot express as chosen, with the closest
+    faithful setting used instead. A warning: ``warnings.simplefilter("error", HandoverNotice)``
+    makes each one an exception.
+
+    >>> import autoshard
+    >>> issubclass(autoshard.HandoverNotice, UserWarning)
+    True
+    """

@@ -21,6 +21,23 @@ from autoshard.results import Decision, TrialResult
 class Recommendation(Decision):
     """autoshard's answer: the chosen configuration, its evidence, and the alternatives.
 
+    One call per stack applies the whole configuration (wrapping, sharding, mixed precision,
+    offload, prefetch *and* activation checkpointing):
+
+    - plain torch: ``model = rec.apply(model)`` (FSDP1 or FSDP2, on this rank's device);
+      ``rec.fsdp_kwargs()`` + ``rec.apply_checkpointing(model)`` or ``rec.fsdp2_plan()`` for
+      those who wrap themselves;
+    - Lightning Trainer: ``Trainer(strategy=rec.strategy(), **rec.trainer_kwargs())``, or
+      ``rec.to_yaml("lightning")`` for LightningCLI;
+    - Lightning Fabric: ``Fabric(strategy=rec.strategy(fabric=True), **rec.trainer_kwargs())``;
+    - accelerate: ``rec.to_yaml("accelerate")`` (``accelerate launch --config_file``);
+    - Hugging Face Trainer: ``TrainingArguments(output_dir, **rec.trainer_arguments())``, or
+      ``rec.to_yaml("hf-trainer")``.
+
+    What a stack cannot express as chosen (every-k checkpointing in accelerate, say) is said in
+    the output, with the closest faithful setting used. ``autoshard.load(path)`` reads one back
+    from what ``tune`` or ``estimate --json`` wrote.
+
     >>> import warnings
     >>> import torch
     >>> from torch import nn
@@ -35,35 +52,70 @@ class Recommendation(Decision):
     True
     >>> print(rec.to_yaml("lightning").split("trainer:")[1].splitlines()[2].strip())
     class_path: lightning.pytorch.strategies.FSDPStrategy
+    >>> rec.trainer_arguments()["fsdp"], rec.trainer_arguments()["bf16"]  # HF TrainingArguments
+    (True, True)
     """
 
     # Thin doors to autoshard.emit (imported lazily: it needs torch, and lightning for some).
-    def strategy(self, model: object = None) -> object:
-        """A constructed Lightning FSDPStrategy (FSDP1) or ModelParallelStrategy (FSDP2)."""
+    def apply(self, model: object) -> object:
+        """``model`` with the whole configuration applied as the trials applied it (FSDP1
+        wrapping then checkpointing, or FSDP2's checkpointing then ``fully_shard``), on this
+        rank's CUDA device or, without one, the CPU (gloo); returns the model to train. Needs
+        ``torch.distributed.init_process_group()`` first."""
         from autoshard import emit
 
-        return emit.strategy(self, model=model)  # type: ignore[arg-type]
+        return emit.apply(self, model)  # type: ignore[arg-type]
+
+    def autocast(self) -> object:
+        """The ``torch.autocast`` context the trials ran each forward and loss under."""
+        from autoshard import emit
+
+        return emit.autocast(self)
+
+    def strategy(self, model: object = None, *, fabric: bool = False) -> object:
+        """A constructed Lightning FSDPStrategy (FSDP1) or ModelParallelStrategy (FSDP2);
+        ``fabric=True``: Lightning Fabric's (``lightning.fabric.strategies``)."""
+        from autoshard import emit
+
+        return emit.strategy(self, model=model, fabric=fabric)  # type: ignore[arg-type]
 
     def trainer_kwargs(self) -> dict[str, object]:
-        """Trainer arguments to pass with strategy(): precision, devices, num_nodes."""
+        """Trainer (or Fabric) arguments to pass with strategy(): precision, devices, num_nodes."""
         from autoshard import emit
 
         return emit.trainer_kwargs(self)
 
+    def trainer_arguments(self) -> dict[str, object]:
+        """Keyword arguments of Hugging Face's ``TrainingArguments``: ``fsdp``, ``fsdp_config``
+        (checkpointing included) and ``bf16`` / ``fp16``. What the Trainer cannot express as
+        chosen is an :class:`~autoshard.errors.HandoverNotice` and a note in ``fsdp_config``."""
+        from autoshard import emit
+
+        return emit.trainer_arguments(self)
+
     def fsdp_kwargs(self, device: object = None, model: object = None) -> dict[str, object]:
-        """Keyword arguments for torch's FullyShardedDataParallel (FSDP1 engine)."""
+        """Keyword arguments for torch's FullyShardedDataParallel (FSDP1 engine), on this rank's
+        device by default (the CPU where there is no GPU). They do not checkpoint:
+        checkpointing is ``rec.apply``'s or ``rec.apply_checkpointing``'s job."""
         from autoshard import emit
 
         return emit.fsdp_kwargs(self, device=device, model=model)  # type: ignore[arg-type]
 
+    def apply_checkpointing(self, model: object) -> object:
+        """Checkpoint the chosen blocks of ``model`` (FSDP1: after wrapping with fsdp_kwargs)."""
+        from autoshard import emit
+
+        return emit.apply_checkpointing(model, self)  # type: ignore[arg-type]
+
     def fsdp2_plan(self) -> object:
-        """A function plan(model, mesh=None) applying fully_shard + checkpointing as chosen."""
+        """A function plan(model, mesh=None) applying checkpointing + fully_shard as chosen."""
         from autoshard import emit
 
         return emit.fsdp2_plan(self)
 
     def to_yaml(self, fmt: str = "lightning") -> str:
-        """The recommendation as Lightning CLI YAML, accelerate YAML, or JSON ("json")."""
+        """The recommendation as Lightning CLI YAML, accelerate YAML, Hugging Face Trainer
+        arguments ("hf-trainer", JSON) or JSON ("json")."""
         from autoshard import emit
 
         return emit.render(self, fmt)
@@ -83,6 +135,20 @@ class Recommendation(Decision):
 # ---------------------------------------------------------------------------------------------
 # Reading one back
 # ---------------------------------------------------------------------------------------------
+
+
+def load(path: Path | str) -> Recommendation:
+    """The :class:`Recommendation` that ``tune`` or ``estimate`` wrote: a ``tune`` output folder,
+    its ``recommendation.json`` or ``report.json``, or the output of ``estimate --json``.
+
+    >>> import autoshard
+    >>> try:
+    ...     autoshard.load("no-such-folder")
+    ... except autoshard.AutoshardError as error:
+    ...     print(error)
+    no-such-folder: no such file or folder
+    """
+    return load_result(path)[0]
 
 
 def load_result(path: Path | str) -> tuple[Recommendation, list[TrialResult]]:

@@ -19,11 +19,13 @@ mesh; gradients reduced in fp32 under mixed precision.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from autoshard.config import (
@@ -160,6 +162,49 @@ def apply_fsdp1(
     wrapped = FullyShardedDataParallel(model, **kwargs)
     apply_checkpointing(wrapped, candidate)
     return wrapped
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole candidate, on this rank's device
+# ---------------------------------------------------------------------------------------------
+
+
+def rank_device() -> torch.device:
+    """The device this rank trains on: its local rank's CUDA device (made the current one) when
+    CUDA is there and the process group, if there is one yet, speaks NCCL; else the CPU."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if torch.cuda.is_available() and (not initialised or "nccl" in str(dist.get_backend())):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def apply_candidate(
+    model: nn.Module,
+    candidate: Candidate,
+    device: torch.device,
+    *,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """Apply the whole candidate to ``model`` on ``device``, as every trial does: bf16-true casts
+    the model first; FSDP1 wraps, then checkpoints (:func:`apply_fsdp1`); FSDP2 checkpoints,
+    then ``fully_shard``s on the candidate's mesh (:func:`apply_fsdp2`) and moves the rest to
+    ``device``. ``param_init_fn(module)`` materialises a model built on meta, module by module.
+    Needs an initialised process group."""
+    if candidate.precision is Precision.BF16_TRUE:
+        model = model.to(torch.bfloat16)
+    if candidate.engine is Engine.FSDP1:
+        return apply_fsdp1(model, candidate, device, param_init_fn=param_init_fn)
+    mesh = fsdp2_mesh(candidate, device, dist.get_world_size())
+    model = apply_fsdp2(model, candidate, mesh)
+    if param_init_fn is not None:
+        model.to_empty(device=device)
+        for module in model.modules():
+            param_init_fn(module)
+    elif device.type != "cpu":
+        model.to(device)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------

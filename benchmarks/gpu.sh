@@ -6,12 +6,13 @@
 #   bash benchmarks/gpu.sh accuracy [OUT]   estimators vs torch.cuda.max_memory_allocated/reserved
 #   bash benchmarks/gpu.sh tune [OUT]       CUDA tests, tune overhead, chosen vs Lightning default
 #   bash benchmarks/gpu.sh speed [OUT]      the step-time model (uncalibrated) vs measured trials
+#   bash benchmarks/gpu.sh handover [OUT]   each consumer of what autoshard hands over, for real
 #
 # Results go to OUT (default benchmarks/results), named as the CPU ones with _gpu / cuda in
 # place of _cpu. Each part fits in one 10-minute device call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?usage: bash benchmarks/gpu.sh accuracy|tune|speed [OUT]}"
+part="${1:?usage: bash benchmarks/gpu.sh accuracy|tune|speed|handover [OUT]}"
 out="${2:-benchmarks/results}"
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -40,5 +41,13 @@ case "$part" in
     python3 benchmarks/step_time_measured.py --size 1b --seq-len 2048 --max 12 \
       --write "$out/step_time_measured_gpu.md"
     ;;
-  *) echo "gpu.sh: unknown part '$part' (accuracy, tune or speed)" >&2; exit 1 ;;
+  handover)
+    # What CPU processes cannot run (FSDP1 offload; Lightning's and Fabric's FSDPStrategy,
+    # accelerate and the Hugging Face Trainer refuse FSDP on CPU): rec.apply, Lightning Trainer,
+    # Fabric, LightningCLI's YAML, accelerate's YAML and TrainingArguments each train 3 steps on
+    # the GPUs here (NCCL, one process per GPU), checked against the recommendation.
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_handover.py 2>&1 \
+      | tee "$out/handover_gpu.txt"
+    ;;
+  *) echo "gpu.sh: unknown part '$part' (accuracy, tune, speed or handover)" >&2; exit 1 ;;
 esac

@@ -6,8 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${1:-3.12}"
+# accelerate and transformers (with what they import): gpu.sh handover runs their Trainer.
 names=(optuna alembic colorlog Mako SQLAlchemy greenlet pydantic pydantic_core annotated-types
-       typing-inspection jsonargparse docstring_parser)
+       typing-inspection jsonargparse docstring_parser accelerate transformers huggingface_hub
+       tokenizers safetensors regex hf_xet fsspec filelock psutil tqdm packaging numpy click
+       httpx2 httpcore2 anyio h11 idna truststore)
 pins=()
 for name in "${names[@]}"; do
   version=$(.venv/bin/python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name" 2>/dev/null) \

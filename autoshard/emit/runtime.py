@@ -1,7 +1,8 @@
-"""A :class:`~autoshard.results.Decision` turned into the objects a training script uses: a
-constructed Lightning ``FSDPStrategy`` (or ``ModelParallelStrategy`` for FSDP2) and the matching
-Trainer arguments; the kwargs of torch's ``FullyShardedDataParallel``; an FSDP2 plan that
-applies ``fully_shard`` and checkpointing.
+"""A :class:`~autoshard.results.Decision` turned into the objects a training script uses: the
+model with the whole configuration applied (:func:`apply`); a constructed Lightning (Trainer or
+Fabric) ``FSDPStrategy`` (or ``ModelParallelStrategy`` for FSDP2) and the matching Trainer
+arguments; the kwargs of torch's ``FullyShardedDataParallel``; an FSDP2 plan that applies
+``fully_shard`` and checkpointing.
 
 Every FSDP argument comes from :mod:`autoshard.sharding`, the module trials run through, so what
 autoshard measured and what it hands out cannot disagree. Lightning is imported only inside the
@@ -10,6 +11,7 @@ functions that need it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -18,7 +20,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from autoshard import sharding
 from autoshard.config import BackwardPrefetch, Candidate, Checkpointing, Engine, Precision, Sharding
-from autoshard.errors import ConfigError, MissingDependencyError
+from autoshard.errors import ConfigError, HandoverNotice, MissingDependencyError
 from autoshard.results import Decision
 from autoshard.units import format_bytes
 
@@ -117,17 +119,22 @@ def _lightning_mixed_precision(precision: Precision) -> Any:
 def fsdp_kwargs(
     rec: Decision, *, device: Any = None, model: nn.Module | None = None
 ) -> dict[str, Any]:
-    """Keyword arguments for torch's ``FullyShardedDataParallel`` (FSDP1 engine).
+    """Keyword arguments for torch's ``FullyShardedDataParallel`` (FSDP1 engine): wrapping,
+    sharding, mixed precision, offload, prefetch and all-gather limits, as the trials passed them.
 
-    Pass ``model`` to look the wrap classes up among its modules (a model loaded from a file may
-    not be importable by path). Checkpointing is applied after wrapping: call
-    :func:`apply_checkpointing` on the wrapped model. For HYBRID_SHARD pass a ``device_mesh``
-    yourself (``init_device_mesh("cuda", rec.chosen.candidate.hybrid_mesh)``).
+    They do not checkpoint: activation checkpointing is applied after wrapping, by
+    :func:`apply_checkpointing` (or use :func:`apply`, which does both, in the trials' order).
+    ``device`` defaults to this rank's device (its CUDA device, or the CPU where there is none:
+    FSDP1 on CPU processes needs ``device_id=cpu``). Pass ``model`` to look the wrap classes up
+    among its modules (a model loaded from a file may not be importable by path). For
+    HYBRID_SHARD pass a ``device_mesh`` yourself
+    (``init_device_mesh("cuda", rec.chosen.candidate.hybrid_mesh)``).
     """
     c = rec.chosen.candidate
     if c.engine is not Engine.FSDP1:
         raise ConfigError("fsdp_kwargs(): the recommendation is for FSDP2; use fsdp2_plan()")
     classes = _classes(c.wrap_classes, model) if c.wrap_classes else None
+    device = sharding.rank_device() if device is None else device
     return sharding.fsdp1_kwargs(c, device=device, classes=classes)
 
 
@@ -135,6 +142,87 @@ def apply_checkpointing(model: nn.Module, rec: Decision) -> nn.Module:
     """Checkpoint the chosen blocks of ``model`` (after FSDP1 wrapping), in place."""
     sharding.apply_checkpointing(model, rec.chosen.candidate)
     return model
+
+
+def apply(rec: Decision, model: nn.Module) -> nn.Module:
+    """``model`` with the whole chosen configuration applied, as the trials applied it
+    (:func:`autoshard.sharding.apply_candidate`): FSDP1 wrapping, sharding, mixed precision,
+    offload, prefetch and all-gather limits, then activation checkpointing; or FSDP2's
+    checkpointing then ``fully_shard`` of each block and the root with the reshard policy, on
+    the chosen mesh (HYBRID_SHARD's (replicate, shard) mesh included). Returns the model to
+    train; build the optimizer on its parameters afterwards.
+
+    The process group is yours (``torch.distributed.init_process_group()``, e.g. under
+    ``torchrun``); the device is this rank's CUDA device with NCCL, or the CPU with gloo, and one
+    :class:`~autoshard.errors.HandoverNotice` (rank 0) says which. The micro-batch size and the
+    step's autocast (:meth:`Recommendation.autocast`) stay the training loop's.
+    """
+    import torch.distributed as dist
+
+    c = rec.chosen.candidate
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            "rec.apply() needs a process group: call torch.distributed.init_process_group() "
+            "first (run under torchrun; backend nccl on GPUs, gloo on CPU)"
+        )
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigError(
+            "rec.apply(): the model's parameters are on the meta device; build it on the CPU "
+            "(or load its weights) first"
+        )
+    device = sharding.rank_device()
+    world = dist.get_world_size()
+    if device.type == "cpu" and sharding.cpu_workers_cannot_run(c):
+        raise ConfigError(
+            "rec.apply(): FSDP1 with CPU offload needs a GPU (torch cannot run it on CPU "
+            "processes); run it on the GPUs it was planned for"
+        )
+    if c.hybrid_mesh is not None and c.hybrid_mesh[0] * c.hybrid_mesh[1] != world:
+        raise ConfigError(
+            f"rec.apply(): the {c.sharding.value} mesh {c.hybrid_mesh[0]} x {c.hybrid_mesh[1]} "
+            f"needs {c.hybrid_mesh[0] * c.hybrid_mesh[1]} ranks; this process group has {world}"
+        )
+    checkpointed = c.checkpoint_classes if c.checkpointing is not Checkpointing.NONE else ()
+    for what, paths in (("wraps", c.wrap_classes), ("checkpoints", checkpointed)):
+        classes = tuple(sharding.wrap_classes_of(model, paths)) if paths else ()
+        if paths and not any(isinstance(m, classes) for m in model.modules()):
+            raise ConfigError(
+                f"rec.apply(): the recommendation {what} {', '.join(paths)}, which this model "
+                f"({type(model).__name__}) does not contain; is it the model autoshard planned?"
+            )
+    if dist.get_rank() == 0:
+        warnings.warn(_apply_notice(rec, device, world), HandoverNotice, stacklevel=3)
+    return sharding.apply_candidate(model, c, device)
+
+
+def _apply_notice(rec: Decision, device: Any, world: int) -> str:
+    import torch.distributed as dist
+
+    c = rec.chosen.candidate
+    where = (
+        f"each rank's CUDA device ({dist.get_backend()})"
+        if device.type == "cuda"
+        else "the CPU of each rank (gloo; no CUDA device here, so FSDP runs on the CPU)"
+    )
+    line = (
+        f"rec.apply(): {c.label()} on {where}, {world} ranks (a micro-batch of "
+        f"{c.micro_batch_size} per rank is your loader's)"
+    )
+    if world != rec.hardware.world_size:
+        line += (
+            f"; planned for {rec.hardware.world_size} ranks, so each rank's memory differs "
+            "from the plan"
+        )
+    return line
+
+
+def autocast(rec: Decision) -> Any:
+    """The autocast context each forward and loss ran under in the trials (Lightning's precision
+    plugin does the same): ``torch.autocast`` in the compute dtype under bf16-mixed / 16-mixed,
+    disabled otherwise; on this rank's device."""
+    from autoshard.loop import autocast_for
+
+    return autocast_for(rec.chosen.candidate, sharding.rank_device())
 
 
 def fsdp2_plan(rec: Decision) -> Callable[..., nn.Module]:
@@ -211,18 +299,43 @@ def strategy_kwargs(rec: Decision, *, model: nn.Module | None = None) -> dict[st
     return kwargs
 
 
-def strategy(rec: Decision, *, model: nn.Module | None = None) -> Any:
+def strategy(rec: Decision, *, model: nn.Module | None = None, fabric: bool = False) -> Any:
     """A constructed Lightning strategy for the chosen configuration.
 
     FSDP1: ``FSDPStrategy``; use it with ``Trainer(strategy=..., **trainer_kwargs(rec))``.
     FSDP2: ``ModelParallelStrategy``; apply ``fsdp2_plan(rec)`` in ``configure_model``.
+    ``fabric=True``: Lightning Fabric's own classes (``lightning.fabric.strategies``), for
+    ``Fabric(strategy=..., **trainer_kwargs(rec))``: the same FSDP1 arguments, or FSDP2's
+    ``ModelParallelStrategy`` whose ``parallelize_fn`` applies the plan on Fabric's data-parallel
+    mesh (``fabric.setup`` calls it).
     """
     _require_lightning("rec.strategy()")
     kwargs = strategy_kwargs(rec, model=model)
-    if rec.chosen.candidate.engine is Engine.FSDP2:
+    fsdp2 = rec.chosen.candidate.engine is Engine.FSDP2
+    if fabric:
+        from lightning.fabric import strategies as fabric_strategies
+
+        if fsdp2:
+            return fabric_strategies.ModelParallelStrategy(
+                parallelize_fn=_DataParallelPlan(fsdp2_plan(rec)), **kwargs
+            )
+        return fabric_strategies.FSDPStrategy(**kwargs)
+    if fsdp2:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         return ModelParallelStrategy(**kwargs)
     from lightning.pytorch.strategies import FSDPStrategy
 
     return FSDPStrategy(**kwargs)
+
+
+class _DataParallelPlan:
+    """Fabric's ``parallelize_fn(model, device_mesh)``: the plan on the mesh's data-parallel
+    dimension (Fabric's mesh is 2-D, (data_parallel, tensor_parallel); FSDP2 would read a 2-D
+    mesh as replicate x shard)."""
+
+    def __init__(self, plan: Callable[..., nn.Module]) -> None:
+        self.plan = plan
+
+    def __call__(self, model: nn.Module, device_mesh: Any) -> nn.Module:
+        return self.plan(model, device_mesh["data_parallel"])

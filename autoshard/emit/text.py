@@ -1,12 +1,14 @@
 """A :class:`~autoshard.results.Decision` as text: Lightning CLI YAML (parsed by
 jsonargparse into the same ``FSDPStrategy`` that :func:`autoshard.emit.strategy` builds),
-accelerate ``fsdp_config`` YAML, and JSON. Each YAML starts with comments saying how the choice
-was made and by which version.
+accelerate ``fsdp_config`` YAML, Hugging Face ``TrainingArguments`` keyword arguments (JSON),
+and JSON. Each output says how the choice was made and by which version, and what its stack
+cannot express as chosen, with the closest faithful setting it uses instead.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from enum import Enum
 from typing import Any
 
@@ -26,7 +28,7 @@ from autoshard.emit.runtime import (
     strategy_kwargs,
     trainer_kwargs,
 )
-from autoshard.errors import ConfigError
+from autoshard.errors import ConfigError, HandoverNotice
 from autoshard.results import Decision
 from autoshard.units import format_bytes
 
@@ -36,8 +38,16 @@ class ExportFormat(str, Enum):
 
     LIGHTNING = "lightning"  # Lightning CLI YAML (trainer.strategy + precision, devices, ...)
     ACCELERATE = "accelerate"  # accelerate config YAML with fsdp_config
+    HF_TRAINER = "hf-trainer"  # Hugging Face TrainingArguments(fsdp=..., fsdp_config=...)
     JSON = "json"  # the decision itself, as load_result reads it back
 
+
+# accelerate's names (accelerate.utils.constants.FSDP_BACKWARD_PREFETCH): "NONE" is not one.
+_ACCELERATE_PREFETCH = {
+    BackwardPrefetch.BACKWARD_PRE: "BACKWARD_PRE",
+    BackwardPrefetch.BACKWARD_POST: "BACKWARD_POST",
+    BackwardPrefetch.NONE: "NO_PREFETCH",
+}
 
 _ACCELERATE_PRECISION = {
     Precision.FP32: "no",
@@ -196,7 +206,8 @@ def lightning_cli_yaml(rec: Decision) -> str:
     if rec.chosen.candidate.engine is Engine.FSDP2:
         # ModelParallelStrategy takes no sharding arguments: the plan is code, and it applies
         # the reshard policy the estimates and trials used.
-        lines.append("FSDP2: in configure_model() call")
+        lines.append("FSDP2: in configure_model() apply the plan (autoshard-out: tune's --out)")
+        lines.append('  rec = autoshard.load("autoshard-out")')
         lines.append('  rec.fsdp2_plan()(self.model, self.device_mesh["data_parallel"])')
         lines.append(f"  which applies the {describe_reshard(rec.chosen.candidate)}")
     body = yaml.safe_dump(lightning_cli_config(rec), sort_keys=False)
@@ -226,7 +237,7 @@ def accelerate_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
             notes.extend(_accelerate_reshard_notes(c))
     else:
         fsdp["fsdp_sharding_strategy"] = c.sharding.value
-        fsdp["fsdp_backward_prefetch"] = c.backward_prefetch.value
+        fsdp["fsdp_backward_prefetch"] = _ACCELERATE_PREFETCH[c.backward_prefetch]
         fsdp["fsdp_forward_prefetch"] = c.forward_prefetch
         fsdp["fsdp_use_orig_params"] = True
     fsdp["fsdp_offload_params"] = c.cpu_offload
@@ -246,27 +257,61 @@ def accelerate_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
         "use_cpu": False,
         "fsdp_config": fsdp,
     }
-    if c.hybrid_mesh is not None:
-        if c.engine is Engine.FSDP2:
-            config["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": c.hybrid_mesh[0],
-                "parallelism_config_dp_shard_size": c.hybrid_mesh[1],
-            }
-        else:
-            notes.append(
-                f"HYBRID_SHARD shards within groups of {c.hybrid_mesh[1]} ranks (accelerate "
-                "builds the node-sized groups itself)"
-            )
+    if c.hybrid_mesh is not None and c.engine is Engine.FSDP2:
+        config["parallelism_config"] = {
+            "parallelism_config_dp_replicate_size": c.hybrid_mesh[0],
+            "parallelism_config_dp_shard_size": c.hybrid_mesh[1],
+        }
+    notes.extend(_fsdp1_hybrid_notes(rec, "accelerate"))
+    notes.extend(_accelerate_notes(c, "accelerate"))
+    if not c.limit_all_gathers:
+        notes.append("set fsdp_plugin.limit_all_gathers = False in code (no config key)")
+    return config, notes
+
+
+def _fsdp1_hybrid_notes(rec: Decision, stack: str) -> list[str]:
+    """FSDP1's HYBRID_SHARD in accelerate shards within each node, a group that no key
+    changes: said, with what to do where autoshard chose other groups."""
+    c = rec.chosen.candidate
+    if c.engine is not Engine.FSDP1 or c.hybrid_mesh is None:
+        return []
+    per_node = rec.hardware.gpus_per_node
+    if c.hybrid_mesh[1] == per_node:
+        return [f"HYBRID_SHARD shards within each node ({per_node} ranks), as {stack} does"]
+    return [
+        f"{stack}'s HYBRID_SHARD shards within each node ({per_node} ranks); autoshard chose "
+        f"groups of {c.hybrid_mesh[1]} (mesh {c.hybrid_mesh[0]} x {c.hybrid_mesh[1]}), which "
+        f"{stack} has no setting for: rec.apply(model) applies it"
+    ]
+
+
+def _accelerate_notes(c: Candidate, stack: str) -> list[str]:
+    """What accelerate (and the Hugging Face Trainer, which builds accelerate's FSDP plugin)
+    cannot express as chosen, and the closest setting the output uses."""
+    notes: list[str] = []
     if c.precision is Precision.BF16_TRUE:
         notes.append("bf16-true: cast the model to bf16 yourself (model.to(torch.bfloat16))")
     if c.checkpointing is Checkpointing.EVERY_K and c.checkpoint_every > 1:
         notes.append(
-            f"accelerate checkpoints every block; autoshard chose one in {c.checkpoint_every} "
-            "(faster): use autoshard.emit.apply_checkpointing for that"
+            f"{stack} checkpoints every block or none; autoshard chose one in "
+            f"{c.checkpoint_every} (faster): this config checkpoints every block (less memory, "
+            "slower); for one in k call rec.apply_checkpointing(model) instead"
         )
-    if not c.limit_all_gathers:
-        notes.append("set fsdp_plugin.limit_all_gathers = False in code (no config key)")
-    return config, notes
+    if c.checkpointing is not Checkpointing.NONE and set(c.checkpoint_classes) != set(
+        c.wrap_classes
+    ):
+        notes.append(
+            f"{stack} checkpoints the wrapped classes ({', '.join(c.wrap_classes) or 'none'}); "
+            f"autoshard checkpoints {', '.join(c.checkpoint_classes)}: call "
+            "rec.apply_checkpointing(model) for that"
+        )
+    if c.engine is Engine.FSDP2 and describe_fsdp2_precision(c) and c.reduce_dtype_fp32:
+        notes.append(
+            f"{stack}'s FSDP2 reduces gradients in the compute dtype; autoshard's trials ran "
+            f"{describe_fsdp2_precision(c)}: pass it as "
+            "FullyShardedDataParallelPlugin(mixed_precision_policy=...) for the same"
+        )
+    return notes
 
 
 def _accelerate_reshard_notes(c: Candidate) -> list[str]:
@@ -297,13 +342,91 @@ def accelerate_yaml(rec: Decision) -> str:
     return _comment(describe_evidence(rec) + notes) + yaml.safe_dump(config, sort_keys=False)
 
 
+def hf_trainer_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
+    """Hugging Face ``TrainingArguments`` keyword arguments (transformers 5: ``fsdp=True`` and
+    everything in ``fsdp_config``, whose keys ``TrainingArguments._process_fsdp_args`` reads)
+    and what the Trainer cannot express as chosen."""
+    c = rec.chosen.candidate
+    state_dict_type, _ = choose_state_dict_type(rec)
+    fsdp: dict[str, Any] = {"version": 2 if c.engine is Engine.FSDP2 else 1}
+    if c.wrap_classes:
+        fsdp["auto_wrap_policy"] = "TRANSFORMER_BASED_WRAP"
+        # Looked up by class NAME among the model's modules (accelerate, as above).
+        fsdp["transformer_layer_cls_to_wrap"] = [p.rpartition(".")[2] for p in c.wrap_classes]
+    elif c.min_num_params:
+        fsdp["auto_wrap_policy"] = "SIZE_BASED_WRAP"
+        fsdp["min_num_params"] = c.min_num_params
+    else:
+        fsdp["auto_wrap_policy"] = "NO_WRAP"
+    notes: list[str] = []
+    if c.engine is Engine.FSDP2:
+        fsdp["reshard_after_forward"] = c.sharding is not Sharding.SHARD_GRAD_OP
+        if c.sharding is not Sharding.SHARD_GRAD_OP and c.reshard is not Reshard.ALL:
+            notes.append(
+                f"{describe_reshard(c)}; the Trainer (accelerate) has no key for it and keeps "
+                "its final norm + lm_head unit and the root gathered after forward"
+            )
+        if c.hybrid_mesh is not None:
+            notes.append(
+                "HYBRID_SHARD: pass parallelism_config=accelerate.ParallelismConfig("
+                f"dp_replicate_size={c.hybrid_mesh[0]}, dp_shard_size={c.hybrid_mesh[1]}) "
+                "(an object, not JSON)"
+            )
+    else:
+        # FSDP1 takes the sharding strategy's name here (HYBRID_SHARD: accelerate builds the
+        # node-sized groups itself).
+        fsdp["reshard_after_forward"] = c.sharding.value.lower()
+        fsdp["forward_prefetch"] = c.forward_prefetch
+        # The Trainer's default is NO_PREFETCH, FSDP's is BACKWARD_PRE: always say which.
+        fsdp["backward_prefetch"] = _ACCELERATE_PREFETCH[c.backward_prefetch]
+        fsdp["use_orig_params"] = True
+        fsdp["sync_module_states"] = True
+        fsdp["limit_all_gathers"] = c.limit_all_gathers
+        notes.extend(_fsdp1_hybrid_notes(rec, "the Hugging Face Trainer"))
+    fsdp["cpu_offload"] = c.cpu_offload
+    # FSDP's own checkpointing: the Trainer's activation_checkpointing (gradient_checkpointing)
+    # argument would add an all-gather in backward (transformers' own advice).
+    fsdp["activation_checkpointing"] = c.checkpointing is not Checkpointing.NONE
+    fsdp["state_dict_type"] = (
+        "SHARDED_STATE_DICT" if state_dict_type == "sharded" else "FULL_STATE_DICT"
+    )
+    fsdp["cpu_ram_efficient_loading"] = True
+    notes.extend(_accelerate_notes(c, "the Hugging Face Trainer"))
+    # Read by nobody but people: the Trainer stores unknown fsdp_config keys and ignores them.
+    fsdp["autoshard"] = {"chosen": describe_evidence(rec), "notes": notes}
+    args: dict[str, Any] = {"fsdp": True, "fsdp_config": fsdp}
+    if c.precision is Precision.BF16_MIXED:
+        args["bf16"] = True
+    elif c.precision is Precision.FP16_MIXED:
+        args["fp16"] = True
+    args["per_device_train_batch_size"] = c.micro_batch_size
+    if rec.workload.accumulate > 1:
+        args["gradient_accumulation_steps"] = rec.workload.accumulate
+    return args, notes
+
+
+def trainer_arguments(rec: Decision) -> dict[str, Any]:
+    """``TrainingArguments(output_dir, **trainer_arguments(rec))``: see :func:`hf_trainer_config`;
+    each setting it cannot express as chosen is a :class:`~autoshard.errors.HandoverNotice`."""
+    args, notes = hf_trainer_config(rec)
+    for note in notes:
+        warnings.warn(f"Hugging Face Trainer: {note}", HandoverNotice, stacklevel=3)
+    return args
+
+
+def hf_trainer_json(rec: Decision) -> str:
+    """:func:`hf_trainer_config` as JSON (``TrainingArguments(**json.load(f))``, or
+    ``HfArgumentParser(TrainingArguments).parse_json_file``)."""
+    return json.dumps(hf_trainer_config(rec)[0], indent=2) + "\n"
+
+
 def to_json(rec: Decision) -> str:
     """The recommendation as JSON (what :func:`autoshard.recommendation.load_result` reads back)."""
     return json.dumps(rec.model_dump(mode="json"), indent=2) + "\n"
 
 
 def render(rec: Decision, fmt: ExportFormat | str) -> str:
-    """The recommendation in ``fmt``: lightning, accelerate or json."""
+    """The recommendation in ``fmt``: lightning, accelerate, hf-trainer or json."""
     try:
         kind = ExportFormat(fmt)
     except ValueError:
@@ -314,5 +437,7 @@ def render(rec: Decision, fmt: ExportFormat | str) -> str:
             return lightning_cli_yaml(rec)
         case ExportFormat.ACCELERATE:
             return accelerate_yaml(rec)
+        case ExportFormat.HF_TRAINER:
+            return hf_trainer_json(rec)
         case ExportFormat.JSON:
             return to_json(rec)

@@ -48,7 +48,7 @@ from autoshard.config import Candidate, Checkpointing, Engine, Precision, Worklo
 from autoshard.loop import autocast_for, optimizer_step
 from autoshard.measure import enough_steps, median_spread
 from autoshard.results import TrialStatus
-from autoshard.sharding import apply_fsdp1, apply_fsdp2, fsdp2_mesh, make_optimizer
+from autoshard.sharding import apply_candidate, make_optimizer, rank_device
 from autoshard.target.resolve import TargetSpec, build_target, load_callable
 from autoshard.target.step import (
     batch_samples,
@@ -82,14 +82,6 @@ POLL_SECONDS = 0.05
 class CapExceededError(torch.OutOfMemoryError):
     """The measured peak passed the memory cap of a CPU trial (CPU allocations cannot be capped
     for real, so the cap is checked at step boundaries, where every rank stands together)."""
-
-
-def rank_device() -> torch.device:
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
 
 
 def init_states(module: nn.Module, device: torch.device) -> None:
@@ -140,20 +132,8 @@ def build_sharded(
     model, batch = built.model, built.batch
     if batch is not None and not real:
         batch = None  # a batch built on meta holds no data: synthesise one instead
-    if candidate.precision is Precision.BF16_TRUE:
-        model = model.to(torch.bfloat16)
-    if candidate.engine is Engine.FSDP1:
-        init = None if real else (lambda m: init_states(m, device))
-        model = apply_fsdp1(model, candidate, device, param_init_fn=init)
-    else:
-        mesh = fsdp2_mesh(candidate, device, dist.get_world_size())
-        model = apply_fsdp2(model, candidate, mesh)
-        if not real:
-            model.to_empty(device=device)
-            for module in model.modules():
-                init_states(module, device)
-        elif device.type != "cpu":
-            model.to(device)
+    init = None if real else (lambda m: init_states(m, device))
+    model = apply_candidate(model, candidate, device, param_init_fn=init)
     return model, batch
 
 
