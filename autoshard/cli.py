@@ -178,14 +178,20 @@ def _enums_in(annotation: Any) -> list[type[Enum]]:
 def option_parameters(
     model: type[BaseModel], skip: set[str] = NOT_FLAGS
 ) -> list[inspect.Parameter]:
-    """One ``--flag TEXT`` per field of ``model`` (a switch for a boolean one): typer hands over
-    text, pydantic validates."""
+    """One ``--flag TEXT`` per field of ``model`` (a switch for a boolean one, ``--x/--no-x`` for
+    one that may be left unpinned): typer hands over text, pydantic validates."""
     out = []
     for name, field in model.model_fields.items():
         if name in skip:
             continue
         kind: Any = bool | None if field.annotation is bool else str | None
         option = typer.Option(_flag(name), help=_help(field), show_default=False)
+        if field.annotation == bool | None:  # a pin either way, or unpinned: --x / --no-x
+            flag = _flag(name)
+            kind = bool | None
+            option = typer.Option(
+                f"{flag}/--no-{flag[2:]}", help=_help(field), show_default=False
+            )
         out.append(
             inspect.Parameter(
                 name,

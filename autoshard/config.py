@@ -148,6 +148,16 @@ class Candidate(Frozen):
     reshard: Reshard = Field(
         Reshard.ALL, description="FSDP2: which units reshard after forward (FSDP1: always ALL)."
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each FSDP unit's block (FSDP2, as torchtitan) or the wrapped "
+        "model (FSDP1, as Lightning and accelerate).",
+    )
+    float8: bool = Field(
+        False,
+        description="float8 matmuls and all-gathers (torchao Float8Linear, FSDP2 only, bf16 "
+        "compute, GPUs with fp8 tensor cores).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Candidate:
@@ -159,6 +169,13 @@ class Candidate(Frozen):
             raise ValueError("activation checkpointing needs checkpoint_classes")
         if self.reshard is not Reshard.ALL and self.engine is not Engine.FSDP2:
             raise ValueError(f"reshard={self.reshard.value} needs engine fsdp2 (FSDP1: all)")
+        if self.float8 and self.engine is not Engine.FSDP2:
+            # torchao's float8 all-gather is FSDP2's (fully_shard's pre/post all-gather hooks)
+            raise ValueError("float8 needs engine fsdp2 (torchao's float8 all-gather is FSDP2's)")
+        if self.float8 and self.precision not in (Precision.BF16_MIXED, Precision.BF16_TRUE):
+            raise ValueError(
+                f"float8 needs bf16 compute (bf16-mixed or bf16-true), not {self.precision.value}"
+            )
         return self
 
     @property
@@ -204,6 +221,10 @@ class Candidate(Frozen):
             parts.append(f"wrap>={self.min_num_params}")
         if self.optimizer_impl is not OptimizerImpl.FOREACH:
             parts.append(self.optimizer_impl.value)
+        if self.compile:
+            parts.append("+compile")
+        if self.float8:
+            parts.append("+fp8")
         parts.append(f"mbs{self.micro_batch_size}")
         return " ".join(parts)
 

@@ -119,6 +119,12 @@ class GPUSpec(Frozen):
         "as torch's scaled_dot_product_attention runs them), forward and backward. Default 0.35 "
         "where no figure is catalogued (FlashAttention-2 on Hopper).",
     )
+    fp8_flops: float | None = Field(
+        None,
+        gt=0,
+        description="Dense (no sparsity) fp8 peak, FLOP/s (e4m3 tensor cores); None: the GPU has "
+        "no fp8 tensor cores, so float8 training is never planned on it.",
+    )
     notes: str = Field(..., description="Assumptions and caveats behind the numbers.")
     sources: tuple[str, ...] = Field(
         ..., min_length=1, description="Datasheets and documents the numbers come from."
@@ -207,12 +213,36 @@ _ACHIEVABLE: dict[str, tuple[float, float, tuple[str, ...]]] = {
 }
 
 
+# fp8 tensor cores: Hopper (sm_90), Ada (sm_89) and CDNA3. torchao's float8 training runs its
+# matmuls with torch._scaled_mm, which needs sm_89 or later, or an MI300 (torchao 0.18,
+# torchao/float8/inference.py: is_sm_at_least_89() or is_MI300()). Ampere (A100, A10, A10G)
+# has none: its datasheets list TF32, BF16, FP16, INT8 and INT4 tensor rates only.
+_TORCHAO_FP8 = (
+    "torchao 0.18 float8 training: torch._scaled_mm needs CUDA compute capability 8.9+ (Ada, "
+    "Hopper) or an AMD MI300 (torchao/float8/inference.py, is_sm_at_least_89 / is_MI300): "
+    "https://github.com/pytorch/ao/tree/main/torchao/float8"
+)
+_FP8: dict[str, tuple[float, str]] = {
+    # id: (dense fp8 FLOP/s, the datasheet's figure)
+    "h100-sxm": (1979 * TFLOPS, "H100 SXM datasheet: FP8 3,958* TFLOPS (*sparse; dense half)"),
+    "h100-pcie": (1513 * TFLOPS, "H100 PCIe datasheet: FP8 3,026* TFLOPS (*sparse; dense half)"),
+    "h200": (1979 * TFLOPS, "H200 SXM datasheet: FP8 3,958* TFLOPS (*sparse; dense half)"),
+    "l4": (242.5 * TFLOPS, "L4 datasheet: FP8 485* TFLOPS (*sparse; dense half); Ada, sm_89"),
+    "l40s": (733 * TFLOPS, "L40S datasheet: FP8 733|1,466* TFLOPS (dense|sparse); Ada, sm_89"),
+    "mi300x": (2614.9 * TFLOPS, "MI300X data sheet: FP8 2,614.9 TFLOPS dense (5,229.8 sparse)"),
+}
+
+
 def _with_achievable(spec: GPUSpec) -> GPUSpec:
     matmul, attention, sources = _ACHIEVABLE[spec.id]
+    fp8 = _FP8.get(spec.id)
+    if fp8 is not None:
+        sources = (*sources, fp8[1], _TORCHAO_FP8)
     return spec.model_copy(
         update={
             "matmul_fraction": matmul,
             "attention_fraction": attention,
+            "fp8_flops": fp8[0] if fp8 else None,
             "sources": spec.sources + tuple(s for s in sources if s not in spec.sources),
         }
     )

@@ -40,7 +40,13 @@ from autoshard.predict.activations import ActivationProfile, precisions_of, prof
 from autoshard.predict.analytic import estimate_all
 from autoshard.predict.calibrate import SpeedModel
 from autoshard.results import MemoryEstimate, ModelProfile
-from autoshard.space import enumerate_candidates, rank_candidates
+from autoshard.space import (
+    BF16_COMPUTE,
+    default_precisions,
+    enumerate_candidates,
+    float8_blocker,
+    rank_candidates,
+)
 from autoshard.target.adapters import to_target
 from autoshard.target.resolve import BuiltModel, TargetSpec, build_target
 from autoshard.target.step import batch_samples, find_vocab_size
@@ -170,6 +176,17 @@ class PlanOptions(Frozen):
         None,
         description="Pin the precision(s), e.g. bf16-mixed or bf16-mixed,32-true (default: "
         "bf16-mixed where supported, 16-mixed elsewhere, and 32-true).",
+    )
+    compile: bool | None = Field(
+        None,
+        description="torch.compile: pin it on (--compile) or off (--no-compile) (default: both "
+        "planned where torch can compile here and the step-time model knows its effect).",
+    )
+    float8: bool | None = Field(
+        None,
+        description="float8 matmuls and all-gathers (torchao; FSDP2, bf16 compute, GPUs with fp8 "
+        "tensor cores): pin it on (--float8) or off (--no-float8) (default: planned where it "
+        "goes and the step-time model knows its effect).",
     )
     simulate: int = Field(
         0,
@@ -408,14 +425,18 @@ def make_plan(request: PlanRequest) -> Plan:
         extra_warnings=built.warnings,
     )  # fmt: skip
     workload, notes = resolve_workload(built, opts, request.label or str(request.target))
+    compiles, float8s, precisions = planned_switches(opts, request.hardware)
     candidates = enumerate_candidates(
         profile,
         request.hardware,
         workload,
         engine=opts.engine,
-        precisions=opts.precision,
+        precisions=precisions,
         micro_batch_sizes=micro_batch_sizes(built, opts),
+        compiles=compiles,
+        float8s=float8s,
     )
+    notes.extend(unmodelled_notes(candidates))
     activations = profile_activations(
         built.model, profile, workload, batch=built.batch, precisions=precisions_of(candidates)
     )
@@ -451,6 +472,74 @@ def make_plan(request: PlanRequest) -> Plan:
         speed=speed,
         notes=tuple(notes),
     )
+
+
+def modelled_dimensions() -> frozenset[str]:
+    """The planning dimensions whose effect on speed and memory the predictors model: the names
+    in ``autoshard.predict.MODELLED_DIMENSIONS`` ("compile", "float8"), which the step-time and
+    memory models declare when they add their terms. Until then the space proposes neither by
+    itself: estimated as eager bf16 runs, they would tie with them, and the choice would be
+    arbitrary."""
+    from autoshard import predict
+
+    return frozenset(getattr(predict, "MODELLED_DIMENSIONS", ()))
+
+
+def compile_supported() -> str | None:
+    """Why torch.compile cannot run here (this Python, this platform); None when it can."""
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        return f"torch {torch.__version__} cannot compile on this Python or platform"
+    return None
+
+
+def planned_switches(
+    options: PlanOptions, hardware: Hardware
+) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[Precision, ...] | None]:
+    """The torch.compile and float8 values to plan, and the precisions (float8 pinned on keeps
+    the bf16 ones): a pin is taken as given, or is one line saying why it cannot be; unpinned,
+    both values where the stack supports it and the model knows the effect (only off
+    otherwise)."""
+    modelled = modelled_dimensions()
+    if options.compile is None:
+        compiles = (False, True) if "compile" in modelled and not compile_supported() else (False,)
+    elif options.compile and (why := compile_supported()):
+        raise ConfigError(f"compile (--compile) is pinned on, but {why}: leave it unpinned")
+    else:
+        compiles = (options.compile,)
+    precisions = options.precision
+    blocker = float8_blocker(hardware, options.engine)
+    if options.float8 is None:
+        float8s = (False, True) if "float8" in modelled and not blocker else (False,)
+    elif not options.float8:
+        float8s = (False,)
+    else:
+        if blocker:
+            raise ConfigError(f"float8 (--float8) is pinned on, but {blocker}")
+        if precisions is None:
+            precisions = tuple(p for p in default_precisions(hardware) if p in BF16_COMPUTE)
+        others = [p.value for p in precisions if p not in BF16_COMPUTE]
+        if others:
+            raise ConfigError(
+                f"float8 (--float8) is pinned on, but it trains with bf16 compute, not "
+                f"{', '.join(others)}: give --precision bf16-mixed (or bf16-true)"
+            )
+        float8s = (True,)
+    return compiles, float8s, precisions
+
+
+def unmodelled_notes(candidates: list[Candidate]) -> list[str]:
+    """One note per dimension planned that the predictors do not model yet."""
+    modelled = modelled_dimensions()
+    notes = []
+    for name, what in (("compile", "torch.compile"), ("float8", "float8")):
+        if name not in modelled and any(getattr(c, name) for c in candidates):
+            notes.append(
+                f"{what}: its effect on speed and memory is not modelled yet, so its candidates "
+                f"are estimated as without it; trials on GPUs measure it"
+            )
+    return notes
 
 
 def micro_batch_sizes(built: BuiltModel, options: PlanOptions) -> tuple[int, ...]:

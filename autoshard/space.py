@@ -24,6 +24,7 @@ from autoshard.config import (
     Sharding,
     WorkloadSpec,
 )
+from autoshard.gpus import CATALOGUE, gpu_spec
 from autoshard.results import MemoryEstimate, ModelProfile
 
 T = TypeVar("T")
@@ -56,6 +57,45 @@ def default_precisions(hardware: Hardware) -> tuple[Precision, ...]:
     """bf16 mixed precision where the GPUs have bf16, fp16 mixed where not, and full fp32."""
     low = Precision.BF16_MIXED if hardware.bf16_supported else Precision.FP16_MIXED
     return (low, Precision.FP32)
+
+
+BF16_COMPUTE = (Precision.BF16_MIXED, Precision.BF16_TRUE)
+"""The precisions float8 training goes with: torchao's Float8Linear casts from bf16, and its
+non-matmul ops stay in bf16."""
+
+
+def fp8_gpus() -> str:
+    """The catalogue's GPUs with fp8 tensor cores, for messages."""
+    return ", ".join(sorted(i for i, spec in CATALOGUE.items() if spec.fp8_flops))
+
+
+def float8_blocker(hardware: Hardware, engine: Engine | str) -> str | None:
+    """Why float8 training cannot be planned for ``engine`` on ``hardware``; None when it can.
+
+    >>> from autoshard import Hardware
+    >>> from autoshard.space import float8_blocker
+    >>> a100 = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30, gpu="a100-80gb-sxm")
+    >>> float8_blocker(a100, "fsdp2")[:51]
+    'NVIDIA A100 SXM4 80GB has no fp8 tensor cores (fp8:'
+    >>> h100 = a100.model_copy(update={"gpu": "h100-sxm"})
+    >>> float8_blocker(h100, "fsdp2") is None, float8_blocker(h100, "fsdp1")[:21]
+    (True, 'FSDP1 has no float8 a')
+    """
+    if Engine(engine) is Engine.FSDP1:
+        return (
+            "FSDP1 has no float8 all-gather (torchao's float8 weights hook into FSDP2's "
+            "fully_shard): use engine fsdp2"
+        )
+    if hardware.backend == "gloo":
+        return "CPU processes have no fp8 tensor cores"
+    if hardware.gpu is None:
+        return f"the GPU model is not known: give gpu (--gpu) as one of {fp8_gpus()}"
+    spec = gpu_spec(hardware.gpu)
+    if spec.fp8_flops is None:
+        return f"{spec.name} has no fp8 tensor cores (fp8: {fp8_gpus()})"
+    if not hardware.bf16_supported:
+        return "these GPUs do not compute in bf16, which float8 training needs"
+    return None
 
 
 def shardings_for(
@@ -103,12 +143,17 @@ def enumerate_candidates(
     micro_batch_sizes: Sequence[int] | None = None,
     offload: bool | None = None,
     reshards: Sequence[Reshard] | None = None,
+    compiles: Sequence[bool] = (False,),
+    float8s: Sequence[bool] = (False,),
 ) -> list[Candidate]:
     """All candidates for ``profile`` on ``hardware``: the analyzer's wrap policy with every
     sharding strategy, checkpointing none / every 2nd block / every block, CPU offload (with
     FULL_SHARD only: it is the last resort), for FSDP2 each reshard policy (:func:`reshards_for`;
     ``reshards`` pins some), and each precision and micro-batch size; and the whole model as one
-    unit (Lightning's default) with each sharding, precision and micro-batch size.
+    unit (Lightning's default) with each sharding, precision and micro-batch size. Each of them
+    with every ``compiles`` value (torch.compile off, on), and with every ``float8s`` value where
+    float8 goes (FSDP2 and bf16 compute; the hardware is the caller's to check,
+    :func:`float8_blocker`).
 
     >>> from autoshard import Hardware, TargetSpec, WorkloadSpec, analyze_target
     >>> from autoshard import enumerate_candidates
@@ -176,7 +221,13 @@ def enumerate_candidates(
                             precision=precision, micro_batch_size=mbs,
                         )
                     )  # fmt: skip
-    return out
+    return [
+        c.model_copy(update={"compile": compiled, "float8": f8}) if compiled or f8 else c
+        for c in out
+        for compiled in compiles
+        for f8 in float8s
+        if not f8 or (Engine(engine) is Engine.FSDP2 and c.precision in BF16_COMPUTE)
+    ]
 
 
 def predicted_rate(estimate: MemoryEstimate) -> float:
