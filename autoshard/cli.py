@@ -189,9 +189,7 @@ def option_parameters(
         if field.annotation == bool | None:  # a pin either way, or unpinned: --x / --no-x
             flag = _flag(name)
             kind = bool | None
-            option = typer.Option(
-                f"{flag}/--no-{flag[2:]}", help=_help(field), show_default=False
-            )
+            option = typer.Option(f"{flag}/--no-{flag[2:]}", help=_help(field), show_default=False)
         out.append(
             inspect.Parameter(
                 name,

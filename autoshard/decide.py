@@ -167,7 +167,12 @@ def choose_from_trials(
 # Reasons: one line per chosen setting
 # --------------------------------------------------------------------------------------------
 
-_SETTINGS = ("sharding", "checkpointing", "cpu_offload", "precision", "micro_batch_size")
+_SETTINGS = (
+    "sharding", "checkpointing", "cpu_offload", "precision", "micro_batch_size", "compile",
+    "float8",
+)  # fmt: skip
+# Explained only where planned: a plan that never proposed them has nothing to say about them.
+_SWITCHES = ("compile", "float8")
 
 
 def _value(candidate: Candidate, name: str) -> str:
@@ -211,6 +216,8 @@ def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
         names = "; ".join(", ".join(g.names) for g in profile.tied)
         lines.append(f"tied parameters ({names}) stay in one FSDP unit (the root)")
     for name in _SETTINGS:
+        if name in _SWITCHES and not any(getattr(e.candidate, name) for e in plan.estimates):
+            continue
         alternatives = [e for e in plan.estimates if _differs_only_in(e.candidate, c, name)]
         chosen = _value(c, name)
         too_big = sorted(

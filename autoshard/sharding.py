@@ -39,7 +39,7 @@ from autoshard.config import (
     Reshard,
     Sharding,
 )
-from autoshard.errors import ConfigError
+from autoshard.errors import ConfigError, MissingDependencyError
 
 _DTYPES = {
     Precision.FP32: torch.float32,
@@ -161,6 +161,10 @@ def apply_fsdp1(
     kwargs["use_orig_params"] = use_orig_params
     wrapped = FullyShardedDataParallel(model, **kwargs)
     apply_checkpointing(wrapped, candidate)
+    if candidate.compile:
+        # The wrapped model as a whole, as Lightning (torch.compile of the module before fit) and
+        # accelerate (after wrapping) do; FSDP1's hooks graph-break, the rest compiles.
+        wrapped.compile()
     return wrapped
 
 
@@ -281,11 +285,17 @@ def cpu_workers_cannot_run(candidate: Candidate) -> str | None:
     """Why trial workers on CPU processes (gloo, no GPU) cannot run ``candidate``; None if they
     can. FSDP1's CPU offload moves its parameters to the accelerator in the root's pre-forward
     and raises "Cannot access accelerator device when none is available" (torch 2.13); FSDP2's
-    offload runs (unpinned) on CPU processes."""
+    offload runs (unpinned) on CPU processes. float8 is a GPU's tensor-core format: a CPU
+    emulates its matmuls, so a CPU trial would time the emulation, not what float8 is for."""
     if candidate.engine is Engine.FSDP1 and candidate.cpu_offload:
         return (
             "FSDP1's CPU offload needs a GPU: CPU workers cannot try it (torch cannot run it on "
             "CPU processes); its memory is the estimate's"
+        )
+    if candidate.float8:
+        return (
+            "float8 needs fp8 tensor cores: CPU workers have none (a CPU trial would time an "
+            "emulation); its speed and memory are the estimate's"
         )
     return None
 
@@ -297,6 +307,8 @@ def apply_fsdp2(model: nn.Module, candidate: Candidate, mesh: Any) -> nn.Module:
 
     if candidate.engine is not Engine.FSDP2:
         raise ConfigError("apply_fsdp2 needs an fsdp2 candidate")
+    # torchtitan's order: float8 conversion, checkpointing, compile, then fully_shard.
+    apply_float8(model, candidate)
     apply_checkpointing(model, candidate)
     kwargs = fsdp2_kwargs(candidate, mesh, pin_memory=torch.cuda.is_available())
     classes = wrap_classes_of(model, candidate.wrap_classes) if candidate.wrap_classes else set()
@@ -307,6 +319,12 @@ def apply_fsdp2(model: nn.Module, candidate: Candidate, mesh: Any) -> nn.Module:
         and isinstance(_unwrap_checkpoint(module), tuple(classes))
         and module is _unwrap_checkpoint(module)
     ]
+    if candidate.compile:
+        # Each block by itself, as torchtitan does (repeated blocks compile once); the model
+        # as a whole where it is one unit. In place (nn.Module.compile): parameter names and the
+        # state dict stay the eager model's.
+        for module in units or [model]:
+            module.compile()
     # Module order: for a ModuleList of blocks, the order they run in; the last runs last.
     for i, module in enumerate(units):
         reshard = reshard_after_forward(candidate, last=i == len(units) - 1)
@@ -343,6 +361,65 @@ def apply_checkpointing(model: nn.Module, candidate: Candidate) -> None:
     apply_activation_checkpointing(
         model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in chosen
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# float8 (torchao)
+# ---------------------------------------------------------------------------------------------
+
+
+def float8_linears(model: nn.Module, candidate: Candidate) -> list[nn.Module]:
+    """The ``nn.Linear`` layers float8 converts: those inside the wrap units' blocks (the whole
+    model when it is one unit), with both dimensions multiples of 16 (``torch._scaled_mm``'s
+    rule) and a weight of their own. The head and the embeddings stay bf16, as torchtitan's
+    default filter (``filter_fqns=["output"]``) leaves them; a tied weight would be cast twice."""
+    classes = (
+        tuple(wrap_classes_of(model, candidate.wrap_classes)) if candidate.wrap_classes else ()
+    )
+    inside = (
+        [m for block in model.modules() if isinstance(block, classes) for m in block.modules()]
+        if classes
+        else list(model.modules())
+    )
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [
+        m
+        for m in dict.fromkeys(inside)
+        if type(m) is nn.Linear
+        and m.in_features % 16 == 0
+        and m.out_features % 16 == 0
+        and owners.get(id(m.weight), 0) == 1
+    ]
+
+
+def apply_float8(model: nn.Module, candidate: Candidate) -> None:
+    """Swap :func:`float8_linears` for torchao's ``Float8Linear``, with FSDP2's float8
+    all-gather (each rank casts its shard to fp8 before the all-gather: half the bytes of bf16),
+    in place. Needs torchao (``pip install 'autoshard[float8]'``)."""
+    if not candidate.float8:
+        return
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise MissingDependencyError("torchao", "float8 training", extra="float8") from None
+    chosen = {id(m) for m in float8_linears(model, candidate)}
+    convert_to_float8_training(
+        model,
+        config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+        module_filter_fn=lambda module, _fqn: id(module) in chosen,
+    )
+
+
+def register_float8_scales(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """After every ``optimizer.step()``, torchao's ``precompute_float8_dynamic_scale_for_fsdp``:
+    the scales of all float8 weights in one all-reduce, instead of one per weight at the next
+    all-gather (torchtitan's ``--float8.precompute_float8_dynamic_scale_for_fsdp``)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
 
 
 def make_optimizer(

@@ -23,5 +23,5 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   # shellcheck disable=SC2086
   .venv/bin/python -m pip install --quiet ${AUTOSHARD_TORCH:-torch==2.13.0}
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[lightning,hf,postgres,peft,dev]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[lightning,hf,postgres,peft,float8,dev]"
 echo "setup: $(.venv/bin/python -c 'import torch, autoshard; print("autoshard", autoshard.__version__, "torch", torch.__version__)')"

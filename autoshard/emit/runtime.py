@@ -148,8 +148,9 @@ def apply(rec: Decision, model: nn.Module) -> nn.Module:
     """``model`` with the whole chosen configuration applied, as the trials applied it
     (:func:`autoshard.sharding.apply_candidate`): FSDP1 wrapping, sharding, mixed precision,
     offload, prefetch and all-gather limits, then activation checkpointing; or FSDP2's
-    checkpointing then ``fully_shard`` of each block and the root with the reshard policy, on
-    the chosen mesh (HYBRID_SHARD's (replicate, shard) mesh included). Returns the model to
+    float8 conversion, checkpointing, torch.compile of each block, then ``fully_shard`` of each
+    block and the root with the reshard policy, on the chosen mesh (HYBRID_SHARD's (replicate,
+    shard) mesh included); FSDP1's torch.compile is of the wrapped model. Returns the model to
     train; build the optimizer on its parameters afterwards.
 
     The process group is yours (``torch.distributed.init_process_group()``, e.g. under
@@ -172,7 +173,7 @@ def apply(rec: Decision, model: nn.Module) -> nn.Module:
         )
     device = sharding.rank_device()
     world = dist.get_world_size()
-    if device.type == "cpu" and sharding.cpu_workers_cannot_run(c):
+    if device.type == "cpu" and c.engine is Engine.FSDP1 and c.cpu_offload:
         raise ConfigError(
             "rec.apply(): FSDP1 with CPU offload needs a GPU (torch cannot run it on CPU "
             "processes); run it on the GPUs it was planned for"
@@ -208,6 +209,17 @@ def _apply_notice(rec: Decision, device: Any, world: int) -> str:
         f"rec.apply(): {c.label()} on {where}, {world} ranks (a micro-batch of "
         f"{c.micro_batch_size} per rank is your loader's)"
     )
+    if c.compile:
+        line += (
+            "; torch.compile "
+            + ("on each block" if c.engine is Engine.FSDP2 else "on the wrapped model")
+            + ": the first step compiles"
+        )
+    if c.float8:
+        line += (
+            "; float8 linears: call torchao.float8.precompute_float8_dynamic_scale_for_fsdp"
+            "(model) after each optimizer.step() (one all-reduce of the scales, as the trials)"
+        )
     if world != rec.hardware.world_size:
         line += (
             f"; planned for {rec.hardware.world_size} ranks, so each rank's memory differs "

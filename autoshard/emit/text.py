@@ -199,6 +199,40 @@ def lightning_cli_config(rec: Decision) -> dict[str, Any]:
     return {"trainer": {"strategy": strategy_cfg, **trainer_kwargs(rec)}}
 
 
+def compile_float8_notes(c: Candidate, stack: str) -> list[str]:
+    """How ``stack`` gets the torch.compile and float8 the trials ran with (its config has no
+    key for them, or only a coarser one): never left out in silence."""
+    notes: list[str] = []
+    if c.compile and c.engine is Engine.FSDP2:
+        notes.append(
+            "torch.compile: each block compiled in place (module.compile()) before fully_shard, "
+            "as torchtitan does; the FSDP2 plan (rec.fsdp2_plan() in configure_model, or "
+            "rec.apply(model)) applies it"
+            + ("" if stack == "Lightning" else f"; {stack}'s own compile flag compiles it whole")
+        )
+    elif c.compile:
+        notes.append(
+            f"torch.compile: the wrapped model compiled whole (FSDP1); {stack} has no key for "
+            "it here: call model.compile() after wrapping (rec.apply(model) does)"
+            if stack == "Lightning"
+            else "torch.compile: the wrapped model compiled whole (FSDP1), as the setting here does"
+        )
+    if c.float8:
+        notes.append(
+            "float8: torchao's Float8Linear on the blocks' linear layers with FSDP2's float8 "
+            "all-gather (pip install 'autoshard[float8]'); "
+            + (
+                "the FSDP2 plan converts them before fully_shard"
+                if stack == "Lightning"
+                else f"{stack} has no key for it: call autoshard.sharding.apply_float8(model, "
+                "rec.chosen.candidate) before preparing the model"
+            )
+            + "; after each optimizer.step() call torchao.float8."
+            "precompute_float8_dynamic_scale_for_fsdp(model), as the trials did"
+        )
+    return notes
+
+
 def lightning_cli_yaml(rec: Decision) -> str:
     """Lightning CLI YAML (``trainer:`` section) with comments saying what was measured."""
     lines = describe_evidence(rec)
@@ -210,6 +244,7 @@ def lightning_cli_yaml(rec: Decision) -> str:
         lines.append('  rec = autoshard.load("autoshard-out")')
         lines.append('  rec.fsdp2_plan()(self.model, self.device_mesh["data_parallel"])')
         lines.append(f"  which applies the {describe_reshard(rec.chosen.candidate)}")
+    lines.extend(compile_float8_notes(rec.chosen.candidate, "Lightning"))
     body = yaml.safe_dump(lightning_cli_config(rec), sort_keys=False)
     return _comment(lines) + body
 
@@ -257,6 +292,14 @@ def accelerate_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
         "use_cpu": False,
         "fsdp_config": fsdp,
     }
+    if c.compile:
+        # accelerate compiles after prepare; regional compilation compiles each repeated block
+        # (accelerate 1.15, utils/dataclasses.py TorchDynamoPlugin.use_regional_compilation),
+        # as the trials did.
+        config["dynamo_config"] = {
+            "dynamo_backend": "INDUCTOR",
+            "dynamo_use_regional_compilation": c.engine is Engine.FSDP2,
+        }
     if c.hybrid_mesh is not None and c.engine is Engine.FSDP2:
         config["parallelism_config"] = {
             "parallelism_config_dp_replicate_size": c.hybrid_mesh[0],
@@ -264,6 +307,7 @@ def accelerate_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
         }
     notes.extend(_fsdp1_hybrid_notes(rec, "accelerate"))
     notes.extend(_accelerate_notes(c, "accelerate"))
+    notes.extend(compile_float8_notes(c, "accelerate"))
     if not c.limit_all_gathers:
         notes.append("set fsdp_plugin.limit_all_gathers = False in code (no config key)")
     return config, notes
@@ -392,6 +436,7 @@ def hf_trainer_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
     )
     fsdp["cpu_ram_efficient_loading"] = True
     notes.extend(_accelerate_notes(c, "the Hugging Face Trainer"))
+    notes.extend(compile_float8_notes(c, "the Hugging Face Trainer"))
     # Read by nobody but people: the Trainer stores unknown fsdp_config keys and ignores them.
     fsdp["autoshard"] = {"chosen": describe_evidence(rec), "notes": notes}
     args: dict[str, Any] = {"fsdp": True, "fsdp_config": fsdp}
@@ -399,6 +444,8 @@ def hf_trainer_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
         args["bf16"] = True
     elif c.precision is Precision.FP16_MIXED:
         args["fp16"] = True
+    if c.compile:
+        args["torch_compile"] = True
     args["per_device_train_batch_size"] = c.micro_batch_size
     if rec.workload.accumulate > 1:
         args["gradient_accumulation_steps"] = rec.workload.accumulate

@@ -48,7 +48,12 @@ from autoshard.config import Candidate, Checkpointing, Engine, Precision, Worklo
 from autoshard.loop import autocast_for, optimizer_step
 from autoshard.measure import enough_steps, median_spread
 from autoshard.results import TrialStatus
-from autoshard.sharding import apply_candidate, make_optimizer, rank_device
+from autoshard.sharding import (
+    apply_candidate,
+    make_optimizer,
+    rank_device,
+    register_float8_scales,
+)
 from autoshard.target.resolve import TargetSpec, build_target, load_callable
 from autoshard.target.step import (
     batch_samples,
@@ -107,6 +112,8 @@ def build_for_training(
     function (None: the default loss)."""
     model, built_batch = build_sharded(target, candidate, device)
     optimizer = make_optimizer(model.parameters(), candidate)
+    if candidate.float8:
+        register_float8_scales(model, optimizer)
     batch = make_batch(
         model,
         built_batch,
