@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/gpu.sh accuracy [OUT]   estimators vs torch.cuda.max_memory_allocated/reserved
 #   bash benchmarks/gpu.sh tune [OUT]       CUDA tests, tune overhead, chosen vs Lightning default
-#   bash benchmarks/gpu.sh speed [OUT]      the step-time model (uncalibrated) vs measured trials
+#   bash benchmarks/gpu.sh speed [OUT]      the step-time model (uncalibrated) vs measured trials,
+#                                           torch.compile and float8 included
 #   bash benchmarks/gpu.sh handover [OUT]   each consumer of what autoshard hands over, for real
 #
 # Results go to OUT (default benchmarks/results), named as the CPU ones with _gpu / cuda in
@@ -40,6 +41,10 @@ case "$part" in
     # 12 configurations of the grid (checkpointing, precision, micro-batch, offload, one unit).
     python3 benchmarks/step_time_measured.py --size 1b --seq-len 2048 --max 12 \
       --write "$out/step_time_measured_gpu.md"
+    # torch.compile and float8 (float8 where the GPU has fp8 and torchao is there): one FSDP2
+    # configuration eager, + compile, + float8, + both, against the model and torchtitan's table.
+    python3 benchmarks/compile_float8_measured.py --size 1b --seq-len 2048 --mbs 2 \
+      --write "$out/compile_float8_measured_gpu.md"
     ;;
   handover)
     # What CPU processes cannot run (FSDP1 offload; Lightning's and Fabric's FSDPStrategy,
