@@ -13,7 +13,10 @@ checkpointing is applied after wrapping with ``apply_activation_checkpointing``.
 FSDP2 follows torchtitan: checkpoint the blocks, ``fully_shard`` each block, then the root;
 ``reshard_after_forward=False`` for SHARD_GRAD_OP, and per unit as ``candidate.reshard`` says
 otherwise (:func:`reshard_after_forward`); HYBRID_SHARD and NO_SHARD on a 2-D (replicate, shard)
-mesh; gradients reduced in fp32 under mixed precision.
+mesh; gradients reduced in fp32 under mixed precision. ``candidate.float8`` converts the
+blocks' linear layers to torchao's ``Float8Linear`` first, and ``candidate.compile`` compiles
+each block in place before ``fully_shard`` (torchtitan's order: float8, checkpointing, compile,
+FSDP); FSDP1 compiles the wrapped model.
 """
 
 from __future__ import annotations
@@ -192,10 +195,11 @@ def apply_candidate(
     param_init_fn: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Apply the whole candidate to ``model`` on ``device``, as every trial does: bf16-true casts
-    the model first; FSDP1 wraps, then checkpoints (:func:`apply_fsdp1`); FSDP2 checkpoints,
-    then ``fully_shard``s on the candidate's mesh (:func:`apply_fsdp2`) and moves the rest to
-    ``device``. ``param_init_fn(module)`` materialises a model built on meta, module by module.
-    Needs an initialised process group."""
+    the model first; FSDP1 wraps, then checkpoints, then compiles (:func:`apply_fsdp1`); FSDP2
+    converts to float8, checkpoints, compiles each block, then ``fully_shard``s on the
+    candidate's mesh (:func:`apply_fsdp2`) and moves the rest to ``device``.
+    ``param_init_fn(module)`` materialises a model built on meta, module by module. Needs an
+    initialised process group."""
     if candidate.precision is Precision.BF16_TRUE:
         model = model.to(torch.bfloat16)
     if candidate.engine is Engine.FSDP1:
@@ -301,8 +305,9 @@ def cpu_workers_cannot_run(candidate: Candidate) -> str | None:
 
 
 def apply_fsdp2(model: nn.Module, candidate: Candidate, mesh: Any) -> nn.Module:
-    """Checkpoint the blocks, then ``fully_shard`` each wrap unit and the root, in place, each
-    with its ``reshard_after_forward`` (:func:`reshard_after_forward`)."""
+    """Convert to float8 (:func:`apply_float8`), checkpoint the blocks, compile each wrap unit,
+    then ``fully_shard`` each wrap unit and the root, in place, each with its
+    ``reshard_after_forward`` (:func:`reshard_after_forward`)."""
     from torch.distributed.fsdp import fully_shard
 
     if candidate.engine is not Engine.FSDP2:
