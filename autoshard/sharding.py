@@ -21,6 +21,7 @@ FSDP); FSDP1 compiles the wrapped model.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Callable, Iterable
@@ -301,6 +302,22 @@ def cpu_workers_cannot_run(candidate: Candidate) -> str | None:
             "float8 needs fp8 tensor cores: CPU workers have none (a CPU trial would time an "
             "emulation); its speed and memory are the estimate's"
         )
+    if candidate.compile and (why := cpu_compiler_missing()):
+        return f"{why}; its speed and memory are the estimate's"
+    return None
+
+
+@functools.cache
+def cpu_compiler_missing() -> str | None:
+    """Why inductor cannot compile for CPU processes here (it builds C++ kernels: it needs a
+    C++ compiler); None when it can. Looked up once: importing inductor takes seconds."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as exc:  # inductor's own error says which compilers it looked for
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"torch.compile on CPU processes needs a C++ compiler for inductor ({first})"
     return None
 
 

@@ -193,6 +193,23 @@ def test_cpu_workers_skip_float8_with_the_reason() -> None:
     assert cpu_workers_cannot_run(Candidate(engine=Engine.FSDP2, compile=True)) is None
 
 
+def test_cpu_workers_skip_compile_where_inductor_has_no_compiler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch._inductor.config as inductor
+
+    from autoshard import sharding
+
+    monkeypatch.setattr(inductor.cpp, "cxx", ("autoshard-no-such-compiler",))
+    sharding.cpu_compiler_missing.cache_clear()
+    try:
+        why = cpu_workers_cannot_run(Candidate(engine=Engine.FSDP2, compile=True))
+    finally:
+        sharding.cpu_compiler_missing.cache_clear()
+    assert why is not None and why.startswith("torch.compile on CPU processes needs a C++")
+    assert cpu_workers_cannot_run(Candidate(engine=Engine.FSDP2)) is None
+
+
 @pytest.fixture
 def one_rank_group() -> Any:
     import torch.distributed as dist
