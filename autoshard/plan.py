@@ -537,7 +537,10 @@ def fits_elsewhere(plan: Plan, *, max_nodes: int = 1024) -> tuple[int, MemoryEst
 
 
 def micro_batch_sizes(built: BuiltModel, options: PlanOptions) -> tuple[int, ...]:
-    """The sizes asked for, the example batch's, or 1, 2, 4, 8."""
+    """The sizes asked for, the example batch's (the loader's), or 1, 2, 4, 8; a loader whose
+    batch size is fixed gives only its own."""
+    if built.data is not None and built.data.fixed:
+        return (built.data.samples,)
     if options.batch_size is not None:
         return options.batch_size
     if built.batch is not None:
@@ -592,6 +595,18 @@ def resolve_workload(
         origin = f"the model's context ({context})" if context else "assumed"
         capped = " capped" if context and context > seq_len else ""
         notes.append(f"seq_len {seq_len}: {origin}{capped}; give --seq-len / seq_len= for yours")
+    data = built.data
+    if data is not None and data.fixed:
+        asked = (
+            f", not --batch-size {','.join(map(str, options.batch_size))}"
+            if options.batch_size not in (None, (data.samples,))
+            else ""
+        )
+        notes.append(
+            f"micro-batch {data.samples}{asked}: {data.origin} makes its batches itself (its "
+            "own batch_sampler, batch_size=None or made batches), so trials and estimates use "
+            "its size; give a DataLoader with batch_size= to compare sizes"
+        )
     workload = WorkloadSpec(
         micro_batch_size=micro_batch_sizes(built, options)[0],
         seq_len=seq_len,
