@@ -194,7 +194,8 @@ def analyze_model(
 
 # Names of a learned positional table (GPT-2's wpe, BERT's position_embeddings, pos_emb...).
 _POSITION_TABLE = re.compile(r"(^|[._])(wpe|pos|position|positional)(_?emb\w*|_?embed\w*)?$")
-# Buffers of a precomputed rotary (or sinusoidal) table: their second-to-last axis is positions.
+# Buffers of a precomputed rotary (or sinusoidal) table: their longest axis but the last (the
+# features) is positions: (T, D/2) freqs_cis, (1, 1, T, D) cos_cached, (T, 1, D) pe.
 _POSITION_CACHE = re.compile(r"(cos|sin)_cached$|freqs_cis$|(^|[._])(pe|rope_cache)$")
 # Where a context length is written on a model or its config (Hugging Face, nanoGPT, ours).
 _CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "max_seq_len", "block_size")
@@ -219,7 +220,8 @@ def find_context(model: nn.Module) -> tuple[int, str] | None:
             found.append((module.num_embeddings, f"positional table {name} ({module})"))
     for name, buffer in inner.named_buffers():
         if _POSITION_CACHE.search(name) and buffer.dim() >= 2:
-            found.append((int(buffer.shape[-2]), f"position cache {name} {tuple(buffer.shape)}"))
+            positions = max(int(n) for n in buffer.shape[:-1])
+            found.append((positions, f"position cache {name} {tuple(buffer.shape)}"))
     for where, holder in (("", inner), ("config.", getattr(inner, "config", None))):
         for attr in _CONTEXT_ATTRS:
             value = getattr(holder, attr, None)

@@ -107,4 +107,8 @@ class Rotary(nn.Module):
 
 def test_rotary_cache_is_a_limit():
     assert find_context(Rotary()) == (128, "position cache freqs_cis (128, 8)")
+    # PyTorch's tutorial keeps its sinusoidal table as (positions, 1, features)
+    sinusoidal = nn.Sequential(nn.Embedding(100, 16))
+    sinusoidal.register_buffer("pe", torch.zeros(5000, 1, 16))
+    assert find_context(sinusoidal) == (5000, "position cache pe (5000, 1, 16)")
     assert find_context(nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 8))) is None
