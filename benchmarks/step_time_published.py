@@ -132,6 +132,15 @@ def checkpointing(record: dict[str, Any], blocks: tuple[str, ...]) -> tuple[dict
     return {"checkpointing": "every_k", "checkpoint_every": 2, "checkpoint_classes": blocks}, note
 
 
+def precision_of(record: dict[str, Any]) -> str:
+    """The Lightning precision a record ran: fp32, bf16 throughout (no fp32 master copy: litgpt's
+    and benchmark_litgpt's bf16-true) or bf16 mixed (every other bf16 and fp8 source)."""
+    published = record["precision"]
+    if published.startswith("32"):
+        return "32-true"
+    return "bf16-true" if published.startswith("bf16-true") else "bf16-mixed"
+
+
 def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
     """Predicted tokens/s per GPU of one record, the speed breakdown, the memory estimate and
     a note on how it was modelled (compile and float8 ignored: the eager bf16 plan)."""
@@ -144,7 +153,7 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
     from autoshard.predict.speed import predict_speed
 
     model = record["model"]
-    precision = "32-true" if record["precision"].startswith("32") else "bf16-mixed"
+    precision = precision_of(record)
     workload = WorkloadSpec(
         micro_batch_size=record["micro_batch_size"],
         seq_len=model["seq_len"],
