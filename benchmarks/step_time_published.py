@@ -125,6 +125,15 @@ def checkpointing(record: dict[str, Any], blocks: tuple[str, ...]) -> tuple[dict
         return {}, ""
     if published == "full":
         return {"checkpointing": "all", "checkpoint_classes": blocks}, ""
+    if published.startswith("first "):  # YaFSDP's "num-ckpt-layers": N of the L blocks recompute
+        count, of = (int(word) for word in published.split()[1::2][:2])
+        every = max(1, round(of / count))
+        note = f"'{published}' modelled as every {every}th block ({-(-of // every)} blocks)"
+        return {
+            "checkpointing": "every_k",
+            "checkpoint_every": every,
+            "checkpoint_classes": blocks,
+        }, note
     # "every_k (k not stated)" (fms-fsdp's selective checkpointing), torchtitan's "selective
     # layer" (its default selective_ac_option "2": every 2nd block); per-op selective is not
     # plannable and reaches here only for the unscored approximation
@@ -133,11 +142,14 @@ def checkpointing(record: dict[str, Any], blocks: tuple[str, ...]) -> tuple[dict
 
 
 def precision_of(record: dict[str, Any]) -> str:
-    """The Lightning precision a record ran: fp32, bf16 throughout (no fp32 master copy: litgpt's
-    and benchmark_litgpt's bf16-true) or bf16 mixed (every other bf16 and fp8 source)."""
+    """The Lightning precision a record ran: fp32, fp16 mixed (DeepSpeed's fp16), bf16 throughout
+    (no fp32 master copy: litgpt's and benchmark_litgpt's bf16-true) or bf16 mixed (every other
+    bf16 and fp8 source)."""
     published = record["precision"]
     if published.startswith("32"):
         return "32-true"
+    if published.startswith("16-mixed"):
+        return "16-mixed"
     return "bf16-true" if published.startswith("bf16-true") else "bf16-mixed"
 
 
