@@ -128,7 +128,7 @@ def checkpointing(record: dict[str, Any], blocks: tuple[str, ...]) -> tuple[dict
     if published.startswith("first "):  # YaFSDP's "num-ckpt-layers": N of the L blocks recompute
         count, of = (int(word) for word in published.split()[1::2][:2])
         every = max(1, round(of / count))
-        note = f"'{published}' modelled as every {every}th block ({-(-of // every)} blocks)"
+        note = f"'{published}' modelled as one block in {every} ({-(-of // every)} blocks)"
         return {
             "checkpointing": "every_k",
             "checkpoint_every": every,
@@ -378,11 +378,14 @@ def one_gpu_comparisons(rows: list[dict[str, Any]]) -> list[str]:
                 published = one["published"] / other["published"] - 1
                 predicted = one["predicted"] / other["predicted"] - 1
                 right = (published > 0) == (predicted > 0) and abs(predicted) >= PREDICTED_TIE
+                verdict = "ordered" if right else "NOT ordered"
+                if abs(published) < TIE:  # a published tie has no order to get right
+                    verdict = "published within 5%: a tie"
                 kind = "eager prediction" if one["why_not"] or other["why_not"] else "prediction"
                 lines.append(
                     f"- {one['set']}, {gid}: 1 GPU vs {other['record']['gpus']} per GPU: "
                     f"published {published:+.1%}, {kind} {predicted:+.1%} "
-                    f"({'ordered' if right else 'NOT ordered'}; 1-GPU step "
+                    f"({verdict}; 1-GPU step "
                     f"{one['speed'].step_time_s:.2f} s predicted, communication exposed "
                     f"{other['speed'].breakdown.exposed_comm_s:.2f} s and contention "
                     f"{other['speed'].breakdown.contention_s:.2f} s on "
