@@ -221,7 +221,9 @@ def test_llama_parameter_counts_match_the_released_models(name: str, params: int
 @pytest.mark.parametrize(
     ("group", "record"),
     [(g, r) for g, r in RECORDS if set(r["throughput"]) - {"tokens_per_s_per_gpu", "mfu", "hfu"}],
-    ids=[r["id"] for _, r in RECORDS if set(r["throughput"]) - {"tokens_per_s_per_gpu", "mfu", "hfu"}],
+    ids=[
+        r["id"] for _, r in RECORDS if set(r["throughput"]) - {"tokens_per_s_per_gpu", "mfu", "hfu"}
+    ],
 )
 def test_derived_throughput_follows_from_what_was_published(
     group: dict[str, Any], record: dict[str, Any]
@@ -257,10 +259,14 @@ def test_partial_checkpointing_and_precisions_are_read_as_published() -> None:
     """'first N of L blocks' (YaFSDP's num-ckpt-layers) becomes every round(L/N)-th block, with
     a note; bf16-true and fp16 sources are planned in their own precision, not bf16-mixed."""
     blocks = ("Block",)
-    ckpt, note = BENCHMARK.checkpointing({"activation_checkpointing": "first 10 of 80 blocks"}, blocks)
+    ckpt, note = BENCHMARK.checkpointing(
+        {"activation_checkpointing": "first 10 of 80 blocks"}, blocks
+    )
     assert (ckpt["checkpointing"], ckpt["checkpoint_every"]) == ("every_k", 8)
     assert "10 blocks" in note
-    ckpt, note = BENCHMARK.checkpointing({"activation_checkpointing": "first 5 of 48 blocks"}, blocks)
+    ckpt, note = BENCHMARK.checkpointing(
+        {"activation_checkpointing": "first 5 of 48 blocks"}, blocks
+    )
     assert ckpt["checkpoint_every"] == 10 and "5 blocks" in note
     for record in (r for _, r in RECORDS if r["activation_checkpointing"].startswith("first ")):
         count, of = (int(w) for w in record["activation_checkpointing"].split()[1::2][:2])
