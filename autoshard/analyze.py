@@ -15,6 +15,7 @@ The block-finding rule, in order:
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -154,6 +155,7 @@ def analyze_model(
         )
 
     vocab, hidden = _largest_embedding(model)
+    context = find_context(model)
     return ModelProfile(
         target=target or type(model).__name__,
         model_class=class_path(type(model)),
@@ -183,9 +185,50 @@ def analyze_model(
         largest_unit_params=largest_unit,
         vocab_size=vocab,
         hidden_size=hidden,
+        context_length=context[0] if context else None,
+        context_source=context[1] if context else "",
         warnings=tuple(warnings),
         seconds=time.perf_counter() - start,
     )
+
+
+# Names of a learned positional table (GPT-2's wpe, BERT's position_embeddings, pos_emb...).
+_POSITION_TABLE = re.compile(r"(^|[._])(wpe|pos|position|positional)(_?emb\w*|_?embed\w*)?$")
+# Buffers of a precomputed rotary (or sinusoidal) table: their longest axis but the last (the
+# features) is positions: (T, D/2) freqs_cis, (1, 1, T, D) cos_cached, (T, 1, D) pe.
+_POSITION_CACHE = re.compile(r"(cos|sin)_cached$|freqs_cis$|(^|[._])(pe|rope_cache)$")
+# Where a context length is written on a model or its config (Hugging Face, nanoGPT, ours).
+_CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "max_seq_len", "block_size")
+
+
+def find_context(model: nn.Module) -> tuple[int, str] | None:
+    """The longest sequence ``model`` takes, and what sets it: a learned positional table
+    (past it, the lookup is an ``IndexError``), a precomputed rotary or sinusoidal cache, or the
+    context written on the model or its config (``max_position_embeddings``, ``n_positions``);
+    the smallest of those found. Shapes only: works on the meta device.
+
+    >>> from autoshard import TargetSpec, analyze_target
+    >>> profile, _ = analyze_target(TargetSpec(spec="examples/gpt.py:build",
+    ...                                        kwargs={"size": "tiny"}))
+    >>> profile.context_length, profile.context_source
+    (256, 'positional table pos_emb (Embedding(256, 128))')
+    """
+    inner = getattr(model, "module", model)  # LightningStep
+    found: list[tuple[int, str]] = []
+    for name, module in inner.named_modules():
+        if isinstance(module, nn.Embedding) and _POSITION_TABLE.search(name):
+            found.append((module.num_embeddings, f"positional table {name} ({module})"))
+    for name, buffer in inner.named_buffers():
+        if _POSITION_CACHE.search(name) and buffer.dim() >= 2:
+            positions = max(int(n) for n in buffer.shape[:-1])
+            found.append((positions, f"position cache {name} {tuple(buffer.shape)}"))
+    for where, holder in (("", inner), ("config.", getattr(inner, "config", None))):
+        for attr in _CONTEXT_ATTRS:
+            value = getattr(holder, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found.append((value, f"{where}{attr}"))
+                break
+    return min(found, key=lambda item: item[0]) if found else None
 
 
 class _Frozen(NamedTuple):

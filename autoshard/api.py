@@ -26,8 +26,8 @@ __all__ = ["Estimates", "estimate", "estimates_for", "recommend", "tune"]
 class Estimates(list[MemoryEstimate]):
     """The estimates of every candidate, in the order asked for, with the pipeline's decision
     for the same inputs (``recommendation``: what ``recommend()`` chooses; None when nothing
-    fits) and the plan behind them (``plan.notes``: what was assumed). In a notebook it renders
-    as a table.
+    fits, and then ``nothing_fits`` says so in one line, with what would fit) and the plan behind
+    them (``plan.notes``: what was assumed). In a notebook it renders as a table.
 
     >>> import warnings
     >>> import autoshard
@@ -46,10 +46,12 @@ class Estimates(list[MemoryEstimate]):
         *,
         recommendation: Recommendation | None = None,
         plan: Plan | None = None,
+        nothing_fits: str | None = None,
     ) -> None:
         super().__init__(estimates)
         self.recommendation = recommendation
         self.plan = plan
+        self.nothing_fits = nothing_fits
 
     def __rich__(self) -> Any:
         from autoshard.ui.tables import estimates_table
@@ -122,11 +124,13 @@ def estimates_for(
         choices = ", ".join(o.value for o in RankOrder)
         raise ConfigError(f"{flag} {sort}: choose one of {choices}") from None
     plan = make_plan(make_request(model, options, kwargs=kwargs, batch=batch))
+    rec: Recommendation | None = None
+    nothing_fits: str | None = None
     try:
-        rec: Recommendation | None = decide(plan)
-    except ConfigError:
-        rec = None  # nothing fits: the list says by how much
-    return Estimates(plan.ranked(order), recommendation=rec, plan=plan)
+        rec = decide(plan)
+    except ConfigError as exc:  # nothing fits: the list says by how much, the line what would
+        nothing_fits = str(exc)
+    return Estimates(plan.ranked(order), recommendation=rec, plan=plan, nothing_fits=nothing_fits)
 
 
 def recommend(

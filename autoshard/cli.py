@@ -314,6 +314,7 @@ def estimate(
                     "notes": list(plan.notes),
                     # The pipeline's decision for these inputs: what `export` writes.
                     "recommendation": rec.model_dump(mode="json") if rec else None,
+                    "nothing_fits": estimates.nothing_fits,  # why no recommendation, what would
                     "estimates": [e.model_dump(mode="json") for e in estimates],
                 }
             )
@@ -321,6 +322,8 @@ def estimate(
         from autoshard.ui.tables import print_estimates
 
         print_estimates(list(estimates), plan.hardware, console, order=RankOrder(sort))
+        if estimates.nothing_fits:
+            console.print(f"[bold]{escape(estimates.nothing_fits)}[/]", soft_wrap=True)
 
     _run(work, debug)
 

@@ -30,7 +30,7 @@ from autoshard.measure import (
     throughput,
     trials_checked_line,
 )
-from autoshard.plan import Plan
+from autoshard.plan import Plan, fits_elsewhere
 from autoshard.recommendation import Recommendation
 from autoshard.results import MemoryEstimate, ModelProfile, Scored, TrialResult, TrialStatus
 from autoshard.space import (
@@ -75,9 +75,25 @@ def build_recommendation(
         runners_up=tuple(runners_up),
         ruled_out=tuple(ruled_out),
         basis=basis,
-        reasons=(*reasons, *notes),
+        reasons=(*reasons, *host_memory_reason(chosen, hardware), *notes),
         versions=versions(),
     )
+
+
+def host_memory_reason(chosen: Scored, hardware: Hardware) -> list[str]:
+    """What an offloading choice needs of the host, and whether that was checked."""
+    if not chosen.candidate.cpu_offload or chosen.estimate is None:
+        return []
+    need = format_bytes(chosen.estimate.host_peak)
+    if hardware.host_memory is None:
+        return [
+            f"CPU offload needs {need} of host memory per node (parameters, gradients and "
+            "optimizer states of the node's ranks): not checked, no host memory given"
+        ]
+    return [
+        f"CPU offload needs {need} of host memory per node (parameters, gradients and optimizer "
+        f"states of the node's ranks), of {format_bytes(hardware.host_memory)}"
+    ]
 
 
 def decide(plan: Plan) -> Recommendation:
@@ -85,14 +101,7 @@ def decide(plan: Plan) -> Recommendation:
     ranked = plan.ranked()
     fitting = [e for e in ranked if e.fits]
     if not fitting:
-        closest = ranked[0] if ranked else None
-        detail = f"; closest: {closest.candidate.label()} ({closest.reason})" if closest else ""
-        hw = plan.hardware
-        raise ConfigError(
-            f"no configuration fits {hw.world_size} x {format_bytes(hw.gpu_memory)} GPUs "
-            f"({len(ranked)} estimated){detail}; add GPUs or nodes, or use a smaller "
-            "micro-batch or sequence"
-        )
+        raise ConfigError(nothing_fits(plan))
     best = fitting[0]
     return build_recommendation(
         plan.profile,
@@ -105,6 +114,41 @@ def decide(plan: Plan) -> Recommendation:
         reasons=explain_estimate(best, plan),
         notes=plan.notes,
     )
+
+
+def nothing_fits(plan: Plan) -> str:
+    """One line: nothing fits the plan's hardware, the closest candidate, and what would fit:
+    more nodes (how many), or more host memory where only the host is short."""
+    ranked, hw = plan.ranked(), plan.hardware
+    host = (
+        f" with {format_bytes(hw.host_memory)} of host memory per node"
+        if hw.host_memory is not None
+        else ""
+    )
+    closest = f"; closest: {ranked[0].candidate.label()} ({ranked[0].reason})" if ranked else ""
+    line = (
+        f"no configuration fits {hw.nodes} x {hw.gpus_per_node} GPUs of "
+        f"{format_bytes(hw.gpu_memory)}{host} ({len(ranked)} estimated{closest})"
+    )
+    would = []
+    elsewhere = fits_elsewhere(plan) if ranked else None
+    if elsewhere is not None:
+        nodes, there = elsewhere
+        would.append(f"on {nodes} nodes of {hw.gpus_per_node} GPUs ({there.candidate.label()})")
+    # short of host memory only: the GPU side fits
+    host_short = [
+        e for e in ranked if e.headroom >= 0 and hw.host_memory is not None and
+        e.host_peak > hw.host_memory
+    ]  # fmt: skip
+    if host_short:
+        least = min(host_short, key=lambda e: e.host_peak)
+        would.append(
+            f"with {format_bytes(least.host_peak)} of host memory per node "
+            f"({least.candidate.label()})"
+        )
+    if would:
+        return f"{line}; it would fit {', or '.join(would)}"
+    return f"{line}; add GPUs or nodes, or use a smaller micro-batch or sequence"
 
 
 def decide_from_trials(

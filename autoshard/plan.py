@@ -15,6 +15,7 @@ through :mod:`warnings` at every door; the command line prints each as one line.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from pydantic import Field, ValidationError, field_validator
 
-from autoshard.analyze import analyze_model
+from autoshard.analyze import analyze_model, find_context
 from autoshard.config import (
     Candidate,
     Engine,
@@ -320,6 +321,9 @@ def detect_hardware(
             raise ConfigError(
                 "no GPU visible here: give gpus (--gpus N, GPUs per node) for the GPUs to plan for"
             )
+    host_memory = opts.host_memory
+    if host_memory is None and plans_this_machine(opts, visible, gpu_id):
+        host_memory = machine_memory()  # what CPU offload can use here
     if not visible:
         warnings.warn(
             f"no GPU visible: planning for {opts.nodes} x {gpus} GPUs of {format_bytes(memory)}"
@@ -334,12 +338,37 @@ def detect_hardware(
         gpus_per_node=gpus,
         nodes=opts.nodes,
         gpu_memory=memory,
-        host_memory=opts.host_memory,
+        host_memory=host_memory,
         bf16_supported=torch.cuda.is_bf16_supported() if visible else True,
         gpu=gpu_id,
         intra_node_bandwidth=opts.intra_node_bandwidth,
         inter_node_bandwidth=opts.inter_node_bandwidth,
     )
+
+
+def plans_this_machine(options: PlanOptions, visible: int, gpu_id: str | None) -> bool:
+    """Whether the plan is for this machine: its own GPUs, detected rather than given (or its
+    CPU processes, ``--gpu cpu-gloo`` on one node), so that its RAM is the host memory."""
+    if gpu_id == CPU_GLOO_ID:
+        return options.nodes == 1
+    return bool(visible) and options.gpu is None and (options.gpus or visible) <= visible
+
+
+def machine_memory() -> int | None:
+    """This machine's RAM, or its container's memory limit where that is lower; None where
+    neither can be read."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total = int(text)
+    return total if total > 0 else None
 
 
 class PlanRequest(Frozen):
@@ -424,7 +453,9 @@ def make_plan(request: PlanRequest) -> Plan:
         built.model, target=request.label or str(request.target), built_on=built.built_on,
         extra_warnings=built.warnings,
     )  # fmt: skip
-    workload, notes = resolve_workload(built, opts, request.label or str(request.target))
+    workload, notes = resolve_workload(
+        built, opts, request.label or str(request.target), profile=profile
+    )
     compiles, float8s, precisions = planned_switches(opts, request.hardware)
     candidates = enumerate_candidates(
         profile,
@@ -459,6 +490,9 @@ def make_plan(request: PlanRequest) -> Plan:
         )  # fmt: skip
         estimates = speed.attach(simulated)  # simulated peaks can change fit and headroom
     estimates = rank_candidates(estimates)
+    host_note = host_memory_note(estimates, request.hardware)
+    if host_note:
+        notes.append(host_note)
     for note in notes:
         warnings.warn(note, PlanWarning, stacklevel=2)
     return Plan(
@@ -542,8 +576,62 @@ def unmodelled_notes(candidates: list[Candidate]) -> list[str]:
     return notes
 
 
+def host_memory_note(estimates: list[MemoryEstimate], hardware: Hardware) -> str | None:
+    """The assumption behind an offloading answer when the host memory is unknown: the
+    candidate ranked first (what estimates recommend) offloads, and its need is unchecked."""
+    first = estimates[0] if estimates else None
+    if hardware.host_memory is not None or first is None or not first.fits:
+        return None
+    if not first.candidate.cpu_offload:
+        return None
+    return (
+        f"offload needs {format_bytes(first.host_peak)} of host memory per node "
+        f"({first.candidate.label()}), assumed to be there (no host memory given); give "
+        "--host-memory / host_memory= for yours"
+    )
+
+
+def fits_elsewhere(plan: Plan, *, max_nodes: int = 1024) -> tuple[int, MemoryEstimate] | None:
+    """The fewest nodes (of the plan's GPUs per node) on which some candidate fits, with the
+    one of most headroom there; None when none fits on ``max_nodes`` either. Doubling, then
+    bisection: more nodes shard parameters, gradients and optimizer states thinner, on GPU and
+    host."""
+    opts = plan.request.options
+
+    def first_fitting(nodes: int) -> MemoryEstimate | None:
+        hardware = plan.hardware.model_copy(update={"nodes": nodes})
+        compiles, float8s, precisions = planned_switches(opts, hardware)
+        candidates = enumerate_candidates(
+            plan.profile, hardware, plan.workload, engine=opts.engine,
+            precisions=precisions, micro_batch_sizes=micro_batch_sizes(plan.built, opts),
+            compiles=compiles, float8s=float8s,
+        )  # fmt: skip
+        estimates = estimate_all(
+            plan.profile, candidates, hardware, plan.workload, activations=plan.activations
+        )
+        fitting = rank_candidates(estimates, RankOrder.HEADROOM)  # speed: modelled for these
+        return fitting[0] if fitting and fitting[0].fits else None
+
+    low, high = plan.hardware.nodes, plan.hardware.nodes * 2
+    while (found := first_fitting(high)) is None:
+        low, high = high, high * 2
+        if high > max_nodes:
+            return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        there = first_fitting(middle)
+        if there is None:
+            low = middle
+        else:
+            high, found = middle, there
+    return high, found
+
+
 def micro_batch_sizes(built: BuiltModel, options: PlanOptions) -> tuple[int, ...]:
-    """The sizes asked for, the example batch's, or 1, 2, 4, 8."""
+    """The sizes asked for, the example batch's (the loader's), or 1, 2, 4, 8; a loader whose
+    batch size is fixed gives only its own."""
+    if built.data is not None and built.data.fixed:
+        return (built.data.samples,)
     if options.batch_size is not None:
         return options.batch_size
     if built.batch is not None:
@@ -552,13 +640,20 @@ def micro_batch_sizes(built: BuiltModel, options: PlanOptions) -> tuple[int, ...
 
 
 def resolve_workload(
-    built: BuiltModel, options: PlanOptions, source: str = "the target"
+    built: BuiltModel,
+    options: PlanOptions,
+    source: str = "the target",
+    *,
+    profile: ModelProfile | None = None,
 ) -> tuple[WorkloadSpec, list[str]]:
     """The workload of one step, and a note for every number that was assumed.
 
     A batch that ``source`` returns is used as built (its FLOPs and activations are counted on
     it), so a ``seq_len`` that contradicts its token length is an error: counted at one length
-    and reported at the other, the tokens/s and the memory would belong to different steps."""
+    and reported at the other, the tokens/s and the memory would belong to different steps.
+    So is a sequence past the model's context (``profile.context_length``, or found on the
+    model): estimated, it would look fine; trained, it fails in every trial (an index past a
+    positional table)."""
     notes: list[str] = []
     vocab = find_vocab_size(built.model)
     seq_len = options.seq_len
@@ -572,12 +667,37 @@ def resolve_workload(
         )
     if seq_len is None:
         seq_len = built_len
+    limit = (
+        (profile.context_length, profile.context_source)
+        if profile is not None and profile.context_length
+        else find_context(built.model)
+    )
+    context = limit[0] if limit else None
+    if seq_len is not None and limit is not None and seq_len > limit[0]:
+        past = f"past the model's context of {limit[0]} tokens ({limit[1]})"
+        raise ConfigError(
+            f"seq_len {seq_len} is {past}: give --seq-len {limit[0]} or less (seq_len= in code)"
+            if options.seq_len is not None
+            else f"the batch {source} returns has {seq_len} tokens per sample, {past}: build it "
+            f"with {limit[0]} or fewer"
+        )
     if seq_len is None and vocab is not None:
-        context = _context_length(built.model)
         seq_len = min(context or DEFAULT_SEQ_LEN_CAP, DEFAULT_SEQ_LEN_CAP)
         origin = f"the model's context ({context})" if context else "assumed"
         capped = " capped" if context and context > seq_len else ""
         notes.append(f"seq_len {seq_len}: {origin}{capped}; give --seq-len / seq_len= for yours")
+    data = built.data
+    if data is not None and data.fixed:
+        asked = (
+            f", not --batch-size {','.join(map(str, options.batch_size))}"
+            if options.batch_size not in (None, (data.samples,))
+            else ""
+        )
+        notes.append(
+            f"micro-batch {data.samples}{asked}: {data.origin} makes its batches itself (its "
+            "own batch_sampler, batch_size=None or made batches), so trials and estimates use "
+            "its size; give a DataLoader with batch_size= to compare sizes"
+        )
     workload = WorkloadSpec(
         micro_batch_size=micro_batch_sizes(built, options)[0],
         seq_len=seq_len,
@@ -596,14 +716,4 @@ def _batch_seq_len(batch: Any) -> int | None:
         first = batch[0]
     if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
         return int(first.shape[1])
-    return None
-
-
-def _context_length(model: Any) -> int | None:
-    inner = getattr(model, "module", model)  # LightningStep
-    for holder in (inner, getattr(inner, "config", None), getattr(inner, "model", None)):
-        for name in ("max_seq_len", "max_position_embeddings", "n_positions", "block_size"):
-            value = getattr(holder, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
     return None

@@ -124,6 +124,10 @@ class ModelProfile(Frozen):
     largest_unit_params: int = Field(0, description="Largest FSDP unit under the proposal.")
     vocab_size: int | None = Field(None, description="Embedding rows, when the model has one.")
     hidden_size: int | None = Field(None, description="Embedding width, when the model has one.")
+    context_length: int | None = Field(
+        None, description="The longest sequence the model takes (its positions), when it says."
+    )
+    context_source: str = Field("", description="What sets context_length.")
     warnings: tuple[str, ...] = Field((), description="What the guide warns against, found here.")
     seconds: float = Field(0.0, description="Time the analysis took.")
 

@@ -25,7 +25,7 @@ warnings.simplefilter("ignore", autoshard.NoGPUWarning)
 argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
 config = LlamaConfig(
     hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
-    num_key_value_heads=8, vocab_size=128256,
+    num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
 )  # fmt: skip
 t0 = time.perf_counter()
 with torch.device("meta"):

@@ -125,11 +125,32 @@ def checkpointing(record: dict[str, Any], blocks: tuple[str, ...]) -> tuple[dict
         return {}, ""
     if published == "full":
         return {"checkpointing": "all", "checkpoint_classes": blocks}, ""
+    if published.startswith("first "):  # YaFSDP's "num-ckpt-layers": N of the L blocks recompute
+        count, of = (int(word) for word in published.split()[1::2][:2])
+        every = max(1, round(of / count))
+        note = f"'{published}' modelled as one block in {every} ({-(-of // every)} blocks)"
+        return {
+            "checkpointing": "every_k",
+            "checkpoint_every": every,
+            "checkpoint_classes": blocks,
+        }, note
     # "every_k (k not stated)" (fms-fsdp's selective checkpointing), torchtitan's "selective
     # layer" (its default selective_ac_option "2": every 2nd block); per-op selective is not
     # plannable and reaches here only for the unscored approximation
     note = f"'{published}' modelled as every 2nd block"
     return {"checkpointing": "every_k", "checkpoint_every": 2, "checkpoint_classes": blocks}, note
+
+
+def precision_of(record: dict[str, Any]) -> str:
+    """The Lightning precision a record ran: fp32, fp16 mixed (DeepSpeed's fp16), bf16 throughout
+    (no fp32 master copy: litgpt's and benchmark_litgpt's bf16-true) or bf16 mixed (every other
+    bf16 and fp8 source)."""
+    published = record["precision"]
+    if published.startswith("32"):
+        return "32-true"
+    if published.startswith("16-mixed"):
+        return "16-mixed"
+    return "bf16-true" if published.startswith("bf16-true") else "bf16-mixed"
 
 
 def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
@@ -144,7 +165,7 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
     from autoshard.predict.speed import predict_speed
 
     model = record["model"]
-    precision = "32-true" if record["precision"].startswith("32") else "bf16-mixed"
+    precision = precision_of(record)
     workload = WorkloadSpec(
         micro_batch_size=record["micro_batch_size"],
         seq_len=model["seq_len"],
@@ -357,11 +378,14 @@ def one_gpu_comparisons(rows: list[dict[str, Any]]) -> list[str]:
                 published = one["published"] / other["published"] - 1
                 predicted = one["predicted"] / other["predicted"] - 1
                 right = (published > 0) == (predicted > 0) and abs(predicted) >= PREDICTED_TIE
+                verdict = "ordered" if right else "NOT ordered"
+                if abs(published) < TIE:  # a published tie has no order to get right
+                    verdict = "published within 5%: a tie"
                 kind = "eager prediction" if one["why_not"] or other["why_not"] else "prediction"
                 lines.append(
                     f"- {one['set']}, {gid}: 1 GPU vs {other['record']['gpus']} per GPU: "
                     f"published {published:+.1%}, {kind} {predicted:+.1%} "
-                    f"({'ordered' if right else 'NOT ordered'}; 1-GPU step "
+                    f"({verdict}; 1-GPU step "
                     f"{one['speed'].step_time_s:.2f} s predicted, communication exposed "
                     f"{other['speed'].breakdown.exposed_comm_s:.2f} s and contention "
                     f"{other['speed'].breakdown.contention_s:.2f} s on "

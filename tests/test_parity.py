@@ -172,7 +172,7 @@ def test_every_k_checkpointing_is_chosen_when_it_is_what_fits() -> None:
     """Between no checkpointing (too big) and checkpointing every block (more recompute),
     checkpointing every 2nd block is the fastest that fits: dropping it from the space changes
     the answer."""
-    target, kwargs = f"{EXAMPLES}/gpt.py:build", {"size": "tiny", "n_layer": 8}
+    target, kwargs = f"{EXAMPLES}/gpt.py:build", {"size": "tiny", "n_layer": 8, "max_seq_len": 2048}
     common = {"gpus": 2, "seq_len": 2048, "batch_size": 8, "precision": "32-true"}
     estimates = autoshard.estimate(target, kwargs=kwargs, gpu_memory="80GiB", **common)
     peaks = {

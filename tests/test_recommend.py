@@ -150,6 +150,7 @@ def test_llama_8b_in_seconds() -> None:
     config = LlamaConfig(
         hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=8192,  # Llama 3's context: seq_len 4096 is within it
     )  # fmt: skip
     start = time.perf_counter()
     with torch.device("meta"):

@@ -39,6 +39,7 @@ from autoshard.config import (
 from autoshard.predict.activations import ActivationProfile, precision_bytes, rule_of_thumb
 from autoshard.results import MemoryBreakdown, MemoryEstimate, ModelProfile
 from autoshard.sharding import reshard_after_forward
+from autoshard.units import format_bytes
 
 # What a CPU cannot see on a GPU: the CUDA context and cuBLAS workspace (about 0.5-1 GiB on
 # recent GPUs), NCCL's buffers, and the caching allocator's reserved-over-allocated slack.
@@ -1406,7 +1407,10 @@ def estimate_memory(
     if peak > usable:
         reasons.append(f"needs {peak / 2**30:.1f} GiB per GPU, {usable / 2**30:.1f} GiB usable")
     if hardware.host_memory is not None and host > hardware.host_memory:
-        reasons.append(f"needs {host / 2**30:.1f} GiB of host memory per node")
+        reasons.append(
+            f"needs {format_bytes(host)} of host memory per node, "
+            f"{format_bytes(hardware.host_memory)} given"
+        )
     return MemoryEstimate(
         candidate=candidate,
         method="analytic",

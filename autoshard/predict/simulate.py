@@ -519,6 +519,7 @@ def _simulate_once(
                 micro_batch_size=candidate.micro_batch_size,
                 seq_len=workload.seq_len,
                 device=cpu,
+                data=built.data,
             )
             batch = with_labels(model, batch)
             return track_training_phases(

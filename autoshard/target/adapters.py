@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from autoshard.errors import ConfigError, TargetError
+from autoshard.target.data import data_source, has_own_loader
 from autoshard.target.resolve import TargetSpec, _import_file, build_target, load_callable
 
 __all__ = [
@@ -71,6 +72,9 @@ def to_target(
     'autoshard.target.adapters:load_saved_model'
     """
     kwargs = dict(kwargs or {})
+    source = data_source(None, batch, "batch=") if batch is not None else None
+    if source is not None:
+        batch = source.first  # a loader in this process cannot reach the workers: its batch
     if isinstance(obj, TargetSpec):
         return _with_batch(obj, batch, out_dir)
     if isinstance(obj, str):
@@ -134,10 +138,10 @@ def _module_target(model: nn.Module, batch: Any | None, out_dir: Path | None) ->
         if callable(hook):
             with torch.device("meta"):
                 hook()
-        if batch is None:
+        if batch is None and not has_own_loader(model):
             batch = getattr(model, "example_input_array", None)
         elif callable(getattr(model, "training_step", None)):
-            model = LightningStep(model)
+            model = LightningStep(model)  # its own train_dataloader() is drawn in the workers
     path = _save_dir(out_dir) / f"model-{_digest_module(model)}.pt"
     files = _class_files(model)
     payload: dict[str, Any] = {"model": meta_copy(model), "batch": _saveable_batch(batch)}

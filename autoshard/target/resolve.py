@@ -2,8 +2,9 @@
 
 The callable takes keyword arguments only (given on the command line as ``--arg key=value``)
 and returns an ``nn.Module``, or a ``(module, batch)`` tuple where ``batch`` is an example input
-for one training step. It is called under the meta device so that a 70B model costs no memory;
-a factory that cannot be built on meta falls back to the CPU with a warning.
+for one training step or the user's data (a DataModule, DataLoader or iterable of batches:
+:mod:`autoshard.target.data`). It is called under the meta device so that a 70B model costs
+no memory; a factory that cannot be built on meta falls back to the CPU with a warning.
 
 Every failure is a :class:`~autoshard.errors.TargetError` with one line saying what is wrong.
 The resolved :class:`TargetSpec` is plain data, so trial workers in other processes rebuild the
@@ -58,6 +59,9 @@ class BuiltModel:
     batch: Any | None = None
     built_on: str = "meta"
     warnings: list[str] = field(default_factory=list)
+    # The user's data (a DataModule, DataLoader or iterable beside the model, or a
+    # LightningModule's train_dataloader()): ``batch`` is its first batch, real on the CPU.
+    data: Any | None = None
 
 
 class BuildFallbackWarning(UserWarning):
@@ -192,9 +196,14 @@ def build_model(
             f"{label} returned a {type(model).__name__} with no parameters; there is nothing "
             "to shard (does it create its layers in a hook that was not called?)"
         )
+    from autoshard.target.data import data_source
+
+    data = data_source(model, batch, label)  # made here, in every process: never pickled
+    if data is not None:
+        batch = data.first
     if batch is None:
         batch = getattr(model, "example_input_array", None)
-    return BuiltModel(model=model, batch=batch, built_on=built_on, warnings=notes)
+    return BuiltModel(model=model, batch=batch, built_on=built_on, warnings=notes, data=data)
 
 
 class _FactoryRaised(Exception):
@@ -233,8 +242,8 @@ def _split_result(result: Any, label: str) -> tuple[nn.Module, Any | None]:
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
         return result[0], result[1]
     raise TargetError(
-        f"{label} returned {type(result).__name__}; it must return a torch.nn.Module "
-        "or a (module, example_batch) tuple"
+        f"{label} returned {type(result).__name__}; it must return a torch.nn.Module, or a "
+        "(module, example_batch) or (module, DataModule/DataLoader/iterable of batches) tuple"
     )
 
 

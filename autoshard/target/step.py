@@ -49,14 +49,21 @@ def make_batch(
     seq_len: int | None,
     device: torch.device,
     seed: int = 0,
+    data: Any | None = None,
 ) -> Any:
     """The example batch for one step on ``device``, of ``micro_batch_size`` samples.
+
+    From the user's data (``data``: a :class:`~autoshard.target.data.BatchSource`) it is a real
+    batch drawn through the loader at the micro-batch size (or cut or repeated from its first
+    batch where the loader's size is fixed).
 
     A batch from the target keeps its contents and shapes but is cut or repeated to the
     micro-batch (:func:`resize_batch`), as the estimators count it per sample: otherwise a
     trial or a simulation labelled micro-batch 4 would run the target's 2 samples. Token batches
     are synthesised at ``micro_batch_size x seq_len``.
     """
+    if data is not None:
+        return move_to(data.batch(micro_batch_size), device)
     if built_batch is not None:
         return move_to(resize_batch(built_batch, micro_batch_size), device)
     vocab = find_vocab_size(model)

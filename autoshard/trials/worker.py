@@ -110,7 +110,7 @@ def build_for_training(
     """Everything a training step needs, as the candidate says: the sharded model, its
     optimizer, a batch at the candidate's micro-batch size (with labels), and the target's loss
     function (None: the default loss)."""
-    model, built_batch = build_sharded(target, candidate, device)
+    model, built_batch, data = build_sharded(target, candidate, device)
     optimizer = make_optimizer(model.parameters(), candidate)
     if candidate.float8:
         register_float8_scales(model, optimizer)
@@ -120,6 +120,7 @@ def build_for_training(
         micro_batch_size=candidate.micro_batch_size,
         seq_len=seq_len,
         device=device,
+        data=data,
     )
     batch = with_labels(model, batch)
     loss_fn = find_loss_fn(sys.modules.get(load_callable(target.spec).__module__))
@@ -128,8 +129,10 @@ def build_for_training(
 
 def build_sharded(
     target: TargetSpec, candidate: Candidate, device: torch.device
-) -> tuple[nn.Module, Any]:
-    """Build the target's model on this rank and apply the candidate to it."""
+) -> tuple[nn.Module, Any, Any]:
+    """Build the target's model on this rank and apply the candidate to it; with its example
+    batch and the user's data (a :class:`~autoshard.target.data.BatchSource`, made again here
+    from the target: real batches whatever device the model was built on)."""
     built = build_target(target, device="meta")
     param_bytes = sum(p.numel() * p.element_size() for p in built.model.parameters())
     real = param_bytes <= REAL_BUILD_MAX_BYTES
@@ -137,11 +140,11 @@ def build_sharded(
         torch.manual_seed(0)
         built = build_target(target, device="cpu")
     model, batch = built.model, built.batch
-    if batch is not None and not real:
+    if batch is not None and not real and built.data is None:
         batch = None  # a batch built on meta holds no data: synthesise one instead
     init = None if real else (lambda m: init_states(m, device))
     model = apply_candidate(model, candidate, device, param_init_fn=init)
-    return model, batch
+    return model, batch, built.data
 
 
 def run_trial(request: TrialRequest, device: torch.device, *, quiet: bool = False) -> RankReport:
@@ -508,6 +511,7 @@ def warm_up_target(request: TrialRequest, device: torch.device) -> None:
             micro_batch_size=request.candidate.micro_batch_size,
             seq_len=request.workload.seq_len,
             device=device,
+            data=built.data,
         )
         batch = with_labels(model, batch)
         loss_fn = find_loss_fn(sys.modules.get(load_callable(request.target.spec).__module__))
