@@ -22,12 +22,12 @@ from autoshard.predict import flops as flops_module
 from autoshard.predict import speed as speed_module
 from autoshard.predict.calibrate import SpeedModel
 from autoshard.predict.flops import FlopProfile, profile_flops
+from autoshard.predict.hardware import speed_for
 from autoshard.predict.speed import (
     SpeedFactors,
     default_factors,
     dense_flops,
     predict_speed,
-    speed_for,
     timeline,
 )
 from autoshard.results import MemoryBreakdown, MemoryEstimate, SpeedEstimate

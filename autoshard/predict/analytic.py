@@ -36,9 +36,31 @@ from autoshard.config import (
     Sharding,
     WorkloadSpec,
 )
-from autoshard.predict.activations import ActivationProfile, precision_bytes, rule_of_thumb
+from autoshard.engine import (
+    OPTIMIZER_STATES,
+    as_run,
+    element_bytes,
+    gradient_params,
+    policy_of,
+    reduce_bytes,
+    resharded_sharding,
+    shard_size,
+    skips_gradient_sync,
+)
+from autoshard.predict.activations import ActivationProfile, rule_of_thumb
 from autoshard.results import MemoryBreakdown, MemoryEstimate, ModelProfile
-from autoshard.sharding import reshard_after_forward
+
+__all__ = [
+    "accumulated_gradient_bytes",
+    "allowance",
+    "as_run",
+    "estimate_all",
+    "estimate_memory",
+    "gradient_params",
+    "needs_simulation",
+    "peak_moments",
+    "skips_gradient_sync",
+]
 
 # What a CPU cannot see on a GPU: the CUDA context and cuBLAS workspace (about 0.5-1 GiB on
 # recent GPUs), NCCL's buffers, and the caching allocator's reserved-over-allocated slack.
@@ -55,32 +77,6 @@ def allowance(subtotal: int, hardware: Hardware) -> int:
     return CUDA_CONTEXT_BYTES + int(subtotal * ALLOCATOR_SLACK)
 
 
-def as_run(candidate: Candidate, hardware: Hardware) -> Candidate:
-    """The configuration the engine runs: FSDP1 on a world of one rank switches every sharding
-    strategy to NO_SHARD (``FullyShardedDataParallel`` warns and does so; parameters then stay
-    whole, no unsharded copies are gathered), while FSDP2 shards over the one rank as asked."""
-    if (
-        candidate.engine is Engine.FSDP1
-        and hardware.world_size == 1
-        and candidate.sharding is not Sharding.NO_SHARD
-    ):
-        return candidate.model_copy(update={"sharding": Sharding.NO_SHARD, "hybrid_mesh": None})
-    return candidate
-
-
-def shard_size(candidate: Candidate, hardware: Hardware) -> int:
-    match candidate.sharding:
-        case Sharding.NO_SHARD:
-            return 1
-        case Sharding.HYBRID_SHARD:
-            assert candidate.hybrid_mesh is not None
-            return candidate.hybrid_mesh[1]
-        case Sharding.FULL_SHARD | Sharding.SHARD_GRAD_OP:
-            return hardware.world_size
-        case _:
-            raise ValueError(f"unknown sharding {candidate.sharding!r}")
-
-
 def activation_bytes(candidate: Candidate, acts: ActivationProfile) -> tuple[int, int]:
     """(saved activations, recompute transient) for the candidate's micro-batch, in bytes."""
     acts = acts.at(candidate.precision)
@@ -95,19 +91,6 @@ def activation_bytes(candidate: Candidate, acts: ActivationProfile) -> tuple[int
     recompute = max(blocks, default=0) if checkpointing else 0
     loss = candidate.micro_batch_size * acts.loss_bytes
     return int((saved + acts.other_bytes) * scale) + loss, int(recompute * scale)
-
-
-def resharded_sharding(candidate: Candidate) -> bool:
-    """Whether the candidate's units are freed after forward and gathered again in backward."""
-    return candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
-
-
-def kept_after_forward(candidate: Candidate, root: int, unit: int) -> int:
-    """Parameters an FSDP2 candidate keeps gathered from forward into backward, by its reshard
-    policy (:func:`autoshard.sharding.reshard_after_forward`): the root unit and, with
-    KEEP_ROOT_AND_LAST, the last block (``unit`` parameters; 0 without block units)."""
-    kept = 0 if reshard_after_forward(candidate, root=True) else root
-    return kept + (0 if reshard_after_forward(candidate, last=True) else unit)
 
 
 def last_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
@@ -139,65 +122,6 @@ def first_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
     ckpt = candidate.checkpointing is not Checkpointing.NONE
     first = acts.block_input_bytes[0] if ckpt and acts.block_input_bytes else acts.block_bytes[0]
     return int((first + acts.other_bytes) * scale)
-
-
-OPTIMIZER_STATES = {Optimizer.ADAMW: 2, Optimizer.ADAM: 2, Optimizer.SGD: 1}
-
-
-def gradient_params(profile: ModelProfile, candidate: Candidate) -> tuple[int, int, int]:
-    """The parameters that carry a gradient: (all, the root unit's, the largest block unit's).
-
-    Frozen parameters (``requires_grad=False``) carry none under FSDP2, whose gradients are per
-    parameter. FSDP1 flattens each unit into one parameter whose gradient covers the whole unit
-    as soon as one of its parameters trains (``use_orig_params=True`` allows mixing; frozen
-    entries are zero-filled): a unit gets a gradient of its full size or none (measured on fake
-    tensors: a frozen embedding in the root unit keeps the root's whole gradient)."""
-    params = profile.total_params
-    wrapped = not candidate.one_unit
-    root = profile.root_unit_params if wrapped else params
-    unit = max(profile.block_params, 1) if wrapped else 0
-    if candidate.engine is Engine.FSDP2:
-        root_frozen = profile.root_frozen_params if wrapped else profile.frozen_params
-        return (
-            profile.trainable_params,
-            max(0, root - root_frozen),
-            max(0, unit - profile.block_frozen_params) if wrapped else 0,
-        )
-    if not wrapped:
-        return (
-            (params if profile.trainable_params else 0),
-            (root if profile.trainable_params else 0),
-            0,
-        )
-    trained_root = root if root > profile.root_frozen_params else 0
-    blocks = max(profile.block_count, 1)
-    trained_blocks = (params - root) * (blocks - profile.frozen_blocks) // blocks
-    trained_unit = (
-        unit if profile.frozen_blocks < profile.block_count or not profile.block_count else 0
-    )
-    return trained_root + trained_blocks, trained_root, trained_unit
-
-
-def state_bytes(profile: ModelProfile, candidate: Candidate, shard: int) -> int:
-    """Bytes of one optimizer state (AdamW keeps two) on the rank that holds the most.
-
-    Only trainable parameters get state. FSDP2 shards every parameter evenly. FSDP1 cuts each
-    unit's flat parameter into equal contiguous shards, so with frozen parameters the ranks
-    differ: a rank may hold a unit's whole trainable part, up to its shard of the unit (the
-    tiny GPT with a frozen embedding: the rank holding the head keeps 5.1 MiB of AdamW state,
-    the one holding the embedding 3.1 MiB)."""
-    stored, _ = precision_bytes(candidate.precision)
-    if candidate.engine is Engine.FSDP2 or not profile.frozen_params:
-        return profile.trainable_params * stored // shard
-
-    def largest(size: int, trainable: int) -> int:
-        return min(max(trainable, 0), -(-size // shard))
-
-    if candidate.one_unit or not profile.block_count:
-        return largest(profile.total_params, profile.trainable_params) * stored
-    root = largest(profile.root_unit_params, profile.root_unit_params - profile.root_frozen_params)
-    block = largest(profile.block_params, profile.block_params - profile.block_frozen_params)
-    return (root + (profile.block_count - profile.frozen_blocks) * block) * stored
 
 
 @dataclass(frozen=True)
@@ -258,21 +182,21 @@ def _step_terms(
     of one rank (nothing of those on the GPU when offloaded; ``host`` then), the gathered units,
     the collectives' buffers, and the activations at the candidate's precision."""
     candidate = as_run(candidate, hardware)
-    stored, cb = precision_bytes(candidate.precision)
+    stored, cb = element_bytes(candidate.precision)
     params = profile.total_params
     shard = shard_size(candidate, hardware)
     # Without a wrap policy the whole model is one (root) unit: no block units to prefetch.
     wrapped = not candidate.one_unit
     unit = max(profile.block_params, 1) if wrapped else 0
     root = profile.root_unit_params if wrapped else params
-    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    mixed = candidate.precision.mixed
 
     # Frozen parameters carry no gradient and no optimizer state (gradient_params).
     trained, trained_root, trained_unit = gradient_params(profile, candidate)
     sharded = params * stored // shard
     grads = trained * stored // shard
     states = OPTIMIZER_STATES[candidate.optimizer]
-    one_state = state_bytes(profile, candidate, shard)  # one optimizer state of one rank
+    one_state = policy_of(candidate).state_bytes(profile, candidate, shard)  # of one rank
     optimizer = states * one_state
 
     if candidate.sharding is Sharding.SHARD_GRAD_OP:
@@ -298,11 +222,11 @@ def _step_terms(
         after_forward = (
             root * cb
             if candidate.engine is Engine.FSDP1
-            else kept_after_forward(candidate, root, unit) * cb
+            else policy_of(candidate).keeps_after_forward(candidate, root, unit) * cb
         )
     # Lightning's FSDP1 reduces in the compute dtype; FSDP2 here reduces in fp32 when mixed.
-    fp32_reduce = mixed and candidate.engine is Engine.FSDP2 and candidate.reduce_dtype_fp32
-    reduce_bytes = 4 if fp32_reduce else cb
+    reduce = reduce_bytes(candidate)
+    fp32_reduce = reduce != cb
     # the reduce-scatter input of one unit, and (resharding after forward) the next unit's
     # all-gather output: FSDP2 gathers into a buffer and copies each unit out of it; FSDP1
     # gathers straight into the unit's padded flat parameter (counted as unsharded).
@@ -312,7 +236,7 @@ def _step_terms(
             gather = params * cb  # the one unit, copied out of its all-gather buffer
         elif candidate.sharding is not Sharding.SHARD_GRAD_OP:
             gather = unit * cb
-    comm = trained_unit * reduce_bytes + gather
+    comm = trained_unit * reduce + gather
 
     # The gradients of a block's activations are made in the compute dtype, also where the
     # forward saved an fp32 upcast: sized from the fp32 profile when there is one.
@@ -390,7 +314,7 @@ def _step_terms(
         unsharded=unsharded,
         after_forward=after_forward,
         fp32_reduce=fp32_reduce,
-        reduce_bytes=reduce_bytes,
+        reduce_bytes=reduce,
         gather=gather,
         comm=comm,
         saved=saved,
@@ -426,7 +350,7 @@ def _loss_moment(t: _StepTerms) -> MemoryBreakdown:
                 + (
                     t.unit
                     if t.candidate.engine is Engine.FSDP1
-                    else kept_after_forward(t.candidate, 0, t.unit)
+                    else policy_of(t.candidate).keeps_after_forward(t.candidate, 0, t.unit)
                 )
             )
             * t.cb
@@ -456,7 +380,7 @@ def _head_moment(t: _StepTerms) -> MemoryBreakdown:
     head = MemoryBreakdown(
         sharded_params=t.sharded,
         unsharded_params=(
-            (t.root + kept_after_forward(t.candidate, 0, t.unit)) * t.cb
+            (t.root + policy_of(t.candidate).keeps_after_forward(t.candidate, 0, t.unit)) * t.cb
             if fsdp2_resharded
             else t.unsharded
         ),
@@ -775,31 +699,6 @@ def peak_moments(
     return moments, t.host
 
 
-def skips_gradient_sync(candidate: Candidate, workload: WorkloadSpec) -> bool:
-    """Whether the micro-batches before the last keep unsharded gradients instead of reducing
-    them (:mod:`autoshard.loop`): a plain loop does (FSDP1 ``no_sync``, FSDP2
-    ``set_requires_gradient_sync(False)``); Lightning's Trainer only for FSDP1."""
-    if workload.accumulate == 1:
-        return False
-    return workload.loop == Loop.PLAIN or candidate.engine is Engine.FSDP1
-
-
-def accumulated_gradient_bytes(
-    profile: ModelProfile, candidate: Candidate, hardware: Hardware
-) -> int:
-    """Bytes of the unsharded gradients kept between micro-batches when the sync is skipped.
-
-    FSDP1 keeps each unit's whole flat gradient in the compute dtype; FSDP2 keeps each
-    parameter's in the reduce dtype (fp32 under mixed precision with an fp32 reduce)."""
-    candidate = as_run(candidate, hardware)
-    _, cb = precision_bytes(candidate.precision)
-    trained, _, _ = gradient_params(profile, candidate)
-    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
-    if candidate.engine is Engine.FSDP2 and mixed and candidate.reduce_dtype_fp32:
-        return trained * 4
-    return trained * cb
-
-
 def forward_moments(
     moments: dict[str, MemoryBreakdown],
     profile: ModelProfile,
@@ -825,7 +724,7 @@ def forward_moments(
       with the logits) and, with resharding units, the end of the last block's forward (FSDP1
       gathers into the flat parameter itself: no buffer)."""
     candidate = as_run(candidate, hardware)
-    _, cb = precision_bytes(candidate.precision)
+    _, cb = element_bytes(candidate.precision)
     loss = moments["loss"]
     logits = loss.temporaries // 2  # the fp32 logits' size (see peak_moments)
     copied = cb != 4 or candidate.micro_batch_size > 1
@@ -880,7 +779,7 @@ def forward_moments(
             }
         )
     else:
-        mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+        mixed = candidate.precision.mixed
         gathers = shard_size(candidate, hardware) > 1 or mixed  # no copy: fp32 NO_SHARD
         out["root forward end"] = base.model_copy(
             update={
@@ -934,7 +833,7 @@ def loop_moments(
     if run.engine is Engine.FSDP1 and shard_size(run, hardware) == 1 and not run.one_unit:
         # FSDP1 concatenates a unit's gradients into its flat gradient: the bottom block's
         # views and flat copy beside every other unit's gradient (measured on fake tensors)
-        _, cb = precision_bytes(run.precision)
+        _, cb = element_bytes(run.precision)
         trained_unit = gradient_params(profile, run)[2]
         root = moments["root backward"]
         out["bottom block's flat gradient"] = root.model_copy(
@@ -964,12 +863,14 @@ def loop_moments(
     return out
 
 
-def _reduce_bytes(candidate: Candidate) -> int:
-    """Bytes per element of a gradient reduce (as in :func:`peak_moments`)."""
-    _, cb = precision_bytes(candidate.precision)
-    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
-    fp32_reduce = mixed and candidate.engine is Engine.FSDP2 and candidate.reduce_dtype_fp32
-    return 4 if fp32_reduce else cb
+def accumulated_gradient_bytes(
+    profile: ModelProfile, candidate: Candidate, hardware: Hardware
+) -> int:
+    """Bytes of the unsharded gradients kept between micro-batches when the sync is skipped:
+    FSDP1 keeps each unit's whole flat gradient in the compute dtype; FSDP2 keeps each
+    parameter's in the reduce dtype (fp32 under mixed precision with an fp32 reduce)."""
+    candidate = as_run(candidate, hardware)
+    return policy_of(candidate).accumulated_gradient_bytes(profile, candidate)
 
 
 def fsdp2_head_gradient(profile: ModelProfile, candidate: Candidate) -> int:
@@ -978,7 +879,7 @@ def fsdp2_head_gradient(profile: ModelProfile, candidate: Candidate) -> int:
     units, or when the head is frozen). ``candidate`` as run (:func:`as_run`)."""
     if candidate.engine is not Engine.FSDP2 or candidate.one_unit:
         return 0
-    _, cb = precision_bytes(candidate.precision)
+    _, cb = element_bytes(candidate.precision)
     _, trained_root, _ = gradient_params(profile, candidate)
     return min(_head_params(profile), trained_root) * cb
 
@@ -1013,10 +914,10 @@ def no_sync_moments(
     runs in these micro-batches. The last micro-batch reduces the top block with every other
     unit's gradients still unsharded."""
     candidate = as_run(candidate, hardware)
-    _, cb = precision_bytes(candidate.precision)
+    _, cb = element_bytes(candidate.precision)
     kept = accumulated_gradient_bytes(profile, candidate, hardware)
     _, trained_root, trained_unit = gradient_params(profile, candidate)
-    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    mixed = candidate.precision.mixed
     upcast = candidate.engine is Engine.FSDP2 and mixed and candidate.reduce_dtype_fp32
     at = acts.at(candidate.precision)
     scale = at.scale(candidate)
@@ -1095,7 +996,7 @@ def no_sync_moments(
     if "second block backward" in moments:  # FSDP2 holds the block above's reduce-scatter input
         top = top.model_copy(update={"comm_buffers": moments["second block backward"].comm_buffers})
     # FSDP1 reduce-scatters the unit's flat gradient itself, one of the kept ones
-    own = trained_unit * _reduce_bytes(candidate) if candidate.engine is Engine.FSDP1 else 0
+    own = trained_unit * reduce_bytes(candidate) if candidate.engine is Engine.FSDP1 else 0
     # the head's gradient is one of the kept ones
     gradients = top.gradients - fsdp2_head_gradient(profile, candidate) + kept
     sync = top.model_copy(
@@ -1108,7 +1009,7 @@ def no_sync_moments(
         out["synchronising block reduce-scatter"] = sync.model_copy(
             update={
                 "temporaries": 0,
-                "comm_buffers": sync.comm_buffers + trained_unit * _reduce_bytes(candidate),
+                "comm_buffers": sync.comm_buffers + trained_unit * reduce_bytes(candidate),
             }
         )
     return out
@@ -1127,12 +1028,12 @@ def _fsdp1_synchronising_blocks(
     cast to the parameters' dtype, the whole unit) while the blocks below still keep theirs. The
     worst block is where the stored gradients above outgrow the activations freed (simulated,
     torch 2.13: a LoRA Llama's second block under NO_SHARD bf16-mixed, 5.6% above the top)."""
-    stored, cb = precision_bytes(candidate.precision)
+    stored, cb = element_bytes(candidate.precision)
     shard = shard_size(candidate, hardware)
     _, _, trained_unit = gradient_params(profile, candidate)
     at = acts.at(candidate.precision)
     scale = at.scale(candidate)
-    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    mixed = candidate.precision.mixed
     gathers = shard > 1 or mixed
     root = profile.root_unit_params
     unit = profile.block_params
@@ -1180,12 +1081,12 @@ def synced_accumulation_moments(
     all-gather buffer beside the copy, with the sharded gradients alive (measured on fake
     tensors)."""
     candidate = as_run(candidate, hardware)
-    stored, cb = precision_bytes(candidate.precision)
+    stored, cb = element_bytes(candidate.precision)
     shard = shard_size(candidate, hardware)
     sharded_grads = moments["optimizer step"].gradients
     _, trained_root, trained_unit = gradient_params(profile, candidate)
     block_grads = moments["optimizer step"].gradients - trained_root * stored // shard
-    reduce = _reduce_bytes(candidate)
+    reduce = reduce_bytes(candidate)
     out = {
         f"accumulating {name}": m.model_copy(update={"gradients": m.gradients + sharded_grads})
         for name, m in forward.items()
@@ -1275,7 +1176,7 @@ def backward_start_moment(
         and candidate.reshard is Reshard.ALL
     ):
         return None
-    _, cb = precision_bytes(candidate.precision)
+    _, cb = element_bytes(candidate.precision)
     root = profile.total_params if candidate.one_unit else profile.root_unit_params
     return head.model_copy(
         update={
@@ -1310,9 +1211,9 @@ def gloo_held_root_moment(
     candidate = as_run(candidate, hardware)
     if candidate.one_unit:
         return None
-    _, cb = precision_bytes(candidate.precision)
+    _, cb = element_bytes(candidate.precision)
     unit = profile.block_params * cb
-    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+    mixed = candidate.precision.mixed
     cast = unit // shard_size(candidate, hardware) if mixed else 0
     update = {"comm_buffers": start.comm_buffers + unit + cast}
     if acts.loss_in_forward:
