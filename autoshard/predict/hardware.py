@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from autoshard.config import Hardware
+from autoshard.config import Hardware, Precision
 from autoshard.gpus import CATALOGUE, DEFAULT_GPU, GPUSpec, gpu_spec, match_gpu_name
 
 
@@ -130,3 +130,18 @@ def measure_cpu() -> tuple[float, float, float, float, float]:
         )
     finally:
         torch.set_num_threads(threads)
+
+
+def dense_flops(gpu: GPUSpec, precision: Precision, *, tf32: bool = False) -> float:
+    """The dense peak FLOP/s the candidate's matrix products run at: bf16 or fp16 tensor cores
+    for 16-bit compute; for ``32-true`` the fp32 rate, or TF32 tensor cores with ``tf32=True``
+    (``torch.set_float32_matmul_precision("high")``)."""
+    match precision:
+        case Precision.BF16_MIXED | Precision.BF16_TRUE:
+            return gpu.bf16_flops
+        case Precision.FP16_MIXED:
+            return gpu.fp16_flops
+        case Precision.FP32:
+            return gpu.tf32_flops if tf32 else gpu.fp32_flops
+        case _:
+            raise ValueError(f"unknown precision {precision!r}")

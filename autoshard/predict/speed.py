@@ -26,19 +26,12 @@ One optimizer step of one rank is the sum of
   over the host link, and the optimizer step on the host CPU, bound by its memory bandwidth;
 - **optimizer**: otherwise the optimizer step on the GPU, bound by HBM bandwidth.
 
-The bytes each collective moves, per rank: a ring all-gather or reduce-scatter over a group of
-``n`` moves ``(n - 1) / n`` of the unit, an all-reduce twice that; parameters are gathered in the
-compute dtype, gradients reduced in the reduce dtype. A group inside one node runs at the GPU's
-link inside the node; a ring spanning nodes carries the whole group's traffic across each node's
-network (every node's GPUs share its NICs), so it runs at the slower of the GPU's link and
-``inter_node_bandwidth x ranks of the group per node / GPUs per node``.
+The collectives' seconds: :mod:`autoshard.predict.collectives`.
 
 The factors (:class:`SpeedFactors`) say how much of each peak is reached; trials calibrate them.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 from pydantic import Field
 
@@ -48,7 +41,6 @@ from autoshard.config import (
     Hardware,
     Optimizer,
     OptimizerImpl,
-    Precision,
     Sharding,
     WorkloadSpec,
 )
@@ -56,14 +48,21 @@ from autoshard.engine import (
     as_run,
     element_bytes,
     policy_of,
-    reduce_bytes,
     resharded_sharding,
-    shard_group,
 )
 from autoshard.gpus import GPUSpec
+from autoshard.predict.collectives import Collectives
 from autoshard.predict.flops import FlopProfile
-from autoshard.predict.hardware import measure_cpu, speed_for
-from autoshard.predict.timeline import MicroBatch, Pass, Turn, Work, step_timeline
+from autoshard.predict.hardware import dense_flops, measure_cpu, speed_for
+from autoshard.predict.timeline import (
+    MicroBatch,
+    Pass,
+    Turn,
+    Unit,
+    Work,
+    step_timeline,
+    two_streams,
+)
 from autoshard.results import ModelProfile, SpeedBreakdown, SpeedEstimate
 
 
@@ -215,146 +214,14 @@ def optimizer_bytes_per_param(candidate: Candidate) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def dense_flops(gpu: GPUSpec, precision: Precision, *, tf32: bool = False) -> float:
-    """The dense peak FLOP/s the candidate's matrix products run at: bf16 or fp16 tensor cores
-    for 16-bit compute; for ``32-true`` the fp32 rate, or TF32 tensor cores with ``tf32=True``
-    (``torch.set_float32_matmul_precision("high")``)."""
-    match precision:
-        case Precision.BF16_MIXED | Precision.BF16_TRUE:
-            return gpu.bf16_flops
-        case Precision.FP16_MIXED:
-            return gpu.fp16_flops
-        case Precision.FP32:
-            return gpu.tf32_flops if tf32 else gpu.fp32_flops
-        case _:
-            raise ValueError(f"unknown precision {precision!r}")
-
-
 # ---------------------------------------------------------------------------------------------
 # Collectives
 # ---------------------------------------------------------------------------------------------
 
 
-def ring_bandwidth(gpu: GPUSpec, hardware: Hardware, size: int, per_node: int) -> float:
-    """Link bytes/s of a ring over a group of ``size`` ranks, ``per_node`` of them in each node
-    it spans. Inside a node: the GPU's link. Across nodes: each node's network carries the
-    group's ring traffic once per direction for every concurrent group in the node (``GPUs per
-    node / per_node`` of them), so the ring gets ``inter x per_node / gpus_per_node``, unless
-    the GPU's own link is slower."""
-    per_node = max(1, min(per_node, size, hardware.gpus_per_node))
-    if size <= per_node or hardware.nodes == 1:
-        return gpu.intra_node_bandwidth
-    across = gpu.inter_node_bandwidth * per_node / hardware.gpus_per_node
-    return min(gpu.intra_node_bandwidth, across)
-
-
-class _Collectives:
-    """Seconds of each collective of one unit of ``params`` parameters, for one candidate."""
-
-    def __init__(
-        self,
-        candidate: Candidate,
-        hardware: Hardware,
-        gpu: GPUSpec,
-        factors: SpeedFactors,
-    ) -> None:
-        self.latency = factors.collective_latency_s
-        # FSDP gathers into a new tensor and reduce-scatters into a new shard; where memory is
-        # mapped afresh (CPU trial workers), their pages fault in as the collective writes them.
-        self.fresh_page = gpu.fresh_page_bandwidth
-        gpn = hardware.gpus_per_node
-        _, cb = element_bytes(candidate.precision)
-        self.gather_bytes = cb
-        self.reduce_bytes = reduce_bytes(candidate)
-        eff = factors.comm_efficiency
-        self.shard, self.replicas = shard_group(candidate, hardware)
-        # a shard group spans as many ranks of each node as it can; the replicas of a shard
-        # are one per shard group, ``gpus_per_node / shard`` of them in each node
-        self.shard_bw = ring_bandwidth(gpu, hardware, self.shard, gpn) * eff
-        per_node = max(1, gpn // self.shard)
-        self.replica_bw = ring_bandwidth(gpu, hardware, self.replicas, per_node) * eff
-
-    def _ring(self, nbytes: float, size: int, bandwidth: float, factor: float = 1.0) -> float:
-        if size <= 1 or nbytes <= 0:
-            return 0.0
-        return self.latency + factor * (size - 1) / size * nbytes / bandwidth
-
-    def _new_output(self, nbytes: float) -> float:
-        return nbytes / self.fresh_page if self.fresh_page and self.shard > 1 else 0.0
-
-    def all_gather(self, params: float) -> float:
-        """Gather a unit's parameters in the compute dtype from its shard group."""
-        nbytes = params * self.gather_bytes
-        return self._ring(nbytes, self.shard, self.shard_bw) + self._new_output(nbytes)
-
-    def reduce(self, params: float) -> float:
-        """Reduce a unit's gradients: reduce-scatter in the shard group, then all-reduce of the
-        shard across replicas (HYBRID_SHARD), or one all-reduce (NO_SHARD, in place)."""
-        nbytes = params * self.reduce_bytes
-        scatter = self._ring(nbytes, self.shard, self.shard_bw)
-        scatter += self._new_output(nbytes / self.shard)
-        across = self._ring(nbytes / self.shard, self.replicas, self.replica_bw, factor=2.0)
-        return scatter + across
-
-
 # ---------------------------------------------------------------------------------------------
 # The timeline
 # ---------------------------------------------------------------------------------------------
-
-Unit = tuple[float, float, float]  # (gather seconds, compute seconds, reduce seconds)
-
-
-def _slowed(compute: float, busy: float, slowdown: float) -> float:
-    """Seconds ``compute`` seconds of work take when a collective occupies the first ``busy``
-    seconds beside them, running ``1 + slowdown`` times slower meanwhile."""
-    if slowdown <= 0 or busy <= 0:
-        return compute
-    if compute * (1 + slowdown) <= busy:
-        return compute * (1 + slowdown)
-    return busy + compute - busy / (1 + slowdown)
-
-
-def timeline(
-    units: Sequence[Unit], *, prefetch: bool = True, slowdown: float = 0.0
-) -> tuple[float, float]:
-    """(elapsed seconds, communication seconds) of ``units`` run in order on two streams: one
-    computes, one communicates (collectives in the order they are issued). A unit computes
-    once its gather is done and the unit before it has computed; its gather is issued when the
-    unit before it starts computing (``prefetch``: FSDP's forward and backward prefetch) or
-    when it is reached; its reduction is issued when its compute is done. While collectives
-    run beside a unit's compute, that compute runs ``1 + slowdown`` times slower (the
-    collectives are not slowed: their kernels are small and bandwidth-bound).
-
-    >>> from autoshard.predict.speed import timeline
-    >>> timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)])  # the second gather hides
-    (5.0, 2.0)
-    >>> timeline([(1.0, 2.0, 1.0)])  # one unit: nothing hides
-    (4.0, 2.0)
-    >>> round(timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], slowdown=0.5)[0], 3)  # at a price
-    5.333
-    """
-    if not units:
-        return 0.0, 0.0
-    comm_free = gathered = units[0][0]
-    compute_free = 0.0
-    for i, (_, compute, reduce) in enumerate(units):
-        start = max(compute_free, gathered)
-        following = units[i + 1][0] if i + 1 < len(units) else None
-        if following is not None and prefetch:
-            comm_free = max(comm_free, start) + following
-            gathered = comm_free
-        # Every collective queued so far was issued by ``start``: the stream is busy without a
-        # gap from ``start`` until ``comm_free``.
-        duration = _slowed(compute, comm_free - start, slowdown)
-        if following is not None and not prefetch:
-            comm_free = max(comm_free, start + duration) + following
-            gathered = comm_free
-        compute_free = start + duration
-        if reduce:
-            comm_free = max(comm_free, compute_free) + reduce
-    comm = sum(g + r for g, _, r in units)
-    return max(compute_free, comm_free), comm
-
 
 # ---------------------------------------------------------------------------------------------
 # The prediction
@@ -460,7 +327,7 @@ def _rates(candidate: Candidate, gpu: GPUSpec, factors: SpeedFactors, peak: floa
 class _StepSeconds:
     """Seconds of each piece of work of one micro-batch and of each collective."""
 
-    def __init__(self, profile: ModelProfile, flops: FlopProfile, work: _Work, comm: _Collectives):
+    def __init__(self, profile: ModelProfile, flops: FlopProfile, work: _Work, comm: Collectives):
         self.fwd, self.bwd = _block_seconds(profile, flops, work)
         f = flops
         self.other_fwd = work.seconds(
@@ -491,8 +358,8 @@ def _overlapped(
     """(elapsed, communication) seconds of the step's micro-batches on two streams."""
     elapsed = comm_seconds = 0.0
     for mb in step:
-        f_elapsed, f_comm = timeline([seconds.unit(t) for t in mb.forward], slowdown=slowdown)
-        b_elapsed, b_comm = timeline(
+        f_elapsed, f_comm = two_streams([seconds.unit(t) for t in mb.forward], slowdown=slowdown)
+        b_elapsed, b_comm = two_streams(
             [seconds.unit(t) for t in mb.backward], prefetch=prefetch, slowdown=slowdown
         )
         elapsed += mb.count * (f_elapsed + b_elapsed)
@@ -572,7 +439,10 @@ def predict_speed(
     candidate = as_run(candidate, hardware)
     mbs, accumulate = candidate.micro_batch_size, workload.accumulate
     peak = dense_flops(gpu, candidate.precision, tf32=tf32)
-    comm = _Collectives(candidate, hardware, gpu, factors)
+    comm = Collectives(
+        candidate, hardware, gpu,
+        latency_s=factors.collective_latency_s, efficiency=factors.comm_efficiency,
+    )  # fmt: skip
     seconds = _StepSeconds(profile, flops, _rates(candidate, gpu, factors, peak), comm)
     blocks = len(seconds.fwd)
     params = float(profile.total_params)

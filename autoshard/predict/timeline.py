@@ -21,6 +21,7 @@ collective takes (the speed model's rates).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -145,3 +146,58 @@ def step_timeline(
             micro_batch(candidate, hardware, reduces=False, count=accumulate - 1, **shape),
         ]
     return [micro_batch(candidate, hardware, reduces=True, count=accumulate, **shape)]
+
+
+Unit = tuple[float, float, float]  # (gather seconds, compute seconds, reduce seconds)
+
+
+def _slowed(compute: float, busy: float, slowdown: float) -> float:
+    """Seconds ``compute`` seconds of work take when a collective occupies the first ``busy``
+    seconds beside them, running ``1 + slowdown`` times slower meanwhile."""
+    if slowdown <= 0 or busy <= 0:
+        return compute
+    if compute * (1 + slowdown) <= busy:
+        return compute * (1 + slowdown)
+    return busy + compute - busy / (1 + slowdown)
+
+
+def two_streams(
+    units: Sequence[Unit], *, prefetch: bool = True, slowdown: float = 0.0
+) -> tuple[float, float]:
+    """(elapsed seconds, communication seconds) of ``units`` run in order on two streams: one
+    computes, one communicates (collectives in the order they are issued). A unit computes
+    once its gather is done and the unit before it has computed; its gather is issued when the
+    unit before it starts computing (``prefetch``: FSDP's forward and backward prefetch) or
+    when it is reached; its reduction is issued when its compute is done. While collectives
+    run beside a unit's compute, that compute runs ``1 + slowdown`` times slower (the
+    collectives are not slowed: their kernels are small and bandwidth-bound).
+
+    >>> from autoshard.predict.timeline import two_streams
+    >>> two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)])  # the second gather hides
+    (5.0, 2.0)
+    >>> two_streams([(1.0, 2.0, 1.0)])  # one unit: nothing hides
+    (4.0, 2.0)
+    >>> round(two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], slowdown=0.5)[0], 3)  # at a price
+    5.333
+    """
+    if not units:
+        return 0.0, 0.0
+    comm_free = gathered = units[0][0]
+    compute_free = 0.0
+    for i, (_, compute, reduce) in enumerate(units):
+        start = max(compute_free, gathered)
+        following = units[i + 1][0] if i + 1 < len(units) else None
+        if following is not None and prefetch:
+            comm_free = max(comm_free, start) + following
+            gathered = comm_free
+        # Every collective queued so far was issued by ``start``: the stream is busy without a
+        # gap from ``start`` until ``comm_free``.
+        duration = _slowed(compute, comm_free - start, slowdown)
+        if following is not None and not prefetch:
+            comm_free = max(comm_free, start + duration) + following
+            gathered = comm_free
+        compute_free = start + duration
+        if reduce:
+            comm_free = max(comm_free, compute_free) + reduce
+    comm = sum(g + r for g, _, r in units)
+    return max(compute_free, comm_free), comm
