@@ -24,8 +24,10 @@ from collections.abc import Sequence
 from autoshard.config import Candidate, Engine, Hardware, Loop, Sharding, WorkloadSpec
 from autoshard.engine import OPTIMIZER_STATES, as_run
 from autoshard.predict.activations import ActivationProfile, rule_of_thumb
-from autoshard.predict.moments import peak_moments
-from autoshard.results import MemoryEstimate, ModelProfile
+from autoshard.predict.loop_moments import loop_moments
+from autoshard.predict.moments import step_moments
+from autoshard.predict.step_bytes import step_bytes
+from autoshard.results import MemoryBreakdown, MemoryEstimate, ModelProfile
 
 # as_run: the simulation's set-up reads it here
 __all__ = [
@@ -52,6 +54,54 @@ def allowance(subtotal: int, hardware: Hardware) -> int:
     if hardware.backend == "gloo":
         return 0
     return CUDA_CONTEXT_BYTES + int(subtotal * ALLOCATOR_SLACK)
+
+
+def peak_moments(
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    acts: ActivationProfile,
+) -> tuple[dict[str, MemoryBreakdown], int]:
+    """The per-rank bytes at each moment that can hold the peak of a training step (before the
+    allowance), and the host bytes per node.
+
+    >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec
+    >>> from autoshard import analyze_target, peak_moments, profile_activations
+    >>> profile, built = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
+    >>> workload = WorkloadSpec(seq_len=128, loop="plain")  # zero_grad after step
+    >>> candidate = Candidate(wrap_classes=profile.wrap_policy)
+    >>> gpus = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
+    >>> acts = profile_activations(built.model, profile, workload)
+    >>> moments, host = peak_moments(profile, candidate, gpus, workload, acts)
+    >>> for moment in moments:
+    ...     print(moment)
+    loss
+    head backward
+    top block backward
+    bottom block backward
+    root backward
+    optimizer step
+    top block gradient
+    bottom block gradient
+    root forward end
+    last block forward
+    >>> host  # nothing offloaded
+    0
+    >>> trainer = WorkloadSpec(seq_len=128, loop="lightning")  # zero_grad before backward
+    >>> lightning, _ = peak_moments(profile, candidate, gpus, trainer, acts)
+    >>> for moment in sorted(lightning.keys() - moments):  # the last step's gradients alive
+    ...     print(moment)
+    forward end, last step's gradients
+    last block forward, last step's gradients
+    loss, last step's gradients
+    root forward end, last step's gradients
+    """
+    t = step_bytes(profile, candidate, hardware, workload, acts)
+    moments = step_moments(t)
+    moments.update(loop_moments(moments, profile, t.candidate, hardware, workload, t.acts))
+    return moments, t.host_bytes
 
 
 def needs_simulation(

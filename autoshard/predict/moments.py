@@ -8,17 +8,15 @@ Calibrated against torch's memory tracker on fake tensors (:mod:`autoshard.predi
 
 from __future__ import annotations
 
-from autoshard.config import Candidate, Engine, Hardware, Sharding, WorkloadSpec
-from autoshard.engine import policy_of, resharded_sharding
+from autoshard.config import Candidate, Engine, Hardware, Reshard, Sharding
+from autoshard.engine import as_run, element_bytes, policy_of, resharded_sharding, shard_size
 from autoshard.predict.activations import ActivationProfile
-from autoshard.predict.loop_moments import loop_moments
 from autoshard.predict.step_bytes import (
     StepBytes,
     after_blocks_bytes,
     block_saved_bytes,
     first_block_bytes,
     last_block_bytes,
-    step_bytes,
 )
 from autoshard.results import MemoryBreakdown, ModelProfile
 
@@ -329,49 +327,9 @@ def _reduce_scatter_moments(
     return reduce_scatters
 
 
-def peak_moments(
-    profile: ModelProfile,
-    candidate: Candidate,
-    hardware: Hardware,
-    workload: WorkloadSpec,
-    acts: ActivationProfile,
-) -> tuple[dict[str, MemoryBreakdown], int]:
-    """The per-rank bytes at each moment that can hold the peak of a training step (before the
-    allowance), and the host bytes per node.
-
-    >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec
-    >>> from autoshard import analyze_target, peak_moments, profile_activations
-    >>> profile, built = analyze_target(
-    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
-    >>> workload = WorkloadSpec(seq_len=128, loop="plain")  # zero_grad after step
-    >>> candidate = Candidate(wrap_classes=profile.wrap_policy)
-    >>> gpus = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
-    >>> acts = profile_activations(built.model, profile, workload)
-    >>> moments, host = peak_moments(profile, candidate, gpus, workload, acts)
-    >>> for moment in moments:
-    ...     print(moment)
-    loss
-    head backward
-    top block backward
-    bottom block backward
-    root backward
-    optimizer step
-    top block gradient
-    bottom block gradient
-    root forward end
-    last block forward
-    >>> host  # nothing offloaded
-    0
-    >>> trainer = WorkloadSpec(seq_len=128, loop="lightning")  # zero_grad before backward
-    >>> lightning, _ = peak_moments(profile, candidate, gpus, trainer, acts)
-    >>> for moment in sorted(lightning.keys() - moments):  # the last step's gradients alive
-    ...     print(moment)
-    forward end, last step's gradients
-    last block forward, last step's gradients
-    loss, last step's gradients
-    root forward end, last step's gradients
-    """
-    t = step_bytes(profile, candidate, hardware, workload, acts)
+def step_moments(t: StepBytes) -> dict[str, MemoryBreakdown]:
+    """The moments of one plain step (forward, backward, optimizer step) that can hold the
+    peak, by name."""
     loss_moment = _loss_moment(t)
     head = _head_moment(t)
     top_block, bottom_block, resharded = _block_moments(t, head)
@@ -382,7 +340,7 @@ def peak_moments(
     reduce_scatters = _reduce_scatter_moments(
         t, top_block, bottom_block, root_backward, resharded, gathered_root
     )
-    moments = {
+    return {
         "loss": loss_moment,
         "head backward": head,
         "top block backward": top_alone,
@@ -393,5 +351,85 @@ def peak_moments(
         "optimizer step": step,
         **reduce_scatters,
     }
-    moments.update(loop_moments(moments, profile, t.candidate, hardware, workload, t.acts))
-    return moments, t.host_bytes
+
+
+def backward_start_moments(
+    head: MemoryBreakdown,
+    prefix: str,
+    moments: dict[str, MemoryBreakdown],
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    acts: ActivationProfile,
+) -> dict[str, MemoryBreakdown]:
+    """The backward's start (:func:`backward_start_moment`, from the ``head`` backward moment)
+    and gloo's held root (:func:`gloo_held_root_moment`), named with ``prefix``, where they
+    are moments."""
+    out = {}
+    start = backward_start_moment(head, profile, candidate, hardware)
+    if start is not None:
+        out[f"{prefix}backward start"] = start
+    saved = moments["loss"].activations
+    held = gloo_held_root_moment(start, saved, profile, candidate, hardware, acts)
+    if held is not None:
+        out[f"{prefix}backward start, last block prefetched"] = held
+    return out
+
+
+def backward_start_moment(
+    head: MemoryBreakdown, profile: ModelProfile, candidate: Candidate, hardware: Hardware
+) -> MemoryBreakdown | None:
+    """FSDP2 re-gathers a root it resharded after forward when backward starts: the root's
+    all-gather buffer beside its copy, before the head's backward (measured on fake tensors).
+    ``head`` is the head's backward moment; None where the root is not re-gathered."""
+    candidate = as_run(candidate, hardware)
+    if not (
+        candidate.engine is Engine.FSDP2
+        and candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+        and shard_size(candidate, hardware) > 1
+        and candidate.reshard is Reshard.ALL
+    ):
+        return None
+    _, cb = element_bytes(candidate.precision)
+    root = profile.total_params if candidate.one_unit else profile.root_unit_params
+    return head.model_copy(
+        update={
+            "unsharded_params": root * cb,
+            "comm_buffers": root * cb,
+            # the logits' gradient, cast back to the compute dtype by the loss's backward
+            "temporaries": head.temporaries * cb // 4,
+        }
+    )
+
+
+def gloo_held_root_moment(
+    start: MemoryBreakdown | None,
+    saved: int,
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    acts: ActivationProfile,
+) -> MemoryBreakdown | None:
+    """gloo: the root's pre-backward hook waits on the root's re-gather as soon as it is issued,
+    copies it out and at once allocates the last block's all-gather (its prefetch). gloo's
+    worker thread drops its reference to a collective's tensors only after it has woken the
+    waiting thread, so the root's all-gather output can still be alive then: a race, the worst
+    case planned here (measured on 2 gloo processes, a LoRA Llama: 4 ranks of 4 in fp32, 3 of 8
+    in bf16; a 20 ms pause before the prefetch removes it, and torch's fake process group never
+    holds it). The moment: ``start`` (the root gathered beside its all-gather buffer) with the
+    last block's buffer and, under mixed precision, its shards cast to the compute dtype. A
+    loss computed in forward carries the root's backward hook: every activation ``saved`` is
+    still alive, the loss's backward has not run. None where ``start`` is None."""
+    if start is None or hardware.backend != "gloo":
+        return None
+    candidate = as_run(candidate, hardware)
+    if candidate.one_unit:
+        return None
+    _, cb = element_bytes(candidate.precision)
+    unit = profile.block_params * cb
+    mixed = candidate.precision.mixed
+    cast = unit // shard_size(candidate, hardware) if mixed else 0
+    update = {"comm_buffers": start.comm_buffers + unit + cast}
+    if acts.loss_in_forward:
+        update.update(activations=saved, temporaries=0)
+    return start.model_copy(update=update)
