@@ -48,7 +48,7 @@ def no_sync_moments(
     backward beside the unsharded gradients of all the units that train
     (:func:`accumulated_gradient_bytes`); only the last reduces them.
 
-    Measured on fake tensors (torch 2.13): a non-final micro-batch's block backward holds its
+    Measured on fake tensors: a non-final micro-batch's block backward holds its
     unit's fresh gradients beside the kept ones until they are added in (FSDP1 also
     concatenates its unit's gradients into a flat one: twice the unit; FSDP2 under mixed
     precision upcasts them to fp32 first), and the head's gradient, which waits in the root
@@ -183,8 +183,8 @@ def _fsdp1_synchronising_blocks(
     """FSDP1's last micro-batch after ``no_sync``: each block, once its backward is done,
     reduces its kept (unsharded, compute-dtype) flat gradient into its stored gradient (NO_SHARD:
     cast to the parameters' dtype, the whole unit) while the blocks below still keep theirs. The
-    worst block is where the stored gradients above outgrow the activations freed (simulated,
-    torch 2.13: a LoRA Llama's second block under NO_SHARD bf16-mixed, 5.6% above the top)."""
+    worst block is where the stored gradients above outgrow the activations freed
+    (provenance: benchmarks/results/memory_moments.md)."""
     stored, cb = element_bytes(candidate.precision)
     shard = shard_size(candidate, hardware)
     _, _, trained_unit = gradient_params(profile, candidate)

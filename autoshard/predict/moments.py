@@ -60,7 +60,7 @@ def _head_moment(t: StepBytes) -> MemoryBreakdown:
     # 1. The head's backward: the loss's backward is done (its log-probabilities freed), the
     #    logits' gradient alive, the root gathered again with the working set.
     #    FSDP2 gathers the last block into its all-gather buffer meanwhile (prefetched), and
-    #    copies it out only when the block's backward starts (simulated, torch 2.13).
+    #    copies it out only when the block's backward starts (simulated).
     fsdp2_resharded = (
         t.candidate.engine is Engine.FSDP2
         and t.wrapped
@@ -99,8 +99,7 @@ def _block_moments(
         top_block = head.model_copy(update={"temporaries": t.block_backward_bytes})
     elif resharded:
         # The block being computed, the next one gathering into its all-gather buffer, and the
-        # root, gathered from the head's backward until its own at the very end (torch 2.13,
-        # simulated: FSDP2 holds the root and one block unsharded during the blocks' backward).
+        # root, gathered from the head's backward until its own at the very end (simulated).
         top_block = head.model_copy(
             update={
                 "unsharded_params": (t.block_params + t.root_params) * t.compute_dtype_bytes,
@@ -121,8 +120,8 @@ def _block_moments(
     # forward saved after the last block is freed: the head's backward has used it. FSDP1 keeps
     # counting those activations: it too holds the head's gradient through the blocks' backward
     # (in autograd's input buffer for the root's flat parameter, until the embedding's gradient
-    # completes it; simulated, torch 2.13: 250 MiB on the bf16 7B shape), which its moments do
-    # not count, and the activations (192 MiB there) stand in for it.
+    # completes it), which its moments do not count: the activations stand in for it
+    # (provenance: benchmarks/results/memory_moments.md).
     freed = after_blocks_bytes(t.candidate, t.acts) if t.candidate.engine is Engine.FSDP2 else 0
     top_block = top_block.model_copy(
         update={
@@ -150,7 +149,7 @@ def _block_moments(
         # unit's flat gradient only appears when the unit's backward is done (the parameters'
         # gradients flow through views of the flat parameter), after its temporaries are freed
         # (the block gradient moments). The worst block but the top is the second: its own
-        # unit, the first prefetched (simulated, torch 2.13).
+        # unit, the first prefetched (simulated).
         top_block = top_block.model_copy(
             update={"unsharded_params": t.gathered_bytes, "comm_buffers": 0}
         )
@@ -170,7 +169,7 @@ def _fsdp2_second_block_moment(
     """FSDP2 keeps a unit's reduce-scatter input alive until the next unit's post-backward
     (``comm_ctx.reduce_scatter_state``), so the top block's backward holds only the next block's
     all-gather buffer, and the second block's the top block's reduce-scatter input and reduced
-    shard beside it, with the top block's activations freed (simulated, torch 2.13: gpt-deep's
+    shard beside it, with the top block's activations freed (simulated: gpt-deep's
     peak at micro-batch 2 is the second block's backward). Returns the top block's moment and
     the second block's (None with fewer than two blocks); other candidates keep
     :func:`_block_moments`' moment, which counts both collectives' buffers."""
@@ -202,9 +201,8 @@ def _fsdp2_above_bottom_moment(
     activations more. Going down the blocks, each holds one more block's gradient shard and one
     block's saved activations fewer than the one above: where a gradient shard outweighs a
     checkpointed block's input (few ranks), the worst block is this one, not the second from
-    the top (simulated, torch 2.13: a 4-block 7B shape at 8 ranks in fp32 peaks in block 1's
-    backward, 97 MiB shards against 64 MiB inputs). None for other candidates and with fewer
-    than four blocks (three: it is the second block from the top)."""
+    the top (provenance: benchmarks/results/memory_moments.md). None for other candidates and
+    with fewer than four blocks (three: it is the second block from the top)."""
     blocks = t.profile.block_count
     if (
         t.candidate.engine is not Engine.FSDP2

@@ -176,7 +176,7 @@ def _gathered_bytes(
         unsharded = ((2 * unit if wrapped else params) * cb) if mixed else 0
         # A loss computed in the root's forward (a Hugging Face model given labels) runs
         # beside FSDP1's low-precision copy of the root, freed when the root's forward ends
-        # (simulated: a LoRA Llama, 5% low without it; a loss outside the model runs without)
+        # (a loss outside the model runs without; provenance: benchmarks/results/memory_moments.md)
         in_root = mixed and candidate.engine is Engine.FSDP1 and acts.loss_in_forward
         return unsharded, root * cb if in_root else 0
     # the current and the prefetched unit, and the root; at the loss, what the engine keeps
@@ -200,7 +200,7 @@ def _block_backward_bytes(candidate: Candidate, acts: ActivationProfile, recompu
     """One block's backward temporaries. It turns its saved activations into gradients as it
     goes: the moment holds the larger of the two, not both. Under checkpointing the block first
     recomputes them, and the peak comes about halfway through its backward (fitted to the
-    simulation of a 7B shape at 8 and 64 ranks: within 9% on both engines)."""
+    simulation; provenance: benchmarks/results/memory_moments.md)."""
     # Activation gradients are made in the compute dtype, also where the forward saved an fp32
     # upcast: sized from the fp32 profile when there is one.
     uniform = acts.at(Precision.FP32)
