@@ -21,6 +21,8 @@ the policy of the candidate's engine (:func:`policy_of`) instead of re-deriving 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from autoshard.config import (
     BackwardPrefetch,
     Candidate,
@@ -67,9 +69,37 @@ def shard_size(candidate: Candidate, hardware: Hardware) -> int:
     return shard_group(candidate, hardware)[0]
 
 
+@dataclass(frozen=True)
+class ShardingTraits:
+    """What a sharding strategy does, as the estimators need it: a new strategy is one row of
+    :data:`SHARDING_TRAITS` (and its shard group, :func:`shard_group`)."""
+
+    shards_params: bool  # parameters are sharded over a group (else replicated whole)
+    reshards: bool  # units are freed after forward and gathered again in backward
+    replicates: bool  # a replicate dimension: reduced gradients are all-reduced across it
+
+    @property
+    def keeps_gathered(self) -> bool:
+        """Sharded, but every unit stays gathered from forward into backward (ZeRO-2)."""
+        return self.shards_params and not self.reshards
+
+
+SHARDING_TRAITS = {
+    Sharding.FULL_SHARD: ShardingTraits(shards_params=True, reshards=True, replicates=False),
+    Sharding.SHARD_GRAD_OP: ShardingTraits(shards_params=True, reshards=False, replicates=False),
+    Sharding.NO_SHARD: ShardingTraits(shards_params=False, reshards=False, replicates=True),
+    Sharding.HYBRID_SHARD: ShardingTraits(shards_params=True, reshards=True, replicates=True),
+}
+
+
+def traits(candidate: Candidate) -> ShardingTraits:
+    """What the candidate's sharding strategy does."""
+    return SHARDING_TRAITS[candidate.sharding]
+
+
 def resharded_sharding(candidate: Candidate) -> bool:
     """Whether the sharding frees units after forward and gathers them again in backward."""
-    return candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+    return traits(candidate).reshards
 
 
 def reshard_after_forward(candidate: Candidate, *, root: bool = False, last: bool = False) -> bool:
@@ -81,7 +111,7 @@ def reshard_after_forward(candidate: Candidate, *, root: bool = False, last: boo
     this: backward needs the root's head first); KEEP_ROOT_AND_LAST also keeps the last block
     (torchtitan, ``torchtitan/models/llama3/infra/parallelize.py``: FSDP would prefetch it again
     at once when backward starts)."""
-    if candidate.sharding is Sharding.SHARD_GRAD_OP:
+    if traits(candidate).keeps_gathered:
         return False
     match candidate.reshard:
         case Reshard.ALL:

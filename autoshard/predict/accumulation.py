@@ -6,7 +6,7 @@ skipped (:func:`no_sync_moments`) or reduced into the sharded gradients
 
 from __future__ import annotations
 
-from autoshard.config import Candidate, Engine, Hardware, Sharding
+from autoshard.config import Candidate, Engine, Hardware
 from autoshard.engine import (
     as_run,
     element_bytes,
@@ -14,6 +14,7 @@ from autoshard.engine import (
     policy_of,
     reduce_bytes,
     shard_size,
+    traits,
 )
 from autoshard.predict.activations import ActivationProfile
 from autoshard.predict.moments import backward_start_moments
@@ -106,7 +107,7 @@ def no_sync_moments(
     else:
         gathered_units = (root + unit) * cb if gathers else 0
         buffers = unit * cb if shard_size(candidate, hardware) > 1 else 0
-    keeps_all = candidate.sharding is Sharding.SHARD_GRAD_OP
+    keeps_all = traits(candidate).keeps_gathered
     if keeps_all:
         gathered_units = profile.total_params * cb  # nothing is freed between micro-batches
     base = head.model_copy(update={"comm_buffers": 0, "temporaries": 0, "gradients": kept})
@@ -148,7 +149,7 @@ def _last_no_sync_moments(
     other unit's ``kept`` gradients are still unsharded."""
     out = {}
     trained_unit = gradient_params(profile, candidate)[2]
-    keeps_all = candidate.sharding is Sharding.SHARD_GRAD_OP
+    keeps_all = traits(candidate).keeps_gathered
     top = moments["top block backward"]
     if "second block backward" in moments:  # FSDP2 holds the block above's reduce-scatter input
         top = top.model_copy(update={"comm_buffers": moments["second block backward"].comm_buffers})
@@ -300,7 +301,7 @@ def _fsdp2_synced_moments(
                 + trained_unit * (cb + reduce),
             }
         )
-    if candidate.sharding in (Sharding.NO_SHARD, Sharding.HYBRID_SHARD):
+    if traits(candidate).replicates:
         # With a replicate dimension every unit's reduced gradients wait until backward ends
         # before they are added into the sharded ones (measured on fake tensors: a second set
         # of gradients builds up through backward).

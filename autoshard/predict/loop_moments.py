@@ -6,7 +6,7 @@ gradients alive through the next forward), and gradient accumulation, with the s
 
 from __future__ import annotations
 
-from autoshard.config import Candidate, Engine, Hardware, Loop, Sharding, WorkloadSpec
+from autoshard.config import Candidate, Engine, Hardware, Loop, WorkloadSpec
 from autoshard.engine import (
     as_run,
     element_bytes,
@@ -14,6 +14,7 @@ from autoshard.engine import (
     resharded_sharding,
     shard_size,
     skips_gradient_sync,
+    traits,
 )
 from autoshard.predict.accumulation import no_sync_moments, synced_accumulation_moments
 from autoshard.predict.activations import ActivationProfile
@@ -87,7 +88,7 @@ def _fsdp2_forward(
     """FSDP2's forward moments (:func:`forward_moments`); ``base``: the loss's, without its
     temporaries."""
     everything, root, unit = _gathered_units(profile, candidate)
-    keeps_all = candidate.sharding is Sharding.SHARD_GRAD_OP
+    keeps_all = traits(candidate).keeps_gathered
     gathered = everything if keeps_all or candidate.one_unit else root + unit
     buffer = 0 if shard_size(candidate, hardware) == 1 else (unit or root)
     # The forward's start: every unit was resharded after the last backward; the root is
@@ -131,7 +132,7 @@ def _fsdp1_forward(
     """FSDP1's forward moments (:func:`forward_moments`); ``base``: the loss's, without its
     temporaries."""
     everything, root, unit = _gathered_units(profile, candidate)
-    keeps_all = candidate.sharding is Sharding.SHARD_GRAD_OP
+    keeps_all = traits(candidate).keeps_gathered
     mixed = candidate.precision.mixed
     gathers = shard_size(candidate, hardware) > 1 or mixed  # no copy: fp32 NO_SHARD
     held = everything if keeps_all else root if gathers else 0
@@ -142,7 +143,7 @@ def _fsdp1_forward(
     }
     # NO_SHARD under mixed precision makes a low-precision copy of each unit as it runs
     # forward, beside the root's (simulated: a LoRA Llama's peak in Lightning's order)
-    copies = candidate.sharding is Sharding.NO_SHARD and mixed
+    copies = not traits(candidate).shards_params and mixed
     if (resharded_sharding(candidate) or copies) and not candidate.one_unit:
         out["last block forward"] = base.model_copy(
             update={"unsharded_params": root + unit, "activations": through_blocks}

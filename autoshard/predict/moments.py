@@ -8,8 +8,15 @@ Calibrated against torch's memory tracker on fake tensors (:mod:`autoshard.predi
 
 from __future__ import annotations
 
-from autoshard.config import Candidate, Engine, Hardware, Reshard, Sharding
-from autoshard.engine import as_run, element_bytes, policy_of, resharded_sharding, shard_size
+from autoshard.config import Candidate, Engine, Hardware, Reshard
+from autoshard.engine import (
+    as_run,
+    element_bytes,
+    policy_of,
+    resharded_sharding,
+    shard_size,
+    traits,
+)
 from autoshard.predict.activations import ActivationProfile
 from autoshard.predict.step_bytes import (
     StepBytes,
@@ -62,9 +69,7 @@ def _head_moment(t: StepBytes) -> MemoryBreakdown:
     #    FSDP2 gathers the last block into its all-gather buffer meanwhile (prefetched), and
     #    copies it out only when the block's backward starts (simulated).
     fsdp2_resharded = (
-        t.candidate.engine is Engine.FSDP2
-        and t.wrapped
-        and t.candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+        t.candidate.engine is Engine.FSDP2 and t.wrapped and resharded_sharding(t.candidate)
     )
     head = MemoryBreakdown(
         sharded_params=t.param_shard_bytes,
@@ -94,7 +99,7 @@ def _block_moments(
     resharded after backward (the bottom block's moment counts only then)."""
     # 2. The top block's backward: the block recomputes under checkpointing and makes its
     #    gradients.
-    resharded = t.wrapped and t.candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+    resharded = t.wrapped and resharded_sharding(t.candidate)
     if not t.wrapped:  # the one unit stays gathered through backward
         top_block = head.model_copy(update={"temporaries": t.block_backward_bytes})
     elif resharded:
@@ -106,7 +111,7 @@ def _block_moments(
                 "temporaries": t.block_backward_bytes,
             }
         )
-    elif t.candidate.sharding is Sharding.SHARD_GRAD_OP:
+    elif traits(t.candidate).keeps_gathered:
         # the top block's parameters are freed once its gradients are reduced
         top_block = head.model_copy(
             update={
@@ -226,9 +231,7 @@ def _root_backward_moment(t: StepBytes) -> tuple[MemoryBreakdown, bool]:
     #    block's gradient is already sharded. FSDP1 still holds the root gathered; FSDP2 has
     #    resharded it. Both copy the gradient into a reduce-scatter input beside it (simulated:
     #    FSDP2 too, even when no cast is needed); NO_SHARD all-reduces in place unless it casts.
-    gathered_root = (
-        t.candidate.engine is Engine.FSDP1 and t.candidate.sharding is not Sharding.NO_SHARD
-    )
+    gathered_root = t.candidate.engine is Engine.FSDP1 and traits(t.candidate).shards_params
     root_backward = MemoryBreakdown(
         sharded_params=t.param_shard_bytes,
         unsharded_params=t.root_params * t.compute_dtype_bytes
@@ -383,7 +386,7 @@ def backward_start_moment(
     candidate = as_run(candidate, hardware)
     if not (
         candidate.engine is Engine.FSDP2
-        and candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+        and resharded_sharding(candidate)
         and shard_size(candidate, hardware) > 1
         and candidate.reshard is Reshard.ALL
     ):

@@ -41,7 +41,6 @@ from autoshard.config import (
     Hardware,
     Optimizer,
     OptimizerImpl,
-    Sharding,
     WorkloadSpec,
 )
 from autoshard.engine import (
@@ -49,6 +48,7 @@ from autoshard.engine import (
     element_bytes,
     policy_of,
     resharded_sharding,
+    traits,
 )
 from autoshard.gpus import GPUSpec
 from autoshard.predict.collectives import Collectives
@@ -386,7 +386,7 @@ def _optimizer_and_offload(
     step_bytes = shard_params * optimizer_bytes_per_param(candidate)
     if not candidate.cpu_offload:
         return 0.0, step_bytes / (gpu.hbm_bandwidth * factors.memory_efficiency)
-    regather = shard > 1 and candidate.sharding is not Sharding.NO_SHARD
+    regather = shard > 1 and traits(candidate).shards_params
     regather = regather and resharded_sharding(candidate)
     gathers = accumulate * (1 + (1 if regather else 0))
     copied = shard_params * stored * (gathers + 1)

@@ -17,7 +17,6 @@ from autoshard.config import (
     Optimizer,
     OptimizerImpl,
     Precision,
-    Sharding,
     WorkloadSpec,
 )
 from autoshard.engine import (
@@ -28,6 +27,7 @@ from autoshard.engine import (
     policy_of,
     reduce_bytes,
     shard_size,
+    traits,
 )
 from autoshard.predict.activations import ActivationProfile
 from autoshard.results import ModelProfile
@@ -164,14 +164,14 @@ def _gathered_bytes(
     """(unsharded parameter bytes through the step, those kept at the loss) by the sharding."""
     cb = element_bytes(candidate.precision)[1]
     wrapped = not candidate.one_unit
-    if candidate.sharding is Sharding.SHARD_GRAD_OP:
+    if traits(candidate).keeps_gathered:
         return params * cb, params * cb  # kept gathered from forward to backward
-    if candidate.sharding is Sharding.NO_SHARD and candidate.engine is Engine.FSDP2:
+    if not traits(candidate).shards_params and candidate.engine is Engine.FSDP2:
         # FSDP2 replicates on a (world, 1) mesh and still gathers copies, in every precision:
         # the root and the current unit (measured on fake tensors; nothing is prefetched)
         return ((unit + root) * cb if wrapped else params * cb), 0
     mixed = candidate.precision.mixed
-    if candidate.sharding is Sharding.NO_SHARD:
+    if not traits(candidate).shards_params:
         # low-precision copies of the current unit and the prefetched one (or of the one unit)
         unsharded = ((2 * unit if wrapped else params) * cb) if mixed else 0
         # A loss computed in the root's forward (a Hugging Face model given labels) runs
@@ -193,7 +193,7 @@ def _gather_buffer_bytes(candidate: Candidate, shard: int, params: int, unit: in
     cb = element_bytes(candidate.precision)[1]
     if candidate.one_unit:
         return params * cb  # the one unit, copied out of its all-gather buffer
-    return unit * cb if candidate.sharding is not Sharding.SHARD_GRAD_OP else 0
+    return 0 if traits(candidate).keeps_gathered else unit * cb
 
 
 def _block_backward_bytes(candidate: Candidate, acts: ActivationProfile, recompute: int) -> int:

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from autoshard.config import Candidate, Hardware, Sharding, WorkloadSpec
-from autoshard.engine import policy_of, shard_size, skips_gradient_sync
+from autoshard.config import Candidate, Hardware, WorkloadSpec
+from autoshard.engine import policy_of, shard_size, skips_gradient_sync, traits
 
 
 class Pass(str, Enum):
@@ -88,7 +88,7 @@ def micro_batch(
     (the rest is the root unit; with no wrap policy the whole model is one unit), reducing its
     gradients or not (``reduces``: the loop skips the sync)."""
     policy = policy_of(candidate)
-    sharded = candidate.sharding is not Sharding.NO_SHARD and shard_size(candidate, hardware) > 1
+    sharded = traits(candidate).shards_params and shard_size(candidate, hardware) > 1
     every = tuple(range(blocks))
 
     def gather(n: float, *, root: bool = False, last: bool = False, again: bool = False) -> float:

@@ -136,3 +136,20 @@ def test_fsdp1_gives_a_unit_a_whole_gradient_when_one_of_its_parameters_trains()
     # the kept unsharded gradients under no_sync: the reduce dtype, over what trains
     assert policy_of(two).accumulated_gradient_bytes(profile, two) == trained2 * 4
     assert policy_of(one).accumulated_gradient_bytes(profile, one) == trained1 * 2
+
+
+def test_each_sharding_strategy_is_one_row_of_what_it_does() -> None:
+    rows = {
+        s.value: (t.shards_params, t.reshards, t.replicates, t.keeps_gathered)
+        for s, t in engine.SHARDING_TRAITS.items()
+    }
+    assert rows == {
+        "FULL_SHARD": (True, True, False, False),
+        "SHARD_GRAD_OP": (True, False, False, True),  # ZeRO-2: gathered into backward
+        "NO_SHARD": (False, False, True, False),
+        "HYBRID_SHARD": (True, True, True, False),
+    }
+    assert set(engine.SHARDING_TRAITS) == set(Sharding)  # every strategy described
+    # fully_shard keeps SHARD_GRAD_OP's units gathered whatever the reshard policy
+    assert not engine.reshard_after_forward(fsdp("fsdp2", sharding="SHARD_GRAD_OP"))
+    assert engine.reshard_after_forward(fsdp("fsdp2", sharding="NO_SHARD"))
