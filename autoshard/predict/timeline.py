@@ -100,16 +100,19 @@ def micro_batch(
         return n if reduces else 0.0
 
     if candidate.one_unit or blocks == 0:
-        forward = (Turn("model", gather(params), (Work(Pass.FORWARD, every), Work(Pass.FORWARD))),)
-        work = (
+        whole = (
             Work(Pass.BACKWARD, every),
             Work(Pass.BACKWARD),
             Work(Pass.RECOMPUTE, _recomputed(candidate, every)),
         )
-        backward = (Turn("model", gather(params, root=True, again=True), work, reduce(params)),)
-        return MicroBatch(forward, backward, count, reduces)
+        return MicroBatch(
+            (Turn("model", gather(params), (Work(Pass.FORWARD, every), Work(Pass.FORWARD))),),
+            (Turn("model", gather(params, root=True, again=True), whole, reduce(params)),),
+            count,
+            reduces,
+        )
     root = max(params - blocks * block_params, 0.0)
-    forward = (
+    forward: tuple[Turn, ...] = (
         Turn("root", gather(root)),
         *(Turn(f"block {i}", gather(block_params), (Work(Pass.FORWARD, (i,)),)) for i in every),
         Turn("root work", work=(Work(Pass.FORWARD),)),
@@ -138,14 +141,17 @@ def step_timeline(
     ``workload.loop``, :func:`autoshard.engine.skips_gradient_sync`)."""
     if skip_sync is None:
         skip_sync = skips_gradient_sync(candidate, workload)
-    shape = {"blocks": blocks, "params": params, "block_params": block_params}
+
+    def one(reduces: bool, count: int) -> MicroBatch:
+        return micro_batch(
+            candidate, hardware, blocks=blocks, params=params, block_params=block_params,
+            reduces=reduces, count=count,
+        )  # fmt: skip
+
     accumulate = workload.accumulate
     if skip_sync and accumulate > 1:
-        return [
-            micro_batch(candidate, hardware, reduces=True, **shape),
-            micro_batch(candidate, hardware, reduces=False, count=accumulate - 1, **shape),
-        ]
-    return [micro_batch(candidate, hardware, reduces=True, count=accumulate, **shape)]
+        return [one(True, 1), one(False, accumulate - 1)]
+    return [one(True, accumulate)]
 
 
 Unit = tuple[float, float, float]  # (gather seconds, compute seconds, reduce seconds)
