@@ -99,7 +99,7 @@ EXACT = SpeedFactors(
 )
 ONE_NODE = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
 TWO_NODES = Hardware(gpus_per_node=4, nodes=2, gpu_memory=80 * 2**30)
-WRAP = ("tests.test_speed.Block",)
+WRAP = ("tests.predict.test_speed.Block",)
 
 
 def comm_seconds(net, candidate: Candidate, hardware: Hardware, **workload: int) -> float:
@@ -532,7 +532,7 @@ def test_hugging_face_models_are_counted_on_fake_tensors(example: str) -> None:
     from autoshard.analyze import analyze_target
     from autoshard.target.resolve import TargetSpec
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     profile, built = analyze_target(TargetSpec(spec=f"{root}/examples/{example}.py:build"))
     flops = profile_flops(built.model, profile, WorkloadSpec(), batch=built.batch)
     assert flops.measured, flops.note
@@ -549,7 +549,7 @@ def test_the_seed_guides_transformer_is_counted_on_fake_tensors() -> None:
     from autoshard.predict.fakes import causal_masks_by_shape
     from autoshard.target.resolve import TargetSpec
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     target = TargetSpec(spec=f"{root}/examples/lightning_transformer.py:build")
     profile, built = analyze_target(target)
     flops = profile_flops(built.model, profile, WorkloadSpec(), batch=built.batch)
@@ -658,6 +658,6 @@ def test_a_flop_profile_round_trips_as_json(net) -> None:
 
 @pytest.mark.parametrize("module", [flops_module, speed_module], ids=["flops", "speed"])
 def test_the_examples_in_the_docstrings_run(module, monkeypatch) -> None:
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # they name examples/gpt.py
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # they name examples/gpt.py
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 5 and result.failed == 0
