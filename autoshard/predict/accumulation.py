@@ -69,8 +69,8 @@ def no_sync_moments(
     head = moments["head backward"]
     through_blocks = head.activations  # saved, less the loss's log-probabilities
     one_unit = candidate.one_unit
-    unit = 0 if one_unit else profile.block_params
-    root = profile.total_params if one_unit else profile.root_unit_params
+    unit_params = 0 if one_unit else profile.block_params
+    root_params = profile.total_params if one_unit else profile.root_unit_params
     gathers = shard_size(candidate, hardware) > 1 or mixed
     # the head's gradient waits in the root unit for its flat gradient (FSDP1) or its upcast
     # (FSDP2 mixed); FSDP2 without an upcast adds it into the kept gradient at once
@@ -89,7 +89,7 @@ def no_sync_moments(
     }
     # The head's backward: its weight's fresh gradient (one tensor) beside the logits' gradient
     # before it joins the kept one; FSDP2 holds the root gathered, also with NO_SHARD.
-    fsdp2_root = root * cb if candidate.engine is Engine.FSDP2 else 0
+    fsdp2_root = root_params * cb if candidate.engine is Engine.FSDP2 else 0
     head_kept = head.model_copy(
         update={
             "gradients": head.gradients + kept,
@@ -102,11 +102,11 @@ def no_sync_moments(
         }
     )
     if candidate.engine is Engine.FSDP1:
-        gathered_units = (root + 2 * unit) * cb if gathers else 0
+        gathered_units = (root_params + 2 * unit_params) * cb if gathers else 0
         buffers = 0
     else:
-        gathered_units = (root + unit) * cb if gathers else 0
-        buffers = unit * cb if shard_size(candidate, hardware) > 1 else 0
+        gathered_units = (root_params + unit_params) * cb if gathers else 0
+        buffers = unit_params * cb if shard_size(candidate, hardware) > 1 else 0
     keeps_all = traits(candidate).keeps_gathered
     if keeps_all:
         gathered_units = profile.total_params * cb  # nothing is freed between micro-batches
@@ -122,7 +122,7 @@ def no_sync_moments(
         )
     out["accumulating root backward"] = base.model_copy(
         update={
-            "unsharded_params": gathered_units if keeps_all else root * cb if gathers else 0,
+            "unsharded_params": gathered_units if keeps_all else root_params * cb if gathers else 0,
             "activations": int(at.other_bytes * scale),
             "temporaries": fresh(trained_root),
         }
@@ -193,8 +193,8 @@ def _fsdp1_synchronising_blocks(
     scale = at.scale(candidate)
     mixed = candidate.precision.mixed
     gathers = shard > 1 or mixed
-    root = profile.root_unit_params
-    unit = profile.block_params
+    root_params = profile.root_unit_params
+    unit_params = profile.block_params
     blocks = max(profile.block_count, 1)
     reduced = trained_unit * stored // shard  # one unit's stored gradient
     worst: MemoryBreakdown | None = None
@@ -204,7 +204,7 @@ def _fsdp1_synchronising_blocks(
         moment = sync.model_copy(
             update={
                 # FSDP1 keeps the root gathered; the block and the next one prefetched
-                "unsharded_params": (root + (2 if j < blocks - 1 else 1) * unit) * cb
+                "unsharded_params": (root_params + (2 if j < blocks - 1 else 1) * unit_params) * cb
                 if gathers
                 else 0,
                 "gradients": kept + j * (reduced - trained_unit * cb),
@@ -306,11 +306,12 @@ def _fsdp2_synced_moments(
         # before they are added into the sharded ones (measured on fake tensors: a second set
         # of gradients builds up through backward).
         step = moments["optimizer step"]
-        unit = 0 if candidate.one_unit else profile.block_params
-        root = profile.total_params if candidate.one_unit else profile.root_unit_params
+        unit_params = 0 if candidate.one_unit else profile.block_params
+        root_params = profile.total_params if candidate.one_unit else profile.root_unit_params
         out["accumulating backward end"] = step.model_copy(
             update={
-                "unsharded_params": (root + unit) * cb,  # FSDP2 gathers copies, also at 1 shard
+                # FSDP2 gathers copies, also at 1 shard
+                "unsharded_params": (root_params + unit_params) * cb,
                 "gradients": sharded_grads
                 + gradient_params(profile, candidate)[0] * reduce // shard,
                 "temporaries": 0,

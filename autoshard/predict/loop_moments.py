@@ -72,9 +72,9 @@ def _gathered_units(profile: ModelProfile, candidate: Candidate) -> tuple[int, i
     """(all parameters, the root unit's, a block unit's) in bytes of the compute dtype."""
     _, cb = element_bytes(candidate.precision)
     params = profile.total_params
-    unit = 0 if candidate.one_unit else profile.block_params * cb
-    root = params * cb if candidate.one_unit else profile.root_unit_params * cb
-    return params * cb, root, unit
+    unit_bytes = 0 if candidate.one_unit else profile.block_params * cb
+    root_bytes = params * cb if candidate.one_unit else profile.root_unit_params * cb
+    return params * cb, root_bytes, unit_bytes
 
 
 def _fsdp2_forward(
@@ -87,13 +87,13 @@ def _fsdp2_forward(
 ) -> dict[str, MemoryBreakdown]:
     """FSDP2's forward moments (:func:`forward_moments`); ``base``: the loss's, without its
     temporaries."""
-    everything, root, unit = _gathered_units(profile, candidate)
+    everything, root_bytes, unit_bytes = _gathered_units(profile, candidate)
     keeps_all = traits(candidate).keeps_gathered
-    gathered = everything if keeps_all or candidate.one_unit else root + unit
-    buffer = 0 if shard_size(candidate, hardware) == 1 else (unit or root)
+    gathered = everything if keeps_all or candidate.one_unit else root_bytes + unit_bytes
+    buffer = 0 if shard_size(candidate, hardware) == 1 else (unit_bytes or root_bytes)
     # The forward's start: every unit was resharded after the last backward; the root is
     # gathered (its all-gather buffer beside its copy) as the first block is prefetched.
-    gathering = root + unit
+    gathering = root_bytes + unit_bytes
     start = {
         "unsharded_params": gathering,
         "activations": 0,
@@ -110,7 +110,7 @@ def _fsdp2_forward(
         "comm_buffers": buffer,
     }
     root_end = {
-        "unsharded_params": everything if keeps_all else root,
+        "unsharded_params": everything if keeps_all else root_bytes,
         "activations": base.activations,
         "comm_buffers": buffer,
     }
@@ -131,11 +131,11 @@ def _fsdp1_forward(
 ) -> dict[str, MemoryBreakdown]:
     """FSDP1's forward moments (:func:`forward_moments`); ``base``: the loss's, without its
     temporaries."""
-    everything, root, unit = _gathered_units(profile, candidate)
+    everything, root_bytes, unit_bytes = _gathered_units(profile, candidate)
     keeps_all = traits(candidate).keeps_gathered
     mixed = candidate.precision.mixed
     gathers = shard_size(candidate, hardware) > 1 or mixed  # no copy: fp32 NO_SHARD
-    held = everything if keeps_all else root if gathers else 0
+    held = everything if keeps_all else root_bytes if gathers else 0
     out = {
         "root forward end": base.model_copy(
             update={"unsharded_params": held, "activations": base.activations}
@@ -146,7 +146,7 @@ def _fsdp1_forward(
     copies = not traits(candidate).shards_params and mixed
     if (resharded_sharding(candidate) or copies) and not candidate.one_unit:
         out["last block forward"] = base.model_copy(
-            update={"unsharded_params": root + unit, "activations": through_blocks}
+            update={"unsharded_params": root_bytes + unit_bytes, "activations": through_blocks}
         )
     return out
 
@@ -186,9 +186,9 @@ def loop_moments(
         # views and flat copy beside every other unit's gradient (measured on fake tensors)
         _, cb = element_bytes(run.precision)
         trained_unit = gradient_params(profile, run)[2]
-        root = moments["root backward"]
-        out["bottom block's flat gradient"] = root.model_copy(
-            update={"gradients": root.gradients + trained_unit * cb}
+        root_backward = moments["root backward"]
+        out["bottom block's flat gradient"] = root_backward.model_copy(
+            update={"gradients": root_backward.gradients + trained_unit * cb}
         )
     if workload.loop == Loop.LIGHTNING:
         alive = dict(forward)

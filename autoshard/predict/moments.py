@@ -392,11 +392,11 @@ def backward_start_moment(
     ):
         return None
     _, cb = element_bytes(candidate.precision)
-    root = profile.total_params if candidate.one_unit else profile.root_unit_params
+    root_params = profile.total_params if candidate.one_unit else profile.root_unit_params
     return head.model_copy(
         update={
-            "unsharded_params": root * cb,
-            "comm_buffers": root * cb,
+            "unsharded_params": root_params * cb,
+            "comm_buffers": root_params * cb,
             # the logits' gradient, cast back to the compute dtype by the loss's backward
             "temporaries": head.temporaries * cb // 4,
         }
@@ -427,10 +427,10 @@ def gloo_held_root_moment(
     if candidate.one_unit:
         return None
     _, cb = element_bytes(candidate.precision)
-    unit = profile.block_params * cb
+    unit_bytes = profile.block_params * cb
     mixed = candidate.precision.mixed
-    cast = unit // shard_size(candidate, hardware) if mixed else 0
-    update = {"comm_buffers": start.comm_buffers + unit + cast}
+    cast = unit_bytes // shard_size(candidate, hardware) if mixed else 0
+    update = {"comm_buffers": start.comm_buffers + unit_bytes + cast}
     if acts.loss_in_forward:
         update.update(activations=saved, temporaries=0)
     return start.model_copy(update=update)
