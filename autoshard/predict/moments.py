@@ -108,7 +108,7 @@ def _block_moments(
         top_block = head.model_copy(
             update={
                 "unsharded_params": (t.block_params + t.root_params) * t.compute_dtype_bytes,
-                "temporaries": t.block_backward_bytes,
+                "temporaries": t.block_backward(-1),
             }
         )
     elif traits(t.candidate).keeps_gathered:
@@ -116,11 +116,11 @@ def _block_moments(
         top_block = head.model_copy(
             update={
                 "unsharded_params": t.gathered_bytes - t.block_params * t.compute_dtype_bytes,
-                "temporaries": t.block_backward_bytes,
+                "temporaries": t.block_backward(-1),
             }
         )
     else:  # NO_SHARD: nothing is gathered or freed
-        top_block = head.model_copy(update={"temporaries": t.block_backward_bytes})
+        top_block = head.model_copy(update={"temporaries": t.block_backward(-1)})
     # it reduces its gradients; the head's gradient waits in the root (FSDP2), and what the
     # forward saved after the last block is freed: the head's backward has used it. FSDP1 keeps
     # counting those activations: it too holds the head's gradient through the blocks' backward
@@ -145,6 +145,7 @@ def _block_moments(
             # every block's gradient in shards but its own
             "gradients": t.block_grad_shard_bytes * (blocks - 1) // blocks + t.head_grad_bytes,
             "activations": first_block_bytes(t.candidate, t.acts) - freed,
+            "temporaries": t.block_backward(0),
             # the block above's reduce-scatter; nothing left to prefetch (the root is gathered)
             "comm_buffers": t.comm_bytes - t.gather_buffer_bytes if t.wrapped else t.comm_bytes,
         }
@@ -190,6 +191,7 @@ def _fsdp2_second_block_moment(
         update={
             "gradients": top_block.gradients + t.block_grad_shard_bytes // blocks,
             "activations": top_block.activations - last_block_bytes(t.candidate, t.acts),
+            "temporaries": t.block_backward(-2),
             "comm_buffers": t.trained_block_params * t.reduce_dtype_bytes
             + (t.gather_buffer_bytes if blocks > 2 else 0),
         }
@@ -219,6 +221,7 @@ def _fsdp2_above_bottom_moment(
         update={
             "gradients": bottom_block.gradients - t.block_grad_shard_bytes // blocks,
             "activations": bottom_block.activations + block_saved_bytes(t.candidate, t.acts, 1),
+            "temporaries": t.block_backward(1),
             "comm_buffers": t.trained_block_params * t.reduce_dtype_bytes + t.gather_buffer_bytes,
         }
     )

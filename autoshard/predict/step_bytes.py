@@ -50,14 +50,9 @@ def activation_bytes(candidate: Candidate, acts: ActivationProfile) -> tuple[int
 
 
 def last_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
-    """What the last block saved in forward (its input under checkpointing): freed when its
-    backward is done."""
-    acts = acts.at(candidate.precision)
-    if not acts.block_bytes:
-        return 0
-    ckpt = candidate.checkpointing is not Checkpointing.NONE
-    last = acts.block_input_bytes[-1] if ckpt and acts.block_input_bytes else acts.block_bytes[-1]
-    return int(last * acts.scale(candidate))
+    """What the last block saved in forward (its input where it is checkpointed): freed when
+    its backward is done."""
+    return block_saved_bytes(candidate, acts, len(acts.at(candidate.precision).block_bytes) - 1)
 
 
 def after_blocks_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
@@ -84,7 +79,7 @@ def block_saved_bytes(candidate: Candidate, acts: ActivationProfile, index: int)
     """What block ``index`` saved in forward, by the candidate's checkpointing (its input where
     it is checkpointed): freed when its backward is done."""
     acts = acts.at(candidate.precision)
-    if index >= len(acts.block_bytes):
+    if not 0 <= index < len(acts.block_bytes):
         return 0
     inputs = acts.block_input_bytes
     saved = (
@@ -149,13 +144,24 @@ class StepBytes:
     saved_bytes: int  # activations saved by the whole forward, the loss's included
     loss_saved_bytes: int  # the loss's log-probabilities
     acts_scale: float  # the activation profile's scale to the candidate's micro-batch
-    block_backward_bytes: int  # one block's backward temporaries
+    block_backward_bytes: int  # the one unit's backward temporaries (or any block's)
+    recomputed_backward_bytes: int  # a checkpointed block's backward temporaries
+    plain_backward_bytes: int  # a block's that is not checkpointed
     logits_grad_bytes: int  # the logits' gradient in fp32
     foreach_bytes: int  # the foreach optimizer's transient copy of one state
     block_grad_shard_bytes: int  # the blocks' gradients, reduced to shards
     frozen_root_bytes: int  # a root that does not train, gathered for good (FSDP1)
     head_grad_bytes: int  # the head's unsharded gradient waiting in the root (FSDP2)
     host_bytes: int  # per node, offloaded
+
+    def block_backward(self, index: int) -> int:
+        """Block ``index``'s backward temporaries, by whether it is checkpointed (``index``
+        counts from the end when negative; the one unit's without blocks)."""
+        blocks = self.profile.block_count
+        if not self.wrapped or not blocks or not -blocks <= index < blocks:
+            return self.block_backward_bytes
+        recomputes = self.candidate.checkpoints(index % blocks)
+        return self.recomputed_backward_bytes if recomputes else self.plain_backward_bytes
 
 
 def _gathered_bytes(
@@ -196,16 +202,18 @@ def _gather_buffer_bytes(candidate: Candidate, shard: int, params: int, unit: in
     return 0 if traits(candidate).keeps_gathered else unit * cb
 
 
-def _block_backward_bytes(candidate: Candidate, acts: ActivationProfile, recompute: int) -> int:
-    """One block's backward temporaries. It turns its saved activations into gradients as it
-    goes: the moment holds the larger of the two, not both. Under checkpointing the block first
-    recomputes them, and the peak comes about halfway through its backward (fitted to the
-    simulation; provenance: benchmarks/results/memory_moments.md)."""
+def _block_backward_bytes(
+    candidate: Candidate, acts: ActivationProfile, recompute: int, *, recomputes: bool
+) -> int:
+    """One block's backward temporaries (``recomputes``: it is checkpointed). It turns its
+    saved activations into gradients as it goes: the moment holds the larger of the two, not
+    both. A checkpointed block first recomputes them, and the peak comes about halfway through
+    its backward (fitted to the simulation; provenance: benchmarks/results/memory_moments.md)."""
     # Activation gradients are made in the compute dtype, also where the forward saved an fp32
     # upcast: sized from the fp32 profile when there is one.
     uniform = acts.at(Precision.FP32)
     block_grad = int(max(uniform.block_bytes, default=0) * uniform.scale(candidate))
-    if candidate.checkpointing is Checkpointing.NONE:
+    if not recomputes:
         at = acts.at(candidate.precision)
         return max(0, block_grad - int(max(at.block_bytes, default=0) * at.scale(candidate)))
     return recompute + block_grad // 2
@@ -247,6 +255,10 @@ def step_bytes(
     # FSDP1 never reshards a root unit that does not train (no gradient, so no post-backward
     # hook): once gathered by the first forward it stays gathered (measured on fake tensors).
     frozen_root = candidate.engine is Engine.FSDP1 and wrapped and shard > 1 and not trained_root
+
+    def backward(recomputes: bool) -> int:
+        return _block_backward_bytes(candidate, acts, recompute, recomputes=recomputes)
+
     host = 0
     if candidate.cpu_offload:  # the GPU keeps the working set only
         host = (sharded + grads + optimizer) * hardware.gpus_per_node
@@ -261,7 +273,9 @@ def step_bytes(
         gather_buffer_bytes=gather, comm_bytes=trained_unit * reduce + gather,
         saved_bytes=saved, loss_saved_bytes=candidate.micro_batch_size * at.loss_bytes,
         acts_scale=at.scale(candidate),
-        block_backward_bytes=_block_backward_bytes(candidate, acts, recompute),
+        block_backward_bytes=backward(candidate.checkpointing is not Checkpointing.NONE),
+        recomputed_backward_bytes=backward(True),
+        plain_backward_bytes=backward(False),
         logits_grad_bytes=logits, foreach_bytes=one_state if foreach else 0,
         block_grad_shard_bytes=block_grads, frozen_root_bytes=root * cb if frozen_root else 0,
         head_grad_bytes=fsdp2_head_gradient(profile, candidate), host_bytes=host,
