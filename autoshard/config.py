@@ -46,6 +46,11 @@ class Precision(str, Enum):
     FP16_MIXED = "16-mixed"
     BF16_TRUE = "bf16-true"
 
+    @property
+    def mixed(self) -> bool:
+        """Whether parameters are stored in fp32 and cast to a 16-bit dtype to compute."""
+        return self in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+
 
 class Checkpointing(str, Enum):
     """Which wrapped blocks recompute their activations in backward."""

@@ -536,7 +536,7 @@ _ENTRIES: tuple[GPUSpec, ...] = (
         inter_node_bandwidth=10 * Gbit,
         host_link_bandwidth=15 * GB,
         # mmap'ed and written pages, one thread: 3.6-3.8 GB/s here (a resident fill: 25-27);
-        # measured at run time (autoshard.predict.speed.measured_cpu)
+        # measured at run time (autoshard.predict.hardware.measured_cpu)
         fresh_page_bandwidth=3.6 * GB,
         notes="Not a GPU: autoshard's CPU trials (one process per rank, one thread each, gloo). "
         "Every speed here is a PLACEHOLDER, measured at run time / calibrated by trials. The "

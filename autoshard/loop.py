@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.config import Candidate, Loop, Precision, WorkloadSpec
+from autoshard.config import Candidate, Loop, WorkloadSpec
 from autoshard.sharding import compute_dtype
 from autoshard.target.step import LossFn, compute_loss, forward
 
@@ -41,7 +41,7 @@ def autocast_for(candidate: Candidate, device: torch.device) -> Any:
     """The autocast context of a step: FSDP's mixed precision casts the parameters; autocast
     also runs what is outside the wrapped units (the loss) in the compute dtype, as Lightning's
     precision plugin does."""
-    if candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED):
+    if candidate.precision.mixed:
         return torch.autocast(device.type, dtype=compute_dtype(candidate.precision))
     return torch.autocast(device.type, enabled=False)
 

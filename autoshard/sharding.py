@@ -40,9 +40,9 @@ from autoshard.config import (
     Optimizer,
     OptimizerImpl,
     Precision,
-    Reshard,
     Sharding,
 )
+from autoshard.engine import reshard_after_forward
 from autoshard.errors import ConfigError, MissingDependencyError
 
 _DTYPES = {
@@ -244,28 +244,6 @@ def fsdp2_mesh(candidate: Candidate, device: torch.device, world_size: int) -> A
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
 
 
-def reshard_after_forward(candidate: Candidate, *, root: bool = False, last: bool = False) -> bool:
-    """``fully_shard``'s ``reshard_after_forward`` for one unit: the root unit, the last block
-    (the first that backward needs), or any other block.
-
-    SHARD_GRAD_OP keeps every unit gathered. Otherwise ``candidate.reshard`` decides: ALL frees
-    every unit after forward; KEEP_ROOT keeps the root (``fully_shard``'s default, ``None``, does
-    this: backward needs the root's head first); KEEP_ROOT_AND_LAST also keeps the last block
-    (torchtitan, ``torchtitan/models/llama3/infra/parallelize.py``: FSDP would prefetch it again
-    at once when backward starts)."""
-    if candidate.sharding is Sharding.SHARD_GRAD_OP:
-        return False
-    match candidate.reshard:
-        case Reshard.ALL:
-            return True
-        case Reshard.KEEP_ROOT:
-            return not root
-        case Reshard.KEEP_ROOT_AND_LAST:
-            return not (root or last)
-        case _:
-            raise ConfigError(f"unknown reshard policy {candidate.reshard!r}")
-
-
 def fsdp2_kwargs(candidate: Candidate, mesh: Any, *, pin_memory: bool) -> dict[str, Any]:
     """Keyword arguments for ``fully_shard`` of a block unit (the root and the last block take
     their ``reshard_after_forward`` from :func:`reshard_after_forward`)."""
@@ -275,7 +253,7 @@ def fsdp2_kwargs(candidate: Candidate, mesh: Any, *, pin_memory: bool) -> dict[s
         "mesh": mesh,
         "reshard_after_forward": reshard_after_forward(candidate),
     }
-    if candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED):
+    if candidate.precision.mixed:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=compute_dtype(candidate.precision),
             reduce_dtype=torch.float32 if candidate.reduce_dtype_fp32 else None,

@@ -130,7 +130,7 @@ def main() -> None:
         print(f"matmul {dtype!s:15s} {matmul_flops(dtype, reps=3) / 1e9:8.0f} GFLOP/s")
     print(f"memcpy {copy_bandwidth() / 1e9:.1f} GB/s")
     # the rate the step-time model uses, probed as it probes it at run time
-    from autoshard.predict.speed import measured_cpu
+    from autoshard.predict.hardware import measured_cpu
 
     fresh = measured_cpu().fresh_page_bandwidth or 0.0
     print(f"fresh pages (mmap, then written) {fresh / 1e9:.1f} GB/s")

@@ -34,7 +34,8 @@ def main() -> None:
     from autoshard.predict.analytic import estimate_all
     from autoshard.predict.calibrate import SpeedModel
     from autoshard.predict.flops import profile_flops
-    from autoshard.predict.speed import default_factors, speed_for
+    from autoshard.predict.hardware import speed_for
+    from autoshard.predict.speed import default_factors
     from autoshard.space import enumerate_candidates
     from autoshard.target.resolve import TargetSpec
 

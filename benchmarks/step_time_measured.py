@@ -42,7 +42,8 @@ def main() -> None:
     from autoshard.analyze import analyze_target
     from autoshard.config import Hardware, Precision, WorkloadSpec
     from autoshard.predict.flops import profile_flops
-    from autoshard.predict.speed import detected_gpu, predict_speed, speed_for
+    from autoshard.predict.hardware import detected_gpu, speed_for
+    from autoshard.predict.speed import predict_speed
     from autoshard.results import TrialStatus
     from autoshard.space import enumerate_candidates
     from autoshard.target.resolve import TargetSpec

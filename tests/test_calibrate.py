@@ -214,12 +214,12 @@ def test_the_study_recalibrates_on_its_own_device_only(gpt_tiny, monkeypatch) ->
     """Trials on CPU processes planning for CPU processes (gloo) calibrate the model and
     re-rank; the same trials planning for GPUs change nothing (a CPU's speed says nothing about
     a GPU's)."""
-    import autoshard.predict.speed as speed_module
+    import autoshard.predict.hardware as hardware_module
     from autoshard.gpus import CATALOGUE
 
     # The catalogue's CPU entry as it stands, not this (busy, shared) machine's matmul timed
     # now: the prior's order must not depend on the load of the moment.
-    monkeypatch.setattr(speed_module, "measured_cpu", lambda ranks=1: CATALOGUE["cpu-gloo"])
+    monkeypatch.setattr(hardware_module, "measured_cpu", lambda ranks=1: CATALOGUE["cpu-gloo"])
     from autoshard import Hardware, WorkloadSpec
     from autoshard.predict.calibrate import SpeedModel
     from autoshard.search import reorder_remaining

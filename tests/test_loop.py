@@ -11,18 +11,13 @@ from torch import nn
 
 from autoshard.analyze import analyze_model, analyze_target
 from autoshard.config import Candidate, Hardware, Precision, WorkloadSpec
+from autoshard.engine import gradient_params, skips_gradient_sync
 from autoshard.loop import optimizer_step
+from autoshard.predict.accumulation import accumulated_gradient_bytes
 from autoshard.predict.activations import profile_activations
-from autoshard.predict.analytic import (
-    accumulated_gradient_bytes,
-    estimate_memory,
-    forward_moments,
-    fsdp2_head_gradient,
-    gradient_params,
-    needs_simulation,
-    peak_moments,
-    skips_gradient_sync,
-)
+from autoshard.predict.analytic import estimate_memory, needs_simulation, peak_moments
+from autoshard.predict.loop_moments import forward_moments
+from autoshard.predict.step_bytes import fsdp2_head_gradient
 from autoshard.target.resolve import TargetSpec
 
 from .conftest import EXAMPLES

@@ -8,10 +8,10 @@ from pydantic import ValidationError
 
 from autoshard.analyze import analyze_target
 from autoshard.config import Candidate, Engine, Hardware, Reshard, Sharding, WorkloadSpec
+from autoshard.engine import reshard_after_forward
 from autoshard.predict.activations import profile_activations
 from autoshard.predict.analytic import estimate_memory
 from autoshard.predict.simulate import simulate_memory
-from autoshard.sharding import reshard_after_forward
 from autoshard.space import enumerate_candidates
 from autoshard.target.resolve import TargetSpec
 

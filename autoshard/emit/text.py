@@ -129,7 +129,7 @@ def describe_fsdp2_precision(c: Candidate) -> str:
     >>> describe_fsdp2_precision(Candidate(engine="fsdp2", precision="bf16-mixed"))
     'MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)'
     """
-    if c.precision not in (Precision.BF16_MIXED, Precision.FP16_MIXED):
+    if not c.precision.mixed:
         return ""
     dtype = "bf16" if c.precision is Precision.BF16_MIXED else "fp16"
     reduce = "fp32" if c.reduce_dtype_fp32 else dtype

@@ -48,7 +48,8 @@ from pydantic import BaseModel
 from autoshard.config import Candidate, Hardware, RankOrder, WorkloadSpec
 from autoshard.gpus import GPUSpec
 from autoshard.predict.flops import FlopProfile, profile_flops
-from autoshard.predict.speed import SpeedFactors, default_factors, predict_speed, speed_for
+from autoshard.predict.hardware import speed_for
+from autoshard.predict.speed import SpeedFactors, default_factors, predict_speed
 from autoshard.results import (
     MemoryEstimate,
     ModelProfile,

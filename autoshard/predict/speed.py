@@ -26,44 +26,43 @@ One optimizer step of one rank is the sum of
   over the host link, and the optimizer step on the host CPU, bound by its memory bandwidth;
 - **optimizer**: otherwise the optimizer step on the GPU, bound by HBM bandwidth.
 
-The bytes each collective moves, per rank: a ring all-gather or reduce-scatter over a group of
-``n`` moves ``(n - 1) / n`` of the unit, an all-reduce twice that; parameters are gathered in the
-compute dtype, gradients reduced in the reduce dtype. A group inside one node runs at the GPU's
-link inside the node; a ring spanning nodes carries the whole group's traffic across each node's
-network (every node's GPUs share its NICs), so it runs at the slower of the GPU's link and
-``inter_node_bandwidth x ranks of the group per node / GPUs per node``.
+The collectives' seconds: :mod:`autoshard.predict.collectives`.
 
 The factors (:class:`SpeedFactors`) say how much of each peak is reached; trials calibrate them.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-import mmap
-import os
-import time
-from collections.abc import Sequence
-
-import torch
 from pydantic import Field
 
 from autoshard.config import (
-    BackwardPrefetch,
     Candidate,
-    Engine,
     Frozen,
     Hardware,
     Optimizer,
     OptimizerImpl,
-    Precision,
-    Reshard,
-    Sharding,
     WorkloadSpec,
 )
-from autoshard.gpus import CATALOGUE, DEFAULT_GPU, GPUSpec, gpu_spec, match_gpu_name
-from autoshard.predict.analytic import as_run, skips_gradient_sync
+from autoshard.engine import (
+    as_run,
+    element_bytes,
+    policy_of,
+    resharded_sharding,
+    traits,
+)
+from autoshard.gpus import GPUSpec
+from autoshard.predict.collectives import Collectives
 from autoshard.predict.flops import FlopProfile
+from autoshard.predict.hardware import dense_flops, measure_cpu, speed_for
+from autoshard.predict.timeline import (
+    MicroBatch,
+    Pass,
+    Turn,
+    Unit,
+    Work,
+    step_timeline,
+    two_streams,
+)
 from autoshard.results import ModelProfile, SpeedBreakdown, SpeedEstimate
 
 
@@ -185,7 +184,7 @@ def default_factors(gpu: GPUSpec) -> SpeedFactors:
         memory_efficiency=0.25,
         collective_latency_s=8e-4,
         overlap=0.0,
-        op_overhead_s=_measure_cpu()[3],
+        op_overhead_s=measure_cpu()[3],
     )
 
 
@@ -207,7 +206,7 @@ def optimizer_bytes_per_param(candidate: Candidate) -> int:
     the stored dtype (fp32, or bf16 under ``bf16-true``)."""
     fused, separate = _OPTIMIZER_PASSES[candidate.optimizer]
     passes = fused if candidate.optimizer_impl is OptimizerImpl.FUSED else separate
-    return _element_bytes(candidate)[0] * passes
+    return element_bytes(candidate.precision)[0] * passes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,299 +214,18 @@ def optimizer_bytes_per_param(candidate: Candidate) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def speed_for(hardware: Hardware) -> tuple[GPUSpec, str]:
-    """The catalogue entry to predict ``hardware``'s speed with, its bandwidths overridden as
-    the hardware says, and a note when the entry was assumed rather than given.
-
-    CPU processes (``backend="gloo"``) get the ``cpu-gloo`` entry with this machine's FLOP/s
-    and memory bandwidth measured once (a few milliseconds, cached).
-
-    >>> from autoshard import Hardware
-    >>> from autoshard.predict.speed import speed_for
-    >>> gpu, note = speed_for(Hardware(gpu_memory=80 * 2**30, gpu="a100-80gb-sxm",
-    ...                                inter_node_bandwidth=100e9))
-    >>> gpu.id, gpu.inter_node_bandwidth / 1e9, note
-    ('a100-80gb-sxm', 100.0, '')
-    >>> speed_for(Hardware(gpu_memory=80 * 2**30))[1][:40]
-    'no GPU given: speeds assumed for h100-sx'
-    """
-    note = ""
-    if hardware.gpu is not None:
-        gpu = gpu_spec(hardware.gpu)
-        if gpu.id == "cpu-gloo":
-            gpu = measured_cpu(hardware.gpus_per_node)
-    elif hardware.backend == "gloo":
-        gpu = measured_cpu(hardware.gpus_per_node)
-    else:
-        gpu = CATALOGUE[DEFAULT_GPU]
-        note = (
-            f"no GPU given: speeds assumed for {gpu.id} ({gpu.name}); give --gpu (gpu= in code) "
-            "for yours"
-        )
-    updates = {}
-    if hardware.intra_node_bandwidth is not None:
-        updates["intra_node_bandwidth"] = hardware.intra_node_bandwidth
-    if hardware.inter_node_bandwidth is not None:
-        updates["inter_node_bandwidth"] = hardware.inter_node_bandwidth
-    return (gpu.model_copy(update=updates) if updates else gpu), note
-
-
-def detected_gpu() -> str | None:
-    """The catalogue id of the visible CUDA GPU, or None (no GPU, or one not catalogued): for
-    the command line and ``detect_hardware`` to fill ``Hardware.gpu``."""
-    if not torch.cuda.is_available():
-        return None
-    return match_gpu_name(torch.cuda.get_device_name())
-
-
-def measured_cpu(ranks: int = 1) -> GPUSpec:
-    """The ``cpu-gloo`` entry with this CPU's speeds, as one of ``ranks`` one-thread processes
-    sharing the machine's cores sees them (more ranks than cores share them)."""
-    flops32, flops16, bandwidth, _, fresh = _measure_cpu()
-    # A bare bf16 product can outrun fp32 (AMX: 3.6x here), but a bf16-autocast step casts
-    # every weight and activation (1,068 copies in the tiny GPT's step) and ran 25% slower than
-    # its fp32 step here: bf16 is given no more than the fp32 rate.
-    flops16 = min(flops16, flops32)
-    share = min(1.0, (os.cpu_count() or 1) / max(ranks, 1))
-    return CATALOGUE["cpu-gloo"].model_copy(
-        update={
-            "name": f"CPU worker processes (gloo), {share:.2g} core each, measured",
-            "fp32_flops": flops32 * share,
-            "tf32_flops": flops32 * share,
-            "bf16_flops": flops16 * share,
-            "fp16_flops": flops16 * share,
-            "hbm_bandwidth": bandwidth * share,
-            "host_link_bandwidth": bandwidth * share,
-            "fresh_page_bandwidth": fresh * share,
-        }
-    )
-
-
-@functools.cache
-def _measure_cpu() -> tuple[float, float, float, float, float]:
-    """(fp32 matmul FLOP/s, bf16 matmul FLOP/s, copy bytes/s, seconds to issue one small
-    operation, bytes/s written into freshly mapped pages) of one thread, as the trial workers
-    run (OMP_NUM_THREADS=1). The best of a few repeats: other processes only slow it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-
-        def rate(fn: object, work: float, repeats: int = 5) -> float:
-            # This thread's CPU seconds, as CPU trials time their steps: in wall seconds the
-            # machine's other jobs set the rates (a 32 MiB copy at 2.4 GB/s at load 8 on 2
-            # cores, 54 GB/s idle), and every prediction for CPU processes with them.
-            best = math.inf
-            for _ in range(repeats):
-                start = time.thread_time()
-                fn()  # type: ignore[operator]
-                best = min(best, time.thread_time() - start)
-            return work / max(best, 1e-9)
-
-        n = 256
-        a32, b32 = torch.randn(n, n), torch.randn(n, n)
-        a16, b16 = a32.bfloat16(), b32.bfloat16()
-        src = torch.empty(32 * 2**20, dtype=torch.uint8)  # beyond the caches
-        dst = torch.empty_like(src)
-        one = torch.ones(1)
-
-        def small_ops() -> None:
-            for _ in range(200):
-                one.add(one)
-
-        def fresh_pages() -> None:
-            # what a tensor above a fixed mmap threshold costs: a new mapping, written
-            pages = mmap.mmap(-1, src.numel())
-            torch.frombuffer(pages, dtype=torch.uint8).fill_(1)
-
-        return (
-            rate(lambda: torch.mm(a32, b32), 2 * n**3),
-            rate(lambda: torch.mm(a16, b16), 2 * n**3),
-            rate(lambda: dst.copy_(src), 2 * src.numel()),  # read and write
-            1 / rate(small_ops, 200),
-            rate(fresh_pages, src.numel()),
-        )
-    finally:
-        torch.set_num_threads(threads)
-
-
-def dense_flops(gpu: GPUSpec, precision: Precision, *, tf32: bool = False) -> float:
-    """The dense peak FLOP/s the candidate's matrix products run at: bf16 or fp16 tensor cores
-    for 16-bit compute; for ``32-true`` the fp32 rate, or TF32 tensor cores with ``tf32=True``
-    (``torch.set_float32_matmul_precision("high")``)."""
-    match precision:
-        case Precision.BF16_MIXED | Precision.BF16_TRUE:
-            return gpu.bf16_flops
-        case Precision.FP16_MIXED:
-            return gpu.fp16_flops
-        case Precision.FP32:
-            return gpu.tf32_flops if tf32 else gpu.fp32_flops
-        case _:
-            raise ValueError(f"unknown precision {precision!r}")
-
-
 # ---------------------------------------------------------------------------------------------
 # Collectives
 # ---------------------------------------------------------------------------------------------
-
-
-def ring_bandwidth(gpu: GPUSpec, hardware: Hardware, size: int, per_node: int) -> float:
-    """Link bytes/s of a ring over a group of ``size`` ranks, ``per_node`` of them in each node
-    it spans. Inside a node: the GPU's link. Across nodes: each node's network carries the
-    group's ring traffic once per direction for every concurrent group in the node (``GPUs per
-    node / per_node`` of them), so the ring gets ``inter x per_node / gpus_per_node``, unless
-    the GPU's own link is slower."""
-    per_node = max(1, min(per_node, size, hardware.gpus_per_node))
-    if size <= per_node or hardware.nodes == 1:
-        return gpu.intra_node_bandwidth
-    across = gpu.inter_node_bandwidth * per_node / hardware.gpus_per_node
-    return min(gpu.intra_node_bandwidth, across)
-
-
-class _Collectives:
-    """Seconds of each collective of one unit of ``params`` parameters, for one candidate."""
-
-    def __init__(
-        self,
-        candidate: Candidate,
-        hardware: Hardware,
-        gpu: GPUSpec,
-        factors: SpeedFactors,
-    ) -> None:
-        self.latency = factors.collective_latency_s
-        # FSDP gathers into a new tensor and reduce-scatters into a new shard; where memory is
-        # mapped afresh (CPU trial workers), their pages fault in as the collective writes them.
-        self.fresh_page = gpu.fresh_page_bandwidth
-        gpn, world = hardware.gpus_per_node, hardware.world_size
-        _, cb = _element_bytes(candidate)
-        self.gather_bytes = cb
-        self.reduce_bytes = reduce_bytes(candidate)
-        eff = factors.comm_efficiency
-        match candidate.sharding:
-            case Sharding.NO_SHARD:
-                self.shard, self.replicas = 1, world
-                self.shard_bw = 1.0
-                self.replica_bw = ring_bandwidth(gpu, hardware, world, gpn) * eff
-            case Sharding.HYBRID_SHARD:
-                assert candidate.hybrid_mesh is not None
-                self.replicas, self.shard = candidate.hybrid_mesh
-                self.shard_bw = ring_bandwidth(gpu, hardware, self.shard, self.shard) * eff
-                per_node = max(1, gpn // self.shard)
-                self.replica_bw = ring_bandwidth(gpu, hardware, self.replicas, per_node) * eff
-            case Sharding.FULL_SHARD | Sharding.SHARD_GRAD_OP:
-                self.shard, self.replicas = world, 1
-                self.shard_bw = ring_bandwidth(gpu, hardware, world, gpn) * eff
-                self.replica_bw = 1.0
-            case _:
-                raise ValueError(f"unknown sharding {candidate.sharding!r}")
-
-    def _ring(self, nbytes: float, size: int, bandwidth: float, factor: float = 1.0) -> float:
-        if size <= 1 or nbytes <= 0:
-            return 0.0
-        return self.latency + factor * (size - 1) / size * nbytes / bandwidth
-
-    def _new_output(self, nbytes: float) -> float:
-        return nbytes / self.fresh_page if self.fresh_page and self.shard > 1 else 0.0
-
-    def all_gather(self, params: float) -> float:
-        """Gather a unit's parameters in the compute dtype from its shard group."""
-        nbytes = params * self.gather_bytes
-        return self._ring(nbytes, self.shard, self.shard_bw) + self._new_output(nbytes)
-
-    def reduce(self, params: float) -> float:
-        """Reduce a unit's gradients: reduce-scatter in the shard group, then all-reduce of the
-        shard across replicas (HYBRID_SHARD), or one all-reduce (NO_SHARD, in place)."""
-        nbytes = params * self.reduce_bytes
-        scatter = self._ring(nbytes, self.shard, self.shard_bw)
-        scatter += self._new_output(nbytes / self.shard)
-        across = self._ring(nbytes / self.shard, self.replicas, self.replica_bw, factor=2.0)
-        return scatter + across
-
-
-def _element_bytes(candidate: Candidate) -> tuple[int, int]:
-    """(bytes of a stored parameter, bytes of the compute dtype)."""
-    stored = 2 if candidate.precision is Precision.BF16_TRUE else 4
-    compute = 4 if candidate.precision is Precision.FP32 else 2
-    return stored, compute
-
-
-def reduce_bytes(candidate: Candidate) -> int:
-    """Bytes per gradient element in the reduction: Lightning's FSDP1 reduces in the compute
-    dtype (its ``MixedPrecision`` sets ``reduce_dtype`` to it); FSDP2 here in fp32 under mixed
-    precision (``reduce_dtype_fp32``), as the memory model assumes."""
-    _, cb = _element_bytes(candidate)
-    mixed = candidate.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
-    if mixed and candidate.engine is Engine.FSDP2 and candidate.reduce_dtype_fp32:
-        return 4
-    return cb
 
 
 # ---------------------------------------------------------------------------------------------
 # The timeline
 # ---------------------------------------------------------------------------------------------
 
-Unit = tuple[float, float, float]  # (gather seconds, compute seconds, reduce seconds)
-
-
-def _slowed(compute: float, busy: float, slowdown: float) -> float:
-    """Seconds ``compute`` seconds of work take when a collective occupies the first ``busy``
-    seconds beside them, running ``1 + slowdown`` times slower meanwhile."""
-    if slowdown <= 0 or busy <= 0:
-        return compute
-    if compute * (1 + slowdown) <= busy:
-        return compute * (1 + slowdown)
-    return busy + compute - busy / (1 + slowdown)
-
-
-def timeline(
-    units: Sequence[Unit], *, prefetch: bool = True, slowdown: float = 0.0
-) -> tuple[float, float]:
-    """(elapsed seconds, communication seconds) of ``units`` run in order on two streams: one
-    computes, one communicates (collectives in the order they are issued). A unit computes
-    once its gather is done and the unit before it has computed; its gather is issued when the
-    unit before it starts computing (``prefetch``: FSDP's forward and backward prefetch) or
-    when it is reached; its reduction is issued when its compute is done. While collectives
-    run beside a unit's compute, that compute runs ``1 + slowdown`` times slower (the
-    collectives are not slowed: their kernels are small and bandwidth-bound).
-
-    >>> from autoshard.predict.speed import timeline
-    >>> timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)])  # the second gather hides
-    (5.0, 2.0)
-    >>> timeline([(1.0, 2.0, 1.0)])  # one unit: nothing hides
-    (4.0, 2.0)
-    >>> round(timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], slowdown=0.5)[0], 3)  # at a price
-    5.333
-    """
-    if not units:
-        return 0.0, 0.0
-    comm_free = gathered = units[0][0]
-    compute_free = 0.0
-    for i, (_, compute, reduce) in enumerate(units):
-        start = max(compute_free, gathered)
-        following = units[i + 1][0] if i + 1 < len(units) else None
-        if following is not None and prefetch:
-            comm_free = max(comm_free, start) + following
-            gathered = comm_free
-        # Every collective queued so far was issued by ``start``: the stream is busy without a
-        # gap from ``start`` until ``comm_free``.
-        duration = _slowed(compute, comm_free - start, slowdown)
-        if following is not None and not prefetch:
-            comm_free = max(comm_free, start + duration) + following
-            gathered = comm_free
-        compute_free = start + duration
-        if reduce:
-            comm_free = max(comm_free, compute_free) + reduce
-    comm = sum(g + r for g, _, r in units)
-    return max(compute_free, comm_free), comm
-
-
 # ---------------------------------------------------------------------------------------------
 # The prediction
 # ---------------------------------------------------------------------------------------------
-
-
-def checkpointed(candidate: Candidate, blocks: int) -> list[bool]:
-    """Which of ``blocks`` recompute their forward in backward (:meth:`Candidate.checkpoints`)."""
-    return [candidate.checkpoints(i) for i in range(blocks)]
 
 
 class _Work:
@@ -581,6 +299,105 @@ def _block_seconds(
     return [sum(fwd) / count] * count, [sum(bwd) / count] * count
 
 
+def _rates(candidate: Candidate, gpu: GPUSpec, factors: SpeedFactors, peak: float) -> _Work:
+    """Seconds per profiled FLOP, byte of memory traffic and new tensor byte (fp32, at micro-batch
+    1: FLOPs and traffic are linear in it) at the candidate's micro-batch.
+
+    Matrix products and fused attention each reach their own share of the peak on this GPU
+    (catalogue facts: an H100 runs large products at 80% of its peak but FlashAttention-2 at
+    35%, an A100 at 87% and ~60%), and a training step a share of that (compute_efficiency).
+    The shares were measured in bf16; fp32 and TF32 steps get the same shares of their peaks
+    (no catalogued measurement), which the trials' calibration corrects."""
+    mbs = candidate.micro_batch_size
+    flop_s = peak * gpu.matmul_fraction * factors.compute_efficiency / mbs
+    attention_s = peak * gpu.attention_fraction * factors.compute_efficiency / mbs
+    _, cb = element_bytes(candidate.precision)
+    if gpu.id == "cpu-gloo":
+        # CPU kernels compute bf16 element-wise work in fp32 and convert: no fewer bytes/s
+        cb = 4
+    byte_s = gpu.hbm_bandwidth * factors.memory_efficiency * 4 / cb / mbs
+    # New tensors, written into fresh pages where the process maps them afresh (CPU workers).
+    fresh_s = gpu.fresh_page_bandwidth * 4 / cb / mbs if gpu.fresh_page_bandwidth else None
+    return _Work(
+        flop_s, attention_s, byte_s, factors.op_overhead_s,
+        host_is_device=gpu.id == "cpu-gloo", fresh_s=fresh_s,
+    )  # fmt: skip
+
+
+class _StepSeconds:
+    """Seconds of each piece of work of one micro-batch and of each collective."""
+
+    def __init__(self, profile: ModelProfile, flops: FlopProfile, work: _Work, comm: Collectives):
+        self.fwd, self.bwd = _block_seconds(profile, flops, work)
+        f = flops
+        self.other_fwd = work.seconds(
+            f.other_forward, f.other_forward_attention, f.other_forward_traffic,
+            f.other_forward_ops, f.other_forward_fresh,
+        )  # fmt: skip
+        self.other_bwd = work.seconds(
+            f.other_backward, f.other_backward_attention, f.other_backward_traffic,
+            f.other_backward_ops, f.other_backward_fresh,
+        )  # fmt: skip
+        self.comm = comm
+
+    def work(self, piece: Work) -> float:
+        per_block = self.bwd if piece.kind is Pass.BACKWARD else self.fwd
+        if piece.blocks is None:
+            return self.other_bwd if piece.kind is Pass.BACKWARD else self.other_fwd
+        return sum(per_block[i] for i in piece.blocks)
+
+    def unit(self, turn: Turn) -> Unit:
+        gather = self.comm.all_gather(turn.gathered) if turn.gathered else 0.0
+        reduce = self.comm.reduce(turn.reduced) if turn.reduced else 0.0
+        return gather, sum((self.work(piece) for piece in turn.work), 0.0), reduce
+
+
+def _overlapped(
+    step: list[MicroBatch], seconds: _StepSeconds, prefetch: bool, slowdown: float
+) -> tuple[float, float]:
+    """(elapsed, communication) seconds of the step's micro-batches on two streams."""
+    elapsed = comm_seconds = 0.0
+    for mb in step:
+        f_elapsed, f_comm = two_streams([seconds.unit(t) for t in mb.forward], slowdown=slowdown)
+        b_elapsed, b_comm = two_streams(
+            [seconds.unit(t) for t in mb.backward], prefetch=prefetch, slowdown=slowdown
+        )
+        elapsed += mb.count * (f_elapsed + b_elapsed)
+        comm_seconds += mb.count * (f_comm + b_comm)
+    return elapsed, comm_seconds
+
+
+def _optimizer_and_offload(
+    candidate: Candidate,
+    hardware: Hardware,
+    gpu: GPUSpec,
+    factors: SpeedFactors,
+    *,
+    params: float,
+    shard: int,
+    accumulate: int,
+) -> tuple[float, float]:
+    """(offload seconds, optimizer seconds) of one step: the optimizer on the GPU, bound by its
+    memory bandwidth; or, with CPU offload, every gather copying the parameter shard to the GPU
+    first, the gradient shard coming back once per step, and each rank's optimizer stepping its
+    shard in host memory, all ranks of a node at once."""
+    stored, _ = element_bytes(candidate.precision)
+    shard_params = params / max(shard, 1)
+    step_bytes = shard_params * optimizer_bytes_per_param(candidate)
+    if not candidate.cpu_offload:
+        return 0.0, step_bytes / (gpu.hbm_bandwidth * factors.memory_efficiency)
+    regather = shard > 1 and traits(candidate).shards_params
+    regather = regather and resharded_sharding(candidate)
+    gathers = accumulate * (1 + (1 if regather else 0))
+    copied = shard_params * stored * (gathers + 1)
+    offload_s = copied / (gpu.host_link_bandwidth * factors.host_efficiency)
+    if gpu.id == "cpu-gloo":  # the host is the device: each rank's share of its memory
+        offload_s += step_bytes / (gpu.hbm_bandwidth * factors.memory_efficiency)
+    else:
+        offload_s += step_bytes * hardware.gpus_per_node / factors.host_memory_bandwidth
+    return offload_s, 0.0
+
+
 def predict_speed(
     profile: ModelProfile,
     flops: FlopProfile,
@@ -594,10 +411,11 @@ def predict_speed(
     skip_sync: bool | None = None,
 ) -> SpeedEstimate:
     """Predict one optimizer step of ``candidate`` on ``hardware`` (``gpu``: the resolved
-    catalogue entry, :func:`speed_for`'s when None), with ``factors`` (the defaults for that
-    GPU when None). ``skip_sync``: whether the micro-batches before the last skip the gradient
-    sync; None: as ``workload.loop`` does (:func:`~autoshard.predict.analytic.skips_gradient_sync`).
-    Other trainers differ: Composer reduces every micro-batch under FSDP.
+    catalogue entry, :func:`~autoshard.predict.hardware.speed_for`'s when None), with
+    ``factors`` (the defaults for that GPU when None). ``skip_sync``: whether the micro-batches
+    before the last skip the gradient sync; None: as ``workload.loop`` does
+    (:func:`~autoshard.engine.skips_gradient_sync`). Other trainers differ: Composer reduces
+    every micro-batch under FSDP.
 
     >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec, analyze_target
     >>> from autoshard.predict.flops import profile_flops
@@ -621,159 +439,42 @@ def predict_speed(
     candidate = as_run(candidate, hardware)
     mbs, accumulate = candidate.micro_batch_size, workload.accumulate
     peak = dense_flops(gpu, candidate.precision, tf32=tf32)
-    # Seconds per profiled FLOP and per profiled byte (fp32) of memory-bound work, at the
-    # candidate's micro-batch: FLOPs and traffic are linear in it.
-    # Matrix products and fused attention each reach their own share of the peak on this GPU
-    # (catalogue facts: an H100 runs large products at 80% of its peak but FlashAttention-2 at
-    # 35%, an A100 at 87% and ~60%), and a training step a share of that (compute_efficiency).
-    # The shares were measured in bf16; fp32 and TF32 steps get the same shares of their peaks
-    # (no catalogued measurement), which the trials' calibration corrects.
-    flop_s = peak * gpu.matmul_fraction * factors.compute_efficiency / mbs
-    attention_s = peak * gpu.attention_fraction * factors.compute_efficiency / mbs
-    _, cb = _element_bytes(candidate)
-    if gpu.id == "cpu-gloo":
-        # CPU kernels compute bf16 element-wise work in fp32 and convert (measured here: the tiny
-        # GPT's step is 20% slower under bf16 autocast than in fp32): no fewer bytes per second.
-        cb = 4
-    byte_s = gpu.hbm_bandwidth * factors.memory_efficiency * 4 / cb / mbs
-    comm = _Collectives(candidate, hardware, gpu, factors)
-
-    # New tensors (the profile counts fp32; on CPUs bf16 no cheaper, as above), each written
-    # into fresh pages where the process maps them afresh (CPU trial workers).
-    fresh_s = gpu.fresh_page_bandwidth * 4 / cb / mbs if gpu.fresh_page_bandwidth else None
-    work = _Work(
-        flop_s, attention_s, byte_s, factors.op_overhead_s,
-        host_is_device=gpu.id == "cpu-gloo", fresh_s=fresh_s,
+    comm = Collectives(
+        candidate, hardware, gpu,
+        latency_s=factors.collective_latency_s, efficiency=factors.comm_efficiency,
     )  # fmt: skip
-    fwd, bwd = _block_seconds(profile, flops, work)
-    blocks = len(fwd)
-    recompute = [f if c else 0.0 for f, c in zip(fwd, checkpointed(candidate, blocks), strict=True)]
-    other_fwd = work.seconds(
-        flops.other_forward,
-        flops.other_forward_attention,
-        flops.other_forward_traffic,
-        flops.other_forward_ops,
-        flops.other_forward_fresh,
-    )
-    other_bwd = work.seconds(
-        flops.other_backward,
-        flops.other_backward_attention,
-        flops.other_backward_traffic,
-        flops.other_backward_ops,
-        flops.other_backward_fresh,
-    )
+    seconds = _StepSeconds(profile, flops, _rates(candidate, gpu, factors, peak), comm)
+    blocks = len(seconds.fwd)
     params = float(profile.total_params)
-    block_params = float(profile.block_params) if blocks else 0.0
-    wrapped = not candidate.one_unit and blocks > 0
-    root_params = max(params - blocks * block_params, 0.0) if wrapped else params
-
-    sharded = candidate.sharding is not Sharding.NO_SHARD and comm.shard > 1
-    regather = sharded and candidate.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
-    # FSDP1 never reshards the root after forward; FSDP2 does unless told to keep it.
-    root_regather = (
-        regather and candidate.engine is Engine.FSDP2 and candidate.reshard is Reshard.ALL
-    )
-    last_regather = regather and not (
-        candidate.engine is Engine.FSDP2 and candidate.reshard is Reshard.KEEP_ROOT_AND_LAST
-    )
-    prefetch_backward = (
-        candidate.engine is Engine.FSDP2
-        or candidate.backward_prefetch is BackwardPrefetch.BACKWARD_PRE
-    )
-
-    def gather(n: float) -> float:
-        return comm.all_gather(n) if sharded else 0.0
-
-    def micro_batch_units(reduce: bool) -> tuple[list[Unit], list[Unit]]:
-        """The units of one micro-batch's forward and of its backward, in the order they run."""
-        red = comm.reduce if reduce else (lambda _n: 0.0)
-        if wrapped:
-            forward = [
-                (gather(root_params), 0.0, 0.0),
-                *((gather(block_params), f, 0.0) for f in fwd),
-                (0.0, other_fwd, 0.0),
-            ]
-            backward = [(gather(root_params) if root_regather else 0.0,
-                         other_bwd, 0.0)]  # fmt: skip
-            for i in reversed(range(blocks)):
-                regathered = last_regather if i == blocks - 1 else regather
-                backward.append(
-                    (
-                        gather(block_params) if regathered else 0.0,
-                        bwd[i] + recompute[i],
-                        red(block_params),
-                    )
-                )
-            backward.append((0.0, 0.0, red(root_params)))
-        else:
-            forward = [(gather(params), sum(fwd) + other_fwd, 0.0)]
-            backward = [
-                (
-                    gather(params) if root_regather else 0.0,
-                    sum(bwd) + other_bwd + sum(recompute),
-                    red(params),
-                )
-            ]
-        return forward, backward
-
-    # The last micro-batch of a step reduces its gradients; the others do too unless the loop
-    # skips their sync (no_sync / set_requires_gradient_sync(False): a plain loop, Lightning's
-    # Trainer only for FSDP1; the memory estimate reads the same rule). (units, how many.)
-    if skip_sync is None:
-        skip_sync = skips_gradient_sync(candidate, workload)
-    if skip_sync and accumulate > 1:
-        micro_batches = [(micro_batch_units(True), 1), (micro_batch_units(False), accumulate - 1)]
-    else:
-        micro_batches = [(micro_batch_units(True), accumulate)]
-
-    def step_timeline(slowdown: float) -> tuple[float, float]:
-        """(elapsed, communication) seconds of the step's micro-batches."""
-        elapsed = comm_seconds = 0.0
-        for (forward, backward), count in micro_batches:
-            f_elapsed, f_comm = timeline(forward, slowdown=slowdown)
-            b_elapsed, b_comm = timeline(backward, prefetch=prefetch_backward, slowdown=slowdown)
-            elapsed += count * (f_elapsed + b_elapsed)
-            comm_seconds += count * (f_comm + b_comm)
-        return elapsed, comm_seconds
-
-    elapsed, comm_s = step_timeline(0.0)
-    compute_s = accumulate * (sum(fwd) + sum(bwd) + other_fwd + other_bwd)
-    recompute_s = accumulate * sum(recompute)
+    step = step_timeline(
+        candidate, hardware, workload, blocks=blocks, params=params,
+        block_params=float(profile.block_params) if blocks else 0.0, skip_sync=skip_sync,
+    )  # fmt: skip
+    prefetch = policy_of(candidate).prefetches_backward(candidate)
+    elapsed, comm_s = _overlapped(step, seconds, prefetch, 0.0)
+    fwd, bwd = seconds.fwd, seconds.bwd
+    compute_s = accumulate * (sum(fwd) + sum(bwd) + seconds.other_fwd + seconds.other_bwd)
+    recomputed = (f if candidate.checkpoints(i) else 0.0 for i, f in enumerate(fwd))
+    recompute_s = accumulate * sum(recomputed)
     hidden_exposed = max(0.0, elapsed - compute_s - recompute_s)
     exposed = factors.overlap * hidden_exposed + (1 - factors.overlap) * comm_s
     # What hiding costs: the same timeline with the compute slowed beside the collectives,
     # counted apart so that "exposed" keeps meaning the collectives the compute did not hide.
     contention_s = 0.0
     if factors.overlap > 0 and factors.overlap_slowdown > 0 and comm_s > 0:
-        slowed = step_timeline(factors.overlap_slowdown)[0]
+        slowed = _overlapped(step, seconds, prefetch, factors.overlap_slowdown)[0]
         contention_s = factors.overlap * max(0.0, slowed - elapsed)
-
-    stored, _ = _element_bytes(candidate)
-    shard_params = params / max(comm.shard, 1)
-    step_bytes = shard_params * optimizer_bytes_per_param(candidate)
-    offload_s = optimizer_s = 0.0
-    if candidate.cpu_offload:
-        # Every gather copies the parameter shard to the GPU first; the gradient shard comes
-        # back once per step; each rank's optimizer steps its shard in host memory, all ranks of
-        # a node at once.
-        gathers = accumulate * (1 + (1 if regather else 0))
-        copied = shard_params * stored * (gathers + 1)
-        offload_s = copied / (gpu.host_link_bandwidth * factors.host_efficiency)
-        if gpu.id == "cpu-gloo":  # the host is the device: each rank's share of its memory
-            offload_s += step_bytes / (gpu.hbm_bandwidth * factors.memory_efficiency)
-        else:
-            offload_s += step_bytes * hardware.gpus_per_node / factors.host_memory_bandwidth
-    else:
-        optimizer_s = step_bytes / (gpu.hbm_bandwidth * factors.memory_efficiency)
-
-    step = compute_s + recompute_s + exposed + contention_s + offload_s + optimizer_s
+    offload_s, optimizer_s = _optimizer_and_offload(
+        candidate, hardware, gpu, factors, params=params, shard=comm.shard, accumulate=accumulate
+    )
+    total = compute_s + recompute_s + exposed + contention_s + offload_s + optimizer_s
     samples = mbs * accumulate
     tokens = workload.seq_len
     return SpeedEstimate(
-        step_time_s=step,
-        samples_per_s=samples * hardware.world_size / step,
-        tokens_per_s_per_gpu=samples * tokens / step if tokens else None,
-        mfu=accumulate * mbs * flops.total / (step * peak),
+        step_time_s=total,
+        samples_per_s=samples * hardware.world_size / total,
+        tokens_per_s_per_gpu=samples * tokens / total if tokens else None,
+        mfu=accumulate * mbs * flops.total / (total * peak),
         breakdown=SpeedBreakdown(
             compute_s=compute_s,
             recompute_s=recompute_s,

@@ -22,14 +22,13 @@ from autoshard.predict import flops as flops_module
 from autoshard.predict import speed as speed_module
 from autoshard.predict.calibrate import SpeedModel
 from autoshard.predict.flops import FlopProfile, profile_flops
+from autoshard.predict.hardware import dense_flops, speed_for
 from autoshard.predict.speed import (
     SpeedFactors,
     default_factors,
-    dense_flops,
     predict_speed,
-    speed_for,
-    timeline,
 )
+from autoshard.predict.timeline import two_streams
 from autoshard.results import MemoryBreakdown, MemoryEstimate, SpeedEstimate
 from autoshard.space import rank_candidates
 
@@ -100,7 +99,7 @@ EXACT = SpeedFactors(
 )
 ONE_NODE = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
 TWO_NODES = Hardware(gpus_per_node=4, nodes=2, gpu_memory=80 * 2**30)
-WRAP = ("tests.test_speed.Block",)
+WRAP = ("tests.predict.test_speed.Block",)
 
 
 def comm_seconds(net, candidate: Candidate, hardware: Hardware, **workload: int) -> float:
@@ -221,28 +220,28 @@ def test_one_rank_moves_nothing(net) -> None:
 
 def test_timeline_hides_a_prefetched_gather_behind_the_previous_compute() -> None:
     # gather 1 | compute 2 of unit 0 while unit 1's gather (1) runs | compute 2
-    assert timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)]) == (5.0, 2.0)
+    assert two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)]) == (5.0, 2.0)
     # a gather longer than the compute it hides behind shows by the difference
-    assert timeline([(1.0, 2.0, 0.0), (3.0, 2.0, 0.0)]) == (6.0, 4.0)
+    assert two_streams([(1.0, 2.0, 0.0), (3.0, 2.0, 0.0)]) == (6.0, 4.0)
     # without prefetch the second gather waits for the first compute to end
-    assert timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], prefetch=False) == (6.0, 2.0)
+    assert two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], prefetch=False) == (6.0, 2.0)
     # a reduction runs behind the next unit's compute; the last one is exposed
-    assert timeline([(0.0, 2.0, 1.0), (0.0, 2.0, 1.0)]) == (5.0, 2.0)
+    assert two_streams([(0.0, 2.0, 1.0), (0.0, 2.0, 1.0)]) == (5.0, 2.0)
 
 
 def test_compute_beside_a_collective_runs_slower_by_the_slowdown() -> None:
     # gather 1 | unit 0's compute (2 s of work) shares its first second with unit 1's gather
     # and does 1/1.5 s of work in it; the other 4/3 s of work run alone | unit 1 alone: 2
-    elapsed, comm = timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], slowdown=0.5)
+    elapsed, comm = two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], slowdown=0.5)
     assert elapsed == pytest.approx(1 + 1 + 4 / 3 + 2) and comm == 2.0
     # a reduction slows the next unit's compute the same way, prefetching or not
     for prefetch in (True, False):
-        reduced = timeline([(0.0, 2.0, 1.0), (0.0, 2.0, 1.0)], prefetch=prefetch, slowdown=0.5)
+        reduced = two_streams([(0.0, 2.0, 1.0), (0.0, 2.0, 1.0)], prefetch=prefetch, slowdown=0.5)
         assert reduced[0] == pytest.approx(2 + 1 + 4 / 3 + 1)
     # compute wholly beside a longer gather is slowed but waited for anyway: no cost
-    assert timeline([(1.0, 2.0, 0.0), (5.0, 2.0, 0.0)], slowdown=0.5)[0] == pytest.approx(8.0)
+    assert two_streams([(1.0, 2.0, 0.0), (5.0, 2.0, 0.0)], slowdown=0.5)[0] == pytest.approx(8.0)
     # nothing beside the compute (no prefetch): nothing slowed
-    assert timeline([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], prefetch=False, slowdown=0.5) == (
+    assert two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], prefetch=False, slowdown=0.5) == (
         6.0,
         2.0,
     )
@@ -533,7 +532,7 @@ def test_hugging_face_models_are_counted_on_fake_tensors(example: str) -> None:
     from autoshard.analyze import analyze_target
     from autoshard.target.resolve import TargetSpec
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     profile, built = analyze_target(TargetSpec(spec=f"{root}/examples/{example}.py:build"))
     flops = profile_flops(built.model, profile, WorkloadSpec(), batch=built.batch)
     assert flops.measured, flops.note
@@ -550,7 +549,7 @@ def test_the_seed_guides_transformer_is_counted_on_fake_tensors() -> None:
     from autoshard.predict.fakes import causal_masks_by_shape
     from autoshard.target.resolve import TargetSpec
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     target = TargetSpec(spec=f"{root}/examples/lightning_transformer.py:build")
     profile, built = analyze_target(target)
     flops = profile_flops(built.model, profile, WorkloadSpec(), batch=built.batch)
@@ -659,6 +658,6 @@ def test_a_flop_profile_round_trips_as_json(net) -> None:
 
 @pytest.mark.parametrize("module", [flops_module, speed_module], ids=["flops", "speed"])
 def test_the_examples_in_the_docstrings_run(module, monkeypatch) -> None:
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # they name examples/gpt.py
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # they name examples/gpt.py
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 5 and result.failed == 0

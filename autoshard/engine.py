@@ -1,0 +1,309 @@
+"""What each FSDP engine does in a training step, written once: the estimators
+(:mod:`autoshard.predict`), the trials' set-up (:mod:`autoshard.sharding`) and the emitters ask
+the policy of the candidate's engine (:func:`policy_of`) instead of re-deriving it.
+
+- FSDP1 (``FullyShardedDataParallel``): one flat parameter per unit, gathered straight into it;
+  its sharding strategy alone decides what reshards after forward, and the root never does;
+  gradients reduce in the compute dtype (Lightning's ``MixedPrecision``); ``no_sync`` skips the
+  sync under any loop's accumulation; a world of one rank runs NO_SHARD.
+- FSDP2 (``fully_shard``): per-parameter sharding, gathered into a buffer and copied out; the
+  reshard policy decides per unit; gradients reduce in fp32 under mixed precision
+  (``reduce_dtype_fp32``); frozen parameters carry no gradient; Lightning's Trainer reduces
+  every micro-batch (no ``no_sync``).
+
+>>> from autoshard.config import Candidate, Hardware
+>>> policy_of(Candidate(engine="fsdp2")).reduce_bytes(Candidate(engine="fsdp2"))
+4
+>>> one = Hardware(gpus_per_node=1, gpu_memory=2**30)
+>>> as_run(Candidate(), one).sharding.value  # FSDP1 on one rank switches to NO_SHARD
+'NO_SHARD'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.config import (
+    BackwardPrefetch,
+    Candidate,
+    Engine,
+    Hardware,
+    Loop,
+    Optimizer,
+    Precision,
+    Reshard,
+    Sharding,
+    WorkloadSpec,
+)
+from autoshard.errors import ConfigError
+from autoshard.results import ModelProfile
+
+OPTIMIZER_STATES = {Optimizer.ADAMW: 2, Optimizer.ADAM: 2, Optimizer.SGD: 1}
+
+
+def element_bytes(precision: Precision) -> tuple[int, int]:
+    """(bytes of a stored parameter, bytes of the compute dtype)."""
+    stored = 2 if precision is Precision.BF16_TRUE else 4
+    compute = 4 if precision is Precision.FP32 else 2
+    return stored, compute
+
+
+def shard_group(candidate: Candidate, hardware: Hardware) -> tuple[int, int]:
+    """(ranks a parameter is sharded over, replicas of each shard) of the candidate's sharding."""
+    world = hardware.world_size
+    match candidate.sharding:
+        case Sharding.NO_SHARD:
+            return 1, world
+        case Sharding.HYBRID_SHARD:
+            assert candidate.hybrid_mesh is not None
+            replicas, shard = candidate.hybrid_mesh
+            return shard, replicas
+        case Sharding.FULL_SHARD | Sharding.SHARD_GRAD_OP:
+            return world, 1
+        case _:
+            raise ValueError(f"unknown sharding {candidate.sharding!r}")
+
+
+def shard_size(candidate: Candidate, hardware: Hardware) -> int:
+    """Ranks a parameter is sharded over."""
+    return shard_group(candidate, hardware)[0]
+
+
+@dataclass(frozen=True)
+class ShardingTraits:
+    """What a sharding strategy does, as the estimators need it: a new strategy is one row of
+    :data:`SHARDING_TRAITS` (and its shard group, :func:`shard_group`)."""
+
+    shards_params: bool  # parameters are sharded over a group (else replicated whole)
+    reshards: bool  # units are freed after forward and gathered again in backward
+    replicates: bool  # a replicate dimension: reduced gradients are all-reduced across it
+
+    @property
+    def keeps_gathered(self) -> bool:
+        """Sharded, but every unit stays gathered from forward into backward (ZeRO-2)."""
+        return self.shards_params and not self.reshards
+
+
+SHARDING_TRAITS = {
+    Sharding.FULL_SHARD: ShardingTraits(shards_params=True, reshards=True, replicates=False),
+    Sharding.SHARD_GRAD_OP: ShardingTraits(shards_params=True, reshards=False, replicates=False),
+    Sharding.NO_SHARD: ShardingTraits(shards_params=False, reshards=False, replicates=True),
+    Sharding.HYBRID_SHARD: ShardingTraits(shards_params=True, reshards=True, replicates=True),
+}
+
+
+def traits(candidate: Candidate) -> ShardingTraits:
+    """What the candidate's sharding strategy does."""
+    return SHARDING_TRAITS[candidate.sharding]
+
+
+def resharded_sharding(candidate: Candidate) -> bool:
+    """Whether the sharding frees units after forward and gathers them again in backward."""
+    return traits(candidate).reshards
+
+
+def reshard_after_forward(candidate: Candidate, *, root: bool = False, last: bool = False) -> bool:
+    """``fully_shard``'s ``reshard_after_forward`` for one unit: the root unit, the last block
+    (the first that backward needs), or any other block.
+
+    SHARD_GRAD_OP keeps every unit gathered. Otherwise ``candidate.reshard`` decides: ALL frees
+    every unit after forward; KEEP_ROOT keeps the root (``fully_shard``'s default, ``None``, does
+    this: backward needs the root's head first); KEEP_ROOT_AND_LAST also keeps the last block
+    (torchtitan, ``torchtitan/models/llama3/infra/parallelize.py``: FSDP would prefetch it again
+    at once when backward starts)."""
+    if traits(candidate).keeps_gathered:
+        return False
+    match candidate.reshard:
+        case Reshard.ALL:
+            return True
+        case Reshard.KEEP_ROOT:
+            return not root
+        case Reshard.KEEP_ROOT_AND_LAST:
+            return not (root or last)
+        case _:
+            raise ConfigError(f"unknown reshard policy {candidate.reshard!r}")
+
+
+class EnginePolicy:
+    """The rules both engines share; :class:`FSDP1Policy` and :class:`FSDP2Policy` differ."""
+
+    engine: Engine
+
+    def as_run(self, candidate: Candidate, hardware: Hardware) -> Candidate:
+        """The configuration the engine runs for ``candidate`` on ``hardware``."""
+        return candidate
+
+    def reduce_bytes(self, candidate: Candidate) -> int:
+        """Bytes per gradient element in the reduction."""
+        return element_bytes(candidate.precision)[1]
+
+    def regathers(self, candidate: Candidate, *, root: bool = False, last: bool = False) -> bool:
+        """Whether backward gathers the unit again (it was freed after forward), sharded or not:
+        the root unit, the last block, or another block."""
+        raise NotImplementedError
+
+    def keeps_after_forward(self, candidate: Candidate, root: int, unit: int) -> int:
+        """Of a root of ``root`` and a last block of ``unit`` elements, those kept gathered from
+        the loss's forward into backward (FULL_SHARD and HYBRID_SHARD)."""
+        raise NotImplementedError
+
+    def prefetches_backward(self, candidate: Candidate) -> bool:
+        """Whether backward issues the next unit's all-gather before the current unit computes."""
+        raise NotImplementedError
+
+    def skips_gradient_sync(self, candidate: Candidate, workload: WorkloadSpec) -> bool:
+        """Whether the micro-batches before the last keep unsharded gradients instead of
+        reducing them (:mod:`autoshard.loop`)."""
+        raise NotImplementedError
+
+    def gradient_params(self, profile: ModelProfile, candidate: Candidate) -> tuple[int, int, int]:
+        """The parameters that carry a gradient: (all, the root unit's, the largest block's)."""
+        raise NotImplementedError
+
+    def state_bytes(self, profile: ModelProfile, candidate: Candidate, shard: int) -> int:
+        """Bytes of one optimizer state (AdamW keeps two) on the rank that holds the most."""
+        raise NotImplementedError
+
+    def accumulated_gradient_bytes(self, profile: ModelProfile, candidate: Candidate) -> int:
+        """Bytes of the unsharded gradients kept between micro-batches when the sync is
+        skipped."""
+        trained, _, _ = self.gradient_params(profile, candidate)
+        return trained * self.reduce_bytes(candidate)
+
+
+class FSDP1Policy(EnginePolicy):
+    engine = Engine.FSDP1
+
+    def as_run(self, candidate: Candidate, hardware: Hardware) -> Candidate:
+        """On a world of one rank every sharding strategy runs as NO_SHARD
+        (``FullyShardedDataParallel`` warns and does so; parameters then stay whole, no
+        unsharded copies are gathered)."""
+        if hardware.world_size == 1 and candidate.sharding is not Sharding.NO_SHARD:
+            return candidate.model_copy(update={"sharding": Sharding.NO_SHARD, "hybrid_mesh": None})
+        return candidate
+
+    def regathers(self, candidate: Candidate, *, root: bool = False, last: bool = False) -> bool:
+        # the sharding strategy decides; the root is never resharded after forward
+        return resharded_sharding(candidate) and not root
+
+    def keeps_after_forward(self, candidate: Candidate, root: int, unit: int) -> int:
+        return root
+
+    def prefetches_backward(self, candidate: Candidate) -> bool:
+        return candidate.backward_prefetch is BackwardPrefetch.BACKWARD_PRE
+
+    def skips_gradient_sync(self, candidate: Candidate, workload: WorkloadSpec) -> bool:
+        # ``no_sync`` under every loop (Lightning's Trainer uses it too)
+        return workload.accumulate > 1
+
+    def gradient_params(self, profile: ModelProfile, candidate: Candidate) -> tuple[int, int, int]:
+        """A unit's flat parameter gets a gradient of its full size as soon as one of its
+        parameters trains (``use_orig_params=True`` allows mixing; frozen entries are
+        zero-filled), or none (measured on fake tensors: a frozen embedding in the root unit
+        keeps the root's whole gradient)."""
+        params = profile.total_params
+        if candidate.one_unit:
+            trained = params if profile.trainable_params else 0
+            return trained, trained, 0
+        root = profile.root_unit_params
+        unit = max(profile.block_params, 1)
+        trained_root = root if root > profile.root_frozen_params else 0
+        blocks = max(profile.block_count, 1)
+        trained_blocks = (params - root) * (blocks - profile.frozen_blocks) // blocks
+        trains = profile.frozen_blocks < profile.block_count or not profile.block_count
+        return trained_root + trained_blocks, trained_root, unit if trains else 0
+
+    def state_bytes(self, profile: ModelProfile, candidate: Candidate, shard: int) -> int:
+        """Each unit's flat parameter is cut into equal contiguous shards, so with frozen
+        parameters the ranks differ: a rank may hold a unit's whole trainable part, up to its
+        shard of the unit (the tiny GPT with a frozen embedding: the rank holding the head keeps
+        5.1 MiB of AdamW state, the one holding the embedding 3.1 MiB)."""
+        stored, _ = element_bytes(candidate.precision)
+        if not profile.frozen_params:
+            return profile.trainable_params * stored // shard
+
+        def largest(size: int, trainable: int) -> int:
+            return min(max(trainable, 0), -(-size // shard))
+
+        if candidate.one_unit or not profile.block_count:
+            return largest(profile.total_params, profile.trainable_params) * stored
+        root = largest(
+            profile.root_unit_params, profile.root_unit_params - profile.root_frozen_params
+        )
+        block = largest(profile.block_params, profile.block_params - profile.block_frozen_params)
+        return (root + (profile.block_count - profile.frozen_blocks) * block) * stored
+
+
+class FSDP2Policy(EnginePolicy):
+    engine = Engine.FSDP2
+
+    def reduce_bytes(self, candidate: Candidate) -> int:
+        if candidate.precision.mixed and candidate.reduce_dtype_fp32:
+            return 4
+        return super().reduce_bytes(candidate)
+
+    def regathers(self, candidate: Candidate, *, root: bool = False, last: bool = False) -> bool:
+        return resharded_sharding(candidate) and reshard_after_forward(
+            candidate, root=root, last=last
+        )
+
+    def keeps_after_forward(self, candidate: Candidate, root: int, unit: int) -> int:
+        kept = 0 if reshard_after_forward(candidate, root=True) else root
+        return kept + (0 if reshard_after_forward(candidate, last=True) else unit)
+
+    def prefetches_backward(self, candidate: Candidate) -> bool:
+        return True
+
+    def skips_gradient_sync(self, candidate: Candidate, workload: WorkloadSpec) -> bool:
+        # ``set_requires_gradient_sync(False)`` in a plain loop; Lightning's Trainer has no
+        # ``no_sync`` for ``fully_shard`` modules and reduces every micro-batch
+        return workload.accumulate > 1 and workload.loop == Loop.PLAIN
+
+    def gradient_params(self, profile: ModelProfile, candidate: Candidate) -> tuple[int, int, int]:
+        """Gradients are per parameter: frozen parameters carry none."""
+        if candidate.one_unit:
+            root = profile.total_params
+            return profile.trainable_params, max(0, root - profile.frozen_params), 0
+        root = profile.root_unit_params
+        unit = max(profile.block_params, 1)
+        return (
+            profile.trainable_params,
+            max(0, root - profile.root_frozen_params),
+            max(0, unit - profile.block_frozen_params),
+        )
+
+    def state_bytes(self, profile: ModelProfile, candidate: Candidate, shard: int) -> int:
+        # every parameter is sharded evenly
+        stored, _ = element_bytes(candidate.precision)
+        return profile.trainable_params * stored // shard
+
+
+_POLICIES: dict[Engine, EnginePolicy] = {Engine.FSDP1: FSDP1Policy(), Engine.FSDP2: FSDP2Policy()}
+
+
+def policy_of(candidate: Candidate) -> EnginePolicy:
+    """The policy of the engine that runs ``candidate``."""
+    return _POLICIES[candidate.engine]
+
+
+def as_run(candidate: Candidate, hardware: Hardware) -> Candidate:
+    """The configuration the engine runs (:meth:`EnginePolicy.as_run`)."""
+    return policy_of(candidate).as_run(candidate, hardware)
+
+
+def reduce_bytes(candidate: Candidate) -> int:
+    """Bytes per gradient element in the reduction (:meth:`EnginePolicy.reduce_bytes`)."""
+    return policy_of(candidate).reduce_bytes(candidate)
+
+
+def skips_gradient_sync(candidate: Candidate, workload: WorkloadSpec) -> bool:
+    """Whether accumulation skips the sync before the last micro-batch: a plain loop does
+    (FSDP1 ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``); Lightning's Trainer only
+    for FSDP1 (:meth:`EnginePolicy.skips_gradient_sync`)."""
+    return policy_of(candidate).skips_gradient_sync(candidate, workload)
+
+
+def gradient_params(profile: ModelProfile, candidate: Candidate) -> tuple[int, int, int]:
+    """The parameters that carry a gradient: (all, the root unit's, the largest block unit's)
+    (:meth:`EnginePolicy.gradient_params`)."""
+    return policy_of(candidate).gradient_params(profile, candidate)

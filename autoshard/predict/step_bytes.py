@@ -1,0 +1,282 @@
+"""The byte counts the memory moments of a training step are made of (one rank, before the
+allowance; :mod:`autoshard.predict.moments`): sharded parameters, gradients and optimizer state
+(:func:`step_bytes`), the gathered units, the collectives' buffers, and the activations a forward
+saves and a backward frees, at the candidate's precision and micro-batch. Parameter counts are
+named ``*_params``, byte counts ``*_bytes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.config import (
+    Candidate,
+    Checkpointing,
+    Engine,
+    Hardware,
+    Optimizer,
+    OptimizerImpl,
+    Precision,
+    WorkloadSpec,
+)
+from autoshard.engine import (
+    OPTIMIZER_STATES,
+    as_run,
+    element_bytes,
+    gradient_params,
+    policy_of,
+    reduce_bytes,
+    shard_size,
+    traits,
+)
+from autoshard.predict.activations import ActivationProfile
+from autoshard.results import ModelProfile
+
+
+def activation_bytes(candidate: Candidate, acts: ActivationProfile) -> tuple[int, int]:
+    """(saved activations, recompute transient) for the candidate's micro-batch, in bytes."""
+    acts = acts.at(candidate.precision)
+    scale = acts.scale(candidate)
+    blocks, inputs = acts.block_bytes, acts.block_input_bytes
+    saved = sum(
+        (inputs[i] if i < len(inputs) else 0) if candidate.checkpoints(i) else b
+        for i, b in enumerate(blocks)
+    )
+    # one checkpointed block's activations are rebuilt at a time in backward
+    checkpointing = candidate.checkpointing is not Checkpointing.NONE
+    recompute = max(blocks, default=0) if checkpointing else 0
+    loss = candidate.micro_batch_size * acts.loss_bytes
+    return int((saved + acts.other_bytes) * scale) + loss, int(recompute * scale)
+
+
+def last_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
+    """What the last block saved in forward (its input where it is checkpointed): freed when
+    its backward is done."""
+    return block_saved_bytes(candidate, acts, len(acts.at(candidate.precision).block_bytes) - 1)
+
+
+def after_blocks_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
+    """What the forward saved after the last block (the final norm's and the head's inputs, in
+    :attr:`ActivationProfile.other_bytes`): the head's backward frees it, before any block's
+    backward starts."""
+    acts = acts.at(candidate.precision)
+    return int(acts.after_blocks_bytes * acts.scale(candidate))
+
+
+def first_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
+    """What is still saved when the first block runs its backward: its own activations (its
+    input under checkpointing) and what was saved before it (the embedding's)."""
+    acts = acts.at(candidate.precision)
+    scale = acts.scale(candidate)
+    if not acts.block_bytes:
+        return int(acts.other_bytes * scale)
+    ckpt = candidate.checkpointing is not Checkpointing.NONE
+    first = acts.block_input_bytes[0] if ckpt and acts.block_input_bytes else acts.block_bytes[0]
+    return int((first + acts.other_bytes) * scale)
+
+
+def block_saved_bytes(candidate: Candidate, acts: ActivationProfile, index: int) -> int:
+    """What block ``index`` saved in forward, by the candidate's checkpointing (its input where
+    it is checkpointed): freed when its backward is done."""
+    acts = acts.at(candidate.precision)
+    if not 0 <= index < len(acts.block_bytes):
+        return 0
+    inputs = acts.block_input_bytes
+    saved = (
+        (inputs[index] if index < len(inputs) else 0)
+        if candidate.checkpoints(index)
+        else acts.block_bytes[index]
+    )
+    return int(saved * acts.scale(candidate))
+
+
+def last_block_all_activations(candidate: Candidate, acts: ActivationProfile) -> int:
+    # Everything the last block saves without checkpointing, whatever the candidate's
+    # checkpointing (unlike last_block_bytes, which is the block's input under checkpointing).
+    at = acts.at(candidate.precision)
+    return int(at.block_bytes[-1] * at.scale(candidate)) if at.block_bytes else 0
+
+
+def fsdp2_head_gradient(profile: ModelProfile, candidate: Candidate) -> int:
+    """Bytes of the head's unsharded gradient that FSDP2 holds in the root unit from the head's
+    backward until the root's post-backward, after every block's (0 for FSDP1, without block
+    units, or when the head is frozen). ``candidate`` as run (:func:`as_run`)."""
+    if candidate.engine is not Engine.FSDP2 or candidate.one_unit:
+        return 0
+    _, cb = element_bytes(candidate.precision)
+    _, trained_root, _ = gradient_params(profile, candidate)
+    return min(head_params(profile), trained_root) * cb
+
+
+def head_params(profile: ModelProfile) -> int:
+    """Parameters of the output head (vocabulary x hidden), whose gradient is made first in
+    backward and waits in the root unit until the root's backward ends; 0 without one."""
+    if profile.vocab_size and profile.hidden_size and profile.root_unit_params:
+        return min(profile.vocab_size * profile.hidden_size, profile.root_unit_params)
+    return 0
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """What every moment of one training step of ``candidate`` (as run) is made of."""
+
+    candidate: Candidate
+    profile: ModelProfile
+    hardware: Hardware
+    acts: ActivationProfile  # at the candidate's precision
+    compute_dtype_bytes: int
+    reduce_dtype_bytes: int
+    params: int
+    shard: int  # ranks a parameter is sharded over
+    wrapped: bool  # block units (a wrap policy); else the whole model is one root unit
+    mixed: bool
+    block_params: int  # the largest block unit's (0 without block units)
+    root_params: int  # the root unit's (the whole model without block units)
+    trained_root_params: int
+    trained_block_params: int
+    param_shard_bytes: int  # this rank's shard of every parameter (0 offloaded)
+    grad_shard_bytes: int  # ... of every gradient
+    optimizer_bytes: int  # ... of the optimizer states
+    gathered_bytes: int  # unsharded parameters through forward and backward
+    kept_after_forward_bytes: int  # unsharded parameters at the loss
+    gather_buffer_bytes: int  # the next unit's all-gather output (FSDP2)
+    comm_bytes: int  # one unit's reduce-scatter input and the next unit's all-gather buffer
+    saved_bytes: int  # activations saved by the whole forward, the loss's included
+    loss_saved_bytes: int  # the loss's log-probabilities
+    acts_scale: float  # the activation profile's scale to the candidate's micro-batch
+    block_backward_bytes: int  # the one unit's backward temporaries (or any block's)
+    recomputed_backward_bytes: int  # a checkpointed block's backward temporaries
+    plain_backward_bytes: int  # a block's that is not checkpointed
+    logits_grad_bytes: int  # the logits' gradient in fp32
+    foreach_bytes: int  # the foreach optimizer's transient copy of one state
+    block_grad_shard_bytes: int  # the blocks' gradients, reduced to shards
+    frozen_root_bytes: int  # a root that does not train, gathered for good (FSDP1)
+    head_grad_bytes: int  # the head's unsharded gradient waiting in the root (FSDP2)
+    host_bytes: int  # per node, offloaded
+
+    def block_backward(self, index: int) -> int:
+        """Block ``index``'s backward temporaries, by whether it is checkpointed (``index``
+        counts from the end when negative; the one unit's without blocks)."""
+        blocks = self.profile.block_count
+        if not self.wrapped or not blocks or not -blocks <= index < blocks:
+            return self.block_backward_bytes
+        recomputes = self.candidate.checkpoints(index % blocks)
+        return self.recomputed_backward_bytes if recomputes else self.plain_backward_bytes
+
+
+def _gathered_bytes(
+    candidate: Candidate, acts: ActivationProfile, *, params: int, root: int, unit: int
+) -> tuple[int, int]:
+    """(unsharded parameter bytes through the step, those kept at the loss) by the sharding."""
+    cb = element_bytes(candidate.precision)[1]
+    wrapped = not candidate.one_unit
+    if traits(candidate).keeps_gathered:
+        return params * cb, params * cb  # kept gathered from forward to backward
+    if not traits(candidate).shards_params and candidate.engine is Engine.FSDP2:
+        # FSDP2 replicates on a (world, 1) mesh and still gathers copies, in every precision:
+        # the root and the current unit (measured on fake tensors; nothing is prefetched)
+        return ((unit + root) * cb if wrapped else params * cb), 0
+    mixed = candidate.precision.mixed
+    if not traits(candidate).shards_params:
+        # low-precision copies of the current unit and the prefetched one (or of the one unit)
+        unsharded = ((2 * unit if wrapped else params) * cb) if mixed else 0
+        # A loss computed in the root's forward (a Hugging Face model given labels) runs
+        # beside FSDP1's low-precision copy of the root, freed when the root's forward ends
+        # (a loss outside the model runs without; provenance: benchmarks/results/memory_moments.md)
+        in_root = mixed and candidate.engine is Engine.FSDP1 and acts.loss_in_forward
+        return unsharded, root * cb if in_root else 0
+    # the current and the prefetched unit, and the root; at the loss, what the engine keeps
+    kept = policy_of(candidate).keeps_after_forward(candidate, root, unit)
+    return (2 * unit + root) * cb, kept * cb
+
+
+def _gather_buffer_bytes(candidate: Candidate, shard: int, params: int, unit: int) -> int:
+    """The next unit's all-gather output, resharding after forward: FSDP2 gathers into a
+    buffer and copies each unit out of it; FSDP1 gathers straight into the unit's padded flat
+    parameter (counted as unsharded)."""
+    if shard == 1 or candidate.engine is not Engine.FSDP2:
+        return 0
+    cb = element_bytes(candidate.precision)[1]
+    if candidate.one_unit:
+        return params * cb  # the one unit, copied out of its all-gather buffer
+    return 0 if traits(candidate).keeps_gathered else unit * cb
+
+
+def _block_backward_bytes(
+    candidate: Candidate, acts: ActivationProfile, recompute: int, *, recomputes: bool
+) -> int:
+    """One block's backward temporaries (``recomputes``: it is checkpointed). It turns its
+    saved activations into gradients as it goes: the moment holds the larger of the two, not
+    both. A checkpointed block first recomputes them, and the peak comes about halfway through
+    its backward (fitted to the simulation; provenance: benchmarks/results/memory_moments.md)."""
+    # Activation gradients are made in the compute dtype, also where the forward saved an fp32
+    # upcast: sized from the fp32 profile when there is one.
+    uniform = acts.at(Precision.FP32)
+    block_grad = int(max(uniform.block_bytes, default=0) * uniform.scale(candidate))
+    if not recomputes:
+        at = acts.at(candidate.precision)
+        return max(0, block_grad - int(max(at.block_bytes, default=0) * at.scale(candidate)))
+    return recompute + block_grad // 2
+
+
+def step_bytes(
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    acts: ActivationProfile,
+) -> StepBytes:
+    """What the moments share, for ``candidate`` as the engine runs it (nothing of the
+    parameters, gradients and optimizer states on the GPU when offloaded; ``host_bytes``)."""
+    candidate = as_run(candidate, hardware)
+    stored, cb = element_bytes(candidate.precision)
+    params = profile.total_params
+    shard = shard_size(candidate, hardware)
+    wrapped = not candidate.one_unit
+    unit = max(profile.block_params, 1) if wrapped else 0
+    root = profile.root_unit_params if wrapped else params
+    # Frozen parameters carry no gradient and no optimizer state (gradient_params).
+    trained, trained_root, trained_unit = gradient_params(profile, candidate)
+    sharded = params * stored // shard
+    grads = trained * stored // shard
+    one_state = policy_of(candidate).state_bytes(profile, candidate, shard)  # of one rank
+    optimizer = OPTIMIZER_STATES[candidate.optimizer] * one_state
+    unsharded, after_forward = _gathered_bytes(candidate, acts, params=params, root=root, unit=unit)
+    reduce = reduce_bytes(candidate)
+    gather = _gather_buffer_bytes(candidate, shard, params, unit)
+    saved, recompute = activation_bytes(candidate, acts)
+    at = acts.at(candidate.precision)
+    logits = 0
+    if profile.vocab_size and workload.seq_len:  # the logits' gradient in fp32 (cross-entropy)
+        logits = candidate.micro_batch_size * workload.seq_len * profile.vocab_size * 4
+    foreach = candidate.optimizer_impl is OptimizerImpl.FOREACH
+    foreach = foreach and candidate.optimizer is not Optimizer.SGD
+    block_grads = (trained - trained_root) * stored // shard
+    # FSDP1 never reshards a root unit that does not train (no gradient, so no post-backward
+    # hook): once gathered by the first forward it stays gathered (measured on fake tensors).
+    frozen_root = candidate.engine is Engine.FSDP1 and wrapped and shard > 1 and not trained_root
+
+    def backward(recomputes: bool) -> int:
+        return _block_backward_bytes(candidate, acts, recompute, recomputes=recomputes)
+
+    host = 0
+    if candidate.cpu_offload:  # the GPU keeps the working set only
+        host = (sharded + grads + optimizer) * hardware.gpus_per_node
+        sharded = grads = optimizer = one_state = block_grads = 0
+    return StepBytes(
+        candidate=candidate, profile=profile, hardware=hardware, acts=at,
+        compute_dtype_bytes=cb, reduce_dtype_bytes=reduce, params=params, shard=shard,
+        wrapped=wrapped, mixed=candidate.precision.mixed, block_params=unit, root_params=root,
+        trained_root_params=trained_root, trained_block_params=trained_unit,
+        param_shard_bytes=sharded, grad_shard_bytes=grads, optimizer_bytes=optimizer,
+        gathered_bytes=unsharded, kept_after_forward_bytes=after_forward,
+        gather_buffer_bytes=gather, comm_bytes=trained_unit * reduce + gather,
+        saved_bytes=saved, loss_saved_bytes=candidate.micro_batch_size * at.loss_bytes,
+        acts_scale=at.scale(candidate),
+        block_backward_bytes=backward(candidate.checkpointing is not Checkpointing.NONE),
+        recomputed_backward_bytes=backward(True),
+        plain_backward_bytes=backward(False),
+        logits_grad_bytes=logits, foreach_bytes=one_state if foreach else 0,
+        block_grad_shard_bytes=block_grads, frozen_root_bytes=root * cb if frozen_root else 0,
+        head_grad_bytes=fsdp2_head_gradient(profile, candidate), host_bytes=host,
+    )  # fmt: skip
