@@ -34,6 +34,7 @@ from autoshard.config import (
     Precision,
     RankOrder,
     WorkloadSpec,
+    document_fields,
 )
 from autoshard.errors import ConfigError
 from autoshard.predict.activations import ActivationProfile, precisions_of, profile_activations
@@ -213,6 +214,9 @@ class PlanOptions(Frozen):
 
             gpu_spec(value)  # a one-line ConfigError listing the ids
         return value
+
+
+document_fields(PlanOptions)
 
 
 def options_from(model: type[Frozen], values: Mapping[str, Any], *, cli: bool = False) -> Any:

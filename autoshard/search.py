@@ -44,13 +44,7 @@ from autoshard.space import rank_candidates
 from autoshard.study.loop import run_trials
 from autoshard.study.settings import StudySettings
 from autoshard.trials.group import WorkerGroup
-from autoshard.ui.files import write_report
-
-# What a study leaves in its output folder (besides study.db and the workers' logs).
-STUDY_FILES = (
-    "trials.jsonl", "recommendation.json", "report.json", "report.html", "lightning.yaml",
-    "accelerate.yaml",
-)  # fmt: skip
+from autoshard.ui.files import RECOMMENDATION_FILE, write_report
 
 # The fields the dominance rules reason about; every other field must be equal.
 _CHECKPOINT_FIELDS = frozenset({"checkpointing", "checkpoint_every", "checkpoint_classes"})
@@ -238,7 +232,7 @@ def _worker_files(out_dir: Path) -> Iterator[None]:
 def write_outputs(rec: Decision, out_dir: Path, results: Sequence[TrialResult]) -> None:
     """recommendation.json and the reports; a full disk or a lost folder is one line."""
     try:
-        (out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
+        (out_dir / RECOMMENDATION_FILE).write_text(rec.model_dump_json(indent=2))
         write_report(rec, out_dir, list(results))
     except OSError as exc:
         raise StorageError(

@@ -44,8 +44,8 @@ def test_summary_says_what_won_why_and_what_was_ruled_out() -> None:
     # CPU trials measure without the CUDA allowance the prediction carries: both say so.
     assert "858 MiB of it the allowance for the CUDA context" in text
     assert "measured peak (cpu)" in text
-    # the measured line says what its numbers cover: the rate all ranks, the peak one rank
-    assert re.search(r"tokens/s on 2 ranks, peak [\d.]+ MiB per rank on cpu", text), text
+    # the measured line says what its numbers cover: the rate and the peak of one rank
+    assert re.search(r"tokens/s per rank \(2 ranks\), peak [\d.]+ MiB per rank on cpu", text), text
     # no speed predictions here: the measured order decided, and nothing says otherwise
     assert "trials ran on CPU processes" not in text
 
@@ -130,7 +130,7 @@ def test_progress_lines_name_each_number_and_star_only_a_ranking_measurement() -
         assert len(lines) == 2 and all(line.startswith("trial: ") for line in lines)
         assert sum("★" in line for line in lines) == stars, (hardware, lines)
         assert "ok  0.200 s/step on cpu  peak 53.4 MiB (predicted " in lines[1]
-        assert lines[1].endswith("2,560 tok/s on 2 ranks" + (" ★" if stars else ""))
+        assert lines[1].endswith("1,280 tok/s per rank" + (" ★" if stars else ""))
 
 
 def test_the_terminal_says_a_repeated_reason_once_per_fold() -> None:

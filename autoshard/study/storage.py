@@ -55,13 +55,14 @@ from autoshard.study.journal import JOURNAL_NAME, Journal
 from autoshard.study.lock import OutLock, pid_alive
 from autoshard.study.settings import StudySettings
 from autoshard.study.view import StudyView, Ticket, identity
+from autoshard.ui.files import DATABASE_FILE
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
 
-DB_NAME = "study.db"
+DB_NAME = DATABASE_FILE
 PARAM = "candidate"
 RESULT_ATTR = "autoshard_result"
 ESTIMATE_ATTR = "estimate"

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -15,6 +16,7 @@ from autoshard.config import Engine, Hardware
 from autoshard.emit.text import describe_fsdp2_precision, describe_reshard
 from autoshard.measure import speed_basis, spread_of, trials_checked_line
 from autoshard.results import Decision, Scored, TrialResult, TrialStatus
+from autoshard.ui.fit import Column, fitted_table
 from autoshard.units import format_bytes
 
 SCHEMA = "autoshard.report/1"
@@ -182,19 +184,22 @@ def print_summary(
     console.print(table)
     console.print("[bold]Why[/]")
     for line in (*rec.reasons, choose_state_dict_type(rec)[1]):
-        console.print(f"  • {line}", highlight=False)
+        console.print(f"  • {escape(line)}", highlight=False)
     rows = listed_rows(rec, trials)
     if len(rows) > 1:
         rows, folded = _fold_not_launched(rows)
-        alt = Table(title="Configurations", title_justify="left")
         ran = {s.trial.device for _, s in rows if s.trial and s.trial.status is TrialStatus.OK}
         where = f" ({ran.pop()})" if len(ran) == 1 else ""
         unit = next((u for _, s in rows for u in [rate_per_rank(s.trial)[1]] if u), "tokens/s")
-        columns = ("", "configuration", "predicted peak", f"measured peak{where}",
-                   f"predicted {unit}/GPU ({predicted_device(rec)})",
-                   f"measured {unit}/rank{where}", "why not")  # fmt: skip
-        for col in columns:
-            alt.add_column(col, justify="right" if "/" in col else "left")
+        columns = [
+            Column("", keep=7), Column("configuration", keep=9, wrap=True),
+            Column("predicted peak", "right", keep=4),
+            Column(f"measured peak{where}", "right", keep=6),
+            Column(f"predicted {unit} per GPU ({predicted_device(rec)})", "right", keep=5),
+            Column(f"measured {unit} per rank{where}", "right", keep=8),
+            Column("why not", keep=8, wrap=True),
+        ]  # fmt: skip
+        cells = []
         for kind, s in rows:
             predicted, _ = predicted_per_rank(s, rec.hardware)
             measured, _ = rate_per_rank(s.trial)
@@ -205,18 +210,27 @@ def print_summary(
                 measured_text = f"{measured:,.0f} ±{spread_of(s.trial):.0%}"
                 if error is not None:
                     measured_text += f" (model {error:+.0%})"
-            alt.add_row(
+            cells.append([
                 kind,
                 s.candidate.label(),
                 format_bytes(s.estimate.gpu_peak) if s.estimate else "",
                 format_bytes(s.trial.max_allocated) if s.trial and s.trial.max_allocated else "",
                 f"{predicted:,.0f}" if predicted else "",
                 measured_text,
-                "" if ok or kind == "chosen" else why_ruled_out(s)[:60],
-            )
+                "" if ok or kind == "chosen" else escape(why_ruled_out(s)),
+            ])  # fmt: skip
         for why, more in folded.items():
-            alt.add_row("ruled out", f"... and {more} more", "", "", "", "", why[:60])
-        console.print(alt)
+            cells.append(["ruled out", f"... and {more} more", "", "", "", "", escape(why)])
+        console.print(
+            fitted_table(
+                columns,
+                cells,
+                console.width,
+                title="Configurations",
+                title_justify="left",
+                caption_justify="left",
+            )
+        )
     n = sum(1 for t in trials_of(rec, trials) if t.status.launched)
     if n:
         console.print(f"[dim]{n} trials ran; see report.html for charts[/]")
@@ -297,10 +311,10 @@ def settings_of(rec: Decision) -> dict[str, str]:
             )
     t = rec.chosen.trial
     if t is not None and t.step_time is not None:
-        rate, unit = trial_rate(t)
-        ranks = f" on {t.world_size} ranks" if t.world_size > 1 else ""
+        rate, unit = rate_per_rank(t)
+        ranks = f" ({t.world_size} ranks)" if t.world_size > 1 else ""
         out["measured"] = f"{t.step_time:.3f} s/step" + (
-            f", {rate:,.0f} {unit}{ranks}" if rate else ""
+            f", {rate:,.0f} {unit} per rank{ranks}" if rate else ""
         )
         if t.max_allocated:
             out["measured"] += f", peak {format_bytes(t.max_allocated)} per rank on {t.device}"
