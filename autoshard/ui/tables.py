@@ -171,7 +171,7 @@ def estimates_table(
     for e in shown:
         label = e.candidate.label()
         if chosen is not None and e.candidate == chosen:
-            label = f"[bold]{label}[/] [green]← recommended[/]"
+            label = f"[bold]{label}[/]\n[green]← recommended[/]"  # a line of its own
         row = [
             label,
             "[green]yes[/]" if e.fits else "[red]no[/]",
