@@ -28,8 +28,8 @@ __all__ = [
 class Estimates(list[MemoryEstimate]):
     """The estimates of every candidate, in the order asked for, with the pipeline's decision
     for the same inputs (``recommendation``: what ``recommend()`` chooses; None when nothing
-    fits) and the plan behind them (``plan.notes``: what was assumed). In a notebook it renders
-    as a table.
+    fits) and the plan behind them (``plan.notes``: what was assumed). In a notebook (and with
+    ``rich.print``) it renders as a table of the first 20, the recommended one marked.
 
     >>> import warnings
     >>> import autoshard
@@ -38,8 +38,9 @@ class Estimates(list[MemoryEstimate]):
     ...                                gpus=8, gpu_memory="24GiB", seq_len=128)
     >>> estimates.recommendation.chosen.candidate == estimates[0].candidate
     True
-    >>> "<table>" in estimates._repr_html_()
-    True
+    >>> page = estimates._repr_html_()  # a notebook's view: the recommended row marked
+    >>> page.count('<tr class="recommended"'), "recommended" in page.split("</tr>")[1]
+    (1, True)
     """
 
     def __init__(
@@ -53,16 +54,22 @@ class Estimates(list[MemoryEstimate]):
         self.recommendation = recommendation
         self.plan = plan
 
-    def __rich__(self) -> Any:
-        from autoshard.ui.tables import estimates_table
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from autoshard.ui.tables import ROWS, estimates_table
 
         hardware = self.plan.hardware if self.plan else None
-        return estimates_table(list(self), hardware)
+        yield estimates_table(
+            list(self), hardware, limit=ROWS, width=options.max_width, chosen=self._chosen()
+        )
 
     def _repr_html_(self) -> str:
         from autoshard.ui.html import estimates_html
 
-        return estimates_html(list(self), self.plan.hardware if self.plan else None)
+        hardware = self.plan.hardware if self.plan else None
+        return estimates_html(list(self), hardware, chosen=self._chosen())
+
+    def _chosen(self) -> Any:
+        return self.recommendation.chosen.candidate if self.recommendation else None
 
 
 def _split_options(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -193,6 +193,8 @@ class MemoryEstimate(Frozen):
     ...                            gpus=8, gpu_memory="80GiB")[0]
     >>> first.fits, first.gpu_peak == first.breakdown.total, first.headroom > 0
     (True, True, True)
+    >>> repr(first).startswith("MemoryEstimate('fsdp1")  # a line (a table in a notebook)
+    True
     """
 
     candidate: Candidate
@@ -205,6 +207,24 @@ class MemoryEstimate(Frozen):
     headroom: int = Field(..., description="usable GPU memory minus gpu_peak (negative: OOM).")
     reason: str = Field("", description="Why it does not fit, when it does not.")
     speed: SpeedEstimate | None = Field(None, description="Predicted speed, when modelled.")
+
+    # A notebook shows one line or one small table, not the 3,000 characters of every field.
+    def __repr__(self) -> str:
+        from autoshard.units import format_bytes
+
+        fits = "fits" if self.fits else "does not fit"
+        speed = ""
+        if self.speed is not None and self.speed.tokens_per_s_per_gpu:
+            speed = f", {self.speed.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
+        return (
+            f"MemoryEstimate({self.candidate.label()!r}: {format_bytes(self.gpu_peak)} per GPU, "
+            f"{fits} ({format_bytes(self.headroom)} headroom){speed})"
+        )
+
+    def _repr_html_(self) -> str:
+        from autoshard.ui.html import estimate_html
+
+        return estimate_html(self)
 
 
 class TrialStatus(str, Enum):

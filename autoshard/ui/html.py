@@ -8,7 +8,7 @@ import html
 import math
 from collections.abc import Sequence
 
-from autoshard.config import Hardware
+from autoshard.config import Candidate, Hardware
 from autoshard.errors import AutoshardError
 from autoshard.measure import speed_basis, spread_of
 from autoshard.results import Decision, MemoryEstimate, TrialResult, TrialStatus
@@ -510,25 +510,60 @@ def recommendation_html(rec: Decision) -> str:
     )
 
 
-def estimates_html(estimates: Sequence[MemoryEstimate], hardware: Hardware | None) -> str:
-    """A notebook cell's view of a list of estimates: one row per candidate."""
-    head = ("configuration", "fits", "GPU peak", "headroom", "tokens/s/GPU", "MFU")
+def estimates_html(
+    estimates: Sequence[MemoryEstimate],
+    hardware: Hardware | None,
+    chosen: Candidate | None = None,
+    limit: int | None = 20,
+) -> str:
+    """A notebook cell's view of a list of estimates: one row per candidate (the first
+    ``limit``), the recommended one (``chosen``) marked."""
+    head = ("configuration", "fits", "GPU peak", "headroom", "host / node", "tokens/s per GPU",
+            "MFU")  # fmt: skip
     rows = ["<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
-    for e in estimates:
+    shown = list(estimates) if limit is None else list(estimates)[:limit]
+    for e in shown:
         s = e.speed
+        mark = chosen is not None and e.candidate == chosen
         cells = (
-            e.candidate.label(),
+            e.candidate.label() + (" ← recommended" if mark else ""),
             "yes" if e.fits else "no",
             format_bytes(e.gpu_peak),
             format_bytes(e.headroom),
+            format_bytes(e.host_peak) if e.host_peak else "",
             f"{s.tokens_per_s_per_gpu:,.0f}" if s and s.tokens_per_s_per_gpu else "",
             format_share(s.mfu) if s and s.mfu is not None else "",
         )
-        rows.append("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>")
+        style = ' class="recommended" style="font-weight:bold;background:#e8f5e9"' if mark else ""
+        rows.append(f"<tr{style}>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>")
     title = ""
     if hardware is not None:
         title = (
             f"<p>{hardware.nodes} x {hardware.gpus_per_node} GPUs of "
             f"{_esc(format_bytes(hardware.gpu_memory))}; fitting candidates first</p>"
         )
-    return f"<div>{title}<table>{''.join(rows)}</table></div>"
+    more = len(estimates) - len(shown)
+    tail = f"<p>{more} more not shown (list(estimates) has them all)</p>" if more > 0 else ""
+    return f"<div>{title}<table>{''.join(rows)}</table>{tail}</div>"
+
+
+def estimate_html(e: MemoryEstimate) -> str:
+    """A notebook cell's view of one estimate: its configuration, whether it fits, and the
+    breakdown of its peak."""
+    fits = "fits" if e.fits else f"does not fit: {e.reason}"
+    speed = ""
+    if e.speed is not None and e.speed.tokens_per_s_per_gpu:
+        speed = f"; predicted {e.speed.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
+    terms = "".join(
+        f"<tr><td>{_esc(term.replace('_', ' '))}</td><td style='text-align:right'>"
+        f"{_esc(format_bytes(value))}</td></tr>"
+        for term, value in e.breakdown.model_dump().items()
+        if value
+    )
+    where = f", peak at {e.peak_at}" if e.peak_at else ""
+    return (
+        f"<div><b>{_esc(e.candidate.label())}</b>: {_esc(format_bytes(e.gpu_peak))} per GPU "
+        f"({_esc(e.method)}{_esc(where)}), {_esc(fits)}, "
+        f"{_esc(format_bytes(e.headroom))} headroom{_esc(speed)}"
+        f"<table>{terms}</table></div>"
+    )
