@@ -43,11 +43,44 @@ STATUS_COLOURS = {
 }
 
 
+# What became of a candidate, four different things that every view keeps apart.
+MEASURED = "measured"  # a trial ran and measured it
+FAILED = "failed"  # a trial ran and ended in an OOM, an error or a timeout
+SKIPPED = "skipped"  # never launched: a failure or the workers rule it out
+RULED_OUT = "ruled out"  # never launched: predicted not to fit
+OUTCOMES = (MEASURED, FAILED, SKIPPED, RULED_OUT)
+
+
+def outcome(s: Scored) -> str | None:
+    """Which of :data:`OUTCOMES` befell ``s``; None for a candidate that fits and was never
+    tried (an estimate-only decision's runners-up)."""
+    t = s.trial
+    if t is None:
+        return RULED_OUT if s.estimate is not None and not s.estimate.fits else None
+    return {
+        TrialStatus.OK: MEASURED,
+        TrialStatus.PRUNED: RULED_OUT,
+        TrialStatus.SKIPPED: SKIPPED,
+    }.get(t.status, FAILED)
+
+
+def outcome_counts(rec: Decision, trials: Iterable[TrialResult] = ()) -> dict[str, int]:
+    """How many candidates ended each way (report.json, the throughput chart): the trials
+    given and every candidate the recommendation lists."""
+    counts = dict.fromkeys(OUTCOMES, 0)
+    for _, s in listed_rows(rec, trials):
+        if (kind := outcome(s)) is not None:
+            counts[kind] += 1
+    return counts
+
+
 def scored_rows(rec: Decision) -> list[tuple[str, Scored]]:
+    """The recommendation's candidates, each with what it is to the decision: chosen,
+    runner-up, or what kept it out (failed, skipped, ruled out)."""
     return [
         ("chosen", rec.chosen),
         *(("runner-up", s) for s in rec.runners_up),
-        *(("ruled out", s) for s in rec.ruled_out),
+        *((outcome(s) or "not chosen", s) for s in rec.ruled_out),
     ]
 
 
@@ -58,7 +91,8 @@ def listed_rows(rec: Decision, trials: Iterable[TrialResult] = ()) -> list[tuple
     listed = {s.candidate.key() for _, s in rows}
     for t in trials:
         if t.candidate.key() not in listed:
-            rows.append(("tried", Scored(candidate=t.candidate, trial=t)))
+            scored = Scored(candidate=t.candidate, trial=t)
+            rows.append((outcome(scored) or MEASURED, scored))
             listed.add(t.candidate.key())
     return rows
 
@@ -133,27 +167,37 @@ FOLD_AFTER = 2  # never-launched candidates listed per reason in the terminal; r
 
 def _fold_not_launched(
     rows: list[tuple[str, Scored]],
-) -> tuple[list[tuple[str, Scored]], dict[str, int]]:
+) -> tuple[list[tuple[str, Scored]], dict[tuple[str, str], int]]:
     """The rows with at most FOLD_AFTER never-launched (pruned, skipped) candidates per reason,
     and how many more each reason had: a dozen identical "needs a GPU" rows say it once."""
     kept: list[tuple[str, Scored]] = []
-    seen: dict[str, int] = {}
+    seen: dict[tuple[str, str], int] = {}
     for kind, s in rows:
-        if kind == "ruled out" and s.trial is not None and not s.trial.status.launched:
-            why = why_ruled_out(s)
-            seen[why] = seen.get(why, 0) + 1
-            if seen[why] > FOLD_AFTER:
+        if kind in (SKIPPED, RULED_OUT) and s.trial is not None and not s.trial.status.launched:
+            key = (kind, why_ruled_out(s))
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] > FOLD_AFTER:
                 continue
         kept.append((kind, s))
-    return kept, {why: n - FOLD_AFTER for why, n in seen.items() if n > FOLD_AFTER}
+    return kept, {key: n - FOLD_AFTER for key, n in seen.items() if n > FOLD_AFTER}
 
 
 def why_ruled_out(s: Scored) -> str:
-    if s.trial is not None and s.trial.status is not TrialStatus.OK:
-        return f"{s.trial.status.value}: {s.trial.error or ''}".strip(": ")
+    """What kept ``s`` out, saying which of the four it was: ``failed (oom): ...``, ``skipped,
+    never launched: ...``, ``predicted not to fit, never launched: ...``."""
+    t = s.trial
+    if t is not None and t.status is not TrialStatus.OK:
+        kind = outcome(s)
+        said = {
+            FAILED: f"failed ({t.status.value})",
+            SKIPPED: "skipped, never launched",
+            RULED_OUT: "predicted not to fit, never launched",
+        }[kind or FAILED]
+        return f"{said}: {t.error}" if t.error else said
     if s.estimate is not None and not s.estimate.fits:
-        return s.estimate.reason or (
-            f"predicted {format_bytes(s.estimate.gpu_peak)} per rank does not fit"
+        return "predicted not to fit: " + (
+            s.estimate.reason
+            or f"predicted {format_bytes(s.estimate.gpu_peak)} per rank does not fit"
         )
     return "slower"
 
@@ -219,8 +263,8 @@ def print_summary(
                 measured_text,
                 "" if ok or kind == "chosen" else escape(why_ruled_out(s)),
             ])  # fmt: skip
-        for why, more in folded.items():
-            cells.append(["ruled out", f"... and {more} more", "", "", "", "", escape(why)])
+        for (kind, why), more in folded.items():
+            cells.append([kind, f"... and {more} more", "", "", "", "", escape(why)])
         console.print(
             fitted_table(
                 columns,
@@ -337,6 +381,8 @@ def report_data(rec: Decision, trials: Sequence[TrialResult] = ()) -> dict[str, 
         "trials": [t.model_dump(mode="json") for t in trials_of(rec, trials)],
         "summary": {
             "label": rec.chosen.candidate.label(),
+            # measured, failed (ran: oom/error/timeout), skipped and ruled out (never launched)
+            "outcomes": outcome_counts(rec, trials_of(rec, trials)),
             "basis": rec.basis,
             "settings": settings_of(rec),
             "state_dict_type": kind,
