@@ -653,6 +653,22 @@ class StudyStore:
                     "it by memory headroom, so the two may differ",
                 },
             )
+            _dashboard_note(self.study, number, label, rec)
+
+
+def _dashboard_note(study: optuna.Study, number: int | None, label: str, rec: Decision) -> None:
+    """The study's note in optuna-dashboard (when it is installed): the recommended trial and
+    why, at the top of the study's page."""
+    try:
+        from optuna_dashboard import save_note
+    except ImportError:
+        return
+    reasons = "\n".join(f"- {r}" for r in rec.reasons[:6])
+    save_note(
+        study,
+        f"## autoshard recommends trial {number}: {label}\n\n(by {rec.basis}; the study's "
+        f"user attribute `recommended` has it)\n\n{reasons}\n",
+    )
 
 
 def _throughput(result: TrialResult) -> float:
