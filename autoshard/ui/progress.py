@@ -3,6 +3,7 @@ up to date in a notebook cell, plain lines elsewhere."""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 from rich.console import Console, Group
@@ -116,7 +117,9 @@ class StudyProgress:
         from IPython.display import HTML
 
         # Not a notebook console: that one would show every rendering as a new output.
-        page = Console(record=True, width=self.console.width, file=_Discard(), force_jupyter=False)
+        page = Console(
+            record=True, width=self.console.width, file=io.StringIO(), force_jupyter=False
+        )
         page.print(self._render())
         return HTML(page.export_html(inline_styles=True, code_format="<pre>{code}</pre>"))
 
@@ -171,16 +174,6 @@ class StudyProgress:
 
     def _render(self) -> Group:
         return Group(self.bar, self._table())
-
-
-class _Discard:
-    """A file that keeps nothing (the recording console's own output)."""
-
-    def write(self, text: str) -> int:
-        return len(text)
-
-    def flush(self) -> None:
-        pass
 
 
 def _notebook_cell(first: Any) -> Any:
