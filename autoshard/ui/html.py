@@ -113,6 +113,21 @@ def _break_mark(x: float, y: float, h: float) -> str:
     )
 
 
+def _memory_note(kind: str, est: MemoryEstimate, measured: int | None) -> str:
+    """What the memory chart writes right of a row: the predicted peak and what became of it."""
+    note = format_bytes(est.gpu_peak)
+    note += "" if est.fits or kind in NOT_RUN else " (does not fit)"
+    if kind in NOT_RUN:
+        note += f" ({NOT_RUN[kind]})"
+    elif kind == FAILED:
+        note += " (failed)"
+    elif measured is None:
+        note += " (not tried)"
+    if est.breakdown.allowance:
+        note += f", {format_bytes(est.breakdown.allowance)} allowance"
+    return note
+
+
 def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     """Predicted memory per candidate stacked by kind, the measured peak, the device limit, and
     a byte axis. The CUDA allowance (hatched) and the limit can dwarf what a CPU-size model
@@ -133,9 +148,12 @@ def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     axis = _Axis(x0, plot_w, content, top)
     bottom = head + len(rows) * (bar_h + gap)
     height = bottom + 110
+    # The column of notes right of the plot is as wide as its longest note (about 6 px a char).
+    notes_w = max(240, 16 + 6 * max((len(_memory_note(k, e, m)) for k, _, e, m in rows if e),
+                                    default=0))  # fmt: skip
     out = [
         f'<svg id="chart-memory" xmlns="http://www.w3.org/2000/svg" '
-        f'width="{label_w + plot_w + 240}" height="{height}" role="img" '
+        f'width="{label_w + plot_w + notes_w}" height="{height}" role="img" '
         'aria-label="memory per candidate">',
         '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
         'patternTransform="rotate(45)"><rect width="6" height="6" fill="#e4dfdc"/>'
@@ -180,20 +198,9 @@ def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
                 )
             if axis.broken and end > axis.cut:
                 out.append(_break_mark(axis.break_x, y, bar_h))
-            note = "" if est.fits or kind in NOT_RUN else " (does not fit)"
-            if kind in NOT_RUN:
-                note += f" ({NOT_RUN[kind]})"
-            elif kind == FAILED:
-                note += " (failed)"
-            elif measured is None:
-                note += " (not tried)"
-            if est.breakdown.allowance:
-                note += f", {format_bytes(est.breakdown.allowance)} allowance"
+            note = _memory_note(kind, est, measured)
             # in a column right of the plot, clear of the limit lines
-            out.append(
-                f'<text x="{x0 + plot_w + 8}" y="{y + 13}" class="s">'
-                f"{_esc(format_bytes(est.gpu_peak))}{_esc(note)}</text>"
-            )
+            out.append(f'<text x="{x0 + plot_w + 8}" y="{y + 13}" class="s">{_esc(note)}</text>')
         if measured is not None:
             mx = axis.x(measured)
             out.append(
@@ -433,7 +440,7 @@ def throughput_chart(rec: Decision, trials: Sequence[TrialResult]) -> str:
     never += [f"{counts[RULED_OUT]} predicted not to fit"] if counts[RULED_OUT] else []
     if never:
         out.append(
-            f'<text x="{left + pw}" y="{top_pad - 8}" text-anchor="end" class="s dim" '
+            f'<text x="{left + pw - 8}" y="{top_pad + ph - 8}" text-anchor="end" class="s dim" '
             f'data-outcome="never launched">{_esc(" and ".join(never))}: never launched, '
             "not drawn</text>"
         )
