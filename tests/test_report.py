@@ -21,7 +21,7 @@ from autoshard.recommendation import Recommendation, load_result
 from autoshard.results import Decision, Scored, SpeedEstimate, TrialResult, TrialStatus
 from autoshard.ui.files import write_report
 from autoshard.ui.html import render_html
-from autoshard.ui.report import SCHEMA, print_summary, report_data
+from autoshard.ui.report import SCHEMA, listed_rows, print_summary, report_data
 from autoshard.units import parse_size
 from tests.test_emit import GiB, all_trials, candidate, estimate, make_rec, trial
 
@@ -540,3 +540,21 @@ def read_png(path: Path) -> np.ndarray:
             row = np.frombuffer(bytes(row_l), np.uint8)
         out[y] = prev = row
     return out.reshape(height, width, bpp)[..., :3]
+
+
+def test_notebook_views_of_estimates() -> None:
+    """A notebook shows an estimate as one line or a small table, and a list of them with the
+    recommended row marked."""
+    from autoshard.ui.html import estimates_html
+
+    rec = make_rec()
+    estimates = [s.estimate for _, s in listed_rows(rec) if s.estimate is not None]
+    first = estimates[0]
+    text = repr(first)
+    assert "\n" not in text and len(text) < 160 and first.candidate.label() in text
+    page = first._repr_html_()
+    assert "activations" in page and first.candidate.label() in page
+    listing = estimates_html(estimates, rec.hardware, chosen=rec.chosen.candidate)
+    rows = listing.split("<tr")[2:]
+    marked = [r for r in rows if 'class="recommended"' in r]
+    assert len(marked) == 1 and rec.chosen.candidate.label() + " \u2190 recommended" in marked[0]
