@@ -222,9 +222,29 @@ class MemoryEstimate(Frozen):
         )
 
     def _repr_html_(self) -> str:
-        from autoshard.ui.html import estimate_html
+        """The configuration, whether it fits, and the breakdown of its peak (written here:
+        the data's layer imports no ``ui``)."""
+        from html import escape
 
-        return estimate_html(self)
+        from autoshard.units import format_bytes
+
+        fits = "fits" if self.fits else f"does not fit: {self.reason}"
+        speed = ""
+        if self.speed is not None and self.speed.tokens_per_s_per_gpu:
+            speed = f"; predicted {self.speed.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
+        terms = "".join(
+            f"<tr><td>{escape(term.replace('_', ' '))}</td><td style='text-align:right'>"
+            f"{escape(format_bytes(value))}</td></tr>"
+            for term, value in self.breakdown.model_dump().items()
+            if value
+        )
+        where = f", peak at {self.peak_at}" if self.peak_at else ""
+        return (
+            f"<div><b>{escape(self.candidate.label())}</b>: {escape(format_bytes(self.gpu_peak))}"
+            f" per GPU ({escape(self.method + where)}), {escape(fits)}, "
+            f"{escape(format_bytes(self.headroom))} headroom{escape(speed)}"
+            f"<table>{terms}</table></div>"
+        )
 
 
 class TrialStatus(str, Enum):

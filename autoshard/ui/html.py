@@ -594,25 +594,3 @@ def estimates_html(
     more = len(estimates) - len(shown)
     tail = f"<p>{more} more not shown (list(estimates) has them all)</p>" if more > 0 else ""
     return f"<div>{title}<table>{''.join(rows)}</table>{tail}</div>"
-
-
-def estimate_html(e: MemoryEstimate) -> str:
-    """A notebook cell's view of one estimate: its configuration, whether it fits, and the
-    breakdown of its peak."""
-    fits = "fits" if e.fits else f"does not fit: {e.reason}"
-    speed = ""
-    if e.speed is not None and e.speed.tokens_per_s_per_gpu:
-        speed = f"; predicted {e.speed.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
-    terms = "".join(
-        f"<tr><td>{_esc(term.replace('_', ' '))}</td><td style='text-align:right'>"
-        f"{_esc(format_bytes(value))}</td></tr>"
-        for term, value in e.breakdown.model_dump().items()
-        if value
-    )
-    where = f", peak at {e.peak_at}" if e.peak_at else ""
-    return (
-        f"<div><b>{_esc(e.candidate.label())}</b>: {_esc(format_bytes(e.gpu_peak))} per GPU "
-        f"({_esc(e.method)}{_esc(where)}), {_esc(fits)}, "
-        f"{_esc(format_bytes(e.headroom))} headroom{_esc(speed)}"
-        f"<table>{terms}</table></div>"
-    )
