@@ -20,14 +20,17 @@ from autoshard.plan import Plan, PlanOptions, make_plan, make_request, options_f
 from autoshard.recommendation import Recommendation
 from autoshard.results import MemoryEstimate
 
-__all__ = ["Estimates", "estimate", "estimates_for", "recommend", "tune"]
+__all__ = [
+    "Estimates", "estimate", "estimates_for", "recommend", "serve_study", "tune", "tune_with",
+]  # fmt: skip
 
 
 class Estimates(list[MemoryEstimate]):
     """The estimates of every candidate, in the order asked for, with the pipeline's decision
     for the same inputs (``recommendation``: what ``recommend()`` chooses; None when nothing
     fits, and then ``nothing_fits`` says so in one line, with what would fit) and the plan behind
-    them (``plan.notes``: what was assumed). In a notebook it renders as a table.
+    them (``plan.notes``: what was assumed). In a notebook (and with ``rich.print``) it renders as
+    a table of the first 20, the recommended one marked.
 
     >>> import warnings
     >>> import autoshard
@@ -36,8 +39,9 @@ class Estimates(list[MemoryEstimate]):
     ...                                gpus=8, gpu_memory="24GiB", seq_len=128)
     >>> estimates.recommendation.chosen.candidate == estimates[0].candidate
     True
-    >>> "<table>" in estimates._repr_html_()
-    True
+    >>> page = estimates._repr_html_()  # a notebook's view: the recommended row marked
+    >>> page.count('<tr class="recommended"'), "recommended" in page.split("</tr>")[1]
+    (1, True)
     """
 
     def __init__(
@@ -53,16 +57,22 @@ class Estimates(list[MemoryEstimate]):
         self.plan = plan
         self.nothing_fits = nothing_fits
 
-    def __rich__(self) -> Any:
-        from autoshard.ui.tables import estimates_table
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from autoshard.ui.tables import ROWS, estimates_table
 
         hardware = self.plan.hardware if self.plan else None
-        return estimates_table(list(self), hardware)
+        yield estimates_table(
+            list(self), hardware, limit=ROWS, width=options.max_width, chosen=self._chosen()
+        )
 
     def _repr_html_(self) -> str:
         from autoshard.ui.html import estimates_html
 
-        return estimates_html(list(self), self.plan.hardware if self.plan else None)
+        hardware = self.plan.hardware if self.plan else None
+        return estimates_html(list(self), hardware, chosen=self._chosen())
+
+    def _chosen(self) -> Any:
+        return self.recommendation.chosen.candidate if self.recommendation else None
 
 
 def _split_options(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -196,10 +206,14 @@ def tune(
     *,
     kwargs: Mapping[str, Any] | None = None,
     batch: Any | None = None,
+    progress: bool = True,
     **options: Any,
 ) -> Recommendation:
     """Run (or resume) a study of short real FSDP trials and return the fastest configuration
     that fits. Takes what :func:`recommend` takes; ``trials`` defaults to 12.
+
+    It shows its progress as ``autoshard tune`` does: a live table of the trials in a terminal
+    or a notebook, one line per trial elsewhere; ``progress=False`` shows nothing.
 
     Real FSDP trials in a worker group (2 gloo CPU processes here; about 20 s):
 
@@ -208,20 +222,93 @@ def tune(
     >>> warnings.simplefilter("ignore", autoshard.NoGPUWarning)
     >>> rec = autoshard.tune("examples/gpt.py:build", kwargs={"size": "tiny"}, seq_len=64,
     ...                      batch_size=1, gpu_memory="2GiB", trials=2, warmup=1, steps=2,
-    ...                      out_dir=tempfile.mkdtemp())
+    ...                      out_dir=tempfile.mkdtemp(), progress=False)
     >>> rec.basis, rec.chosen.trial.status.value, rec.chosen.trial.world_size
     ('trials', 'ok', 2)
     """
-    from autoshard.search import run_study
-
     plan_values, tune_values = _split_options(options)
     opts = options_from(PlanOptions, plan_values)
     tune_opts = options_from(TuneOptions, tune_values)
-    out_dir = Path(tune_opts.out_dir)
+    if tune_opts.node_rank > 0:
+        raise ConfigError(
+            f"node_rank={tune_opts.node_rank}: the other nodes serve node 0's study; run "
+            "`autoshard tune ... --node-rank N` there (autoshard.tune drives it on node 0)"
+        )
+    shown = _console() if progress else None
+    return tune_with(model, opts, tune_opts, kwargs=kwargs, batch=batch, progress=shown)
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console()
+
+
+def tune_with(
+    model: Any,
+    options: PlanOptions,
+    tune_options: TuneOptions,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    batch: Any | None = None,
+    progress: Any = None,
+    cli: bool = False,
+) -> Recommendation:
+    """:func:`tune` with validated options (the command line's door, which adds only the
+    printing): ``progress`` is the rich ``Console`` that shows the trials, or None."""
+    from autoshard.search import run_study
     from autoshard.study.storage import check_storage, prepare_out
 
+    _check_nodes(options, tune_options, cli=cli)
+    out_dir = Path(tune_options.out_dir)
     prepare_out(out_dir)  # a bad folder or storage is one error before the analysis
-    if tune_opts.storage:
-        check_storage(tune_opts.storage)
-    request = make_request(model, opts, kwargs=kwargs, batch=batch, out_dir=out_dir, trials=True)
-    return run_study(make_plan(request), tune_opts)
+    if tune_options.storage:
+        check_storage(tune_options.storage)
+    request = make_request(model, options, kwargs=kwargs, batch=batch, out_dir=out_dir, trials=True)
+    plan = make_plan(request)
+    if progress is None:
+        return run_study(plan, tune_options)
+    from autoshard.ui.progress import StudyProgress
+
+    theirs = tune_options.on_event
+    with StudyProgress(progress, tune_options.trials, plan.hardware) as shown:
+
+        def on_event(kind: Any, scored: Any) -> None:
+            shown(kind, scored)
+            if theirs is not None:
+                theirs(kind, scored)
+
+        return run_study(plan, tune_options.model_copy(update={"on_event": on_event}))
+
+
+def serve_study(
+    model: Any,
+    options: PlanOptions,
+    tune_options: TuneOptions,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+) -> None:
+    """A node other than node 0 of a study on several machines: its worker group serves the
+    trials node 0 drives, until node 0 ends the study."""
+    from autoshard.plan import detect_hardware
+    from autoshard.target.adapters import to_target
+    from autoshard.trials.group import WorkerGroup
+
+    _check_nodes(options, tune_options, cli=True)
+    out = Path(tune_options.out_dir)
+    hardware = detect_hardware(options, trials=True)
+    WorkerGroup(
+        to_target(model, kwargs=kwargs, out_dir=out),
+        log_dir=out / f"workers-node{tune_options.node_rank}",
+        nproc=tune_options.nproc or hardware.gpus_per_node,
+        nnodes=options.nodes,
+        node_rank=tune_options.node_rank,
+        rdzv_endpoint=tune_options.rdzv_endpoint,
+    ).serve()
+
+
+def _check_nodes(options: PlanOptions, tune_options: TuneOptions, *, cli: bool) -> None:
+    if options.nodes > 1 and not tune_options.rdzv_endpoint:
+        if cli:
+            raise ConfigError("--nodes > 1 needs --rdzv-endpoint host:port of node 0")
+        raise ConfigError(f"nodes={options.nodes} needs rdzv_endpoint='host:port' of node 0")

@@ -71,8 +71,11 @@ ArgOpt = Annotated[
         help="Keyword argument for the factory, key=value (repeatable): --arg size=70b.",
     ),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.")]
+# A switch takes no value: an empty metavar keeps typer from showing one ("--json <bool>").
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print JSON for scripts instead of tables.", metavar="")
+]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.", metavar="")]
 
 
 def _version(value: bool) -> None:
@@ -87,7 +90,9 @@ def _version(value: bool) -> None:
 def _group(
     version: Annotated[
         bool,
-        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version.", metavar=""
+        ),
     ] = False,
 ) -> None:
     """Pick the PyTorch FSDP configuration for a model and a set of GPUs."""
@@ -149,6 +154,35 @@ FLAG_NAMES = {"out_dir": "--out", "batch_size": "--batch-size"}
 NOT_FLAGS = {"on_event", "on_notice", "memory_cap", "skip_dominated", "nproc"}
 
 
+# What a flag takes where its field's type does not say it (all reach pydantic as text).
+METAVARS = {
+    "gpu_memory": "size", "host_memory": "size", "memory_cap": "size",
+    "intra_node_bandwidth": "rate", "inter_node_bandwidth": "rate", "storage": "url",
+    "rdzv_endpoint": "host:port", "gpu": "id",
+}  # fmt: skip
+
+
+def _metavar(name: str, field: Any) -> str:
+    """The value a flag takes, shown in ``--help``: ``<int>``, ``<size>``, ``<engine>`` (the
+    help lists the choices), ``<int,...>``; nothing for a switch."""
+    annotation = field.annotation
+    if annotation is bool:
+        return ""
+    if name in METAVARS:
+        return f"<{METAVARS[name]}>"
+    args = [a for a in (getattr(annotation, "__args__", None) or (annotation,)) if a is not None]
+    args = [a for a in args if a is not type(None)]
+    base = args[0] if args else str
+    many = typing.get_origin(base) is tuple
+    if many:
+        base = typing.get_args(base)[0]
+    if isinstance(base, type) and issubclass(base, Enum):
+        text = base.__name__.lower()  # the help lists the choices
+    else:
+        text = {int: "int", float: "float", Path: "path"}.get(base, "text")
+    return f"<{text},...>" if many else f"<{text}>"
+
+
 def _flag(name: str) -> str:
     return FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
 
@@ -185,7 +219,9 @@ def option_parameters(
         if name in skip:
             continue
         kind: Any = bool | None if field.annotation is bool else str | None
-        option = typer.Option(_flag(name), help=_help(field), show_default=False)
+        option = typer.Option(
+            _flag(name), help=_help(field), show_default=False, metavar=_metavar(name, field)
+        )
         if field.annotation == bool | None:  # a pin either way, or unpinned: --x / --no-x
             flag = _flag(name)
             kind = bool | None
@@ -286,6 +322,14 @@ def estimate(
             "Candidates that do not fit always come last."
         ),
     ] = RankOrder.SPEED.value,
+    show_all: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help="List every candidate (default: the first 20, then the decision).",
+            metavar="",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
     *,
@@ -319,11 +363,13 @@ def estimate(
                 }
             )
             return
-        from autoshard.ui.tables import print_estimates
+        from autoshard.ui.tables import ROWS, print_estimates
 
-        print_estimates(list(estimates), plan.hardware, console, order=RankOrder(sort))
-        if estimates.nothing_fits:
-            console.print(f"[bold]{escape(estimates.nothing_fits)}[/]", soft_wrap=True)
+        print_estimates(
+            list(estimates), plan.hardware, console, order=RankOrder(sort),
+            limit=None if show_all else ROWS, recommendation=estimates.recommendation,
+            nothing_fits=estimates.nothing_fits,
+        )  # fmt: skip
 
     _run(work, debug)
 
@@ -341,16 +387,11 @@ def tune(
     """Run short real FSDP trials and recommend the fastest configuration that fits."""
 
     def work() -> None:
-        from autoshard.plan import (
-            detect_hardware,
-            make_plan,
-            make_request,
-            options_from,
-        )
+        from autoshard.api import serve_study, tune_with
+        from autoshard.plan import options_from
         from autoshard.recommendation import load_result
-        from autoshard.search import STUDY_FILES, run_study
         from autoshard.slurm import slurm_settings
-        from autoshard.ui.progress import StudyProgress
+        from autoshard.ui.files import OUTPUT_FILES
         from autoshard.ui.report import print_summary
 
         # Under SLURM (`srun autoshard tune ...`) the nodes, this node's rank and the rendezvous
@@ -363,49 +404,31 @@ def tune(
         opts = options_from(PlanOptions, plan_values, cli=True)
         tune_opts = options_from(TuneOptions, tune_values, cli=True)
         kwargs = _target_kwargs(arg)
-        if opts.nodes > 1 and not tune_opts.rdzv_endpoint:
-            raise ConfigError("--nodes > 1 needs --rdzv-endpoint host:port of node 0")
         out = Path(tune_opts.out_dir)
         if tune_opts.node_rank > 0:
-            from autoshard.target.adapters import to_target
-            from autoshard.trials.group import WorkerGroup
-
-            hardware = detect_hardware(opts, trials=True)
             console.print(
                 f"node {tune_opts.node_rank}: serving the study driven by node 0 at "
                 f"{tune_opts.rdzv_endpoint}"
             )
-            WorkerGroup(
-                to_target(target, kwargs=kwargs, out_dir=out),
-                log_dir=out / f"workers-node{tune_opts.node_rank}",
-                nproc=tune_opts.nproc or hardware.gpus_per_node,
-                nnodes=opts.nodes,
-                node_rank=tune_opts.node_rank,
-                rdzv_endpoint=tune_opts.rdzv_endpoint,
-            ).serve()
+            serve_study(target, opts, tune_opts, kwargs=kwargs)
             return
-        from autoshard.study.storage import check_storage, prepare_out
-
-        # The storage first (fast): a bad --out or --storage is one line before the analysis.
-        prepare_out(out)
-        if tune_opts.storage:
-            check_storage(tune_opts.storage)
-        request = make_request(target, opts, kwargs=kwargs, out_dir=out, trials=True)
-        plan = make_plan(request)
-        progress_console = err_console if as_json else console
 
         def notice(line: str) -> None:
             err_console.print(f"[yellow]note:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
-        with StudyProgress(progress_console, tune_opts.trials, plan.hardware) as progress:
-            rec = run_study(
-                plan, tune_opts.model_copy(update={"on_event": progress, "on_notice": notice})
-            )
+        rec = tune_with(
+            target,
+            opts,
+            tune_opts.model_copy(update={"on_notice": notice}),
+            kwargs=kwargs,
+            progress=err_console if as_json else console,
+            cli=True,
+        )
         if as_json:
             sys.stdout.write(rec.model_dump_json(indent=2) + "\n")
         else:
             print_summary(rec, console, load_result(out)[1])
-            files = ", ".join(name for name in STUDY_FILES if (out / name).exists())
+            files = ", ".join(name for name in OUTPUT_FILES if (out / name).exists())
             console.print(f"[dim]wrote in {out}/: {files}[/]", highlight=False)
 
     _run(work, debug)

@@ -408,3 +408,29 @@ class TuneOptions(Frozen):
         description="Called with one line about the study's storage (a repaired journal, a "
         "rebuilt database, a wait for a lock); default: a StudyNotice warning.",
     )
+
+
+def document_fields(model: type[BaseModel]) -> None:
+    """Append every field of ``model``, with its type, default and description, to its
+    docstring: ``help(PlanOptions)`` then says what each keyword does before pydantic's methods
+    (the command line's ``--help`` takes the same descriptions)."""
+    import textwrap
+
+    def kind(annotation: object) -> str:
+        if isinstance(annotation, type):
+            return annotation.__name__
+        text = str(annotation).replace("typing.", "").replace("collections.abc.", "")
+        return text.replace("autoshard.config.", "").replace("pathlib.", "")
+
+    lines = ["", "", "Fields (keyword arguments; flags of the command line with dashes):", ""]
+    for name, field in model.model_fields.items():
+        default = getattr(field.default, "value", field.default)
+        shown = "" if field.is_required() else f" = {default!r}"
+        lines.append(f"{name}: {kind(field.annotation)}{shown}")
+        lines += textwrap.wrap(field.description or "", 88, initial_indent="    ",
+                               subsequent_indent="    ")  # fmt: skip
+    body = textwrap.indent("\n".join(lines), "    ")
+    model.__doc__ = (model.__doc__ or "").rstrip() + body + "\n"
+
+
+document_fields(TuneOptions)

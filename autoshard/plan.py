@@ -35,6 +35,7 @@ from autoshard.config import (
     Precision,
     RankOrder,
     WorkloadSpec,
+    document_fields,
 )
 from autoshard.errors import ConfigError
 from autoshard.predict.activations import ActivationProfile, precisions_of, profile_activations
@@ -231,6 +232,9 @@ class PlanOptions(Frozen):
 
             gpu_spec(value)  # a one-line ConfigError listing the ids
         return value
+
+
+document_fields(PlanOptions)
 
 
 def options_from(model: type[Frozen], values: Mapping[str, Any], *, cli: bool = False) -> Any:

@@ -197,6 +197,8 @@ class MemoryEstimate(Frozen):
     ...                            gpus=8, gpu_memory="80GiB")[0]
     >>> first.fits, first.gpu_peak == first.breakdown.total, first.headroom > 0
     (True, True, True)
+    >>> repr(first).startswith("MemoryEstimate('fsdp1")  # a line (a table in a notebook)
+    True
     """
 
     candidate: Candidate
@@ -209,6 +211,44 @@ class MemoryEstimate(Frozen):
     headroom: int = Field(..., description="usable GPU memory minus gpu_peak (negative: OOM).")
     reason: str = Field("", description="Why it does not fit, when it does not.")
     speed: SpeedEstimate | None = Field(None, description="Predicted speed, when modelled.")
+
+    # A notebook shows one line or one small table, not the 3,000 characters of every field.
+    def __repr__(self) -> str:
+        from autoshard.units import format_bytes
+
+        fits = "fits" if self.fits else "does not fit"
+        speed = ""
+        if self.speed is not None and self.speed.tokens_per_s_per_gpu:
+            speed = f", {self.speed.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
+        return (
+            f"MemoryEstimate({self.candidate.label()!r}: {format_bytes(self.gpu_peak)} per GPU, "
+            f"{fits} ({format_bytes(self.headroom)} headroom){speed})"
+        )
+
+    def _repr_html_(self) -> str:
+        """The configuration, whether it fits, and the breakdown of its peak (written here:
+        the data's layer imports no ``ui``)."""
+        from html import escape
+
+        from autoshard.units import format_bytes
+
+        fits = "fits" if self.fits else f"does not fit: {self.reason}"
+        speed = ""
+        if self.speed is not None and self.speed.tokens_per_s_per_gpu:
+            speed = f"; predicted {self.speed.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
+        terms = "".join(
+            f"<tr><td>{escape(term.replace('_', ' '))}</td><td style='text-align:right'>"
+            f"{escape(format_bytes(value))}</td></tr>"
+            for term, value in self.breakdown.model_dump().items()
+            if value
+        )
+        where = f", peak at {self.peak_at}" if self.peak_at else ""
+        return (
+            f"<div><b>{escape(self.candidate.label())}</b>: {escape(format_bytes(self.gpu_peak))}"
+            f" per GPU ({escape(self.method + where)}), {escape(fits)}, "
+            f"{escape(format_bytes(self.headroom))} headroom{escape(speed)}"
+            f"<table>{terms}</table></div>"
+        )
 
 
 class TrialStatus(str, Enum):

@@ -24,7 +24,7 @@ new study: nothing measured under other settings is reused.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,13 +44,7 @@ from autoshard.space import rank_candidates
 from autoshard.study.loop import run_trials
 from autoshard.study.settings import StudySettings
 from autoshard.trials.group import WorkerGroup
-from autoshard.ui.files import write_report
-
-# What a study leaves in its output folder (besides study.db and the workers' logs).
-STUDY_FILES = (
-    "trials.jsonl", "recommendation.json", "report.json", "report.html", "lightning.yaml",
-    "accelerate.yaml",
-)  # fmt: skip
+from autoshard.ui.files import RECOMMENDATION_FILE, write_report
 
 # The fields the dominance rules reason about; every other field must be equal.
 _CHECKPOINT_FIELDS = frozenset({"checkpointing", "checkpoint_every", "checkpoint_classes"})
@@ -151,7 +145,11 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
             precisions=request.precision, micro_batch_sizes=sorted({c.micro_batch_size
             for c in plan.candidates}), memory_cap=opts.memory_cap,
         )  # fmt: skip
-        store.open_study(settings, [c.label() for c in plan.candidates])
+        metric, objective, why = study_objective(plan)
+        store.open_study(
+            settings, [c.label() for c in plan.candidates], candidates=plan.candidates,
+            objective=objective, metric=metric, objective_note=why,
+        )  # fmt: skip
         cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
 
         # The latest (calibrated) prediction of each candidate: the one a trial is tried with,
@@ -199,8 +197,51 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
             )
         rec = decide_from_trials(plan, results, tried_with)
         rec = rec.model_copy(update={"study": store.name})
+        store.mark_recommended(rec)  # what optuna-dashboard shows beside its best trial
         write_outputs(rec, out_dir, results)
     return rec
+
+
+def study_objective(plan: Plan) -> tuple[str, Callable[[TrialResult], float], str]:
+    """The value a successful trial records in the optuna study, its name, and a line saying
+    what it is: the one the decision ranks by. Trials on the device planned for: the measured
+    tokens/s (else samples/s) per GPU. CPU processes standing in for GPUs: the step-time
+    model's prediction for the planned GPU, as :func:`autoshard.decide.decide_from_trials`
+    ranks them (a CPU's timing says nothing about a GPU's)."""
+    from autoshard.study.storage import measured_per_rank  # optuna: only when a study runs
+
+    tokens = plan.workload.seq_len is not None
+    unit = "tokens/s" if tokens else "samples/s"
+    world = plan.hardware.world_size
+    if plan.hardware.backend == "gloo" or torch.cuda.is_available():
+        return (
+            f"measured {unit} per GPU",
+            measured_per_rank,
+            f"measured {unit} of one rank (the decision's order: the fastest measured that "
+            "fits, ties within the spread broken by headroom)",
+        )
+    by_label = {e.candidate.label(): e for e in plan.estimates}
+    gpu = plan.hardware.gpu or next(
+        (e.speed.gpu for e in plan.estimates if e.speed is not None and e.speed.gpu), "GPU"
+    )
+
+    def predicted(result: TrialResult) -> float:
+        e = by_label.get(result.candidate.label())
+        speed = e.speed if e is not None else None
+        if speed is None:
+            return measured_per_rank(result)
+        if tokens and speed.tokens_per_s_per_gpu:
+            return float(speed.tokens_per_s_per_gpu)
+        return speed.samples_per_s / world
+
+    return (
+        f"predicted {unit} per GPU ({gpu})",
+        predicted,
+        f"predicted {unit} per GPU on {plan.hardware.nodes} x {plan.hardware.gpus_per_node} "
+        f"{gpu}: the trials ran on CPU processes, which checked that each configuration builds, "
+        "trains and fits; their timings (user attribute autoshard_result) say nothing about "
+        "the GPUs, so the decision ranks by this prediction, as the study does",
+    )
 
 
 def reorder_remaining(
@@ -238,7 +279,7 @@ def _worker_files(out_dir: Path) -> Iterator[None]:
 def write_outputs(rec: Decision, out_dir: Path, results: Sequence[TrialResult]) -> None:
     """recommendation.json and the reports; a full disk or a lost folder is one line."""
     try:
-        (out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
+        (out_dir / RECOMMENDATION_FILE).write_text(rec.model_dump_json(indent=2))
         write_report(rec, out_dir, list(results))
     except OSError as exc:
         raise StorageError(

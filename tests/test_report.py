@@ -18,12 +18,12 @@ from rich.console import Console
 from autoshard.config import Hardware
 from autoshard.errors import ResultError
 from autoshard.recommendation import Recommendation, load_result
-from autoshard.results import Scored, SpeedEstimate, TrialResult, TrialStatus
+from autoshard.results import Decision, Scored, SpeedEstimate, TrialResult, TrialStatus
 from autoshard.ui.files import write_report
 from autoshard.ui.html import render_html
-from autoshard.ui.report import SCHEMA, print_summary
+from autoshard.ui.report import SCHEMA, listed_rows, print_summary, report_data
 from autoshard.units import parse_size
-from tests.test_emit import GiB, all_trials, candidate, make_rec, trial
+from tests.test_emit import GiB, all_trials, candidate, estimate, make_rec, trial
 
 FILES = {"report.json", "report.html", "lightning.yaml", "accelerate.yaml"}
 
@@ -39,13 +39,17 @@ def test_summary_says_what_won_why_and_what_was_ruled_out() -> None:
     table = text.split("Configurations")[1]
     # every trial, the chosen one first, with its measured rate per rank and spread
     assert table.count("runner-up") == 3 and "1,123 ±2%" in table.split("runner-up")[0]
-    assert "oom: CUDA out of memory" in table  # the OOM trial
-    assert "usable GPU memory" in table  # the pruned one
+    # each says what kept it out: it ran and failed, or was never launched
+    assert "failed (oom): CUDA out of memory" in table  # the OOM trial
+    assert "predicted not to fit: needs more than the usable GPU memory" in table  # pruned
+    assert [line.split()[1] for line in table.splitlines() if "fsdp1" in line][-2:] == [
+        "failed", "ruled",
+    ]  # fmt: skip
     # CPU trials measure without the CUDA allowance the prediction carries: both say so.
     assert "858 MiB of it the allowance for the CUDA context" in text
     assert "measured peak (cpu)" in text
-    # the measured line says what its numbers cover: the rate all ranks, the peak one rank
-    assert re.search(r"tokens/s on 2 ranks, peak [\d.]+ MiB per rank on cpu", text), text
+    # the measured line says what its numbers cover: the rate and the peak of one rank
+    assert re.search(r"tokens/s per rank \(2 ranks\), peak [\d.]+ MiB per rank on cpu", text), text
     # no speed predictions here: the measured order decided, and nothing says otherwise
     assert "trials ran on CPU processes" not in text
 
@@ -130,7 +134,7 @@ def test_progress_lines_name_each_number_and_star_only_a_ranking_measurement() -
         assert len(lines) == 2 and all(line.startswith("trial: ") for line in lines)
         assert sum("★" in line for line in lines) == stars, (hardware, lines)
         assert "ok  0.200 s/step on cpu  peak 53.4 MiB (predicted " in lines[1]
-        assert lines[1].endswith("2,560 tok/s on 2 ranks" + (" ★" if stars else ""))
+        assert lines[1].endswith("1,280 tok/s per rank" + (" ★" if stars else ""))
 
 
 def test_the_terminal_says_a_repeated_reason_once_per_fold() -> None:
@@ -153,7 +157,8 @@ def test_the_terminal_says_a_repeated_reason_once_per_fold() -> None:
     table = console.export_text().split("Configurations")[1]
     assert table.count(why) == 3  # two of them, then "... and 3 more" with the reason once
     assert "... and 3 more" in table
-    assert "oom: CUDA out of memory" in table and "usable GPU memory" in table  # not folded
+    assert "(oom): CUDA out of memory" in table and "usable GPU memory" in table  # not folded
+    assert "skipped" in table.split("... and 3 more")[0].splitlines()[-1]  # the fold says which
 
 
 def test_write_report_and_load_it_back(tmp_path: Path) -> None:
@@ -444,6 +449,55 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert red.sum() > 1000
 
 
+def _with_skipped(rec: Decision, n: int = 5) -> Decision:
+    """``rec`` with ``n`` offload candidates the CPU workers skipped (never launched)."""
+    skipped = []
+    for m in range(n):
+        c = candidate(cpu_offload=True, micro_batch_size=m + 1)
+        skipped.append(Scored(candidate=c, estimate=estimate(c), trial=TrialResult(
+            candidate=c, status=TrialStatus.SKIPPED, error="offload needs a GPU")))  # fmt: skip
+    return rec.model_copy(update={"ruled_out": [*rec.ruled_out, *skipped]})
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
+def test_report_in_chromium_draws_skipped_candidates_apart_from_failures(tmp_path: Path) -> None:
+    """Measured, failed (ran: an OOM), skipped (never launched) and ruled out (predicted not to
+    fit) are four different things in every chart and table of the rendered page."""
+    rec = _with_skipped(make_rec())
+    trials = all_trials(rec)
+    write_report(rec, tmp_path / "out", trials)
+    url = (tmp_path / "out" / "report.html").as_uri()
+    run = [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1100,2600"]
+    shot = tmp_path / "shot.png"
+    subprocess.run([*run, f"--screenshot={shot}", url], capture_output=True, timeout=60, check=True)
+    assert float(read_png(shot).std()) > 20  # it rendered
+    dom = subprocess.run(
+        [*run, "--dump-dom", url], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    scatter = dom.split('id="chart-throughput"')[1].split("</svg>")[0]
+    # Only the OOM trial is a failure; the five skipped and the pruned one never ran.
+    assert "1 failed (oom / error / timeout)" in scatter
+    assert scatter.count('data-outcome="failed"') == 2  # its mark and the count
+    assert "5 skipped and 1 predicted not to fit: never launched, not drawn" in scatter
+    memory = dom.split('id="chart-memory"')[1].split("</svg>")[0]
+    assert memory.count('data-outcome="skipped"') == 5
+    assert memory.count("(skipped, never launched)") == 5
+    assert memory.count('fill-opacity="0.35"') >= 5 * 4  # faint bars: an estimate, no run
+    table = dom.split('id="configurations"')[1].split("</table>")[0]
+    outcomes = re.findall(r'data-outcome="([^"]+)"', table)
+    assert outcomes.count("skipped") == 5 and outcomes.count("failed") == 1
+    assert outcomes.count("ruled out") == 1 and outcomes.count("measured") == 4
+    assert table.count("skipped, never launched: offload needs a GPU") == 5
+    assert "model error" not in table  # CPU trials: no model error to show, no empty column
+
+
+def test_report_json_counts_the_four_outcomes() -> None:
+    rec = _with_skipped(make_rec())
+    counts = report_data(rec, all_trials(rec))["summary"]["outcomes"]
+    assert counts == {"measured": 4, "failed": 1, "skipped": 5, "ruled out": 1}
+
+
 def read_png(path: Path) -> np.ndarray:
     """Decode an 8-bit RGB/RGBA PNG (what Chromium writes) with zlib and numpy; no Pillow."""
     data = path.read_bytes()
@@ -486,3 +540,21 @@ def read_png(path: Path) -> np.ndarray:
             row = np.frombuffer(bytes(row_l), np.uint8)
         out[y] = prev = row
     return out.reshape(height, width, bpp)[..., :3]
+
+
+def test_notebook_views_of_estimates() -> None:
+    """A notebook shows an estimate as one line or a small table, and a list of them with the
+    recommended row marked."""
+    from autoshard.ui.html import estimates_html
+
+    rec = make_rec()
+    estimates = [s.estimate for _, s in listed_rows(rec) if s.estimate is not None]
+    first = estimates[0]
+    text = repr(first)
+    assert "\n" not in text and len(text) < 160 and first.candidate.label() in text
+    page = first._repr_html_()
+    assert "activations" in page and first.candidate.label() in page
+    listing = estimates_html(estimates, rec.hardware, chosen=rec.chosen.candidate)
+    rows = listing.split("<tr")[2:]
+    marked = [r for r in rows if 'class="recommended"' in r]
+    assert len(marked) == 1 and rec.chosen.candidate.label() + " \u2190 recommended" in marked[0]

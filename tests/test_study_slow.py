@@ -95,7 +95,9 @@ def test_two_drivers_share_one_postgresql_study(postgres: str, tmp_path: Path) -
 
     study = optuna.load_study(study_name=recs["a"]["study"], storage=recs_url(postgres))
     per_candidate = Counter(
-        t.params["candidate"] for t in study.get_trials(deepcopy=False) if t.state.is_finished()
+        t.user_attrs["candidate"]  # the label; the parameters are the knobs
+        for t in study.get_trials(deepcopy=False)
+        if t.state.is_finished()
     )
     assert max(per_candidate.values()) == 1
 

@@ -32,8 +32,9 @@ from pydantic import ValidationError
 
 from autoshard.errors import AutoshardError, StorageError
 from autoshard.results import TrialResult
+from autoshard.ui.files import JOURNAL_FILE
 
-JOURNAL_NAME = "trials.jsonl"
+JOURNAL_NAME = JOURNAL_FILE
 RESERVE_NAME = ".autoshard-reserve"
 # A trial's record is a few KiB (its step times and losses); this keeps room for many.
 RESERVE_BYTES = 256 * 1024

@@ -1,10 +1,14 @@
 """The optuna storage of a study: where it is, who may write it, and how several drivers share it.
 
 A study is an optuna study named by its settings (:mod:`autoshard.study.settings`), one optuna
-trial per candidate, the candidate's label as the trial's one categorical parameter and its
-full :class:`~autoshard.results.TrialResult` as a user attribute. The storage is SQLite in the
-output folder by default, or any ``--storage`` URL: an RDB server (PostgreSQL, MySQL) lets
-several drivers on several machines run the trials of one study at once.
+trial per candidate: one categorical parameter per knob (engine, sharding, wrap, checkpointing,
+offload, precision, micro_batch, reshard), so that optuna-dashboard's importance and slice plots
+speak of them; the candidate's label and its full :class:`~autoshard.results.TrialResult` as
+user attributes. The objective is named (``set_metric_names``) and is the one the decision ranks
+by; the recommended trial is named in the study's user attribute ``recommended``. The storage
+is SQLite in the output folder by default, or any ``--storage`` URL: an RDB server
+(PostgreSQL, MySQL) lets several drivers on several machines run the trials of one study at
+once.
 
 Several drivers, one study (optuna's own distributed optimisation, on its RDB storage):
 - a driver *claims* its next candidate by creating a RUNNING trial for it; the look at the
@@ -49,20 +53,27 @@ from optuna.trial import FrozenTrial, TrialState
 from pydantic import ValidationError
 from sqlalchemy.engine import URL, make_url
 
+from autoshard.config import Candidate
 from autoshard.errors import MissingDependencyError, StorageError
-from autoshard.results import TrialResult, TrialStatus
+from autoshard.results import Decision, TrialResult, TrialStatus
 from autoshard.study.journal import JOURNAL_NAME, Journal
 from autoshard.study.lock import OutLock, pid_alive
 from autoshard.study.settings import StudySettings
 from autoshard.study.view import StudyView, Ticket, identity
+from autoshard.ui.files import DATABASE_FILE
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
 
-DB_NAME = "study.db"
-PARAM = "candidate"
+DB_NAME = DATABASE_FILE
+PARAM = "candidate"  # the one parameter of studies written before the knobs (still read)
+LABEL_ATTR = "candidate"  # the candidate's label, a user attribute of each trial
+KNOBS = ("engine", "sharding", "wrap", "checkpointing", "offload", "precision", "micro_batch",
+         "reshard")  # fmt: skip
+OBJECTIVE_ATTR = "objective"
+RECOMMENDED_ATTR = "recommended"
 RESULT_ATTR = "autoshard_result"
 ESTIMATE_ATTR = "estimate"
 OWNER_ATTR = "autoshard_driver"
@@ -380,7 +391,10 @@ class StudyStore:
         self.name = ""
         self.study: optuna.Study | None = None
         self.study_id = -1
-        self.distribution: CategoricalDistribution | None = None
+        self.distribution: CategoricalDistribution | None = None  # studies without knobs
+        self.knobs: dict[str, CategoricalDistribution] = {}
+        self.candidates: dict[str, Candidate] = {}
+        self.objective: Callable[[TrialResult], float] = measured_per_rank
         self.host = socket.gethostname()
         self.token = uuid.uuid4().hex
         self._beat: _Heartbeat | None = None
@@ -402,12 +416,29 @@ class StudyStore:
             self.storage.engine.dispose()
         self.lock.release()
 
-    def open_study(self, settings: StudySettings, labels: Sequence[str]) -> None:
+    def open_study(
+        self,
+        settings: StudySettings,
+        labels: Sequence[str],
+        *,
+        candidates: Sequence[Candidate] = (),
+        objective: Callable[[TrialResult], float] | None = None,
+        metric: str = "measured tokens/s per rank",
+        objective_note: str = "",
+    ) -> None:
         """Create or load the study of ``settings`` (whose candidates are ``labels``) and bring
         it in line with the journal: records the storage lacks (lost, emptied or corrupt
-        database; a crash between the two writes) are added to it, with one line saying so."""
+        database; a crash between the two writes) are added to it, with one line saying so.
+
+        ``candidates`` (those of ``labels``) give each trial one parameter per knob;
+        ``objective`` is the value a successful trial records, named ``metric``, and
+        ``objective_note`` tells a reader of the study (optuna-dashboard) what it is."""
         self.name = settings.name(labels)
         self.distribution = CategoricalDistribution(sorted(set(labels)))
+        self.candidates = {c.label(): c for c in candidates}
+        self.knobs = knob_distributions(candidates) if candidates else {}
+        if objective is not None:
+            self.objective = objective
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         with _db_errors(self.shown), self.claims:
             try:
@@ -424,6 +455,10 @@ class StudyStore:
             self.study_id = self.storage.get_study_id_from_name(self.name)
             if not existed:
                 self.study.set_user_attr(SETTINGS_ATTR, settings.model_dump(mode="json"))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                self.study.set_metric_names([metric])
+            self.study.set_user_attr(OBJECTIVE_ATTR, objective_note or metric)
             known = self._read().identities()
             missing = [r for r in self.journal.read(self.name) if identity(r) not in known]
             for result in missing:
@@ -463,9 +498,8 @@ class StudyStore:
             value=None,
             datetime_start=datetime.now(),
             datetime_complete=None,
-            params={PARAM: label},
-            distributions={PARAM: self.distribution},
-            user_attrs={OWNER_ATTR: self._owner()},
+            **self._params(label),
+            user_attrs={OWNER_ATTR: self._owner(), LABEL_ATTR: label},
             system_attrs={},
             intermediate_values={},
             trial_id=-1,
@@ -490,7 +524,7 @@ class StudyStore:
                 self.storage.set_trial_state_values(
                     ticket.trial_id,
                     TrialState.COMPLETE if ok else TrialState.FAIL,
-                    values=[_throughput(result)] if ok else None,
+                    values=[self.objective(result)] if ok else None,
                 )
             except optuna.exceptions.UpdateFinishedTrialError:
                 # Another driver took this one for stale (no heartbeat within the grace
@@ -519,7 +553,7 @@ class StudyStore:
         view = StudyView()
         for t in self.storage.get_all_trials(self.study_id, deepcopy=False):
             if t.state is TrialState.RUNNING:
-                label = t.params.get(PARAM)
+                label = t.user_attrs.get(LABEL_ATTR, t.params.get(PARAM))
                 if isinstance(label, str):
                     view.running.add(label)
                 continue
@@ -556,7 +590,10 @@ class StudyStore:
             optuna.storages.fail_stale_trials(self.study)
 
     def _attrs(self, result: TrialResult, estimate: str | None) -> dict[str, Any]:
-        attrs: dict[str, Any] = {RESULT_ATTR: result.model_dump_json()}
+        attrs: dict[str, Any] = {
+            LABEL_ATTR: result.candidate.label(),
+            RESULT_ATTR: result.model_dump_json(),
+        }
         if estimate is not None:
             attrs[ESTIMATE_ATTR] = estimate
         return attrs
@@ -567,7 +604,7 @@ class StudyStore:
         if label not in self.distribution.choices:
             return  # not a candidate of this study (cannot happen for its own records)
         if result.status is TrialStatus.OK:
-            state, value = TrialState.COMPLETE, _throughput(result)
+            state, value = TrialState.COMPLETE, self.objective(result)
         else:
             state = TrialState.FAIL if result.status.launched else TrialState.PRUNED
             value = None
@@ -575,11 +612,63 @@ class StudyStore:
             optuna.trial.create_trial(
                 state=state,
                 value=value,
-                params={PARAM: label},
-                distributions={PARAM: self.distribution},
+                **self._params(label),
                 user_attrs=self._attrs(result, estimate),
             )
         )
+
+    def _params(self, label: str) -> dict[str, Any]:
+        """A trial's parameters: one per knob, or (no candidates given) the label."""
+        c = self.candidates.get(label)
+        if c is None or not self.knobs:
+            assert self.distribution is not None
+            return {"params": {PARAM: label}, "distributions": {PARAM: self.distribution}}
+        return {"params": knobs_of(c), "distributions": dict(self.knobs)}
+
+    def mark_recommended(self, rec: Decision) -> None:
+        """Name the recommended trial in the study's user attributes (``recommended``), which
+        optuna-dashboard shows beside the study: its number, candidate, basis and the first
+        reasons, and why it may differ from optuna's best trial."""
+        assert self.study is not None
+        label = rec.chosen.candidate.label()
+        with _db_errors(self.shown):
+            number = next(
+                (
+                    t.number
+                    for t in self.storage.get_all_trials(self.study_id, deepcopy=False)
+                    if t.state is TrialState.COMPLETE
+                    and t.user_attrs.get(LABEL_ATTR, t.params.get(PARAM)) == label
+                ),
+                None,
+            )
+            self.study.set_user_attr(
+                RECOMMENDED_ATTR,
+                {
+                    "trial": number,
+                    "candidate": label,
+                    "basis": rec.basis,
+                    "reasons": list(rec.reasons[:3]),
+                    "best_trial": "optuna's best trial has the highest objective; autoshard "
+                    "takes predictions or measurements within their spread as a tie and breaks "
+                    "it by memory headroom, so the two may differ",
+                },
+            )
+            _dashboard_note(self.study, number, label, rec)
+
+
+def _dashboard_note(study: optuna.Study, number: int | None, label: str, rec: Decision) -> None:
+    """The study's note in optuna-dashboard (when it is installed): the recommended trial and
+    why, at the top of the study's page."""
+    try:
+        from optuna_dashboard import save_note
+    except ImportError:
+        return
+    reasons = "\n".join(f"- {r}" for r in rec.reasons[:6])
+    save_note(
+        study,
+        f"## autoshard recommends trial {number}: {label}\n\n(by {rec.basis}; the study's "
+        f"user attribute `recommended` has it)\n\n{reasons}\n",
+    )
 
 
 def _throughput(result: TrialResult) -> float:
@@ -625,3 +714,50 @@ def _first_line(exc: BaseException) -> str:
     inner = getattr(exc, "orig", None) or exc
     lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
     return lines[0][:300] if lines else type(inner).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# The study's parameters and objective
+# ---------------------------------------------------------------------------------------------
+
+
+def knobs_of(candidate: Candidate) -> dict[str, Any]:
+    """The candidate as optuna parameters, one per knob (see the module docstring).
+
+    >>> from autoshard import Candidate
+    >>> knobs_of(Candidate(wrap_classes=("gpt.Block",), checkpointing="every_k",
+    ...                    checkpoint_every=2, checkpoint_classes=("gpt.Block",)))["checkpointing"]
+    'every_2'
+    """
+    c = candidate
+    mesh = f" {c.hybrid_mesh[0]}x{c.hybrid_mesh[1]}" if c.hybrid_mesh else ""
+    wrap = ", ".join(c.wrap_classes) or (
+        f"size>={c.min_num_params}" if c.min_num_params else "none"
+    )
+    checkpointing = c.checkpointing.value
+    if checkpointing == "every_k":
+        checkpointing = f"every_{c.checkpoint_every}"
+    return {
+        "engine": c.engine.value, "sharding": c.sharding.value + mesh, "wrap": wrap,
+        "checkpointing": checkpointing, "offload": c.cpu_offload,
+        "precision": c.precision.value, "micro_batch": c.micro_batch_size,
+        "reshard": c.reshard.value,
+    }  # fmt: skip
+
+
+def knob_distributions(candidates: Sequence[Candidate]) -> dict[str, CategoricalDistribution]:
+    """One categorical distribution per knob over the values the study's candidates take (the
+    same candidates give the same choices: a resumed study's parameters stay compatible)."""
+    values: dict[str, set[Any]] = {k: set() for k in KNOBS}
+    for c in candidates:
+        for k, v in knobs_of(c).items():
+            values[k].add(v)
+    return {
+        k: CategoricalDistribution(sorted(v, key=lambda x: (str(type(x)), x)))
+        for k, v in values.items()
+    }
+
+
+def measured_per_rank(result: TrialResult) -> float:
+    """The default objective: the trial's measured tokens/s (else samples/s) of one rank."""
+    return _throughput(result) / max(result.world_size, 1)

@@ -15,6 +15,14 @@ from autoshard.results import Decision, TrialResult
 from autoshard.ui.html import render_html
 from autoshard.ui.report import report_data
 
+# Every file a study leaves in its output folder (besides the workers' logs), named once: the
+# study writes them, the command line lists them, the README's table describes them.
+RECOMMENDATION_FILE = "recommendation.json"
+REPORT_FILES = ("report.json", "report.html", "lightning.yaml", "accelerate.yaml")
+JOURNAL_FILE = "trials.jsonl"  # every trial as it ended (autoshard.study.journal)
+DATABASE_FILE = "study.db"  # the optuna study (autoshard.study.storage)
+OUTPUT_FILES = (RECOMMENDATION_FILE, *REPORT_FILES, JOURNAL_FILE, DATABASE_FILE)
+
 
 def write_report(
     rec: Decision, out_dir: Path | str, trials: Sequence[TrialResult] = ()
@@ -34,6 +42,7 @@ def write_report(
         "lightning.yaml": lambda: lightning_cli_yaml(rec),
         "accelerate.yaml": lambda: accelerate_yaml(rec),
     }
+    assert tuple(texts) == REPORT_FILES
     for name, make in texts.items():
         try:
             text = make()

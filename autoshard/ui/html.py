@@ -8,14 +8,20 @@ import html
 import math
 from collections.abc import Sequence
 
-from autoshard.config import Hardware
+from autoshard.config import Candidate, Hardware
 from autoshard.errors import AutoshardError
 from autoshard.measure import speed_basis, spread_of
 from autoshard.results import Decision, MemoryEstimate, TrialResult, TrialStatus
 from autoshard.ui.report import (
+    FAILED,
     KIND_COLOURS,
+    MEASURED,
+    RULED_OUT,
+    SKIPPED,
     STATUS_COLOURS,
     listed_rows,
+    outcome,
+    outcome_counts,
     predicted_device,
     predicted_per_rank,
     prediction_error,
@@ -40,6 +46,8 @@ def _esc(text: object) -> str:
 def _memory_rows(
     rec: Decision, trials: Sequence[TrialResult] = ()
 ) -> list[tuple[str, str, MemoryEstimate | None, int | None]]:
+    """(kind, label, estimate, measured peak) of each candidate with either: ``kind`` is
+    chosen, runner-up, or its outcome (measured, failed, skipped, ruled out)."""
     rows = []
     for kind, s in listed_rows(rec, trials):
         measured = s.trial.max_allocated if s.trial else None
@@ -47,6 +55,10 @@ def _memory_rows(
             continue
         rows.append((kind, s.candidate.label(), s.estimate, measured))
     return rows
+
+
+# How the memory chart and the table say what became of a candidate that was not chosen.
+NOT_RUN = {SKIPPED: "skipped, never launched", RULED_OUT: "predicted not to fit, never launched"}
 
 
 def nice_ticks(top: float, count: int = 5) -> list[float]:
@@ -101,6 +113,21 @@ def _break_mark(x: float, y: float, h: float) -> str:
     )
 
 
+def _memory_note(kind: str, est: MemoryEstimate, measured: int | None) -> str:
+    """What the memory chart writes right of a row: the predicted peak and what became of it."""
+    note = format_bytes(est.gpu_peak)
+    note += "" if est.fits or kind in NOT_RUN else " (does not fit)"
+    if kind in NOT_RUN:
+        note += f" ({NOT_RUN[kind]})"
+    elif kind == FAILED:
+        note += " (failed)"
+    elif measured is None:
+        note += " (not tried)"
+    if est.breakdown.allowance:
+        note += f", {format_bytes(est.breakdown.allowance)} allowance"
+    return note
+
+
 def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     """Predicted memory per candidate stacked by kind, the measured peak, the device limit, and
     a byte axis. The CUDA allowance (hatched) and the limit can dwarf what a CPU-size model
@@ -121,15 +148,18 @@ def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     axis = _Axis(x0, plot_w, content, top)
     bottom = head + len(rows) * (bar_h + gap)
     height = bottom + 110
+    # The column of notes right of the plot is as wide as its longest note (about 6 px a char).
+    notes_w = max(240, 16 + 6 * max((len(_memory_note(k, e, m)) for k, _, e, m in rows if e),
+                                    default=0))  # fmt: skip
     out = [
         f'<svg id="chart-memory" xmlns="http://www.w3.org/2000/svg" '
-        f'width="{label_w + plot_w + 240}" height="{height}" role="img" '
+        f'width="{label_w + plot_w + notes_w}" height="{height}" role="img" '
         'aria-label="memory per candidate">',
         '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
         'patternTransform="rotate(45)"><rect width="6" height="6" fill="#e4dfdc"/>'
         '<line x1="0" y1="0" x2="0" y2="6" stroke="#bab0ac" stroke-width="3"/></pattern></defs>',
-        f'<text x="{x0}" y="16" class="t">Per-rank GPU memory: predicted (stacked by kind) '
-        "and measured peak (black tick)</text>",
+        f'<text x="{x0}" y="16" class="t">Per-rank GPU memory: predicted (stacked by kind; '
+        "faint: never launched) and measured peak (black tick)</text>",
     ]
     # grid lines and ticks of the to-scale part
     for tick in _byte_ticks(axis.cut):
@@ -146,9 +176,11 @@ def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     for i, (kind, label, est, measured) in enumerate(rows):
         y = head + i * (bar_h + gap)
         weight = "bold" if kind == "chosen" else "normal"
+        # Never launched: the bars are the estimate alone, drawn faint, and the row says so.
+        faint = ' fill-opacity="0.35"' if kind in NOT_RUN else ""
         out.append(
-            f'<text x="{x0 - 8}" y="{y + 13}" text-anchor="end" font-weight="{weight}">'
-            f"{_esc(label)}</text>"
+            f'<text x="{x0 - 8}" y="{y + 13}" text-anchor="end" font-weight="{weight}" '
+            f'data-outcome="{_esc(kind)}">{_esc(label)}</text>'
         )
         end = 0
         if est is not None:
@@ -161,19 +193,14 @@ def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
                 fill = "url(#hatch)" if term == "allowance" else colour
                 out.append(
                     f'<rect x="{xa:.1f}" y="{y}" width="{max(xb - xa, 0.5):.1f}" height="{bar_h}" '
-                    f'fill="{fill}" data-kind="{term}"><title>{_esc(term)}: '
+                    f'fill="{fill}"{faint} data-kind="{term}"><title>{_esc(term)}: '
                     f"{_esc(format_bytes(value))}</title></rect>"
                 )
             if axis.broken and end > axis.cut:
                 out.append(_break_mark(axis.break_x, y, bar_h))
-            note = "" if est.fits else " (does not fit)"
-            if est.breakdown.allowance:
-                note += f", {format_bytes(est.breakdown.allowance)} allowance"
+            note = _memory_note(kind, est, measured)
             # in a column right of the plot, clear of the limit lines
-            out.append(
-                f'<text x="{x0 + plot_w + 8}" y="{y + 13}" class="s">'
-                f"{_esc(format_bytes(est.gpu_peak))}{_esc(note)}</text>"
-            )
+            out.append(f'<text x="{x0 + plot_w + 8}" y="{y + 13}" class="s">{_esc(note)}</text>')
         if measured is not None:
             mx = axis.x(measured)
             out.append(
@@ -347,7 +374,7 @@ def throughput_chart(rec: Decision, trials: Sequence[TrialResult]) -> str:
     """Throughput against measured peak memory for every trial; failures on the axis."""
     w, h, left, bottom_pad, top_pad = 760, 360, 80, 50, 30
     chosen_key = rec.chosen.candidate.key()
-    points = [(t, t.max_allocated, trial_rate(t)[0]) for t in trials]
+    points = [(t, t.max_allocated, rate_per_rank(t)[0]) for t in trials]
     ok = [(t, m, r) for t, m, r in points if t.status is TrialStatus.OK and m and r]
     unit = next((trial_rate(t)[1] for t, _, _ in ok), "samples/s")
     max_mem = max([m for _, m, _ in ok] + [1]) * 1.15
@@ -363,8 +390,8 @@ def throughput_chart(rec: Decision, trials: Sequence[TrialResult]) -> str:
     out = [
         f'<svg id="chart-throughput" xmlns="http://www.w3.org/2000/svg" width="{w}" '
         f'height="{h}" role="img" aria-label="throughput against peak memory">',
-        f'<text x="{left}" y="16" class="t">Throughput ({unit}) against measured peak memory '
-        "per rank, every trial</text>",
+        f'<text x="{left}" y="16" class="t">Throughput ({unit} per rank) against measured '
+        "peak memory per rank, every trial that ran</text>",
         f'<rect x="{left}" y="{top_pad}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>',
     ]
     for k in range(5):
@@ -378,14 +405,18 @@ def throughput_chart(rec: Decision, trials: Sequence[TrialResult]) -> str:
         f'<text x="{left + pw / 2}" y="{h - 8}" text-anchor="middle" class="s">measured peak '
         "allocated per rank</text>"
     )
-    failed = [t for t, _, _ in points if t.status is not TrialStatus.OK]
+    # Failures ran (oom / error / timeout): on the axis. Skipped and ruled-out candidates never
+    # ran: not drawn, only counted.
+    failed = [t for t, _, _ in points if t.status.launched and t.status is not TrialStatus.OK]
+    counts = outcome_counts(rec, trials)
     for t, m, r in ok:
         chosen = t.candidate.key() == chosen_key
         out.append(
             f'<circle cx="{sx(m):.1f}" cy="{sy(r):.1f}" r="{8 if chosen else 5}" '
             f'fill="{"#2e7d32" if chosen else "#4e79a7"}" stroke="#000" '
-            f'stroke-width="{2 if chosen else 0.5}"><title>{_esc(t.candidate.label())}: '
-            f"{r:,.0f} {unit}, {_esc(format_bytes(m))}</title></circle>"
+            f'stroke-width="{2 if chosen else 0.5}" data-outcome="measured"><title>'
+            f"{_esc(t.candidate.label())}: {r:,.0f} {unit} per rank, {_esc(format_bytes(m))}"
+            "</title></circle>"
         )
         if chosen:
             out.append(
@@ -396,13 +427,22 @@ def throughput_chart(rec: Decision, trials: Sequence[TrialResult]) -> str:
         x = left + 10 + i * 14
         y = top_pad + ph - 8
         out.append(
-            f'<text x="{x}" y="{y}" fill="{STATUS_COLOURS[t.status]}" font-weight="bold">×'
-            f"<title>{_esc(t.candidate.label())}: {_esc(t.status.value)}</title></text>"
+            f'<text x="{x}" y="{y}" fill="{STATUS_COLOURS[t.status]}" font-weight="bold" '
+            f'data-outcome="failed">×<title>{_esc(t.candidate.label())}: '
+            f"{_esc(t.status.value)}</title></text>"
         )
     if failed:
         out.append(
-            f'<text x="{left + 12 + len(failed) * 14}" y="{top_pad + ph - 8}" class="s">'
-            f"{len(failed)} failed (oom / error / timeout)</text>"
+            f'<text x="{left + 12 + len(failed) * 14}" y="{top_pad + ph - 8}" class="s" '
+            f'data-outcome="failed">{len(failed)} failed (oom / error / timeout)</text>'
+        )
+    never = [f"{counts[SKIPPED]} skipped"] if counts[SKIPPED] else []
+    never += [f"{counts[RULED_OUT]} predicted not to fit"] if counts[RULED_OUT] else []
+    if never:
+        out.append(
+            f'<text x="{left + pw - 8}" y="{top_pad + ph - 8}" text-anchor="end" class="s dim" '
+            f'data-outcome="never launched">{_esc(" and ".join(never))}: never launched, '
+            "not drawn</text>"
         )
     if not ok:
         out.append(
@@ -415,31 +455,40 @@ def throughput_chart(rec: Decision, trials: Sequence[TrialResult]) -> str:
 
 def _table(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     device = predicted_device(rec)
-    head = ("", "configuration", "predicted / rank", "measured peak",
-            f"predicted / GPU ({device})", "measured / rank", "model error", "s/step",
-            "status")  # fmt: skip
+    listed = listed_rows(rec, trials)
+    errors = [prediction_error(s, rec.hardware) for _, s in listed]
+    # The model's error exists only where trials ran on the device predicted for.
+    with_error = any(e is not None for e in errors)
+    head = ["", "configuration", "predicted peak / rank", "measured peak / rank",
+            f"predicted throughput / GPU ({device})", "measured throughput / rank",
+            *(["model error"] if with_error else []), "s/step", "outcome"]  # fmt: skip
     rows = ["<tr>" + "".join(f"<th>{_esc(h)}</th>" for h in head) + "</tr>"]
-    for kind, s in listed_rows(rec, trials):
+    for (kind, s), error in zip(listed, errors, strict=True):
         t, e = s.trial, s.estimate
         predicted, p_unit = predicted_per_rank(s, rec.hardware)
         measured, m_unit = rate_per_rank(t)
-        error = prediction_error(s, rec.hardware)
-        status = t.status.value if t else ("fits" if e and e.fits else "pruned")
-        if kind == "ruled out":
-            status = why_ruled_out(s) if t else f"{status} — {why_ruled_out(s)}"
-        cells = (
+        result = outcome(s)
+        if result == MEASURED or (kind in ("chosen", "runner-up") and result is None):
+            status = MEASURED if result else "fits, not tried"
+        else:
+            status = why_ruled_out(s)
+        cells = [
             kind,
             s.candidate.label(),
             format_bytes(e.gpu_peak) if e else "",
             format_bytes(t.max_allocated) if t and t.max_allocated else "",
             f"{predicted:,.0f} {p_unit}" if predicted else "",
             f"{measured:,.0f} {m_unit} ±{spread_of(t):.0%}" if measured and t else "",
-            f"{error:+.0%}" if error is not None else "",
+            *([f"{error:+.0%}" if error is not None else ""] if with_error else []),
             f"{t.step_time:.3f}" if t and t.step_time else "",
             status,
-        )
+        ]
         cls = ' class="chosen"' if kind == "chosen" else ""
-        rows.append(f"<tr{cls}>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>")
+        rows.append(
+            f'<tr{cls} data-outcome="{_esc(result or "not tried")}">'
+            + "".join(f"<td>{_esc(c)}</td>" for c in cells)
+            + "</tr>"
+        )
     return '<table id="configurations">' + "\n".join(rows) + "</table>"
 
 
@@ -510,25 +559,38 @@ def recommendation_html(rec: Decision) -> str:
     )
 
 
-def estimates_html(estimates: Sequence[MemoryEstimate], hardware: Hardware | None) -> str:
-    """A notebook cell's view of a list of estimates: one row per candidate."""
-    head = ("configuration", "fits", "GPU peak", "headroom", "tokens/s/GPU", "MFU")
+def estimates_html(
+    estimates: Sequence[MemoryEstimate],
+    hardware: Hardware | None,
+    chosen: Candidate | None = None,
+    limit: int | None = 20,
+) -> str:
+    """A notebook cell's view of a list of estimates: one row per candidate (the first
+    ``limit``), the recommended one (``chosen``) marked."""
+    head = ("configuration", "fits", "GPU peak", "headroom", "host / node", "tokens/s per GPU",
+            "MFU")  # fmt: skip
     rows = ["<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
-    for e in estimates:
+    shown = list(estimates) if limit is None else list(estimates)[:limit]
+    for e in shown:
         s = e.speed
+        mark = chosen is not None and e.candidate == chosen
         cells = (
-            e.candidate.label(),
+            e.candidate.label() + (" ← recommended" if mark else ""),
             "yes" if e.fits else "no",
             format_bytes(e.gpu_peak),
             format_bytes(e.headroom),
+            format_bytes(e.host_peak) if e.host_peak else "",
             f"{s.tokens_per_s_per_gpu:,.0f}" if s and s.tokens_per_s_per_gpu else "",
             format_share(s.mfu) if s and s.mfu is not None else "",
         )
-        rows.append("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>")
+        style = ' class="recommended" style="font-weight:bold;background:#e8f5e9"' if mark else ""
+        rows.append(f"<tr{style}>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>")
     title = ""
     if hardware is not None:
         title = (
             f"<p>{hardware.nodes} x {hardware.gpus_per_node} GPUs of "
             f"{_esc(format_bytes(hardware.gpu_memory))}; fitting candidates first</p>"
         )
-    return f"<div>{title}<table>{''.join(rows)}</table></div>"
+    more = len(estimates) - len(shown)
+    tail = f"<p>{more} more not shown (list(estimates) has them all)</p>" if more > 0 else ""
+    return f"<div>{title}<table>{''.join(rows)}</table>{tail}</div>"

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -15,6 +16,7 @@ from autoshard.config import Engine, Hardware
 from autoshard.emit.text import describe_fsdp2_precision, describe_reshard
 from autoshard.measure import speed_basis, spread_of, trials_checked_line
 from autoshard.results import Decision, Scored, TrialResult, TrialStatus
+from autoshard.ui.fit import Column, fitted_table
 from autoshard.units import format_bytes
 
 SCHEMA = "autoshard.report/1"
@@ -41,11 +43,44 @@ STATUS_COLOURS = {
 }
 
 
+# What became of a candidate, four different things that every view keeps apart.
+MEASURED = "measured"  # a trial ran and measured it
+FAILED = "failed"  # a trial ran and ended in an OOM, an error or a timeout
+SKIPPED = "skipped"  # never launched: a failure or the workers rule it out
+RULED_OUT = "ruled out"  # never launched: predicted not to fit
+OUTCOMES = (MEASURED, FAILED, SKIPPED, RULED_OUT)
+
+
+def outcome(s: Scored) -> str | None:
+    """Which of :data:`OUTCOMES` befell ``s``; None for a candidate that fits and was never
+    tried (an estimate-only decision's runners-up)."""
+    t = s.trial
+    if t is None:
+        return RULED_OUT if s.estimate is not None and not s.estimate.fits else None
+    return {
+        TrialStatus.OK: MEASURED,
+        TrialStatus.PRUNED: RULED_OUT,
+        TrialStatus.SKIPPED: SKIPPED,
+    }.get(t.status, FAILED)
+
+
+def outcome_counts(rec: Decision, trials: Iterable[TrialResult] = ()) -> dict[str, int]:
+    """How many candidates ended each way (report.json, the throughput chart): the trials
+    given and every candidate the recommendation lists."""
+    counts = dict.fromkeys(OUTCOMES, 0)
+    for _, s in listed_rows(rec, trials):
+        if (kind := outcome(s)) is not None:
+            counts[kind] += 1
+    return counts
+
+
 def scored_rows(rec: Decision) -> list[tuple[str, Scored]]:
+    """The recommendation's candidates, each with what it is to the decision: chosen,
+    runner-up, or what kept it out (failed, skipped, ruled out)."""
     return [
         ("chosen", rec.chosen),
         *(("runner-up", s) for s in rec.runners_up),
-        *(("ruled out", s) for s in rec.ruled_out),
+        *((outcome(s) or "not chosen", s) for s in rec.ruled_out),
     ]
 
 
@@ -56,7 +91,8 @@ def listed_rows(rec: Decision, trials: Iterable[TrialResult] = ()) -> list[tuple
     listed = {s.candidate.key() for _, s in rows}
     for t in trials:
         if t.candidate.key() not in listed:
-            rows.append(("tried", Scored(candidate=t.candidate, trial=t)))
+            scored = Scored(candidate=t.candidate, trial=t)
+            rows.append((outcome(scored) or MEASURED, scored))
             listed.add(t.candidate.key())
     return rows
 
@@ -131,27 +167,37 @@ FOLD_AFTER = 2  # never-launched candidates listed per reason in the terminal; r
 
 def _fold_not_launched(
     rows: list[tuple[str, Scored]],
-) -> tuple[list[tuple[str, Scored]], dict[str, int]]:
+) -> tuple[list[tuple[str, Scored]], dict[tuple[str, str], int]]:
     """The rows with at most FOLD_AFTER never-launched (pruned, skipped) candidates per reason,
     and how many more each reason had: a dozen identical "needs a GPU" rows say it once."""
     kept: list[tuple[str, Scored]] = []
-    seen: dict[str, int] = {}
+    seen: dict[tuple[str, str], int] = {}
     for kind, s in rows:
-        if kind == "ruled out" and s.trial is not None and not s.trial.status.launched:
-            why = why_ruled_out(s)
-            seen[why] = seen.get(why, 0) + 1
-            if seen[why] > FOLD_AFTER:
+        if kind in (SKIPPED, RULED_OUT) and s.trial is not None and not s.trial.status.launched:
+            key = (kind, why_ruled_out(s))
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] > FOLD_AFTER:
                 continue
         kept.append((kind, s))
-    return kept, {why: n - FOLD_AFTER for why, n in seen.items() if n > FOLD_AFTER}
+    return kept, {key: n - FOLD_AFTER for key, n in seen.items() if n > FOLD_AFTER}
 
 
 def why_ruled_out(s: Scored) -> str:
-    if s.trial is not None and s.trial.status is not TrialStatus.OK:
-        return f"{s.trial.status.value}: {s.trial.error or ''}".strip(": ")
+    """What kept ``s`` out, saying which of the four it was: ``failed (oom): ...``, ``skipped,
+    never launched: ...``, ``predicted not to fit, never launched: ...``."""
+    t = s.trial
+    if t is not None and t.status is not TrialStatus.OK:
+        kind = outcome(s)
+        said = {
+            FAILED: f"failed ({t.status.value})",
+            SKIPPED: "skipped, never launched",
+            RULED_OUT: "predicted not to fit, never launched",
+        }[kind or FAILED]
+        return f"{said}: {t.error}" if t.error else said
     if s.estimate is not None and not s.estimate.fits:
-        return s.estimate.reason or (
-            f"predicted {format_bytes(s.estimate.gpu_peak)} per rank does not fit"
+        return "predicted not to fit: " + (
+            s.estimate.reason
+            or f"predicted {format_bytes(s.estimate.gpu_peak)} per rank does not fit"
         )
     return "slower"
 
@@ -182,19 +228,22 @@ def print_summary(
     console.print(table)
     console.print("[bold]Why[/]")
     for line in (*rec.reasons, choose_state_dict_type(rec)[1]):
-        console.print(f"  • {line}", highlight=False)
+        console.print(f"  • {escape(line)}", highlight=False)
     rows = listed_rows(rec, trials)
     if len(rows) > 1:
         rows, folded = _fold_not_launched(rows)
-        alt = Table(title="Configurations", title_justify="left")
         ran = {s.trial.device for _, s in rows if s.trial and s.trial.status is TrialStatus.OK}
         where = f" ({ran.pop()})" if len(ran) == 1 else ""
         unit = next((u for _, s in rows for u in [rate_per_rank(s.trial)[1]] if u), "tokens/s")
-        columns = ("", "configuration", "predicted peak", f"measured peak{where}",
-                   f"predicted {unit}/GPU ({predicted_device(rec)})",
-                   f"measured {unit}/rank{where}", "why not")  # fmt: skip
-        for col in columns:
-            alt.add_column(col, justify="right" if "/" in col else "left")
+        columns = [
+            Column("", keep=7), Column("configuration", keep=9, wrap=True),
+            Column("predicted peak", "right", keep=4),
+            Column(f"measured peak{where}", "right", keep=6),
+            Column(f"predicted {unit} per GPU ({predicted_device(rec)})", "right", keep=5),
+            Column(f"measured {unit} per rank{where}", "right", keep=8),
+            Column("why not", keep=8, wrap=True),
+        ]  # fmt: skip
+        cells = []
         for kind, s in rows:
             predicted, _ = predicted_per_rank(s, rec.hardware)
             measured, _ = rate_per_rank(s.trial)
@@ -205,18 +254,27 @@ def print_summary(
                 measured_text = f"{measured:,.0f} ±{spread_of(s.trial):.0%}"
                 if error is not None:
                     measured_text += f" (model {error:+.0%})"
-            alt.add_row(
+            cells.append([
                 kind,
                 s.candidate.label(),
                 format_bytes(s.estimate.gpu_peak) if s.estimate else "",
                 format_bytes(s.trial.max_allocated) if s.trial and s.trial.max_allocated else "",
                 f"{predicted:,.0f}" if predicted else "",
                 measured_text,
-                "" if ok or kind == "chosen" else why_ruled_out(s)[:60],
+                "" if ok or kind == "chosen" else escape(why_ruled_out(s)),
+            ])  # fmt: skip
+        for (kind, why), more in folded.items():
+            cells.append([kind, f"... and {more} more", "", "", "", "", escape(why)])
+        console.print(
+            fitted_table(
+                columns,
+                cells,
+                console.width,
+                title="Configurations",
+                title_justify="left",
+                caption_justify="left",
             )
-        for why, more in folded.items():
-            alt.add_row("ruled out", f"... and {more} more", "", "", "", "", why[:60])
-        console.print(alt)
+        )
     n = sum(1 for t in trials_of(rec, trials) if t.status.launched)
     if n:
         console.print(f"[dim]{n} trials ran; see report.html for charts[/]")
@@ -297,10 +355,10 @@ def settings_of(rec: Decision) -> dict[str, str]:
             )
     t = rec.chosen.trial
     if t is not None and t.step_time is not None:
-        rate, unit = trial_rate(t)
-        ranks = f" on {t.world_size} ranks" if t.world_size > 1 else ""
+        rate, unit = rate_per_rank(t)
+        ranks = f" ({t.world_size} ranks)" if t.world_size > 1 else ""
         out["measured"] = f"{t.step_time:.3f} s/step" + (
-            f", {rate:,.0f} {unit}{ranks}" if rate else ""
+            f", {rate:,.0f} {unit} per rank{ranks}" if rate else ""
         )
         if t.max_allocated:
             out["measured"] += f", peak {format_bytes(t.max_allocated)} per rank on {t.device}"
@@ -323,6 +381,8 @@ def report_data(rec: Decision, trials: Sequence[TrialResult] = ()) -> dict[str, 
         "trials": [t.model_dump(mode="json") for t in trials_of(rec, trials)],
         "summary": {
             "label": rec.chosen.candidate.label(),
+            # measured, failed (ran: oom/error/timeout), skipped and ruled out (never launched)
+            "outcomes": outcome_counts(rec, trials_of(rec, trials)),
             "basis": rec.basis,
             "settings": settings_of(rec),
             "state_dict_type": kind,

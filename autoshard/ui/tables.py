@@ -5,15 +5,18 @@ from __future__ import annotations
 from collections import Counter
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from autoshard.config import Hardware, RankOrder
+from autoshard.config import Candidate, Hardware, RankOrder
 from autoshard.predict.analytic import ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES
-from autoshard.results import MemoryEstimate, ModelProfile
+from autoshard.results import Decision, MemoryEstimate, ModelProfile
 from autoshard.space import PREDICTED_TIE
+from autoshard.ui.fit import Column, fitted_table
 from autoshard.units import format_bytes, format_count, format_share
 
 CLASS_ROWS = 12
+ROWS = 20  # candidates `autoshard estimate` lists unless --all
 
 
 def _short(path: str) -> str:
@@ -135,8 +138,11 @@ def estimates_table(
     *,
     order: RankOrder = RankOrder.SPEED,
     limit: int | None = None,
+    width: int = 200,
+    chosen: Candidate | None = None,
 ) -> Table:
-    """Every candidate in the order given (fitting ones first, then by ``order``)."""
+    """Every candidate in the order given (fitting ones first, then by ``order``), the first
+    ``limit`` of them, no wider than ``width``; ``chosen`` (the decision's) is marked."""
     by = (
         "most headroom first"
         if order is RankOrder.HEADROOM
@@ -150,23 +156,24 @@ def estimates_table(
             f"{format_bytes(hardware.usable_gpu_memory)})"
         )
     shown = estimates if limit is None else estimates[:limit]
-    more = f"; {len(estimates) - len(shown)} more not shown" if len(shown) < len(estimates) else ""
-    table = Table(
-        title=title,
-        title_justify="left",
-        caption=f"fitting candidates first, {by}; the rest by how far they overshoot{more}",
-        caption_justify="left",
+    more = (
+        f"; {len(estimates) - len(shown)} more not shown (--all shows them)"
+        if len(shown) < len(estimates)
+        else ""
     )
     speed = any(e.speed is not None for e in shown)
-    columns = [("configuration", "left"), ("fits", "left"), ("GPU peak", "right"),
-               ("headroom", "right"), ("host / node", "right")]  # fmt: skip
+    columns = [Column("configuration", keep=9, wrap=True), Column("fits", keep=9),
+               Column("GPU peak", "right", keep=8), Column("headroom", "right", keep=3),
+               Column("host / node", "right", keep=2)]  # fmt: skip
     if speed:
-        columns += [("tokens/s/GPU", "right"), ("MFU", "right")]
-    for name, justify in columns:
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        columns += [Column("tokens/s per GPU", "right", keep=5), Column("MFU", "right", keep=1)]
+    rows = []
     for e in shown:
+        label = e.candidate.label()
+        if chosen is not None and e.candidate == chosen:
+            label = f"[bold]{label}[/]\n[green]← recommended[/]"  # a line of its own
         row = [
-            e.candidate.label(),
+            label,
             "[green]yes[/]" if e.fits else "[red]no[/]",
             format_bytes(e.gpu_peak) + (" [cyan](sim)[/]" if e.method == "simulated" else ""),
             format_bytes(e.headroom),
@@ -178,8 +185,16 @@ def estimates_table(
                 f"{s.tokens_per_s_per_gpu:,.0f}" if s and s.tokens_per_s_per_gpu else "",
                 format_share(s.mfu) if s and s.mfu is not None else "",
             ]
-        table.add_row(*row)
-    return table
+        rows.append(row)
+    return fitted_table(
+        columns,
+        rows,
+        width,
+        title=title,
+        title_justify="left",
+        caption=f"fitting candidates first, {by}; the rest by how far they overshoot{more}",
+        caption_justify="left",
+    )
 
 
 def print_estimates(
@@ -189,19 +204,33 @@ def print_estimates(
     *,
     order: RankOrder = RankOrder.SPEED,
     detail: int = 3,
+    limit: int | None = ROWS,
+    recommendation: Decision | None = None,
+    nothing_fits: str | None = None,
 ) -> None:
-    """Every candidate in the order given, then the breakdowns of the first ``detail`` that
-    fit, and what the allowance is."""
-    console.print(estimates_table(estimates, hardware, order=order))
+    """The first ``limit`` candidates in the order given, the breakdowns of the first
+    ``detail`` that fit, what the allowance is, and the decision with its reasons (what
+    ``print(autoshard.recommend(...))`` and ``rec.reasons`` say)."""
+    chosen = recommendation.chosen.candidate if recommendation is not None else None
+    console.print(
+        estimates_table(
+            estimates, hardware, order=order, limit=limit, width=console.width, chosen=chosen
+        )
+    )
     for e in [e for e in estimates if e.fits][:detail]:
         how = f"{e.method}, peak at {e.peak_at}" if e.peak_at else e.method
-        parts = Table(title=f"Breakdown: {e.candidate.label()} ({how})", title_justify="left")
-        parts.add_column("term")
-        parts.add_column("bytes per GPU", justify="right")
-        for term, value in e.breakdown.model_dump().items():
-            parts.add_row(term.replace("_", " "), format_bytes(value))
-        parts.add_row("[bold]peak[/]", f"[bold]{format_bytes(e.gpu_peak)}[/]")
-        console.print(parts)
+        rows = [[term.replace("_", " "), format_bytes(value)]
+                for term, value in e.breakdown.model_dump().items()]  # fmt: skip
+        rows.append(["[bold]peak[/]", f"[bold]{format_bytes(e.gpu_peak)}[/]"])
+        console.print(
+            fitted_table(
+                [Column("term", keep=1), Column("bytes per GPU", "right", keep=1)],
+                rows,
+                console.width,
+                title=f"Breakdown: {e.candidate.label()} ({how})",
+                title_justify="left",
+            )
+        )
     if hardware.backend != "gloo":
         console.print(
             f"[dim]allowance = {format_bytes(CUDA_CONTEXT_BYTES)} for the CUDA context and "
@@ -210,3 +239,14 @@ def print_estimates(
             "it[/]",
             highlight=False,
         )
+    if recommendation is None:
+        # The plan's one line says what would fit (more nodes, more host memory) where it knows.
+        why = escape(nothing_fits) if nothing_fits else "see the table for by how much"
+        console.print(f"[bold red]Nothing fits[/]: {why}", highlight=False)
+        return
+    console.print()
+    for line in recommendation.summary_lines():
+        console.print(escape(line), highlight=False)
+    console.print("[bold]Why[/]")
+    for line in recommendation.reasons:
+        console.print(f"  • {escape(line)}", highlight=False)
