@@ -4,6 +4,7 @@ against the analytic estimate, across world sizes and against its own depth extr
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autoshard.analyze import analyze_target
 from autoshard.config import Candidate, Hardware, Precision, WorkloadSpec
@@ -92,6 +93,18 @@ def test_every_stack_of_an_encoder_decoder_is_a_block_list() -> None:
     assert block_lists(built.model, profile.block_classes) == {ENCODER: 10, DECODER: 10}
     truncate_blocks(built.model, {ENCODER: 4, DECODER: 5})
     assert block_lists(built.model, profile.block_classes) == {ENCODER: 4, DECODER: 5}
+    # a Sequential of blocks (the model itself, here) stays a Sequential
+    from torch import nn
+
+    with torch.device("meta"):
+        layers = nn.Sequential(*[nn.TransformerEncoderLayer(8, 2, 16) for _ in range(6)])
+    classes = ("torch.nn.modules.transformer.TransformerEncoderLayer",)
+    assert block_lists(layers, classes) == {}  # the model itself: not replaceable in place
+    holder = nn.Module()
+    holder.stack = layers
+    assert block_lists(holder, classes) == {"stack": 6}
+    truncate_blocks(holder, {"stack": 2})
+    assert type(holder.stack) is nn.Sequential and len(holder.stack) == 2
 
 
 def test_each_deep_stack_is_simulated_one_block_deeper_and_extrapolated(monkeypatch) -> None:

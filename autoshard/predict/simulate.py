@@ -462,15 +462,18 @@ def _sharding_propagation_outside_fake_mode() -> Iterator[None]:
 
 def block_lists(model: nn.Module, block_classes: tuple[str, ...]) -> dict[str, int]:
     """The ModuleLists (and Sequentials) that hold the model's repeated blocks, by name, with
-    their lengths: an encoder-decoder's two stacks, a decoder's one. A list inside another's
-    blocks (a stage's layers) is not counted apart: truncating the outer list truncates it."""
+    their lengths: an encoder-decoder's two stacks, a decoder's one (not the model itself: it
+    cannot be replaced in place). A list inside another's blocks (a stage's layers) is not
+    counted apart: truncating the outer list truncates it."""
     classes = tuple(wrap_classes_of(model, block_classes)) if block_classes else ()
     if not classes:
         return {}
     found: dict[str, int] = {}
     for name, child in model.named_modules():
-        if not isinstance(child, nn.ModuleList | nn.Sequential) or any(
-            name.startswith(f"{outer}.") for outer in found
+        if (
+            not name
+            or not isinstance(child, nn.ModuleList | nn.Sequential)
+            or any(name.startswith(f"{outer}.") for outer in found)
         ):
             continue
         if any(isinstance(m, classes) for m in child):
@@ -483,9 +486,9 @@ def truncate_blocks(model: nn.Module, depths: dict[str, int]) -> None:
     for name, depth in depths.items():
         parent_name, _, attribute = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        blocks = getattr(parent, attribute)
-        kind = nn.Sequential if type(blocks) is nn.Sequential else nn.ModuleList
-        setattr(parent, attribute, kind(list(blocks)[:depth]))
+        kept = list(getattr(parent, attribute))[:depth]
+        sequential = type(getattr(parent, attribute)) is nn.Sequential
+        setattr(parent, attribute, nn.Sequential(*kept) if sequential else nn.ModuleList(kept))
 
 
 # ---------------------------------------------------------------------------------------------
