@@ -156,6 +156,24 @@ def test_a_shallow_model_peaking_elsewhere_is_simulated_deeper(monkeypatch) -> N
     assert est.gpu_peak - est.breakdown.allowance == 1200 + 100 * 20
 
 
+def test_deepening_stops_after_a_bounded_number_of_tries(monkeypatch) -> None:
+    """A model whose peak never settles costs at most DEEPEN_AT_MOST more rounds, not one per
+    block of its depth."""
+    ran: list[tuple[int, int]] = []
+
+    def unsettled(target, depths, *args, **kwargs):
+        ran.append((depths[ENCODER], depths[DECODER]))
+        kind = "Temp" if len(ran) % 2 else "Activation"  # a kind that vanishes every other run
+        return {simulate.LOOP_PHASE: {kind: 1000, "Total": 1000}}
+
+    monkeypatch.setattr(simulate, "_simulate_once", unsettled)
+    profile, _ = analyze_target(SEQ2SEQ)
+    c = Candidate(engine="fsdp2", wrap_classes=profile.wrap_policy)
+    hw = Hardware(gpus_per_node=2, gpu_memory=GIB)
+    simulate_memory(SEQ2SEQ, c, hw, WorkloadSpec(), block_classes=profile.block_classes)
+    assert len(ran) == 3 * (1 + simulate.DEEPEN_AT_MOST)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kind",

@@ -53,6 +53,9 @@ from autoshard.target.step import find_loss_fn, make_batch, with_labels
 # more, and extrapolated (the peak is affine in depth from 4 blocks up).
 EXTRAPOLATE_FROM = 4
 EXTRAPOLATE_ABOVE = 8
+# Where the shallow model peaks at another moment than one block deeper, it is simulated again
+# one block deeper, at most this many times (each time costs as much as the first).
+DEEPEN_AT_MOST = 2
 # Steps tracked: the first creates the optimizer state, the second runs with it in memory.
 TRACKED_STEPS = 2
 
@@ -605,7 +608,8 @@ def simulate_memory(
             base = dict.fromkeys(deep, k)
             low = run(base)
             steps = {name: run({**base, name: k + 1}) for name in deep}
-            if _same_moments(low, steps.values()) or k + 2 >= min(deep.values()):
+            last = k >= EXTRAPOLATE_FROM + DEEPEN_AT_MOST or k + 2 >= min(deep.values())
+            if last or _same_moments(low, steps.values()):
                 break
             # The shallow model peaked at another moment than the deeper ones (a large root
             # unit's gradients outweighing a few blocks' activations): its line would be too
@@ -620,11 +624,8 @@ def simulate_memory(
             phase: _extrapolate(low[phase], [(steps[name][phase], deep[name] - k) for name in deep])
             for phase in low.keys() & set.intersection(*(set(s) for s in steps.values()))
         }
-        how = (
-            "simulated "
-            + " and ".join(f"{k} and {k + 1} of {n} blocks" for n in deep.values())
-            + ", extrapolated"
-        )
+        stacks = ", ".join(f"{k} and {k + 1} of {n} {name}" for name, n in deep.items())
+        how = f"simulated {stacks}, extrapolated"
     else:
         phases = run({})
         how = "simulated"
