@@ -4,13 +4,16 @@
 
 Target (issue 3): under 10 s on a 2-core machine. Prints each stage in-process (build on meta,
 analysis, the fake-tensor activation profile, enumerating and scoring every candidate, the FLOP
-profile and the step-time prediction of every candidate) and the
-whole `autoshard estimate` command in a fresh process, Python and torch start-up included.
+profile and the step-time prediction of every candidate) and the whole `autoshard estimate`
+command in a fresh process, Python and torch start-up included. Then (issue 23) `--simulate 3`
+on the seed guide's 1.01B demo Transformer, 64 layers in two stacks: under 90 s.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import subprocess
 import sys
 import time
@@ -21,6 +24,12 @@ TARGET = f"{ROOT}/examples/gpt.py:build"
 COMMAND = [sys.executable, "-m", "autoshard", "estimate", TARGET, "--arg", "size=70b",
            "--gpus", "8", "--nodes", "128", "--seq-len", "4096", "--batch-size", "1,2,4",
            "--json"]  # fmt: skip
+# The seed guide's demo Transformer (1.01B: nn.Transformer, 32 encoder + 32 decoder layers), fp32
+# on 2 GPUs, its 3 best candidates simulated (issue 23: under 90 s; over 15 minutes before).
+SIMULATE = [sys.executable, "-m", "autoshard", "estimate",
+            f"{ROOT}/examples/lightning_transformer.py:build", "--arg", "nlayers=32",
+            "--arg", "nhid=4096", "--arg", "ninp=1024", "--arg", "nhead=64", "--gpus", "2",
+            "--precision", "32-true", "--simulate", "3", "--json"]  # fmt: skip
 
 
 def main() -> None:
@@ -72,6 +81,13 @@ def main() -> None:
     if proc.returncode:
         raise SystemExit(proc.stderr)
     stages.append(("whole `autoshard estimate` command, fresh process", time.perf_counter() - t))
+    load = os.getloadavg()[0]
+    t, cpu = time.perf_counter(), _children_cpu()
+    proc = subprocess.run(SIMULATE, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode:
+        raise SystemExit(proc.stderr)
+    simulating = time.perf_counter() - t
+    stages.append(("1.01B encoder-decoder (64 layers), `--simulate 3`, fresh process", simulating))
     lines = [
         f"model: {profile.total_params:,} parameters; {sum(e.fits for e in estimates)} of "
         f"{len(estimates)} candidates fit 80 GiB; {1e6 * scoring / len(estimates):.0f} us each "
@@ -80,6 +96,10 @@ def main() -> None:
         "| stage | seconds |",
         "| --- | ---: |",
         *[f"| {name} | {sec:.2f} |" for name, sec in stages],
+        "",
+        f"`--simulate 3` on the 1.01B encoder-decoder: {_children_cpu() - cpu:.1f} s of CPU "
+        f"time; the machine's load average was {load:.1f} on {os.cpu_count()} cores when it "
+        "started (wall-clock seconds grow with the load)",
     ]
     text = "\n".join(lines)
     print(text)
@@ -88,6 +108,11 @@ def main() -> None:
             "# estimate speed: 70B on 1,024 GPUs\n\n`python benchmarks/estimate_speed.py "
             f"--write {args.write}`\n\ncommand timed: `{' '.join(COMMAND[1:])}`\n\n{text}\n"
         )
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 if __name__ == "__main__":

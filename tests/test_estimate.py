@@ -195,8 +195,10 @@ def test_low_precision_profiles_see_what_the_model_keeps_in_fp32() -> None:
 
 def test_repeated_blocks_are_counted_as_if_each_had_run(monkeypatch) -> None:
     """Blocks with the same signature run once; the count must equal running every block,
-    including tensors every block is given (a shared table saved by the first block only)."""
-    import autoshard.predict.activations as memory
+    including tensors every block is given (a shared table saved by the first block only).
+    The FLOP count shares the set-up (:func:`autoshard.predict.fakes.fake_model`): likewise."""
+    import autoshard.predict.fakes as fakes
+    from autoshard.predict.flops import profile_flops
 
     target = TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny", "n_layer": 6})
     built = build_target(target)
@@ -204,8 +206,10 @@ def test_repeated_blocks_are_counted_as_if_each_had_run(monkeypatch) -> None:
     w = WorkloadSpec(seq_len=64)
     precisions = (Precision.FP32, Precision.BF16_MIXED)
     reused = profile_activations(built.model, profile, w, precisions=precisions)
-    monkeypatch.setattr(memory, "_signature", lambda module: (id(module),))  # no two alike
+    reused_flops = profile_flops(built.model, profile, w)
+    monkeypatch.setattr(fakes, "block_signature", lambda module: (id(module),))  # no two alike
     every = profile_activations(built.model, profile, w, precisions=precisions)
+    assert profile_flops(built.model, profile, w) == reused_flops and reused_flops.measured
     assert reused.measured and every.measured
     for a, b in zip((reused, *reused.others), (every, *every.others), strict=True):
         assert a.block_bytes == b.block_bytes and len(set(a.block_bytes)) == 1

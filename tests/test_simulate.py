@@ -4,13 +4,15 @@ against the analytic estimate, across world sizes and against its own depth extr
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autoshard.analyze import analyze_target
 from autoshard.config import Candidate, Hardware, Precision, WorkloadSpec
 from autoshard.errors import ConfigError
+from autoshard.predict import simulate
 from autoshard.predict.activations import precisions_of, profile_activations
 from autoshard.predict.analytic import estimate_memory
-from autoshard.predict.simulate import simulate_memory
+from autoshard.predict.simulate import block_lists, simulate_memory, truncate_blocks
 from autoshard.target.resolve import TargetSpec
 
 from .conftest import EXAMPLES, TARGETS
@@ -80,6 +82,121 @@ def test_depth_extrapolation_matches_the_whole_simulation() -> None:
     assert "extrapolated" not in whole.reason
     peak = whole.gpu_peak - whole.breakdown.allowance
     assert abs((fast.gpu_peak - fast.breakdown.allowance) - peak) <= 0.02 * peak
+
+
+ENCODER, DECODER = "transformer.encoder.layers", "transformer.decoder.layers"
+SEQ2SEQ = TargetSpec(spec=f"{EXAMPLES}/lightning_transformer.py:build", kwargs={"nlayers": 10})
+
+
+def test_every_stack_of_an_encoder_decoder_is_a_block_list() -> None:
+    profile, built = analyze_target(SEQ2SEQ)
+    assert block_lists(built.model, profile.block_classes) == {ENCODER: 10, DECODER: 10}
+    truncate_blocks(built.model, {ENCODER: 4, DECODER: 5})
+    assert block_lists(built.model, profile.block_classes) == {ENCODER: 4, DECODER: 5}
+    # a Sequential of blocks (the model itself, here) stays a Sequential
+    from torch import nn
+
+    with torch.device("meta"):
+        layers = nn.Sequential(*[nn.TransformerEncoderLayer(8, 2, 16) for _ in range(6)])
+    classes = ("torch.nn.modules.transformer.TransformerEncoderLayer",)
+    assert block_lists(layers, classes) == {}  # the model itself: not replaceable in place
+    holder = nn.Module()
+    holder.stack = layers
+    assert block_lists(holder, classes) == {"stack": 6}
+    truncate_blocks(holder, {"stack": 2})
+    assert type(holder.stack) is nn.Sequential and len(holder.stack) == 2
+
+
+def test_each_deep_stack_is_simulated_one_block_deeper_and_extrapolated(monkeypatch) -> None:
+    """Every deep stack at EXTRAPOLATE_FROM blocks, then each alone one deeper; each phase
+    extended along every stack's line (here peaks that are affine by construction)."""
+    ran: list[tuple[int, int]] = []
+
+    def affine(target, depths, *args, **kwargs):
+        enc, dec = depths[ENCODER], depths[DECODER]
+        ran.append((enc, dec))
+        loop = {"Activation": 100 * enc + 30 * dec, "Temp": 1000}
+        step = {"OptState": 7 * enc + 11 * dec + 1500}
+        return {
+            simulate.LOOP_PHASE: {**loop, "Total": sum(loop.values())},
+            simulate.STEP_PHASE: {**step, "Total": sum(step.values())},
+        }
+
+    monkeypatch.setattr(simulate, "_simulate_once", affine)
+    profile, _ = analyze_target(SEQ2SEQ)
+    c = Candidate(engine="fsdp2", wrap_classes=profile.wrap_policy)
+    hw = Hardware(gpus_per_node=2, gpu_memory=GIB)
+    est = simulate_memory(SEQ2SEQ, c, hw, WorkloadSpec(), block_classes=profile.block_classes)
+    assert ran == [(4, 4), (5, 4), (4, 5)]
+    assert est.gpu_peak - est.breakdown.allowance == 1000 + 100 * 10 + 30 * 10
+    assert est.breakdown.activations == 1300
+
+
+def test_a_shallow_model_peaking_elsewhere_is_simulated_deeper(monkeypatch) -> None:
+    """At 4 blocks per stack the peak is a moment that grows slowly (a large root unit's
+    gradients, "Temp"); from 5 on, another (activations): the line through 4 and 5 would be
+    too flat (2,320 against 3,200 here). The moments differ (a kind falls as a block is added),
+    so every stack is simulated again from 5 blocks."""
+    ran: list[tuple[int, int]] = []
+
+    def two_moments(target, depths, *args, **kwargs):
+        enc, dec = depths[ENCODER], depths[DECODER]
+        ran.append((enc, dec))
+        early = {"Temp": 2000 + 10 * (enc + dec)}
+        late = {"Activation": 1200 + 100 * (enc + dec)}
+        kinds = max(early, late, key=lambda k: sum(k.values()))
+        return {simulate.LOOP_PHASE: {**kinds, "Total": sum(kinds.values())}}
+
+    monkeypatch.setattr(simulate, "_simulate_once", two_moments)
+    profile, _ = analyze_target(SEQ2SEQ)
+    c = Candidate(engine="fsdp2", wrap_classes=profile.wrap_policy)
+    hw = Hardware(gpus_per_node=2, gpu_memory=GIB)
+    est = simulate_memory(SEQ2SEQ, c, hw, WorkloadSpec(), block_classes=profile.block_classes)
+    assert ran == [(4, 4), (5, 4), (4, 5), (5, 5), (6, 5), (5, 6)]
+    assert est.gpu_peak - est.breakdown.allowance == 1200 + 100 * 20
+
+
+def test_deepening_stops_after_a_bounded_number_of_tries(monkeypatch) -> None:
+    """A model whose peak never settles costs at most DEEPEN_AT_MOST more rounds, not one per
+    block of its depth."""
+    ran: list[tuple[int, int]] = []
+
+    def unsettled(target, depths, *args, **kwargs):
+        ran.append((depths[ENCODER], depths[DECODER]))
+        kind = "Temp" if len(ran) % 2 else "Activation"  # a kind that vanishes every other run
+        return {simulate.LOOP_PHASE: {kind: 1000, "Total": 1000}}
+
+    monkeypatch.setattr(simulate, "_simulate_once", unsettled)
+    profile, _ = analyze_target(SEQ2SEQ)
+    c = Candidate(engine="fsdp2", wrap_classes=profile.wrap_policy)
+    hw = Hardware(gpus_per_node=2, gpu_memory=GIB)
+    simulate_memory(SEQ2SEQ, c, hw, WorkloadSpec(), block_classes=profile.block_classes)
+    assert len(ran) == 3 * (1 + simulate.DEEPEN_AT_MOST)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind",
+    [
+        dict(engine="fsdp1"),
+        dict(engine="fsdp2", precision="bf16-mixed", checkpointing="all", micro_batch_size=2),
+    ],
+    ids=["fsdp1", "fsdp2-bf16-ckpt"],
+)
+def test_encoder_decoder_extrapolation_matches_the_whole_simulation(kind) -> None:
+    """Two stacks of two block classes (nn.Transformer's 10 encoder and 10 decoder layers),
+    each extrapolated from 5 and 6 blocks: within 1% of simulating all 20."""
+    profile, _ = analyze_target(SEQ2SEQ)
+    c = Candidate(
+        wrap_classes=profile.wrap_policy, checkpoint_classes=profile.checkpoint_policy, **kind
+    )
+    hw = Hardware(gpus_per_node=2, gpu_memory=80 * GIB)
+    w = WorkloadSpec(seq_len=32)
+    classes = profile.block_classes
+    whole = simulate_memory(SEQ2SEQ, c, hw, w, block_classes=classes, extrapolate=False)
+    fast = simulate_memory(SEQ2SEQ, c, hw, w, block_classes=classes)
+    peak = whole.gpu_peak - whole.breakdown.allowance
+    assert abs((fast.gpu_peak - fast.breakdown.allowance) - peak) <= 0.01 * peak
 
 
 # Every engine, the three shardings, checkpointing on and off, both precisions; two

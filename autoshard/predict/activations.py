@@ -11,7 +11,6 @@ one profile at micro-batch 1 scales to every micro-batch.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -19,17 +18,23 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoshard.config import (
     Candidate,
     Precision,
     WorkloadSpec,
 )
-from autoshard.predict.fakes import experts_for_fake_tensors, fake_forward_support
+from autoshard.predict.fakes import (
+    call_shapes,
+    fake_forward_support,
+    fake_model,
+    fresh_like,
+    sample_batch,
+    tensors_in,
+)
 from autoshard.results import ModelProfile
 from autoshard.sharding import compute_dtype
-from autoshard.target.step import find_vocab_size, forward, move_to
+from autoshard.target.step import forward
 
 
 class ActivationProfile(BaseModel):
@@ -126,50 +131,6 @@ def _block_hooks(
             h.remove()
 
 
-def _signature(module: nn.Module) -> tuple[Any, ...]:
-    """Blocks with the same class and the same parameter and buffer shapes save the same bytes
-    for the same input: one is run, the others reuse its count."""
-    tensors = [*module.named_parameters(), *module.named_buffers()]
-    return (type(module), tuple((n, tuple(t.shape), t.dtype) for n, t in tensors))
-
-
-def _shapes(value: Any) -> Any:
-    """A hashable description of a block's call arguments (tensors by shape and dtype)."""
-    if isinstance(value, torch.Tensor):
-        return ("T", tuple(value.shape), value.dtype, value.requires_grad)
-    if isinstance(value, dict):
-        return tuple((k, _shapes(v)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0])))
-    if isinstance(value, list | tuple):
-        return tuple(_shapes(v) for v in value)
-    try:
-        hash(value)
-    except TypeError:
-        return type(value).__name__
-    return value
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, list | tuple):
-        for v in value:
-            yield from _tensors(v)
-
-
-def _fresh_like(value: Any) -> Any:
-    """New fake tensors of the same shapes (no autograd history: nothing is saved twice)."""
-    if isinstance(value, torch.Tensor):
-        return torch.empty_like(value).requires_grad_(value.requires_grad)
-    if isinstance(value, dict):
-        return type(value)({k: _fresh_like(v) for k, v in value.items()})
-    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-        return type(value)(_fresh_like(v) for v in value)
-    return value
-
-
 def profile_activations(
     model: nn.Module,
     profile: ModelProfile,
@@ -198,14 +159,7 @@ def profile_activations(
     """
     seq = workload.seq_len
     try:
-        if any(not p.is_meta for p in model.parameters()):
-            raise ValueError("profile_activations needs a model built on the meta device")
-        if batch is not None:
-            batch = _first_sample(batch)
-        else:
-            if find_vocab_size(model) is None or seq is None:
-                raise ValueError("no example batch and no sequence length")
-            batch = torch.zeros(1, seq, dtype=torch.long)
+        batch = sample_batch(model, batch, seq, "profile_activations")
         # 16-mixed saves what bf16-mixed does (2-byte compute, the same autocast lists)
         wanted = [Precision.BF16_MIXED if p is Precision.FP16_MIXED else p for p in precisions]
         profiles, failed = [], []
@@ -237,17 +191,6 @@ def precisions_of(candidates: Sequence[Candidate]) -> tuple[Precision, ...]:
     return tuple(dict.fromkeys([*(c.precision for c in candidates), Precision.FP32]))
 
 
-def _materialize(module: nn.Module, dtype: torch.dtype, *, recurse: bool) -> None:
-    """Fake CPU tensors for ``module``'s meta parameters and buffers, floating ones in ``dtype``
-    (what FSDP's param_dtype casts them to). Call under the fake mode."""
-
-    def empty(t: torch.Tensor) -> torch.Tensor:
-        kind = dtype if t.is_floating_point() else t.dtype
-        return torch.empty_like(t, device="cpu", dtype=kind)
-
-    module._apply(empty, recurse=recurse)
-
-
 def _profile_once(
     meta_model: nn.Module,
     profile: ModelProfile,
@@ -255,33 +198,9 @@ def _profile_once(
     precision: Precision,
     seq: int | None,
 ) -> ActivationProfile:
-    from autoshard.sharding import wrap_classes_of
-
-    # Fake CPU tensors, not meta ones: on meta, SDPA takes the math path and saves the
-    # seq x seq attention matrix; fake CPU tensors dispatch to the flash kernel, as on a GPU.
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    model = copy.deepcopy(meta_model)  # a meta copy costs nothing
-    note = experts_for_fake_tensors(model)
     dtype = torch.float32 if precision is Precision.FP32 else compute_dtype(precision)
-    block_types = tuple(wrap_classes_of(model, profile.checkpoint_policy))
-    blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
-    # Blocks that repeat an earlier one's signature stay on meta until one has to run.
-    # (Signatures are taken before materialising, which changes the dtypes of some blocks only.)
-    signatures = {id(block): _signature(block) for block in blocks}
-    first_of: set[tuple[Any, ...]] = set()
-    repeats: set[int] = set()
-    for block in blocks:
-        # a block holding blocks always runs: its inner blocks count themselves
-        nested = any(isinstance(m, block_types) for m in block.modules() if m is not block)
-        if signatures[id(block)] in first_of and not nested:
-            repeats.add(id(block))
-        first_of.add(signatures[id(block)])
-    in_repeats = {id(m) for b in blocks if id(b) in repeats for m in b.modules()}
-    with fake:
-        for module in model.modules():
-            if id(module) not in in_repeats:
-                _materialize(module, dtype, recurse=False)
-        batch = move_to(batch, torch.device("cpu"))
+    fakes = fake_model(meta_model, profile.checkpoint_policy, batch, dtype)
+    model, blocks, signatures, repeats = fakes.model, fakes.blocks, fakes.signatures, fakes.repeats
     params = {p.untyped_storage()._cdata for p in model.parameters() if not p.is_meta}
     seen: dict[int, int] = {}  # storage -> bytes, each saved storage counted once
     stack: list[int] = []
@@ -312,13 +231,12 @@ def _profile_once(
         signature = signatures[id(block)]
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            key = (signature, _shapes((args, kwargs)))
+            key = (signature, call_shapes((args, kwargs)))
             if id(block) in repeats and key in counted:
                 saved, output = counted[key]
                 per_block[index] += saved
-                return _fresh_like(output)
-            if any(p.is_meta for p in block.parameters()):  # a repeat with a new input
-                _materialize(block, dtype, recurse=True)
+                return fresh_like(output)
+            if fakes.materialize(block):  # a repeat with a new input
                 params.update(p.untyped_storage()._cdata for p in block.parameters())
             before, seen_before = per_block[index], set(seen)
             output = original(*args, **kwargs)
@@ -326,7 +244,7 @@ def _profile_once(
             # is saved once: a repeat would find it already counted.
             shared = {
                 t.untyped_storage()._cdata
-                for t in _tensors((args[1:], kwargs))
+                for t in tensors_in((args[1:], kwargs))
                 if t.untyped_storage()._cdata not in seen_before
             }
             own = per_block[index] - before - sum(seen.get(k, 0) for k in shared)
@@ -342,9 +260,9 @@ def _profile_once(
     )
     for index, block in enumerate(blocks):
         block.forward = counting(index, block)
-    with fake, _block_hooks(model, blocks, stack, finished) as inputs, autocast:
+    with fakes.mode, _block_hooks(model, blocks, stack, finished) as inputs, autocast:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = forward(model, batch)
+            out = forward(model, fakes.batch)
         logits = getattr(out, "logits", out)
         loss = 0
         in_forward = False
@@ -366,18 +284,8 @@ def _profile_once(
         after_blocks_bytes=after,
         loss_bytes=loss,
         loss_in_forward=in_forward,
-        note=note,
+        note=fakes.note,
     )
-
-
-def _first_sample(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[:1] if batch.dim() else batch
-    if isinstance(batch, dict):
-        return {k: _first_sample(v) for k, v in batch.items()}
-    if isinstance(batch, list | tuple):
-        return type(batch)(_first_sample(v) for v in batch)
-    return batch
 
 
 def rule_of_thumb(profile: ModelProfile, workload: WorkloadSpec, why: str) -> ActivationProfile:

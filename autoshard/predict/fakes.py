@@ -1,8 +1,12 @@
-"""What a model's forward needs to run on fake tensors the way it runs on real ones, and quietly.
+"""Running a model on fake tensors: the set-up the predictors share, and what a model's forward
+needs to run there the way it runs on real ones, and quietly.
 
-Both predictors run models on ``FakeTensor``s (:mod:`autoshard.predict.activations` one forward,
-:mod:`autoshard.predict.simulate` whole training steps). Two things get in the way there and not
-in a real run:
+The activation profile (:mod:`autoshard.predict.activations`) and the FLOP count
+(:mod:`autoshard.predict.flops`) run one forward of a copy of the meta model on fake CPU tensors
+(:func:`fake_model`), the simulation (:mod:`autoshard.predict.simulate`) whole training steps.
+Repeated blocks (same class, parameter and buffer shapes: :func:`block_signature`) stay on meta
+until one has to run; a block that holds blocks always runs, so that its inner blocks are met and
+count themselves. Three things get in the way on fake tensors and not in a real run:
 
 - ``aten._grouped_mm`` (Hugging Face's default mixture-of-experts kernel, ``grouped_mm``) has a
   fake/meta implementation written for CUDA's kernel, which takes bf16 only, while the CPU kernel
@@ -28,11 +32,15 @@ in a real run:
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 # torch loggers that report a failing fake kernel with a traceback (torch 2.13)
 _NOISY_LOGGERS = ("torch._subclasses.fake_tensor",)
@@ -155,3 +163,160 @@ def experts_for_fake_tensors(model: Any) -> str:
         "the experts' eager loop has data-dependent shapes; profiled with grouped_mm, for "
         "balanced routing (tokens x top_k expert rows)"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# A model on fake tensors, its repeated blocks left on meta
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeModel:
+    """A copy of a meta model ready for one forward under :attr:`mode` (see :func:`fake_model`)."""
+
+    model: nn.Module
+    mode: FakeTensorMode
+    batch: Any  # the sample batch, on the CPU (fake once the mode runs)
+    dtype: torch.dtype  # of the floating parameters and buffers
+    blocks: list[nn.Module]  # the blocks, in module order
+    signatures: dict[int, tuple[Any, ...]]  # id(block) -> block_signature(block)
+    repeats: set[int] = field(default_factory=set)  # ids of blocks left on meta
+    nested: set[int] = field(default_factory=set)  # ids of blocks that hold blocks
+    note: str = ""  # what was changed to run it (experts_for_fake_tensors)
+
+    def materialize(self, block: nn.Module) -> bool:
+        """Give a repeated block, met with an input no earlier one had, fake parameters; False
+        when it has them already or is no repeat. Call under :attr:`mode`."""
+        # Only a repeat: the meta tensors of a block holding blocks are its inner repeats', and
+        # making its own anew would free storages the count has taken as parameters.
+        if id(block) not in self.repeats or not any(p.is_meta for p in block.parameters()):
+            return False
+        materialize(block, self.dtype, recurse=True)
+        return True
+
+
+def fake_model(
+    meta_model: nn.Module,
+    block_classes: Iterable[str],
+    batch: Any,
+    dtype: torch.dtype = torch.float32,
+) -> FakeModel:
+    """A copy of ``meta_model`` (free on meta) whose parameters and buffers are fake CPU tensors
+    of ``dtype`` (floating ones; what FSDP's param_dtype casts them to), except the blocks that
+    repeat an earlier block's signature, which stay on meta until one has to run.
+
+    Fake CPU tensors, not meta ones: on meta, SDPA takes the math path and saves the seq x seq
+    attention matrix; fake CPU tensors dispatch to the flash kernel, as on a GPU."""
+    from autoshard.sharding import wrap_classes_of
+    from autoshard.target.step import move_to
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = copy.deepcopy(meta_model)
+    note = experts_for_fake_tensors(model)
+    block_types = tuple(wrap_classes_of(model, block_classes))
+    blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
+    # Taken before materialising, which changes the dtypes of some blocks only.
+    signatures = {id(block): block_signature(block) for block in blocks}
+    nested = {
+        id(block)
+        for block in blocks
+        if any(isinstance(m, block_types) for m in block.modules() if m is not block)
+    }
+    first_of: set[tuple[Any, ...]] = set()
+    repeats: set[int] = set()
+    for block in blocks:
+        # a block holding blocks always runs: skipped, its inner blocks would not be met
+        if signatures[id(block)] in first_of and id(block) not in nested:
+            repeats.add(id(block))
+        first_of.add(signatures[id(block)])
+    in_repeats = {id(m) for b in blocks if id(b) in repeats for m in b.modules()}
+    with mode:
+        for module in model.modules():
+            if id(module) not in in_repeats:
+                materialize(module, dtype, recurse=False)
+        batch = move_to(batch, torch.device("cpu"))
+    return FakeModel(model, mode, batch, dtype, blocks, signatures, repeats, nested, note)
+
+
+def sample_batch(model: nn.Module, batch: Any, seq_len: int | None, who: str) -> Any:
+    """The first sample of ``batch``, or one sequence of ``seq_len`` token ids when there is no
+    batch; ``who`` (the caller) is named when ``model`` is not on meta."""
+    from autoshard.target.step import find_vocab_size
+
+    if any(not p.is_meta for p in model.parameters()):
+        raise ValueError(f"{who} needs a model built on the meta device")
+    if batch is not None:
+        return first_sample(batch)
+    if find_vocab_size(model) is None or seq_len is None:
+        raise ValueError("no example batch and no sequence length")
+    return torch.zeros(1, seq_len, dtype=torch.long)
+
+
+def materialize(module: nn.Module, dtype: torch.dtype, *, recurse: bool) -> None:
+    """Fake CPU tensors for ``module``'s meta parameters and buffers, floating ones in ``dtype``.
+    Call under the fake mode."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        kind = dtype if t.is_floating_point() else t.dtype
+        return torch.empty_like(t, device="cpu", dtype=kind)
+
+    module._apply(empty, recurse=recurse)
+
+
+def block_signature(module: nn.Module) -> tuple[Any, ...]:
+    """Blocks with the same class and the same parameter and buffer shapes do the same work and
+    save the same bytes for the same input: one is run, the others reuse its count."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return (type(module), tuple((n, tuple(t.shape), t.dtype) for n, t in tensors))
+
+
+def call_shapes(value: Any) -> Any:
+    """A hashable description of a block's call arguments (tensors by shape and dtype)."""
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.dtype, value.requires_grad)
+    if isinstance(value, dict):
+        return tuple(
+            (k, call_shapes(v)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))
+        )
+    if isinstance(value, list | tuple):
+        return tuple(call_shapes(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return type(value).__name__
+    return value
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in nested dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from tensors_in(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from tensors_in(v)
+
+
+def fresh_like(value: Any) -> Any:
+    """New fake tensors of the same shapes (no autograd history: nothing is saved twice)."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value).requires_grad_(value.requires_grad)
+    if isinstance(value, dict):
+        return type(value)({k: fresh_like(v) for k, v in value.items()})
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(fresh_like(v) for v in value)
+    return value
+
+
+def first_sample(batch: Any) -> Any:
+    """``batch`` cut to its first sample (every tensor's leading dimension), in tensors of
+    their own: a slice's storage is the whole batch's, which a saved input would count."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:1].clone() if batch.dim() else batch
+    if isinstance(batch, dict):
+        return {k: first_sample(v) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(first_sample(v) for v in batch)
+    return batch

@@ -22,13 +22,11 @@ forward and backward. A 70B model costs one block and its embedding and head.
 
 from __future__ import annotations
 
-import copy
 from typing import Any, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import (
@@ -39,16 +37,15 @@ from torch.utils.flop_counter import (
 )
 
 from autoshard.config import WorkloadSpec
-from autoshard.predict.activations import (
-    _first_sample,
-    _fresh_like,
-    _materialize,
-    _shapes,
-    _signature,
+from autoshard.predict.fakes import (
+    call_shapes,
+    fake_forward_support,
+    fake_model,
+    fresh_like,
+    sample_batch,
 )
-from autoshard.predict.fakes import experts_for_fake_tensors, fake_forward_support
 from autoshard.results import ModelProfile
-from autoshard.target.step import compute_loss, find_vocab_size, forward, move_to
+from autoshard.target.step import compute_loss, forward
 
 aten = torch.ops.aten
 
@@ -257,6 +254,10 @@ class _Counts(NamedTuple):
     def __sub__(self, other: tuple[int, ...]) -> _Counts:
         return _Counts(*(a - b for a, b in zip(self, other, strict=True)))
 
+    def plus(self, other: tuple[int, ...]) -> _Counts:
+        """Field by field (``+`` of a tuple concatenates)."""
+        return _Counts(*(a + b for a, b in zip(self, other, strict=True)))
+
 
 class _Counter:
     """FLOPs (torch's counter, with CPU attention) and memory traffic, counted together."""
@@ -312,7 +313,7 @@ def _stand_in(template: Any, args: Any) -> Any:
     leaves, spec = tree_flatten(template)
     floats = [i for i, t in enumerate(leaves) if _differentiable(t)]
     inputs = [t for t in tree_flatten(args)[0] if _differentiable(t) and t.requires_grad]
-    out = [_fresh_like(t) if isinstance(t, torch.Tensor) else t for t in leaves]
+    out = [fresh_like(t) if isinstance(t, torch.Tensor) else t for t in leaves]
     if floats and inputs:
         made = _StandIn.apply(tuple(leaves[i] for i in floats), *inputs)
         for i, tensor in zip(floats, made, strict=True):
@@ -365,14 +366,7 @@ def profile_flops(
     2.04
     """
     try:
-        if any(not p.is_meta for p in model.parameters()):
-            raise ValueError("profile_flops needs a model built on the meta device")
-        if batch is not None:
-            batch = _first_sample(batch)
-        else:
-            if find_vocab_size(model) is None or workload.seq_len is None:
-                raise ValueError("no example batch and no sequence length")
-            batch = torch.zeros(1, workload.seq_len, dtype=torch.long)
+        batch = sample_batch(model, batch, workload.seq_len, "profile_flops")
         with fake_forward_support():  # fp32 grouped_mm experts; torch's tracebacks kept out
             return _count(model, profile, batch, workload.seq_len)
     except Exception as exc:  # a forward that cannot run on fake tensors: estimate, say so
@@ -383,64 +377,62 @@ def profile_flops(
 def _count(
     meta_model: nn.Module, profile: ModelProfile, batch: Any, seq: int | None
 ) -> FlopProfile:
-    from autoshard.sharding import wrap_classes_of
-
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    model = copy.deepcopy(meta_model)  # a meta copy costs nothing
-    experts_for_fake_tensors(model)  # an eager experts loop: the same rows as grouped_mm
-    block_types = tuple(wrap_classes_of(model, profile.checkpoint_policy))
-    blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
-    signatures = {id(block): _signature(block) for block in blocks}
-    # Blocks repeating an earlier one's signature stay on meta until one has to run.
-    seen: set[Any] = set()
-    repeats: set[int] = set()
-    for block in blocks:
-        if signatures[id(block)] in seen:
-            repeats.add(id(block))
-        seen.add(signatures[id(block)])
-    in_repeats = {id(m) for b in blocks if id(b) in repeats for m in b.modules()}
-    with fake:
-        for module in model.modules():
-            if id(module) not in in_repeats:
-                _materialize(module, torch.float32, recurse=False)
-        batch = move_to(batch, torch.device("cpu"))
-
+    fakes = fake_model(meta_model, profile.checkpoint_policy, batch)
+    model, blocks = fakes.model, fakes.blocks
     counter = _Counter()
-    forward_counts: list[_Counts] = [_Counts(0, 0, 0)] * len(blocks)
+    none = _Counts(0, 0, 0)
+    forward_counts: list[_Counts] = [none] * len(blocks)
     # (signature, input shapes) -> (the block, fresh inputs, output template, forward counts)
     distinct: dict[Any, tuple[nn.Module, Any, Any, _Counts]] = {}
     keys: list[Any] = [None] * len(blocks)
+    within: list[_Counts] = []  # per running block: what the blocks inside it counted
+    ran = [none]  # what the blocks' own forwards counted in the model's pass
+    in_pass = [True]  # the model's forward (False: a block's backward alone)
 
     def standing_in(index: int, block: nn.Module) -> Any:
         original = block.forward
+        nested = id(block) in fakes.nested
 
         def stand_in_forward(*args: Any, **kwargs: Any) -> Any:
-            key = (signatures[id(block)], _shapes((args, kwargs)))
-            keys[index] = key
-            if key not in distinct:
-                if any(p.is_meta for p in block.parameters()):  # a repeat with a new input
-                    _materialize(block, torch.float32, recurse=True)
-                before = counter.totals()
+            key = (fakes.signatures[id(block)], call_shapes((args, kwargs)))
+            # A block holding blocks runs again in the model's pass, so that its inner blocks
+            # are met and count themselves; alone, it stands in like the others.
+            if key in distinct and not (nested and in_pass[0]):
+                if in_pass[0]:
+                    keys[index], forward_counts[index] = key, distinct[key][3]
+                return _stand_in(distinct[key][2], (args, kwargs))  # nothing counted
+            fakes.materialize(block)  # a repeat with a new input
+            before = counter.totals()
+            within.append(none)
+            try:
                 output = original(*args, **kwargs)
-                counts = counter.totals() - before
-                distinct[key] = (block, _fresh_like((args, kwargs)), _fresh_like(output), counts)
-            forward_counts[index] = distinct[key][3]
-            return _stand_in(distinct[key][2], (args, kwargs))  # empty tensors: nothing counted
+            finally:
+                inner = within.pop()
+            whole = counter.totals() - before
+            own = whole - inner  # without the blocks inside it
+            if within:
+                within[-1] = within[-1].plus(whole)
+            if in_pass[0]:
+                keys[index], forward_counts[index] = key, own
+                ran[0] = ran[0].plus(own)
+            distinct.setdefault(key, (block, fresh_like((args, kwargs)), fresh_like(output), own))
+            return _stand_in(distinct[key][2], (args, kwargs))
 
         stand_in_forward.original = original  # type: ignore[attr-defined]
         return stand_in_forward
 
     for index, block in enumerate(blocks):
         block.forward = standing_in(index, block)
-    with fake:
+    with fakes.mode:
         with counter:
-            output = forward(model, batch)
+            output = forward(model, fakes.batch)
             forward_total = counter.totals()
-            _backward_of_loss(output, batch)
+            _backward_of_loss(output, fakes.batch)
         total = counter.totals()
+        in_pass[0] = False
         # Each distinct block alone, its inner blocks (if any) still standing in.
         backward_of: dict[Any, _Counts] = {}
-        for key, (block, inputs, _, _) in distinct.items():
+        for key, (block, inputs, _, _) in list(distinct.items()):
             try:
                 backward_of[key] = _backward_alone(block, inputs)
             except RuntimeError:
@@ -451,9 +443,7 @@ def _count(
                 backward_of[key] = _backward_alone(block, _without_objects(inputs))
     if blocks and any(k is None for k in keys):
         raise RuntimeError("some blocks did not run in the model's forward")
-    once = [d[3] for d in distinct.values()]  # each distinct block ran once in the model
-    blocks_once = _Counts(*(sum(c) for c in zip(*once, strict=True))) if once else _Counts(0, 0, 0)
-    other_forward = forward_total - blocks_once
+    other_forward = forward_total - ran[0]
     other_backward = total - forward_total  # the blocks' backward stood in: nothing counted
     backward_counts = [backward_of[k] for k in keys]
     return FlopProfile(

@@ -8,9 +8,12 @@ torch's own memory trackers count the bytes (``FSDPMemTracker`` for FSDP2, ``Mem
 FSDP1), the same trackers :func:`track_training_peak` runs on real tensors in real gloo processes
 (``benchmarks/estimate_accuracy.py`` compares the three).
 
-Large models are not simulated whole: the peak is affine in the number of blocks (design notes,
-"Memory"), so the model is simulated with :data:`EXTRAPOLATE_FROM` and one more block and the
-line is extended to the real depth.
+Deep models are not simulated whole: the peak is affine in the number of blocks of each stack
+(design notes, "Memory"), so the model is simulated with :data:`EXTRAPOLATE_FROM` blocks in each
+deep stack (an encoder-decoder's two alike), then once per stack with one block more, and each
+line is extended to the stack's real depth. torch's memory tracker walks every tracked module at
+every operation, so a whole 64-block model took longer than 15 minutes where three
+simulations of 8 to 9 blocks take seconds.
 
 What no CPU simulation sees (CUDA context, NCCL buffers, the caching allocator's slack) is added
 as the same stated allowance as the analytic estimate. CPU offload cannot be simulated here:
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,10 +49,13 @@ from autoshard.sharding import (
 from autoshard.target.resolve import TargetSpec, build_target, load_callable
 from autoshard.target.step import find_loss_fn, make_batch, with_labels
 
-# Models deeper than EXTRAPOLATE_ABOVE blocks are simulated with EXTRAPOLATE_FROM blocks and one
+# Stacks deeper than EXTRAPOLATE_ABOVE blocks are simulated with EXTRAPOLATE_FROM blocks and one
 # more, and extrapolated (the peak is affine in depth from 4 blocks up).
 EXTRAPOLATE_FROM = 4
 EXTRAPOLATE_ABOVE = 8
+# Where the shallow model peaks at another moment than one block deeper, it is simulated again
+# one block deeper, at most this many times (each time costs as much as the first).
+DEEPEN_AT_MOST = 2
 # Steps tracked: the first creates the optimizer state, the second runs with it in memory.
 TRACKED_STEPS = 2
 
@@ -176,6 +182,7 @@ def track_training_phases(
         sharded = _fsdp1_shard_bytes(model)
         tracker = _fsdp1_tracker()
         tracker.track_external(model, optimizer, batch)
+    _global_peak_only(tracker)
     autocast = autocast_for(candidate, next(model.parameters()).device)
     phases: dict[str, dict[str, int]] = {}
 
@@ -216,6 +223,24 @@ def track_training_phases(
 
 
 LOOP_PHASE, STEP_PHASE = "forward and backward", "optimizer step"
+
+
+def _global_peak_only(tracker: Any) -> None:
+    """Keep only the tracker's global peak up to date at each operation.
+
+    torch's trackers also keep each module's peak: at every operation they walk every module
+    tracked so far (``MemTracker._update_peak_stats``, torch 2.13), which made simulating a
+    64-block model take longer than 15 minutes (about half of a 9-block simulation's time,
+    profiled). Nothing here reads the per-module peaks."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    def update(_peak_state: Any) -> None:
+        for dev, snap in tracker._curr_mem_snap.items():
+            if tracker._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                tracker._peak_mem[dev] = snap[_TOTAL_KEY]
+                tracker._peak_mem_snap[dev] = dict(snap)  # a flat dict of byte counts
+
+    tracker._update_peak_stats = update
 
 
 def _restart_peak(tracker: Any) -> None:
@@ -438,32 +463,35 @@ def _sharding_propagation_outside_fake_mode() -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------
 
 
-def block_list(model: nn.Module, block_classes: tuple[str, ...]) -> tuple[nn.Module, str] | None:
-    """The (parent, attribute) of the ModuleList that holds the model's repeated blocks."""
+def block_lists(model: nn.Module, block_classes: tuple[str, ...]) -> dict[str, int]:
+    """The ModuleLists (and Sequentials) that hold the model's repeated blocks, by name, with
+    their lengths: an encoder-decoder's two stacks, a decoder's one (not the model itself: it
+    cannot be replaced in place). A list inside another's blocks (a stage's layers) is not
+    counted apart: truncating the outer list truncates it."""
     classes = tuple(wrap_classes_of(model, block_classes)) if block_classes else ()
     if not classes:
-        return None
-    best: tuple[nn.Module, str, int] | None = None
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            if isinstance(child, nn.ModuleList | nn.Sequential):
-                n = sum(1 for m in child if isinstance(m, classes))
-                if n and (best is None or n > best[2]):
-                    best = (parent, name, n)
-    return (best[0], best[1]) if best else None
+        return {}
+    found: dict[str, int] = {}
+    for name, child in model.named_modules():
+        if (
+            not name
+            or not isinstance(child, nn.ModuleList | nn.Sequential)
+            or any(name.startswith(f"{outer}.") for outer in found)
+        ):
+            continue
+        if any(isinstance(m, classes) for m in child):
+            found[name] = len(child)
+    return found
 
 
-def truncate_blocks(model: nn.Module, block_classes: tuple[str, ...], depth: int) -> None:
-    """Keep only the first ``depth`` repeated blocks of ``model``, in place."""
-    found = block_list(model, block_classes)
-    if found is None:
-        raise ConfigError("the model has no list of repeated blocks to truncate")
-    parent, name = found
-    blocks = list(getattr(parent, name))[:depth]
-    kind = type(getattr(parent, name))
-    setattr(
-        parent, name, nn.Sequential(*blocks) if kind is nn.Sequential else nn.ModuleList(blocks)
-    )
+def truncate_blocks(model: nn.Module, depths: dict[str, int]) -> None:
+    """Keep only the first ``depths[name]`` entries of each block list ``name``, in place."""
+    for name, depth in depths.items():
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        kept = list(getattr(parent, attribute))[:depth]
+        sequential = type(getattr(parent, attribute)) is nn.Sequential
+        setattr(parent, attribute, nn.Sequential(*kept) if sequential else nn.ModuleList(kept))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,8 +501,7 @@ def truncate_blocks(model: nn.Module, block_classes: tuple[str, ...], depth: int
 
 def _simulate_once(
     target: TargetSpec,
-    depth: int | None,
-    block_classes: tuple[str, ...],
+    depths: dict[str, int],
     candidate: Candidate,
     hardware: Hardware,
     workload: WorkloadSpec,
@@ -500,8 +527,7 @@ def _simulate_once(
                 built = build_target(target, device=cpu)
             model = built.model
             experts_for_fake_tensors(model)  # the profile's note says so
-            if depth is not None:
-                truncate_blocks(model, block_classes, depth)
+            truncate_blocks(model, depths)
             if candidate.precision is Precision.BF16_TRUE:
                 model = model.to(torch.bfloat16)
             if candidate.engine is Engine.FSDP1:
@@ -560,15 +586,13 @@ def simulate_memory(
     built = build_target(target, device="meta")
     module = sys.modules.get(load_callable(target.spec).__module__)
     loss_fn = find_loss_fn(module)
-    found = block_list(built.model, block_classes) if extrapolate else None
-    depth = len(getattr(*found)) if found else 0
+    lists = block_lists(built.model, block_classes) if extrapolate else {}
+    deep = {name: n for name, n in lists.items() if n > EXTRAPOLATE_ABOVE}
     ranks = ranks_to_simulate(built.model, candidate, hardware)
 
-    def run(blocks: int | None) -> dict[str, dict[str, int]]:
+    def run(depths: dict[str, int]) -> dict[str, dict[str, int]]:
         by_rank = [
-            _simulate_once(
-                target, blocks, block_classes, candidate, hardware, workload, loss_fn, rank
-            )
+            _simulate_once(target, depths, candidate, hardware, workload, loss_fn, rank)
             for rank in ranks
         ]
         # each phase's peak on the rank that holds the most in it
@@ -577,31 +601,65 @@ def simulate_memory(
             for phase in by_rank[0]
         }
 
-    if found and depth > EXTRAPOLATE_ABOVE:
+    if deep:
+        # Every deep list at k blocks, then each alone at k + 1: the peak is affine in the depth
+        # of each (an encoder's blocks add their activations whatever the decoder's depth).
         k = EXTRAPOLATE_FROM
-        low, high = run(k), run(k + 1)
+        while True:
+            base = dict.fromkeys(deep, k)
+            low = run(base)
+            steps = {name: run({**base, name: k + 1}) for name in deep}
+            last = k >= EXTRAPOLATE_FROM + DEEPEN_AT_MOST or k + 2 >= min(deep.values())
+            if last or _same_moments(low, steps.values()):
+                break
+            # The shallow model peaked at another moment than the deeper ones (a large root
+            # unit's gradients outweighing a few blocks' activations): its line would be too
+            # flat. Start again one block deeper.
+            k += 1
         # Each phase's peak is affine in depth, but at different rates: the optimizer step
         # grows by a block's parameters, gradients and states, forward and backward by less
         # on many ranks. Extrapolated on its own, each phase can overtake the other (a 7B
         # shape at 8 ranks with checkpointing peaks in backward at 4 and 5 blocks, in the
         # optimizer step at 32: one extrapolated peak was 5% low).
         phases = {
-            phase: _extrapolate(low[phase], high[phase], depth - k)
-            for phase in low.keys() & high.keys()
+            phase: _extrapolate(low[phase], [(steps[name][phase], deep[name] - k) for name in deep])
+            for phase in low.keys() & set.intersection(*(set(s) for s in steps.values()))
         }
-        how = f"simulated {k} and {k + 1} of {depth} blocks, extrapolated"
+        stacks = ", ".join(f"{k} and {k + 1} of {n} {name}" for name, n in deep.items())
+        how = f"simulated {stacks}, extrapolated"
     else:
-        phases = run(None)
+        phases = run({})
         how = "simulated"
     kinds = max(phases.values(), key=lambda kinds: kinds.get("Total", 0))
     return _estimate(candidate, hardware, kinds, how)
 
 
-def _extrapolate(low: dict[str, int], high: dict[str, int], more: int) -> dict[str, int]:
-    """The per-kind bytes of a phase ``more`` blocks deeper than ``low`` (``high``: one deeper)."""
+def _same_moments(
+    low: dict[str, dict[str, int]], deeper: Iterable[dict[str, dict[str, int]]]
+) -> bool:
+    """Whether each phase peaked at the same moment with one block more: a block adds bytes
+    and takes none away, so no kind falls by more than 1% of the phase's peak."""
+    for phases in deeper:
+        for phase, kinds in low.items():
+            high = phases.get(phase, {})
+            total = max(kinds.get("Total", 0), 1)
+            if any(high.get(key, 0) < v - total // 100 for key, v in kinds.items()):
+                return False
+    return True
+
+
+def _extrapolate(low: dict[str, int], steps: list[tuple[dict[str, int], int]]) -> dict[str, int]:
+    """The per-kind bytes of a phase from ``low`` (every block list at its simulated depth) and,
+    per list, ``(high, more)``: the phase with that list one block deeper, and how many blocks
+    deeper the real list is."""
+    keys = set(low).union(*(high for high, _ in steps))
     kinds = {
-        key: max(0, low.get(key, 0) + more * (high.get(key, 0) - low.get(key, 0)))
-        for key in set(low) | set(high)
+        key: max(
+            0,
+            low.get(key, 0)
+            + sum(more * (high.get(key, 0) - low.get(key, 0)) for high, more in steps),
+        )
+        for key in keys
     }
     # The two depths may peak at different moments of the phase: the total extrapolates
     # exactly, the split by kind only roughly, so the kinds are scaled to add up to the total.
