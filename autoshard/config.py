@@ -233,7 +233,11 @@ class Hardware(Frozen):
         None, description="Host memory per node in bytes (None: not checked)."
     )
     margin: float = Field(
-        0.05, ge=0, lt=1, description="Fraction of GPU memory kept free as a safety margin."
+        0.05,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="Fraction of GPU memory kept free as a safety margin.",
     )
     bf16_supported: bool = Field(True, description="Whether the GPUs compute in bf16.")
     gpu: str | None = Field(
@@ -242,11 +246,15 @@ class Hardware(Frozen):
         "the detected GPU's entry, or an assumed one (said in a warning).",
     )
     intra_node_bandwidth: float | None = Field(
-        None, gt=0, description="Bytes/s of one GPU's link inside a node (None: the catalogue's)."
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Bytes/s of one GPU's link inside a node (None: the catalogue's).",
     )
     inter_node_bandwidth: float | None = Field(
         None,
         gt=0,
+        allow_inf_nan=False,
         description="Bytes/s of one node's network between nodes (None: the catalogue's).",
     )
     backend: Literal["nccl", "gloo"] = Field(
@@ -337,7 +345,9 @@ class TuneOptions(Frozen):
         None, description="optuna storage URL (default: SQLite in the output folder)."
     )
     trials: int = Field(12, ge=1, description="Most real trials to launch.")
-    trial_timeout: float = Field(300.0, gt=0, description="Seconds before a trial counts as hung.")
+    trial_timeout: float = Field(
+        300.0, gt=0, allow_inf_nan=False, description="Seconds before a trial counts as hung."
+    )
     warmup: int = Field(2, ge=0, description="Untimed steps per trial.")
     steps: int = Field(
         3, ge=1, description="Timed steps per trial at least; more until the spread is met."
@@ -346,12 +356,16 @@ class TuneOptions(Frozen):
         DEFAULT_TARGET_SPREAD,
         gt=0,
         lt=1,
+        allow_inf_nan=False,
         description="Time steps until the median step time is known to within this (relative, "
         "95% confidence), e.g. 0.05.",
     )
     max_steps: int = Field(DEFAULT_MAX_STEPS, ge=1, description="Most timed steps per trial.")
     max_seconds: float = Field(
-        DEFAULT_MAX_SECONDS, gt=0, description="Most seconds of timed steps per trial."
+        DEFAULT_MAX_SECONDS,
+        gt=0,
+        allow_inf_nan=False,
+        description="Most seconds of timed steps per trial.",
     )
     nproc: int | None = Field(
         None,

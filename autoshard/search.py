@@ -17,8 +17,9 @@ Errors and timeouts rule out the candidates that share the failing setting
 
 Resuming: every finished trial is appended to ``trials.jsonl`` (fsync'd) and then stored in the
 study. Running the same command again skips finished candidates; a trial left running by a
-killed process is tried again. Changed settings (batch sizes, precisions, hardware, ...) name a
-new study: nothing measured under other settings is reused.
+killed process is tried again. Changed settings (batch sizes, precisions, hardware, ...), or a
+changed model (its structure: :func:`autoshard.study.settings.model_fingerprint`), name a new
+study, with one line saying what changed: nothing measured under other settings is reused.
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
         settings = StudySettings.of(
             plan.request.target, hardware, workload, engine=request.engine,
             precisions=request.precision, micro_batch_sizes=sorted({c.micro_batch_size
-            for c in plan.candidates}), memory_cap=opts.memory_cap,
+            for c in plan.candidates}), memory_cap=opts.memory_cap, model=plan.built.model,
+            batch=plan.built.batch,
         )  # fmt: skip
         store.open_study(settings, [c.label() for c in plan.candidates])
         cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory

@@ -137,3 +137,37 @@ def test_changed_batch_sizes_start_a_new_study(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout)["study"] == rec["study"]
     assert len(launched(out)) == 3  # resumed: nothing ran again
+
+
+# ---------------------------------------------------------------------------------------------
+# A changed model starts a new study (issue 25, case 1)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_an_edited_model_file_is_measured_again(tmp_path: Path) -> None:
+    """The same command on the same --out after the model file was made wider: no "resumed"
+    trial, a new measurement, and one line saying that the model changed."""
+    model = tmp_path / "model.py"
+    source = (ROOT / "tests" / "targets" / "faults.py").read_text()
+    model.write_text(source)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "autoshard", "tune", f"{model}:build", "--seq-len", "16",
+               *QUICK, "--batch-size", "1", "--trials", "1", "--out", str(out), "--json"]  # fmt: skip
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)
+
+    first = run()
+    assert first.returncode == 0, first.stderr[-3000:]
+    model.write_text(source.replace("width: int = 32", "width: int = 64"))
+    second = run()
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed" not in second.stderr, second.stderr
+    notes = [line for line in second.stderr.splitlines() if "new study" in line]
+    assert len(notes) == 1 and "the model (" in notes[0], second.stderr
+    studies = [json.loads(r.stdout)["study"] for r in (first, second)]
+    assert studies[0] != studies[1]
+    trials = [read_records(out / "trials.jsonl", s) for s in studies]
+    measured = [[r for r in t if r.status.launched] for t in trials]
+    assert [len(m) for m in measured] == [1, 1]
+    assert measured[1][0].started_at > measured[0][0].started_at

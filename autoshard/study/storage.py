@@ -409,6 +409,7 @@ class StudyStore:
         self.name = settings.name(labels)
         self.distribution = CategoricalDistribution(sorted(set(labels)))
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        changed: str | None = None
         with _db_errors(self.shown), self.claims:
             try:
                 self.storage.get_study_id_from_name(self.name)
@@ -424,16 +425,44 @@ class StudyStore:
             self.study_id = self.storage.get_study_id_from_name(self.name)
             if not existed:
                 self.study.set_user_attr(SETTINGS_ATTR, settings.model_dump(mode="json"))
+                changed = self._changed_since(settings)
             known = self._read().identities()
             missing = [r for r in self.journal.read(self.name) if identity(r) not in known]
             for result in missing:
                 self._add_finished(result)
+        if changed:
+            self.notice(changed)
         if missing:
             where = "had no such study" if not existed else "lacked them"
             self.notice(
                 f"restored {len(missing)} trial records of study {self.name} from "
                 f"{self.journal.path.name} ({self.shown} {where}); none is run again"
             )
+
+    def _changed_since(self, settings: StudySettings) -> str | None:
+        """One line when this output folder's latest study is another one (a changed model,
+        another target, other settings): which, and what differs; None when there is none."""
+        latest = next((n for n in reversed(self.journal.studies()) if n != self.name), None)
+        if latest is None:
+            return None
+        kept = sum(1 for r in self.journal.read(latest) if r.status.launched)
+        try:
+            attrs = self.storage.get_study_user_attrs(self.storage.get_study_id_from_name(latest))
+            before = StudySettings.model_validate(attrs.get(SETTINGS_ATTR))
+        except (KeyError, ValidationError):
+            before = None  # its settings are not in this storage (lost, or older autoshard)
+        what = settings.differences(before) if before is not None else []
+        if before is not None and before.target != settings.target:
+            return (
+                f"--out {self.out} holds study {latest} of another target ({before.target}): "
+                f"starting study {self.name} for {settings.target} beside it; its {kept} trials "
+                "are kept and not reused (give another --out to keep them apart)"
+            )
+        because = f" ({', '.join(what)} changed)" if what else ""
+        return (
+            f"starting a new study {self.name}{because}: the {kept} trials of study {latest} "
+            f"in {self.journal.path.name} are kept and not reused"
+        )
 
     # -- a turn of the loop ----------------------------------------------------------------------
 
