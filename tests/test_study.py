@@ -412,6 +412,40 @@ def test_the_same_error_on_configurations_that_share_nothing_stops_the_study() -
     learn(cands, [*fails, ok], set())
 
 
+def test_the_same_cause_reported_by_other_ranks_and_launches_is_one_failure() -> None:
+    """Issue 25, case 6: the same exit, seen on rank 1 then on rank 0, with another control
+    folder each launch, is the same error: the study stops after these two trials."""
+    cands = space()
+    a = Candidate(sharding="NO_SHARD", precision="32-true", micro_batch_size=1)
+    b = Candidate(sharding="FULL_SHARD", precision="bf16-mixed", micro_batch_size=1)
+    said = "error: unrecognized arguments: --control /o/workers/group-{}"
+    fails = [
+        TrialResult(candidate=a, status="error", error=f"rank 1: SystemExit: exit code 2, called "
+                    f"at model.py:9 in build ({said.format('1-3fa9c2')})"),
+        TrialResult(candidate=b, status="error", error=f"rank 0: SystemExit: exit code 2, called "
+                    f"at model.py:9 in build ({said.format('2-e07b1d')})"),
+    ]  # fmt: skip
+    with pytest.raises(TrialsFailedError, match=r"unrecognized arguments.*fix the model"):
+        learn(cands, fails, {c.label() for c in cands} - {a.label(), b.label()})
+
+
+def test_timeouts_everywhere_advise_a_longer_trial_timeout() -> None:
+    from autoshard.decide import nothing_ran
+
+    cands = space()
+    why = "no result after 1.0 s (trial timeout 1 s); the worker group was killed"
+    a = Candidate(sharding="NO_SHARD", precision="32-true", micro_batch_size=1)
+    b = Candidate(sharding="FULL_SHARD", precision="bf16-mixed", micro_batch_size=1)
+    fails = [TrialResult(candidate=c, status="timeout", error=why) for c in (a, b)]
+    with pytest.raises(TrialsFailedError, match=r"raise --trial-timeout \(1 s\) if a trial needs"):
+        learn(cands, fails, {c.label() for c in cands} - {a.label(), b.label()})
+    assert "raise --trial-timeout (1 s)" in nothing_ran(fails)
+    errors = [
+        TrialResult(candidate=f.candidate, status="error", error="ValueError: x") for f in fails
+    ]
+    assert "--trial-timeout" not in nothing_ran(errors) and "fix the model" in nothing_ran(errors)
+
+
 def test_a_model_that_always_fails_stops_after_two_trials(tmp_path: Path) -> None:
     def always(c: Candidate, n: int) -> TrialResult:
         return TrialResult(candidate=c, status="error", error=f"KeyError: 'labels' (rank {n})")

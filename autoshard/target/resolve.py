@@ -24,6 +24,8 @@ import importlib.util
 import os
 import re
 import sys
+import sysconfig
+import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -314,9 +316,42 @@ class _ParameterCount:
         self._handles = []
 
 
+def exit_message(exc: SystemExit, said: str = "") -> str:
+    """One line for a ``SystemExit`` raised by a model's code (``sys.exit``, argparse): its
+    code, the frame that called it (the first outside the standard library, from the end),
+    and the last line it printed (``said``: argparse's message).
+
+    >>> try:
+    ...     sys.exit(3)
+    ... except SystemExit as exc:
+    ...     print(exit_message(exc).split(", called")[0])
+    SystemExit: exit code 3
+    """
+    code = exc.code
+    text = f"SystemExit: {code}" if isinstance(code, str) else f"SystemExit: exit code {code or 0}"
+    stdlib = sysconfig.get_paths()["stdlib"]
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not (f.filename.startswith(stdlib) and "-packages" not in f.filename)
+    ]
+    if frames:
+        text += (
+            f", called at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}"
+        )
+    last = [line.strip() for line in said.splitlines() if line.strip()]
+    if last and not isinstance(code, str):
+        text += f" ({last[-1][:300]})"
+    return text
+
+
 class _FactoryRaised(Exception):
     def __init__(self, label: str, exc: BaseException) -> None:
-        self.short = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        self.short = (
+            exit_message(exc)
+            if isinstance(exc, SystemExit)
+            else f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        )
         self.message = f"{label} raised {self.short}"
         super().__init__(self.message)
 
@@ -340,7 +375,7 @@ def _call_under(
             )
             raise TargetError(f"{label}: {text}; give {fix}") from exc
         raise _FactoryRaised(label, exc) from exc
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit or argparse in a factory: its error too
         raise _FactoryRaised(label, exc) from exc
 
 
