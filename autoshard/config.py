@@ -10,7 +10,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Frozen(BaseModel):
@@ -313,6 +313,8 @@ class WorkloadSpec(Frozen):
 DEFAULT_TARGET_SPREAD = 0.05
 DEFAULT_MAX_STEPS = 40
 DEFAULT_MAX_SECONDS = 30.0
+# Bytes of worker output a trial's log keeps (its first and last halves; autoshard.trials.logcap).
+DEFAULT_WORKER_LOG_CAP = 16 * 2**20
 
 
 class RankOrder(str, Enum):
@@ -372,6 +374,13 @@ class TuneOptions(Frozen):
         ge=1,
         description="Worker processes per node (default: the planned GPUs per node).",
     )
+    worker_log_cap: int = Field(
+        DEFAULT_WORKER_LOG_CAP,
+        gt=0,
+        description="Bytes of worker output kept per trial in the logs under workers/, e.g. "
+        "16MiB: its first and last halves, with a line saying how much was left out "
+        "(default: 16MiB).",
+    )
     node_rank: int = Field(
         0, ge=0, description="This node's rank; node 0 drives the study, others serve it."
     )
@@ -390,6 +399,14 @@ class TuneOptions(Frozen):
     on_event: Callable[..., None] | None = Field(
         None, exclude=True, description="Called with (ProgressEvent, Scored) as trials go."
     )
+
+    @field_validator("worker_log_cap", mode="before")
+    @classmethod
+    def _size(cls, value: object) -> object:
+        from autoshard.units import parse_size
+
+        return parse_size(value, flag="--worker-log-cap") if isinstance(value, str) else value
+
     on_notice: Callable[[str], None] | None = Field(
         None,
         exclude=True,

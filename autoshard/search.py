@@ -45,7 +45,7 @@ from autoshard.space import rank_candidates
 from autoshard.study.loop import run_trials
 from autoshard.study.settings import StudySettings
 from autoshard.trials.group import WorkerGroup
-from autoshard.ui.files import write_report
+from autoshard.ui.files import write_report, write_text_atomically
 
 # What a study leaves in its output folder (besides study.db and the workers' logs).
 STUDY_FILES = (
@@ -144,6 +144,7 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
             nnodes=hardware.nodes,
             rdzv_endpoint=opts.rdzv_endpoint,
             trial_timeout=opts.trial_timeout,
+            log_cap=opts.worker_log_cap,
         )  # launched lazily, by the first trial
         ranked = trial_order(plan)  # the planned hardware's order, wherever trials run
         request = plan.request.options
@@ -240,7 +241,7 @@ def _worker_files(out_dir: Path) -> Iterator[None]:
 def write_outputs(rec: Decision, out_dir: Path, results: Sequence[TrialResult]) -> None:
     """recommendation.json and the reports; a full disk or a lost folder is one line."""
     try:
-        (out_dir / "recommendation.json").write_text(rec.model_dump_json(indent=2))
+        write_text_atomically(out_dir / "recommendation.json", rec.model_dump_json(indent=2))
         write_report(rec, out_dir, list(results))
     except OSError as exc:
         raise StorageError(

@@ -19,7 +19,8 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
-DEFAULT_LOG_CAP = 16 * 2**20
+from autoshard.config import DEFAULT_WORKER_LOG_CAP as DEFAULT_LOG_CAP
+
 _CHUNK = 1 << 16
 
 

@@ -179,10 +179,12 @@ def run_trial(request: TrialRequest, device: torch.device, *, quiet: bool = Fals
             rank=rank, status=TrialStatus.OOM, error=_one_line(exc), failed_at=time.time()
         )
     except Exception as exc:  # a failed trial is a result, never a crash of the group
+        # a factory that called sys.exit (or argparse) on meta and on the CPU: its exit
+        exited = exc.__cause__ if isinstance(exc.__cause__, SystemExit) else None
         report = RankReport(
             rank=rank,
             status=TrialStatus.ERROR,
-            error=_one_line(exc),
+            error=exit_message(exited, said.text) if exited else _one_line(exc),
             traceback=traceback.format_exc(limit=8),
             failed_at=time.time(),
         )
