@@ -232,7 +232,7 @@ def test_a_cpu_fallback_warns_before_it_builds_and_builds_once(meta_unsafe) -> N
     assert profile.built_on == "cpu" and profile.total_params == 2 * (64 * 64 + 64)
     assert [c["device"] for c in meta_unsafe.CALLS] == ["meta", "cpu"]
     fallback = [w for w in seen if issubclass(w.category, BuildFallbackWarning)]
-    assert len(fallback) == 1 and meta_unsafe.CALLS[1]["warnings"] >= 1
+    assert fallback and meta_unsafe.CALLS[1]["warnings"] >= 1  # said before the CPU build
 
 
 def test_the_cli_refuses_a_cpu_build_that_does_not_fit(cli, monkeypatch) -> None:

@@ -422,7 +422,10 @@ def build_target(target: TargetSpec, *, device: str | torch.device = "meta") -> 
     """Import and build the model of ``target`` under ``device``."""
     wanted = torch.device(device).type
     if wanted in ("meta", "cpu") and _BUILT_ON_CPU and _BUILT_ON_CPU[0][0] == target:
-        return _BUILT_ON_CPU.pop()[1]
+        built = _BUILT_ON_CPU.pop()[1]
+        for note in built.warnings:  # said for this build too (a command shows a line once)
+            warnings.warn(note, BuildFallbackWarning, stacklevel=2)
+        return built
     factory = load_callable(target.spec)
     built = build_model(factory, target.kwargs, device=device, name=target.spec.rpartition(":")[2])
     _BUILT_ON_CPU.clear()
