@@ -107,7 +107,7 @@ def trials(out: Path) -> list[dict]:
     if not log.exists():
         return []
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    return [t for t in rows if t["status"] != "pruned"]
+    return [t for t in rows if t["status"] not in ("pruned", "skipped")]  # the launched ones
 
 
 def shown(stderr: str) -> list[str]:
@@ -452,7 +452,7 @@ def argparse_factory(folder: Path) -> Row:
 @case("a model printing 100 KB per forward", "--worker-log-cap 1MiB")
 def spam(folder: Path) -> Row:
     out = folder / "out"
-    command = tune_command(out, *fault_args(spam=100_000), "--worker-log-cap", "1MiB")
+    command = tune_command(out, *fault_args(spam=100_000), "--worker-log-cap", "1MiB", timeout=120)
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     logs = list(out.glob("workers/group-*.log"))
     size = sum(p.stat().st_size for p in logs)
@@ -508,7 +508,7 @@ def short_timeout(folder: Path) -> Row:
 @case("a factory that prints, tune --json", "print() in the factory, in the driver and workers")
 def json_stdout(folder: Path) -> Row:
     out = folder / "out"
-    command = [*tune_command(out, "--arg", "noise=True"), "--json"]
+    command = [*tune_command(out, "--arg", "noise=True", timeout=120), "--json"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     try:
         valid = bool(json.loads(done.stdout).get("chosen"))
