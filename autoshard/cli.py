@@ -14,11 +14,13 @@ import functools
 import inspect
 import json
 import os
+import signal
 import sys
+import threading
 import typing
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -119,13 +121,36 @@ def _warnings_as_lines() -> Iterator[None]:
         yield
 
 
-def _run(fn: Callable[[], T], debug: bool) -> T:
-    """Call ``fn``; turn autoshard's errors (and Ctrl-C) into one line and exit code 1."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to the command: it ends as Ctrl-C does (a running trial is marked, the workers
+    are killed, nothing recorded is lost), with one line and exit code 143."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread (the command's own, in practice)
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        if debug:
-            return fn()
-        with _warnings_as_lines():
-            return fn()
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(fn: Callable[[], T], debug: bool) -> T:
+    """Call ``fn``; turn autoshard's errors (and Ctrl-C, SIGTERM) into one line and exit code 1
+    (130, 143)."""
+    try:
+        with _sigterm_as_interrupt():
+            if debug:
+                return fn()
+            with _warnings_as_lines():
+                return fn()
     except AutoshardError as exc:
         if debug:
             raise
@@ -133,11 +158,26 @@ def _run(fn: Callable[[], T], debug: bool) -> T:
             f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True
         )
         raise typer.Exit(1) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if debug:
             raise
+        if isinstance(exc, Terminated):
+            err_console.print("[bold red]terminated[/] (SIGTERM)")
+            raise typer.Exit(143) from None
         err_console.print("[bold red]interrupted[/]")
         raise typer.Exit(130) from None
+
+
+@contextmanager
+def _stdout_kept_for_json(as_json: bool) -> Iterator[Any]:
+    """With --json, stdout carries the JSON alone: what the model's code prints goes to stderr.
+    Yields the real stdout, for the JSON."""
+    real = sys.stdout
+    if not as_json:
+        yield real
+        return
+    with redirect_stdout(sys.stderr):
+        yield real
 
 
 def _print_json(data: Any) -> None:
@@ -425,13 +465,14 @@ def tune(
             cli=True,
         )
         if as_json:
-            sys.stdout.write(rec.model_dump_json(indent=2) + "\n")
+            stdout.write(rec.model_dump_json(indent=2) + "\n")
         else:
             print_summary(rec, console, load_result(out)[1])
             files = ", ".join(name for name in OUTPUT_FILES if (out / name).exists())
             console.print(f"[dim]wrote in {out}/: {files}[/]", highlight=False)
 
-    _run(work, debug)
+    with _stdout_kept_for_json(as_json) as stdout:
+        _run(work, debug)
 
 
 @app.command()

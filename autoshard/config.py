@@ -10,7 +10,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Frozen(BaseModel):
@@ -259,7 +259,11 @@ class Hardware(Frozen):
         None, description="Host memory per node in bytes (None: not checked)."
     )
     margin: float = Field(
-        0.05, ge=0, lt=1, description="Fraction of GPU memory kept free as a safety margin."
+        0.05,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="Fraction of GPU memory kept free as a safety margin.",
     )
     bf16_supported: bool = Field(True, description="Whether the GPUs compute in bf16.")
     gpu: str | None = Field(
@@ -268,11 +272,15 @@ class Hardware(Frozen):
         "the detected GPU's entry, or an assumed one (said in a warning).",
     )
     intra_node_bandwidth: float | None = Field(
-        None, gt=0, description="Bytes/s of one GPU's link inside a node (None: the catalogue's)."
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Bytes/s of one GPU's link inside a node (None: the catalogue's).",
     )
     inter_node_bandwidth: float | None = Field(
         None,
         gt=0,
+        allow_inf_nan=False,
         description="Bytes/s of one node's network between nodes (None: the catalogue's).",
     )
     backend: Literal["nccl", "gloo"] = Field(
@@ -331,6 +339,8 @@ class WorkloadSpec(Frozen):
 DEFAULT_TARGET_SPREAD = 0.05
 DEFAULT_MAX_STEPS = 40
 DEFAULT_MAX_SECONDS = 30.0
+# Bytes of worker output a trial's log keeps (its first and last halves; autoshard.trials.logcap).
+DEFAULT_WORKER_LOG_CAP = 16 * 2**20
 
 
 class RankOrder(str, Enum):
@@ -363,7 +373,9 @@ class TuneOptions(Frozen):
         None, description="optuna storage URL (default: SQLite in the output folder)."
     )
     trials: int = Field(12, ge=1, description="Most real trials to launch.")
-    trial_timeout: float = Field(300.0, gt=0, description="Seconds before a trial counts as hung.")
+    trial_timeout: float = Field(
+        300.0, gt=0, allow_inf_nan=False, description="Seconds before a trial counts as hung."
+    )
     warmup: int = Field(2, ge=0, description="Untimed steps per trial.")
     steps: int = Field(
         3, ge=1, description="Timed steps per trial at least; more until the spread is met."
@@ -372,17 +384,28 @@ class TuneOptions(Frozen):
         DEFAULT_TARGET_SPREAD,
         gt=0,
         lt=1,
+        allow_inf_nan=False,
         description="Time steps until the median step time is known to within this (relative, "
         "95% confidence), e.g. 0.05.",
     )
     max_steps: int = Field(DEFAULT_MAX_STEPS, ge=1, description="Most timed steps per trial.")
     max_seconds: float = Field(
-        DEFAULT_MAX_SECONDS, gt=0, description="Most seconds of timed steps per trial."
+        DEFAULT_MAX_SECONDS,
+        gt=0,
+        allow_inf_nan=False,
+        description="Most seconds of timed steps per trial.",
     )
     nproc: int | None = Field(
         None,
         ge=1,
         description="Worker processes per node (default: the planned GPUs per node).",
+    )
+    worker_log_cap: int = Field(
+        DEFAULT_WORKER_LOG_CAP,
+        gt=0,
+        description="Bytes of worker output kept per trial in the logs under workers/, e.g. "
+        "16MiB: its first and last halves, with a line saying how much was left out "
+        "(default: 16MiB).",
     )
     node_rank: int = Field(
         0, ge=0, description="This node's rank; node 0 drives the study, others serve it."
@@ -402,6 +425,14 @@ class TuneOptions(Frozen):
     on_event: Callable[..., None] | None = Field(
         None, exclude=True, description="Called with (ProgressEvent, Scored) as trials go."
     )
+
+    @field_validator("worker_log_cap", mode="before")
+    @classmethod
+    def _size(cls, value: object) -> object:
+        from autoshard.units import parse_size
+
+        return parse_size(value, flag="--worker-log-cap") if isinstance(value, str) else value
+
     on_notice: Callable[[str], None] | None = Field(
         None,
         exclude=True,

@@ -458,7 +458,7 @@ def nothing_ran(results: Sequence[TrialResult]) -> str:
     (a skipped or pruned candidate's reason repeats them)."""
     from collections import Counter
 
-    from autoshard.study.lessons import signature
+    from autoshard.study.lessons import advice, signature
 
     ran = [r for r in results if r.status.launched]
     shown = {signature(r): r for r in ran}
@@ -476,5 +476,5 @@ def nothing_ran(results: Sequence[TrialResult]) -> str:
     return (
         f"no configuration ran successfully: {len(ran)} trials failed ({failures})"
         + (f", {rest} more candidates ruled out" if rest else "")
-        + "; see the worker logs in the output folder, under workers/"
+        + f"; {advice(ran)}"
     )

@@ -145,10 +145,16 @@ class PlanOptions(Frozen):
         None, gt=0, description="Host memory per node, e.g. 1TiB, checked for CPU offload."
     )
     intra_node_bandwidth: float | None = Field(
-        None, gt=0, description="GPU link inside a node, bytes/s per GPU, e.g. 450GB (per s)."
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="GPU link inside a node, bytes/s per GPU, e.g. 450GB (per s).",
     )
     inter_node_bandwidth: float | None = Field(
-        None, gt=0, description="Network between nodes, bytes/s per node, e.g. 400GB (per s)."
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Network between nodes, bytes/s per node, e.g. 400GB (per s).",
     )
     seq_len: int | None = Field(
         None,
@@ -263,6 +269,8 @@ def validation_message(exc: ValidationError, values: Mapping[str, Any], *, cli: 
         message = f"give {ctx['ge']} or more"
     elif error["type"] == "greater_than":
         message = f"give more than {ctx['gt']}"
+    elif error["type"] == "finite_number":
+        message = "give a finite number (inf and nan are not a time or a size)"
     elif error["type"] in ("less_than", "less_than_equal"):
         message = f"give less than {ctx.get('lt', ctx.get('le'))}"
     return f"{flag} {given}: {message}"

@@ -17,8 +17,9 @@ Errors and timeouts rule out the candidates that share the failing setting
 
 Resuming: every finished trial is appended to ``trials.jsonl`` (fsync'd) and then stored in the
 study. Running the same command again skips finished candidates; a trial left running by a
-killed process is tried again. Changed settings (batch sizes, precisions, hardware, ...) name a
-new study: nothing measured under other settings is reused.
+killed process is tried again. Changed settings (batch sizes, precisions, hardware, ...), or a
+changed model (its structure: :func:`autoshard.study.settings.model_fingerprint`), name a new
+study, with one line saying what changed: nothing measured under other settings is reused.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from autoshard.space import rank_candidates
 from autoshard.study.loop import run_trials
 from autoshard.study.settings import StudySettings
 from autoshard.trials.group import WorkerGroup
-from autoshard.ui.files import RECOMMENDATION_FILE, write_report
+from autoshard.ui.files import RECOMMENDATION_FILE, write_report, write_text_atomically
 
 # The fields the dominance rules reason about; every other field must be equal.
 _CHECKPOINT_FIELDS = frozenset({"checkpointing", "checkpoint_every", "checkpoint_classes"})
@@ -137,13 +138,15 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
             nnodes=hardware.nodes,
             rdzv_endpoint=opts.rdzv_endpoint,
             trial_timeout=opts.trial_timeout,
+            log_cap=opts.worker_log_cap,
         )  # launched lazily, by the first trial
         ranked = trial_order(plan)  # the planned hardware's order, wherever trials run
         request = plan.request.options
         settings = StudySettings.of(
             plan.request.target, hardware, workload, engine=request.engine,
             precisions=request.precision, micro_batch_sizes=sorted({c.micro_batch_size
-            for c in plan.candidates}), memory_cap=opts.memory_cap,
+            for c in plan.candidates}), memory_cap=opts.memory_cap, model=plan.built.model,
+            batch=plan.built.batch,
         )  # fmt: skip
         metric, objective, why = study_objective(plan)
         store.open_study(
@@ -279,7 +282,7 @@ def _worker_files(out_dir: Path) -> Iterator[None]:
 def write_outputs(rec: Decision, out_dir: Path, results: Sequence[TrialResult]) -> None:
     """recommendation.json and the reports; a full disk or a lost folder is one line."""
     try:
-        (out_dir / RECOMMENDATION_FILE).write_text(rec.model_dump_json(indent=2))
+        write_text_atomically(out_dir / RECOMMENDATION_FILE, rec.model_dump_json(indent=2))
         write_report(rec, out_dir, list(results))
     except OSError as exc:
         raise StorageError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from autoshard.errors import ConfigError
@@ -35,6 +36,8 @@ def parse_size(text: str | int | float, *, flag: str = "size") -> int:
     if isinstance(text, bool):
         raise ConfigError(f"{flag}: expected a size such as 80GiB, got {text!r}")
     if isinstance(text, int | float):
+        if not math.isfinite(text):
+            raise ConfigError(f"{flag}: give a finite size, got {text}")
         if text <= 0:
             raise ConfigError(f"{flag}: size must be positive, got {text}")
         return int(text)

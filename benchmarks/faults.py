@@ -107,7 +107,7 @@ def trials(out: Path) -> list[dict]:
     if not log.exists():
         return []
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    return [t for t in rows if t["status"] != "pruned"]
+    return [t for t in rows if t["status"] not in ("pruned", "skipped")]  # the launched ones
 
 
 def shown(stderr: str) -> list[str]:
@@ -340,6 +340,192 @@ def rank_killed(folder: Path) -> Row:
 
 
 # --------------------------------------------------------------------------------------------
+# Issue 25: signals, a model's own exit, bounded logs, finite numbers, --json
+# --------------------------------------------------------------------------------------------
+
+
+def _sigterm_to(folder: Path, who: str) -> Row:
+    """SIGTERM to torchrun or a worker 3 s into a trial that sleeps 8 s: a transient crash,
+    retried once, and the retry runs fine."""
+    out = folder / "out"
+    run = subprocess.Popen(
+        tune_command(out, *fault_args(fault="slow", seconds=8), timeout=120),
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for_trial(out)
+    time.sleep(3)
+    launcher = next(
+        int(line.split()[0])
+        for line in subprocess.run(
+            ["pgrep", "-af", "torch.distributed.run"], capture_output=True, text=True
+        ).stdout.splitlines()
+        if str(out) in line
+    )
+    workers = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True)
+    target = launcher if who == "torchrun" else int(workers.stdout.split()[-1])
+    sent = time.monotonic()
+    subprocess.run(["kill", "-TERM", str(target)])
+    _, stderr = run.communicate(timeout=600)
+    records = trials(out)
+    first = records[0] if records else {}
+    then = records[-1]["status"] if records else "-"
+    return Row(
+        case="",
+        detect=f"{first.get('duration', float('nan')):.1f} s, retried",
+        lost_or_rerun=f"{reruns(records) - 1} rerun besides the retry",
+        processes_left=left_after(out),
+        exit_code=run.returncode,
+        lines=[first.get("error") or "", *shown(stderr)][:1],
+        passed=len(records) == 2
+        and bool(first.get("transient"))
+        and records[1]["status"] == "ok"
+        and run.returncode == 0
+        and time.monotonic() - sent < 120,
+        note=f"transient: {bool(first.get('transient'))}, then {then}",
+    )
+
+
+@case("SIGTERM to torchrun", "kill -TERM of the launcher 3 s into a trial")
+def sigterm_launcher(folder: Path) -> Row:
+    return _sigterm_to(folder, "torchrun")
+
+
+@case("SIGTERM to a worker", "kill -TERM of rank 1 3 s into a trial")
+def sigterm_worker(folder: Path) -> Row:
+    return _sigterm_to(folder, "worker")
+
+
+@case("SIGTERM to the driver", "SIGTERM to `autoshard tune` 3 s into a hung trial")
+def sigterm_driver(folder: Path) -> Row:
+    out = folder / "out"
+    driver = subprocess.Popen(
+        tune_command(out, *fault_args(fault="hang", rank=1), timeout=300),
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    timed: list[tuple[float, str]] = []
+    assert driver.stderr is not None
+    stream = driver.stderr
+    reader = threading.Thread(
+        target=lambda: timed.extend((time.monotonic(), line.strip()) for line in stream)
+    )
+    reader.start()
+    wait_for_trial(out)
+    time.sleep(3)
+    sent = time.monotonic()
+    driver.send_signal(signal.SIGTERM)
+    driver.wait(timeout=60)
+    took = time.monotonic() - sent
+    reader.join()
+    lines = [text for at, text in timed if at >= sent and text]
+    return Row(
+        case="",
+        detect=f"exited {took:.1f} s after SIGTERM",
+        lost_or_rerun="- (the running trial marked failed)",
+        processes_left=left_after(out),
+        exit_code=driver.returncode,
+        lines=lines,
+        passed=took < 10 and driver.returncode == 143 and lines == ["terminated (SIGTERM)"],
+    )
+
+
+@case("argparse in the factory", "workers parse their own --control flags: exit code 2")
+def argparse_factory(folder: Path) -> Row:
+    out = folder / "out"
+    command = tune_command(out, "--arg", "argv=True", "--batch-size", "1,2", trials=6)
+    command += ["--precision", "bf16-mixed"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    records = [t for t in trials(out) if t["status"] in ("error", "timeout", "ok", "oom")]
+    last = shown(done.stderr)[-1:] or [""]
+    return Row(
+        case="",
+        detect=f"stopped after {len(records)} trials",
+        lost_or_rerun=f"{reruns(records)} rerun",
+        processes_left=left_after(out),
+        exit_code=done.returncode,
+        lines=shown(done.stderr),
+        passed=len(records) == 2
+        and "unrecognized arguments: --control" in last[0]
+        and "SystemExit: exit code 2, called at faults.py" in last[0],
+    )
+
+
+@case("a model printing 100 KB per forward", "--worker-log-cap 1MiB")
+def spam(folder: Path) -> Row:
+    out = folder / "out"
+    command = tune_command(out, *fault_args(spam=100_000), "--worker-log-cap", "1MiB", timeout=120)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    logs = list(out.glob("workers/group-*.log"))
+    size = sum(p.stat().st_size for p in logs)
+    capped = any(b"left out here" in p.read_bytes() for p in logs)
+    return Row(
+        case="",
+        detect=f"log {size / 2**20:.2f} MiB for 1 trial",
+        lost_or_rerun="0",
+        processes_left=left_after(out),
+        exit_code=done.returncode,
+        lines=shown(done.stderr)[-1:],
+        passed=done.returncode == 0 and capped and size < 2 * 2**20,
+    )
+
+
+@case("--trial-timeout inf", "an infinite time")
+def infinite_timeout(folder: Path) -> Row:
+    out = folder / "out"
+    started = time.monotonic()
+    done = subprocess.run(
+        tune_command(out, timeout=float("inf")), cwd=ROOT, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    lines = shown(done.stderr)
+    return Row(
+        case="",
+        detect=f"{time.monotonic() - started:.1f} s",
+        lost_or_rerun="0",
+        processes_left=left_after(out),
+        exit_code=done.returncode,
+        lines=lines,
+        passed=done.returncode == 1 and len(lines) == 1 and "finite" in lines[0],
+    )
+
+
+@case("--trial-timeout 1", "every trial times out: the advice names the flag")
+def short_timeout(folder: Path) -> Row:
+    out = folder / "out"
+    command = tune_command(out, "--batch-size", "1,2", trials=4, timeout=1)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    lines = shown(done.stderr)
+    return Row(
+        case="",
+        detect=f"{len(trials(out))} trials",
+        lost_or_rerun=f"{reruns(trials(out))} rerun",
+        processes_left=left_after(out),
+        exit_code=done.returncode,
+        lines=lines,
+        passed=done.returncode == 1 and "raise --trial-timeout (1 s)" in (lines[-1:] or [""])[0],
+    )
+
+
+@case("a factory that prints, tune --json", "print() in the factory, in the driver and workers")
+def json_stdout(folder: Path) -> Row:
+    out = folder / "out"
+    command = [*tune_command(out, "--arg", "noise=True", timeout=120), "--json"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    try:
+        valid = bool(json.loads(done.stdout).get("chosen"))
+    except ValueError:
+        valid = False
+    return Row(
+        case="",
+        detect="-",
+        lost_or_rerun="0",
+        processes_left=left_after(out),
+        exit_code=done.returncode,
+        lines=[f"stdout is JSON: {valid}"],
+        passed=valid and done.returncode == 0,
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # The table
 # --------------------------------------------------------------------------------------------
 
@@ -392,7 +578,10 @@ def main() -> None:
             "As it should: a hang reported within the trial timeout + 5 s, as a timeout; no "
             "process left; an exception on one rank reported with its message, not as a hang; "
             "Ctrl-C answered in under 3 s with one line and exit code 130; a rank killed by a "
-            "signal reported as transient.\n"
+            "signal reported as transient; SIGTERM to torchrun or a worker transient and retried "
+            "once, to the driver one line and exit code 143; a model's own exit reported with its "
+            "code, frame and message, the study stopped after 2 trials; worker logs bounded; "
+            "inf refused in one line; advice that matches the cause; stdout valid JSON.\n"
         )
     sys.exit(0 if all(r.passed for r in rows) else 1)
 

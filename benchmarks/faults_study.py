@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,7 @@ GPT = ["examples/gpt.py:build", "--arg", "size=tiny", "--seq-len", "32"]
 QUICK = ["--gpu-memory", "4GiB", "--precision", "32-true", "--steps", "2", "--warmup", "1"]
 BASE = [*QUICK, "--batch-size", "1,2"]  # the baseline study's settings (enough candidates)
 FAILING = "tests/targets/study_faults.py:build"
+FAULTS = "tests/targets/faults.py:build"
 
 
 @dataclass
@@ -83,6 +85,20 @@ class Run:
 
 def launched(out: Path) -> list[str]:
     return [r.candidate.label() for r in read_records(out / "trials.jsonl") if r.status.launched]
+
+
+def study_runs(out: Path) -> list[str]:
+    """Every launched trial as "study label": a candidate measured again by a new study (a
+    changed model) is no rerun."""
+    lines = (
+        (out / "trials.jsonl").read_text().splitlines() if (out / "trials.jsonl").exists() else []
+    )
+    records = [json.loads(line) for line in lines if line.strip()]
+    return [
+        f"{r['study']} {json.dumps(r['candidate'], sort_keys=True)}"
+        for r in records
+        if r["status"] in ("ok", "oom", "error", "timeout")
+    ]
 
 
 def twice(labels: list[str]) -> int:
@@ -367,6 +383,114 @@ def case_postgres(work: Path) -> Row:
                    describe(runs[0].shown()))  # fmt: skip
 
 
+# ---------------------------------------------------------------------------------------------
+# Issue 25: a changed model, a meta-unsafe factory too large for the memory, PostgreSQL faults
+# ---------------------------------------------------------------------------------------------
+
+FAULTS_ARGS = ["--seq-len", "16", *QUICK, "--batch-size", "1", "--trials", "1"]
+
+
+def case_changed_model(work: Path) -> list[Row]:
+    """The model file made wider between two runs of the same command; then another target
+    on the same --out."""
+    model = work / "changed-model" / "model.py"
+    model.parent.mkdir(parents=True, exist_ok=True)
+    source = (ROOT / "tests" / "targets" / "faults.py").read_text()
+    model.write_text(source)
+    out = work / "changed-model" / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    first = tune(*FAULTS_ARGS, "--out", str(out), target=[f"{model}:build"]).wait()
+    model.write_text(source.replace("width: int = 32", "width: int = 64"))
+    second = tune(*FAULTS_ARGS, "--out", str(out), target=[f"{model}:build"]).wait()
+    resumed = second.err.count("resumed")
+    notes = [line for line in second.err.splitlines() if "new study" in line]
+    ran = launched(out)
+    rows = [
+        Row("25.1", f"model file made wider, same command: {resumed} resumed, "
+            f"{len(ran) - 1} new trial", second.seconds, twice(study_runs(out)), left(out),
+            f"{first.code}/{second.code}", describe(notes)),
+    ]  # fmt: skip
+    other = tune(*FAULTS_ARGS, "--out", str(out), target=[FAILING]).wait()
+    notes = [line for line in other.err.splitlines() if "another target" in line]
+    again = twice(study_runs(out))
+    rows.append(Row("25.1", "another target on the same --out", other.seconds, again, left(out),
+                    str(other.code), describe(notes)))  # fmt: skip
+    return rows
+
+
+def case_meta_unsafe(work: Path) -> Row:
+    """30 x Linear(1024, 1024) reading a weight after each, with 64 MiB free (the size limit
+    the benchmark sets: AUTOSHARD_AVAILABLE_MEMORY)."""
+    run = Run(
+        [sys.executable, "-m", "autoshard", "analyze", "tests/targets/meta_unsafe.py:build"],
+        env={"AUTOSHARD_AVAILABLE_MEMORY": "64MiB"},
+    ).wait()
+    errors = [line for line in run.err.splitlines() if line.startswith("error:")]
+    return Row("25.2", "a factory that cannot build on meta, 120 MiB, 64 MiB free",
+               run.seconds, 0, 0, str(run.code), describe(errors))  # fmt: skip
+
+
+HOLDER = """
+import sys
+from autoshard.study.claims import ClaimLock
+lock = ClaimLock(sys.argv[1])
+lock.__enter__()
+print("holding", flush=True)
+sys.stdin.readline()
+"""
+
+
+def case_postgres_faults(work: Path) -> list[Row]:
+    try:
+        from tests.postgres import binaries, postgres_instance
+    except ImportError:
+        return [Row("25.3", "PostgreSQL faults", None, None, None, "-", "skipped")]
+    if binaries() is None:
+        return [Row("25.3", "PostgreSQL faults", None, None, None, "-", "no server")]
+    from autoshard.study.storage import check_storage
+
+    rows = []
+    with postgres_instance() as server:
+        # A restart mid-trial: down for 10 s while the trial ends.
+        out = work / "pg-restart"
+        shutil.rmtree(out, ignore_errors=True)
+        run = tune(*FAULTS_ARGS, "--arg", "fault=slow", "--arg", "seconds=4", "--storage",
+                   server.url, "--out", str(out), target=[FAULTS])  # fmt: skip
+        deadline = time.monotonic() + 300
+        while not list(out.glob("workers/group-*/request-0.json")):
+            assert time.monotonic() < deadline and run.proc.poll() is None, "no trial"
+            time.sleep(0.1)
+        server.stop()
+        down = time.monotonic()
+        time.sleep(10)
+        server.start()
+        run.wait()
+        notes = [line for line in run.err.splitlines() if "connection" in line]
+        what = f"PostgreSQL restarted mid-trial (down 10 s): {len(launched(out))} trial recorded"
+        rows.append(Row("25.4", what, time.monotonic() - down, twice(launched(out)), left(out),
+                        str(run.code), describe(notes)))  # fmt: skip
+        # A driver stopped by SIGSTOP while it holds the claim.
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, check_storage(server.url)], cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+            os.kill(holder.pid, signal.SIGSTOP)
+            out = work / "pg-stopped"
+            shutil.rmtree(out, ignore_errors=True)
+            run = tune(*FAULTS_ARGS, "--storage", server.url, "--out", str(out),
+                       target=[FAULTS]).wait()  # fmt: skip
+            notes = [line for line in run.err.splitlines() if "claim" in line]
+            rows.append(Row("25.3", "a driver stopped (SIGSTOP) while it holds the claim: "
+                            f"{len(launched(out))} trial ran", run.seconds, twice(launched(out)),
+                            left(out), str(run.code), describe(notes)))  # fmt: skip
+        finally:
+            holder.kill()
+    return rows
+
+
 CASES: dict[str, Callable[[Path], Row | list[Row]]] = {
     "two_runs": case_two_runs,
     "out_is_a_file": case_out_is_a_file,
@@ -382,6 +506,9 @@ CASES: dict[str, Callable[[Path], Row | list[Row]]] = {
     "trials_cap": case_trials_cap,
     "postgres": case_postgres,
     "hangs_from_4": case_hangs_from_4,  # slow before the start-timeout fix (issue 15, case 1)
+    "changed_model": case_changed_model,
+    "meta_unsafe": case_meta_unsafe,
+    "postgres_faults": case_postgres_faults,
 }
 
 

@@ -7,7 +7,9 @@ The model is tests/targets/faults.py, which fails on demand inside workers only.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -274,3 +276,111 @@ def test_two_identical_trials_in_one_group_measure_the_same_memory(
             first.peak_allocated,
             second.peak_allocated,
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 25: signals, the failing rank's own reason, bounded logs, --json
+# --------------------------------------------------------------------------------------------
+
+
+def test_sigterm_to_the_launcher_or_a_worker_is_transient(tmp_path) -> None:
+    """SIGTERM, as SIGKILL, is a crash from outside: retried once, never a permanent error."""
+    with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
+        results: list[TrialResult] = []
+        for who in ("launcher", "worker"):
+
+            def stop(who: str = who, launch: int = len(results) + 1) -> None:
+                def started() -> bool:
+                    control = group.control
+                    return group.launches == launch and bool(control and any(control.glob("req*")))
+
+                wait_for(started, 120, "the trial")
+                time.sleep(3)  # in the trial
+                assert group.proc is not None
+                launcher = group.proc.pid
+                ranks = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True)
+                os.kill(launcher if who == "launcher" else int(ranks.stdout.split()[-1]), 15)
+
+            stopper = threading.Thread(target=stop)
+            stopper.start()
+            slow = faulty(fault="slow", seconds=60)
+            results.append(group.run(BLOCK, TOKENS, warmup=1, steps=2, target=slow))
+            stopper.join()
+    launcher, worker = results
+    assert launcher.transient and "torchrun was stopped by SIGTERM" in (launcher.error or "")
+    assert worker.transient and "killed by SIGTERM" in (worker.error or ""), worker.error
+    assert all(r.duration < 60 for r in results)
+
+
+def test_a_models_exit_is_reported_with_its_own_reason(tmp_path) -> None:
+    """argparse in the factory (the workers' own flags) and sys.exit on one rank: the trial's
+    error is that rank's exit code, the frame that called it and argparse's message, not the
+    other rank's broken connection (issue 25, cases 6 and 9)."""
+    with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
+        parsed = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=faulty(argv=True))
+        exited = group.run(
+            BLOCK, TOKENS, warmup=1, steps=2, target=faulty(fault="sysexit", rank=1, step=2)
+        )
+    assert parsed.status is TrialStatus.ERROR and not parsed.transient
+    error = parsed.error or ""
+    assert re.match(r"rank \d: SystemExit: exit code 2, called at faults.py:\d+ in build ", error)
+    assert "in build (train.py: error: unrecognized arguments: --control" in error, error
+    assert (exited.error or "").startswith("rank 1: SystemExit: exit code 3, called at faults.py")
+    assert "in _fail" in (exited.error or "") and "Connection closed" not in (exited.error or "")
+
+
+def test_worker_output_is_capped_per_trial_keeping_head_and_tail(tmp_path) -> None:
+    """A model that prints 20 KB per forward pass: the trial's log keeps its first and last
+    32 KiB with a marker between, and the driver reads the end of it (issue 25, case 5)."""
+    cap = 64 * 1024
+    with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=120, log_cap=cap) as group:
+        result = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=faulty(spam=20_000))
+        assert result.status is TrialStatus.OK, result.error
+        assert group.log_path is not None
+        tail = group.log_tail()
+    log = group.log_path.read_bytes()
+    assert b"bytes of worker output left out here" in log
+    assert len(log) < cap * 2 + 1000, len(log)  # ~240 KB printed
+    assert tail.endswith("x\n") and b"spam" in log[-cap // 2 :]  # the end of its output is kept
+
+
+def test_sigterm_to_the_driver_ends_like_ctrl_c(tmp_path, reap) -> None:
+    """One line, exit code 143, the running trial marked as failed in the study, no process
+    left (issue 25, case 7)."""
+    import optuna
+
+    out = tmp_path / "out"
+    driver = subprocess.Popen(
+        tune_command(out, "--arg", "fault=hang", "--arg", "rank=1", timeout=300),
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    shown: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: shown.extend(timed_lines(driver.stderr)))
+    reader.start()
+    wait_for(lambda: first_request(out), 120, "the first trial")
+    time.sleep(3)
+    sent = time.monotonic()
+    driver.send_signal(signal.SIGTERM)
+    driver.wait(timeout=30)
+    reader.join()
+    after = [text for at, text in shown if at >= sent]
+    assert after == ["terminated (SIGTERM)"], shown
+    assert driver.returncode == 143 and time.monotonic() - sent < 10
+    wait_for(lambda: not study_processes(out), 10, "the workers to end")
+    storage = f"sqlite:///{out / 'study.db'}"
+    (name,) = optuna.get_all_study_names(storage)
+    states = [t.state.name for t in optuna.load_study(study_name=name, storage=storage).trials]
+    assert [s for s in states if s != "PRUNED"] == ["FAIL"], (
+        states
+    )  # marked, its candidate free for the next run
+
+
+def test_tune_json_stays_json_whatever_the_factory_prints(tmp_path) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [*tune_command(out, "--arg", "noise=True"), "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["chosen"]
+    assert "building the faulty model" in done.stderr

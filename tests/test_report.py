@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -558,3 +559,37 @@ def test_notebook_views_of_estimates() -> None:
     rows = listing.split("<tr")[2:]
     marked = [r for r in rows if 'class="recommended"' in r]
     assert len(marked) == 1 and rec.chosen.candidate.label() + " \u2190 recommended" in marked[0]
+
+
+def test_a_full_disk_while_writing_the_reports_leaves_the_last_whole_ones(tmp_path: Path) -> None:
+    """Issue 25, case 9: reports are written atomically; a disk that fills while they are
+    written again leaves the previous ones whole (export keeps working), and no stray file."""
+    import os
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = os.geteuid() == 0 and (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(disk)], capture_output=True
+        ).returncode
+        == 0
+    )
+    if not mounted:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        rec, trials = make_rec(), all_trials(make_rec())
+        write_report(rec, disk, trials)
+        before = (disk / "report.json").read_bytes()
+        fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, os.urandom(4096))
+        os.close(fd)
+        with pytest.raises(OSError):
+            write_report(rec, disk, trials)
+        assert (disk / "report.json").read_bytes() == before
+        assert load_result(disk / "report.json")[0] == rec
+        assert sorted(p.name for p in disk.iterdir() if p.name.startswith(".")) == []
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -167,6 +167,42 @@ def test_changed_settings_start_a_new_study_and_the_same_resume(tmp_path: Path) 
     assert [r.started_at for r in results_c] == [r.started_at for r in results_b]
 
 
+def test_a_changed_model_starts_a_new_study_and_says_so(tmp_path: Path) -> None:
+    """The same factory and arguments, the model edited in between (issue 25, case 1): its
+    structure is part of the name; the old trials are not resumed, and one line says why."""
+    from torch import nn
+
+    from autoshard.study.settings import model_fingerprint
+
+    def of(width: int, target: TargetSpec = TARGET) -> StudySettings:
+        model = nn.Sequential(nn.Embedding(64, width), nn.Linear(width, 64))
+        sizes, precisions = (1, 2), ("32-true", "bf16-mixed")
+        return StudySettings.of(target, HARDWARE, WorkloadSpec(seq_len=8), precisions=precisions,
+                                micro_batch_sizes=sizes, model=model)  # fmt: skip
+
+    assert of(16).model == model_fingerprint(nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 64)))
+    cands = space(sizes=(1, 2))
+    first = Runner()
+    name_a, _ = study(tmp_path, cands, first, n_trials=2, sett=of(16))
+    wider, said = Runner(), []
+    name_b, results = study(tmp_path, cands, wider, n_trials=2, sett=of(32), notices=said)
+    assert name_b != name_a and len(wider.calls) == 2  # measured again, nothing resumed
+    assert [r.started_at for r in results] == [r.started_at for r in journal(tmp_path, name_b)]
+    changed = [line for line in said if "new study" in line]
+    assert len(changed) == 1 and name_a in changed[0], said
+    assert "the model (2,112 -> 4,160 parameters) changed" in changed[0]
+    # Another target in the same folder says so.
+    other = TargetSpec(spec="other/model.py:build")
+    said.clear()
+    study(tmp_path, cands, Runner(), n_trials=1, sett=of(32, other), notices=said)
+    assert any("of another target (examples/gpt.py" in line for line in said), said
+    # The same model again: resumed, without a line.
+    said.clear()
+    again = Runner()
+    study(tmp_path, cands, again, n_trials=1, sett=of(32, other), notices=said)
+    assert again.calls == [] and not said
+
+
 def test_load_result_reads_only_its_own_study(tmp_path: Path) -> None:
     from autoshard.recommendation import Recommendation, load_result
     from autoshard.results import ModelProfile, Scored
@@ -374,6 +410,40 @@ def test_the_same_error_on_configurations_that_share_nothing_stops_the_study() -
     # ... unless something ran fine: then the error depends on the configuration.
     ok = TrialResult(candidate=cands[1], status="ok")
     learn(cands, [*fails, ok], set())
+
+
+def test_the_same_cause_reported_by_other_ranks_and_launches_is_one_failure() -> None:
+    """Issue 25, case 6: the same exit, seen on rank 1 then on rank 0, with another control
+    folder each launch, is the same error: the study stops after these two trials."""
+    cands = space()
+    a = Candidate(sharding="NO_SHARD", precision="32-true", micro_batch_size=1)
+    b = Candidate(sharding="FULL_SHARD", precision="bf16-mixed", micro_batch_size=1)
+    said = "error: unrecognized arguments: --control /o/workers/group-{}"
+    fails = [
+        TrialResult(candidate=a, status="error", error=f"rank 1: SystemExit: exit code 2, called "
+                    f"at model.py:9 in build ({said.format('1-3fa9c2')})"),
+        TrialResult(candidate=b, status="error", error=f"rank 0: SystemExit: exit code 2, called "
+                    f"at model.py:9 in build ({said.format('2-e07b1d')})"),
+    ]  # fmt: skip
+    with pytest.raises(TrialsFailedError, match=r"unrecognized arguments.*fix the model"):
+        learn(cands, fails, {c.label() for c in cands} - {a.label(), b.label()})
+
+
+def test_timeouts_everywhere_advise_a_longer_trial_timeout() -> None:
+    from autoshard.decide import nothing_ran
+
+    cands = space()
+    why = "no result after 1.0 s (trial timeout 1 s); the worker group was killed"
+    a = Candidate(sharding="NO_SHARD", precision="32-true", micro_batch_size=1)
+    b = Candidate(sharding="FULL_SHARD", precision="bf16-mixed", micro_batch_size=1)
+    fails = [TrialResult(candidate=c, status="timeout", error=why) for c in (a, b)]
+    with pytest.raises(TrialsFailedError, match=r"raise --trial-timeout \(1 s\) if a trial needs"):
+        learn(cands, fails, {c.label() for c in cands} - {a.label(), b.label()})
+    assert "raise --trial-timeout (1 s)" in nothing_ran(fails)
+    errors = [
+        TrialResult(candidate=f.candidate, status="error", error="ValueError: x") for f in fails
+    ]
+    assert "--trial-timeout" not in nothing_ran(errors) and "fix the model" in nothing_ran(errors)
 
 
 def test_a_model_that_always_fails_stops_after_two_trials(tmp_path: Path) -> None:
@@ -712,6 +782,10 @@ def test_a_read_only_study_db_is_one_line(tmp_path: Path, read_only) -> None:
         (["--storage", "postgresql://nobody@127.0.0.1:9/x"], "127.0.0.1:9/x: "),
         (["--out", "FILE"], "a file is in the way"),
         (["--trials", "0"], "--trials 0: give 1 or more"),
+        # a time or a size is a finite number (issue 25, case 8)
+        (["--trial-timeout", "inf"], "--trial-timeout inf: give a finite number"),
+        (["--max-seconds", "nan"], "--max-seconds nan: give a finite number"),
+        (["--target-spread", "nan"], "--target-spread nan: give a finite number"),
     ],
 )
 def test_storage_errors_through_the_command_line(cli, tmp_path: Path, args, message) -> None:

@@ -4,8 +4,13 @@ real PostgreSQL server, and changed settings through the command line (issue 15,
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import textwrap
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +20,7 @@ from autoshard.config import Candidate
 from autoshard.study.journal import read_records
 
 from .conftest import EXAMPLES, ROOT
-from .postgres import binaries, postgres_server
+from .postgres import PostgresServer, binaries, postgres_instance
 
 pytestmark = pytest.mark.slow
 
@@ -45,13 +50,19 @@ def launched(out: Path, study: str | None = None) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def postgres():
-    """A PostgreSQL server of its own (tests/postgres.py); yields its URL."""
+def server():
+    """A PostgreSQL server of its own (tests/postgres.py)."""
     pytest.importorskip("psycopg")
     if binaries() is None:
         pytest.skip("no PostgreSQL binaries (initdb, pg_ctl) on this machine")
-    with postgres_server() as url:
-        yield url
+    with postgres_instance() as running:
+        yield running
+
+
+@pytest.fixture
+def postgres(server: PostgresServer) -> str:
+    """Its URL."""
+    return server.url
 
 
 def test_two_drivers_share_one_postgresql_study(postgres: str, tmp_path: Path) -> None:
@@ -102,6 +113,111 @@ def test_two_drivers_share_one_postgresql_study(postgres: str, tmp_path: Path) -
     assert max(per_candidate.values()) == 1
 
 
+FAULTS = ["tests/targets/faults.py:build", "--seq-len", "16"]
+
+
+def faults_tune(out: Path, storage: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "autoshard", "tune", *FAULTS, *QUICK, "--batch-size", "1",
+         "--trials", "1", "--storage", storage, "--out", str(out), "--json", *args],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_postgresql_restart_mid_trial_is_ridden_out(server: PostgresServer, tmp_path) -> None:
+    """The server stops while a trial runs, the trial ends while it is down, and it is back
+    10 s later: the driver reconnects with back-off, records the trial, and ends normally
+    (issue 25, case 4)."""
+    out = tmp_path / "out"
+    driver = faults_tune(out, server.url, "--arg", "fault=slow", "--arg", "seconds=4")
+    try:
+        wait_for(lambda: any(out.glob("workers/group-*/request-0.json")), 300, "the trial")
+        server.stop()
+        time.sleep(10)  # the trial (8 s of sleeps) ends while the server is down
+        server.start()
+        stdout, stderr = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, stderr[-3000:]
+    assert "lost the connection to the database" in stderr and "reconnected after" in stderr
+    assert "Traceback" not in stderr
+    ran = launched(out)
+    assert len(ran) == 1, ran  # recorded once, not rerun
+    import optuna
+
+    study = optuna.load_study(study_name=json.loads(stdout)["study"], storage=recs_url(server.url))
+    states = [t.state.name for t in study.get_trials(deepcopy=False)]
+    assert states.count("COMPLETE") == 1 and "RUNNING" not in states, states
+
+
+HOLDER = """
+import sys, time
+from autoshard.study.claims import ClaimLock
+from autoshard.study.view import ClaimLost
+lock = ClaimLock(sys.argv[1])
+lock.__enter__()
+print("holding", flush=True)
+sys.stdin.readline()  # stopped here; continued, it looks at its claim
+try:
+    lock.check()
+    print("still held", flush=True)
+except ClaimLost:
+    print("lost", flush=True)
+"""
+
+
+def test_a_driver_stopped_while_it_holds_the_claim_does_not_wedge_the_study(
+    postgres: str, tmp_path: Path
+) -> None:
+    """A driver holds the claim; another says whom it waits for; the holder is stopped by
+    SIGSTOP: within STALE_S it is taken for dead, its session ended, and the study runs; the
+    stopped one, continued, finds its claim gone (issue 25, case 3)."""
+    from autoshard.study.claims import STALE_S
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(HOLDER), recs_url(postgres)], cwd=ROOT,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    driver = None
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        driver = faults_tune(tmp_path / "out", postgres)
+        said: list[tuple[float, str]] = []
+        reader = threading.Thread(
+            target=lambda: said.extend((time.monotonic(), line) for line in driver.stderr)
+        )
+        reader.start()
+        wait_for(lambda: any("waiting for driver" in line for _, line in said), 300, "the wait")
+        os.kill(holder.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        driver.wait(timeout=400)
+        reader.join()
+        lines = [line for _, line in said]
+        assert driver.returncode == 0, "".join(lines)[-3000:]
+        waiting = [line for line in lines if "waiting for driver" in line]
+        assert len(waiting) == 1 and f"{holder.pid}@" in waiting[0], lines
+        assert "holding the claim since" in waiting[0]
+        freed = [at for at, line in said if "no sign of life" in line]
+        assert len(freed) == 1 and freed[0] - stopped < STALE_S + 5, (freed, stopped)
+        assert len(launched(tmp_path / "out")) == 1
+        os.kill(holder.pid, signal.SIGCONT)
+        assert holder.stdin is not None
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "lost"
+    finally:
+        holder.kill()
+        if driver is not None:
+            driver.kill()
+
+
 def recs_url(url: str) -> str:
     from autoshard.study.storage import check_storage
 
@@ -139,3 +255,37 @@ def test_changed_batch_sizes_start_a_new_study(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout)["study"] == rec["study"]
     assert len(launched(out)) == 3  # resumed: nothing ran again
+
+
+# ---------------------------------------------------------------------------------------------
+# A changed model starts a new study (issue 25, case 1)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_an_edited_model_file_is_measured_again(tmp_path: Path) -> None:
+    """The same command on the same --out after the model file was made wider: no "resumed"
+    trial, a new measurement, and one line saying that the model changed."""
+    model = tmp_path / "model.py"
+    source = (ROOT / "tests" / "targets" / "faults.py").read_text()
+    model.write_text(source)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "autoshard", "tune", f"{model}:build", "--seq-len", "16",
+               *QUICK, "--batch-size", "1", "--trials", "1", "--out", str(out), "--json"]  # fmt: skip
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)
+
+    first = run()
+    assert first.returncode == 0, first.stderr[-3000:]
+    model.write_text(source.replace("width: int = 32", "width: int = 64"))
+    second = run()
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed" not in second.stderr, second.stderr
+    notes = [line for line in second.stderr.splitlines() if "new study" in line]
+    assert len(notes) == 1 and "the model (" in notes[0], second.stderr
+    studies = [json.loads(r.stdout)["study"] for r in (first, second)]
+    assert studies[0] != studies[1]
+    trials = [read_records(out / "trials.jsonl", s) for s in studies]
+    measured = [[r for r in t if r.status.launched] for t in trials]
+    assert [len(m) for m in measured] == [1, 1]
+    assert measured[1][0].started_at > measured[0][0].started_at

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -174,3 +175,72 @@ def test_errors_are_autoshard_errors() -> None:
         build_target(TargetSpec(spec=f"{BAD}:raises"))
     with pytest.raises(ModelError):
         build_target(TargetSpec(spec=f"{BAD}:no_params"))
+
+
+# --------------------------------------------------------------------------------------------
+# A factory that cannot build on meta, in a memory-limited setting (issue 25, case 2)
+# --------------------------------------------------------------------------------------------
+
+UNSAFE = f"{TARGETS}/meta_unsafe.py:build"
+
+
+@pytest.fixture
+def meta_unsafe(monkeypatch):
+    """The factory's module, its call records cleared; the free memory set to 64 MiB."""
+    import importlib
+
+    from autoshard.target.resolve import AVAILABLE_MEMORY_ENV, load_callable
+
+    monkeypatch.setenv(AVAILABLE_MEMORY_ENV, "64MiB")
+    module = importlib.import_module(load_callable(UNSAFE).__module__)
+    module.CALLS.clear()
+    return module
+
+
+def test_a_cpu_build_that_would_not_fit_is_stopped_in_one_line(meta_unsafe) -> None:
+    """30 x 4 MiB layers, a weight read after each: the meta attempt stops at the first; the CPU
+    build is stopped once its parameters pass 80% of the 64 MiB free, not OOM-killed."""
+    with pytest.raises(TargetError) as error:
+        build_target(TargetSpec(spec=UNSAFE))
+    text = str(error.value)
+    assert text.startswith("building build on the CPU needs more than 5")  # 52 MiB
+    assert "this machine has 64 MiB free: make the factory meta-safe" in text
+    meta, cpu = meta_unsafe.CALLS
+    assert (meta["device"], cpu["device"]) == ("meta", "cpu")
+    assert cpu["layers"] == 12  # stopped in the 13th (52 MiB > 51.2): 18 layers never built
+
+
+def test_a_model_the_meta_attempt_saw_too_large_is_never_built(meta_unsafe) -> None:
+    """The weight is read after every layer is built: the meta attempt counts 120 MiB, more than
+    the free memory, so nothing is built on the CPU."""
+    with pytest.raises(TargetError, match=r"needs ~120 MiB of parameters; this machine has 64"):
+        build_target(TargetSpec(spec=UNSAFE, kwargs={"read_at": "end"}))
+    assert [c["device"] for c in meta_unsafe.CALLS] == ["meta"]
+
+
+def test_a_cpu_fallback_warns_before_it_builds_and_builds_once(meta_unsafe) -> None:
+    """A small model that fits: the warning comes before the CPU build, and the check of the
+    target then its analysis (two builds asked for) build it once on the CPU."""
+    from autoshard.analyze import analyze_target
+    from autoshard.target.adapters import to_target
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        meta_unsafe.SEEN[:] = []
+        meta_unsafe.SEEN = seen
+        profile, _ = analyze_target(to_target(UNSAFE, kwargs={"layers": 2, "width": 64}))
+    assert profile.built_on == "cpu" and profile.total_params == 2 * (64 * 64 + 64)
+    assert [c["device"] for c in meta_unsafe.CALLS] == ["meta", "cpu"]
+    fallback = [w for w in seen if issubclass(w.category, BuildFallbackWarning)]
+    assert fallback and meta_unsafe.CALLS[1]["warnings"] >= 1  # said before the CPU build
+
+
+def test_the_cli_refuses_a_cpu_build_that_does_not_fit(cli, monkeypatch) -> None:
+    from autoshard.target.resolve import AVAILABLE_MEMORY_ENV
+
+    monkeypatch.setenv(AVAILABLE_MEMORY_ENV, "64MiB")
+    code, _, err = cli("analyze", UNSAFE)
+    assert code == 1 and "Traceback" not in err
+    assert err.startswith("warning: build could not be built on the meta device"), err
+    said = err.split("error: ")
+    assert len(said) == 2 and said[1].startswith("building build on the CPU needs more than")

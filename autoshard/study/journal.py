@@ -125,6 +125,22 @@ class Journal:
     def read(self, study: str | None = None) -> list[TrialResult]:
         return read_records(self.path, study)
 
+    def studies(self) -> list[str]:
+        """The names of the studies recorded here, in the order of their latest record."""
+        if not self.path.is_file():
+            return []
+        order: dict[str, None] = {}
+        with _storage_os_errors(self.path), open(self.path, "rb") as fh:
+            for line in fh:
+                try:
+                    name = json.loads(line).get("study")
+                except (ValueError, AttributeError):
+                    continue  # a partial or foreign line: read_records says so where it matters
+                if isinstance(name, str):
+                    order.pop(name, None)
+                    order[name] = None
+        return list(order)
+
     def keep_reserve(self) -> None:
         """Make sure the reserve exists (a fresh study, or the space was freed since)."""
         if self.reserve_path.exists():

@@ -75,8 +75,23 @@ def signature(result: TrialResult) -> str:
     the workers' log said last (an earlier trial's error, a warning), not why it hung."""
     if result.status is TrialStatus.TIMEOUT:
         return TrialStatus.TIMEOUT.value
-    text = re.sub(r"0x[0-9a-fA-F]+|\d+(\.\d+)?", "#", (result.error or "").lower())
-    return f"{result.status.value}: {' '.join(text.split())[:240]}"
+    return f"{result.status.value}: {cause(result.error or '')[:240]}"
+
+
+def cause(error: str) -> str:
+    """An error's cause, normalised: which rank reported it, the worker group's wording around
+    it, paths (a control folder per launch), addresses and numbers are left out.
+
+    >>> a = "rank 1: SystemExit: exit code 2 (error: unrecognized arguments: /x/group-1-ab12cd)"
+    >>> cause(a) == cause(a.replace("rank 1", "rank 0").replace("1-ab12cd", "3-ff00aa"))
+    True
+    """
+    text = error.lower()
+    text = re.sub(r"^workers exited: (rank|a worker)[^:]*: ", "", text)
+    text = re.sub(r"\brank \d+:\s*", "", text)
+    text = re.sub(r"\S*/\S*", "<path>", text)
+    text = re.sub(r"0x[0-9a-f]+|\b[0-9a-f]*\d[0-9a-f]*\b|\d+(\.\d+)?", "#", text)
+    return " ".join(text.split())
 
 
 def teaches(result: TrialResult) -> bool:
@@ -180,8 +195,7 @@ def learn(
             a, b = group[0].candidate, group[1].candidate
             raise TrialsFailedError(
                 f"every configuration fails the same way: {a.label()} and {b.label()} share no "
-                f"setting and both failed with {_short(group[0], 300)}; fix the model or its "
-                "arguments (the workers' logs are in the output folder, under workers/)"
+                f"setting and both failed with {_short(group[0], 300)}; {advice(group)}"
             )
         why = (
             f"{len(group)} configurations with {describe(same, least)} failed with "
@@ -198,6 +212,20 @@ def learn(
         if teaches(latest):
             lessons.suspects = space.shared(f.candidate for f in groups[signature(latest)])
     return lessons
+
+
+def advice(failures: Sequence[TrialResult]) -> str:
+    """What to do about failures that no configuration avoids: a timeout may be too short for
+    the model (a large one builds and warms up for minutes), an error is the model's."""
+    logs = "the workers' logs are in the output folder, under workers/"
+    if failures and all(f.status is TrialStatus.TIMEOUT for f in failures):
+        limit = re.search(r"trial timeout ([\d.]+) s", failures[0].error or "")
+        given = f" ({limit.group(1)} s)" if limit else ""
+        return (
+            f"raise --trial-timeout{given} if a trial needs longer (building the model and its "
+            f"first steps count); if it does not, the model hangs: {logs}"
+        )
+    return f"fix the model or its arguments ({logs})"
 
 
 def probe_order(

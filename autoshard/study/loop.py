@@ -28,7 +28,7 @@ from typing import Protocol
 from autoshard.config import Candidate, ProgressEvent
 from autoshard.results import MemoryEstimate, Scored, TrialResult, TrialStatus
 from autoshard.study.lessons import Lessons, learn, probe_order
-from autoshard.study.view import StudyView, Ticket, identity
+from autoshard.study.view import ClaimLost, StudyView, Ticket, identity
 
 Emit = Callable[[ProgressEvent, Scored], None]
 Dominated = Callable[[Candidate, Sequence[TrialResult]], TrialResult | None]
@@ -80,36 +80,16 @@ def run_trials(
 
     first = True
     while True:
-        with store.turn() as view:
-            if first:
-                _record_pruned(store, ranked, view)
-                _record_unrunnable(store, ranked, view, cannot_run)
-                announce(view, ProgressEvent.RESUMED)
-                first = False
-            else:
-                announce(view, ProgressEvent.DONE)  # other drivers' trials
-            settled = view.settled()
-            untried = {
-                label
-                for label, e in by_label.items()
-                if e.fits and label not in view.attempts and label not in view.running
-            }
-            lessons = learn(candidates, list(settled.values()), untried)
-            for label, why in lessons.ruled_out.items():
-                skipped = TrialResult(
-                    candidate=by_label[label].candidate, status=TrialStatus.SKIPPED, error=why
-                )
-                store.record(skipped, by_label[label].model_dump_json())
-                view.add(skipped)
-            announce(view, ProgressEvent.DONE)
-            # The order to try the rest in, after what was measured (a calibrated speed model).
-            order = reorder(ranked, list(settled.values())) if reorder else ranked
-            choice = _pick(view, order, candidates, lessons, n_trials, dominated)
-            ticket = None
-            if choice is not None:
-                ticket = store.start(choice.candidate.label(), choice.model_dump_json())
-            elif not view.running:
-                break
+        try:
+            choice, ticket, done = _turn(
+                store, ranked, by_label, candidates, first, announce, n_trials, dominated,
+                reorder, cannot_run,
+            )  # fmt: skip
+        except ClaimLost:
+            continue  # stopped while it held the claim, which another driver took: look again
+        first = False
+        if done:
+            break
         if choice is None or ticket is None:
             time.sleep(wait_s)
             continue
@@ -123,6 +103,49 @@ def run_trials(
         seen.add(identity(result))
         tell(ProgressEvent.DONE, _scored(result, by_label))
     return list(store.view().settled().values())
+
+
+def _turn(
+    store: Store,
+    ranked: Sequence[MemoryEstimate],
+    by_label: dict[str, MemoryEstimate],
+    candidates: Sequence[Candidate],
+    first: bool,
+    announce: Callable[[StudyView, ProgressEvent], None],
+    n_trials: int,
+    dominated: Dominated | None,
+    reorder: Reorder | None,
+    cannot_run: Callable[[Candidate], str | None] | None,
+) -> tuple[MemoryEstimate | None, Ticket | None, bool]:
+    """One turn under the claim lock: (the candidate claimed, its ticket, whether the study is
+    over)."""
+    with store.turn() as view:
+        if first:
+            _record_pruned(store, ranked, view)
+            _record_unrunnable(store, ranked, view, cannot_run)
+            announce(view, ProgressEvent.RESUMED)
+        else:
+            announce(view, ProgressEvent.DONE)  # other drivers' trials
+        settled = view.settled()
+        untried = {
+            label
+            for label, e in by_label.items()
+            if e.fits and label not in view.attempts and label not in view.running
+        }
+        lessons = learn(candidates, list(settled.values()), untried)
+        for label, why in lessons.ruled_out.items():
+            skipped = TrialResult(
+                candidate=by_label[label].candidate, status=TrialStatus.SKIPPED, error=why
+            )
+            store.record(skipped, by_label[label].model_dump_json())
+            view.add(skipped)
+        announce(view, ProgressEvent.DONE)
+        # The order to try the rest in, after what was measured (a calibrated speed model).
+        order = reorder(ranked, list(settled.values())) if reorder else ranked
+        choice = _pick(view, order, candidates, lessons, n_trials, dominated)
+        if choice is not None:
+            return choice, store.start(choice.candidate.label(), choice.model_dump_json()), False
+        return None, None, not view.running
 
 
 def _pick(

@@ -1,6 +1,12 @@
 """The name of a study: a fingerprint of everything that decides which trials it runs and what
 they measure. The same settings give the same name (the study resumes); changed settings give a
 new study in the same storage, so that trials measured under other settings are never reused.
+
+What it measures includes the model itself, not only the factory that builds it: its structure
+(:func:`model_fingerprint`: every parameter's and buffer's module class, name, shape and dtype),
+the example batch's shapes, and the version of the trial workers' measurements
+(:data:`MEASUREMENT`). A model file edited between two runs, or another project's ``model.py:build``
+in the same output folder, starts a study of its own.
 """
 
 from __future__ import annotations
@@ -8,14 +14,20 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
+from typing import Any
 
+import torch
 from pydantic import Field
+from torch import nn
 
 from autoshard.config import Engine, Frozen, Hardware, Precision, WorkloadSpec
 from autoshard.target.resolve import TargetSpec
 
 # Bumped when what a study stores changes meaning: older studies are then not resumed.
 STUDY_FORMAT = "autoshard.study/2"
+# Bump when a change to the trial workers alters what a trial measures (how steps are timed,
+# how memory is counted, the warm-up): studies measured by the older workers are then not resumed.
+MEASUREMENT = "autoshard.trials/1"
 
 
 class StudySettings(Frozen):
@@ -44,6 +56,9 @@ class StudySettings(Frozen):
     memory_cap: int | None = Field(
         None, description="Bytes a trial's measured peak may reach (None: the usable GPU memory)."
     )
+    model: str = Field("", description="The model's structure (model_fingerprint).")
+    params: int = Field(0, description="The model's parameters (for the line saying it changed).")
+    batch: str = Field("", description="The example batch's shapes and dtypes (batch_shapes).")
 
     @classmethod
     def of(
@@ -56,6 +71,8 @@ class StudySettings(Frozen):
         precisions: Iterable[Precision | str] | None = None,
         micro_batch_sizes: Iterable[int] | None = None,
         memory_cap: int | None = None,
+        model: nn.Module | None = None,
+        batch: Any = None,
     ) -> StudySettings:
         """Settings in canonical form: the order of precisions or batch sizes does not matter."""
         from autoshard.space import default_precisions
@@ -70,6 +87,9 @@ class StudySettings(Frozen):
             precisions=tuple(sorted(set(chosen), key=lambda p: p.value)),
             micro_batch_sizes=tuple(sorted(set(sizes))),
             memory_cap=memory_cap,
+            model=model_fingerprint(model) if model is not None else "",
+            params=sum(p.numel() for p in model.parameters()) if model is not None else 0,
+            batch=batch_shapes(batch),
         )
 
     def name(self, candidates: Sequence[str] = ()) -> str:
@@ -79,5 +99,66 @@ class StudySettings(Frozen):
         data = self.model_dump(mode="json")
         # The first size is in micro_batch_sizes already: `--batch-size 2,1` equals `1,2`.
         data["workload"].pop("micro_batch_size", None)
-        key = json.dumps([STUDY_FORMAT, data, sorted(candidates)], sort_keys=True)
+        key = json.dumps([STUDY_FORMAT, MEASUREMENT, data, sorted(candidates)], sort_keys=True)
         return "autoshard-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+    def differences(self, other: StudySettings) -> list[str]:
+        """What differs from ``other``, in words ("the model (1,872,640 -> 3,5... parameters)")."""
+        out = []
+        if self.target != other.target:
+            out.append(f"the target ({other.target} -> {self.target})")
+        elif self.model != other.model:
+            out.append(
+                f"the model ({other.params:,} -> {self.params:,} parameters)"
+                if self.params != other.params
+                else "the model's structure"
+            )
+        for name in ("batch", "hardware", "workload", "engine", "precisions",
+                     "micro_batch_sizes", "memory_cap"):  # fmt: skip
+            if getattr(self, name) != getattr(other, name):
+                out.append("the example batch" if name == "batch" else name.replace("_", " "))
+        return out
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A digest of the model's structure: each parameter's and buffer's module class, name,
+    shape, dtype and trainability (tied ones once). Values are not read: it works on meta.
+
+    >>> a = model_fingerprint(nn.Linear(4, 4))
+    >>> a == model_fingerprint(nn.Linear(4, 4)), a == model_fingerprint(nn.Linear(4, 8))
+    (True, False)
+    """
+    digest = hashlib.sha256()
+    seen: set[int] = set()
+    for path, module in model.named_modules():
+        kind = f"{type(module).__module__}.{type(module).__qualname__}"
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, tensor in own:
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            grad = bool(getattr(tensor, "requires_grad", False))
+            line = f"{path}.{name} {kind} {tuple(tensor.shape)} {tensor.dtype} {grad}\n"
+            digest.update(line.encode())
+    return digest.hexdigest()[:16]
+
+
+def batch_shapes(batch: Any, depth: int = 0) -> str:
+    """The shapes and dtypes of an example batch (tensors in dicts, lists, tuples), as text.
+
+    >>> batch_shapes({"ids": torch.zeros(2, 8, dtype=torch.long)})
+    "{'ids': int64[2, 8]}"
+    """
+    if depth > 8:
+        return "..."
+    if isinstance(batch, torch.Tensor):
+        return f"{str(batch.dtype).removeprefix('torch.')}{list(batch.shape)}"
+    if isinstance(batch, dict):
+        inner = ", ".join(f"{k!r}: {batch_shapes(v, depth + 1)}" for k, v in batch.items())
+        return "{" + inner + "}"
+    if isinstance(batch, list | tuple):
+        inner = ", ".join(batch_shapes(v, depth + 1) for v in batch)
+        return f"[{inner}]" if isinstance(batch, list) else f"({inner})"
+    if batch is None or isinstance(batch, bool | int | float | str):
+        return repr(batch)
+    return type(batch).__name__

@@ -13,9 +13,10 @@ once.
 Several drivers, one study (optuna's own distributed optimisation, on its RDB storage):
 - a driver *claims* its next candidate by creating a RUNNING trial for it; the look at the
   study that decides which candidate is free and the creation of that trial happen under one
-  lock of the database (PostgreSQL's ``pg_advisory_lock``, MySQL's ``GET_LOCK``; for SQLite an
-  ``flock`` next to the file), so two drivers never claim the same candidate, and ``--trials``
-  counts every driver's trials exactly;
+  lock of the database (:mod:`autoshard.study.claims`: PostgreSQL's advisory lock, which a
+  stopped holder cannot keep; MySQL's ``GET_LOCK``; for SQLite an ``flock`` next to the file),
+  so two drivers never claim the same candidate, and ``--trials`` counts every driver's trials
+  exactly;
 - a running trial carries its driver (host, PID, output folder) and optuna's heartbeat
   (``RDBStorage(heartbeat_interval=...)``, recorded by a thread while the trial runs): a trial
   whose driver is gone (killed, its machine lost) is failed by the next claim
@@ -24,7 +25,9 @@ Several drivers, one study (optuna's own distributed optimisation, on its RDB st
 - every decision reads every driver's trials from the storage, so every driver that ends
   recommends the same configuration.
 
-Every failure of the storage or of the output folder is a one-line
+A database server that restarts or fails over is reconnected to with back-off, up to a limit
+(:class:`~autoshard.study.claims.Reconnecting`). Every failure of the storage or of the output
+folder is a one-line
 :class:`~autoshard.errors.StorageError` saying what to do; a missing, emptied or corrupt SQLite
 file is rebuilt from ``trials.jsonl`` (a corrupt one is moved aside first), never silently
 reset.
@@ -56,6 +59,7 @@ from sqlalchemy.engine import URL, make_url
 from autoshard.config import Candidate
 from autoshard.errors import MissingDependencyError, StorageError
 from autoshard.results import Decision, TrialResult, TrialStatus
+from autoshard.study.claims import ClaimLock, Reconnecting
 from autoshard.study.journal import JOURNAL_NAME, Journal
 from autoshard.study.lock import OutLock, pid_alive
 from autoshard.study.settings import StudySettings
@@ -81,7 +85,6 @@ SETTINGS_ATTR = "autoshard_settings"
 HEARTBEAT_S = 5
 GRACE_S = 30  # a driver silent this long is taken for gone
 SHARED_BACKENDS = ("sqlite", "postgresql", "mysql")
-_LOCK_KEY = 0x6175_746F_7368_6172  # "autoshar": the advisory lock of autoshard's claims
 _EXAMPLE_URLS = "sqlite:///runs/study.db or postgresql://user@host/dbname"
 
 
@@ -185,76 +188,6 @@ def prepare_out(out_dir: Path | str) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# The claim lock
-# ---------------------------------------------------------------------------------------------
-
-
-class ClaimLock:
-    """Serialises the claims of every driver of one storage (see the module docstring). Held
-    only while a driver looks at the study and claims a candidate: milliseconds. Released by
-    the database (or the kernel, for the SQLite file lock) when its holder dies."""
-
-    def __init__(self, url: str) -> None:
-        u = make_url(url)
-        self.backend = u.get_backend_name()
-        self.fd: int | None = None
-        self.conn: sqlalchemy.Connection | None = None
-        self.engine: sqlalchemy.Engine | None = None
-        if self.backend == "sqlite":
-            self.path: Path | None = Path(f"{u.database}.lock")
-        else:
-            self.path = None
-            self.engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
-
-    def __enter__(self) -> ClaimLock:
-        if self.path is not None:
-            if self.fd is None:
-                try:
-                    self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-                except OSError as exc:
-                    raise StorageError(
-                        f"{self.path}: cannot create the lock next to the study database "
-                        f"({exc.strerror or exc}); its folder must be writable"
-                    ) from None
-            if fcntl is not None:
-                fcntl.flock(self.fd, fcntl.LOCK_EX)
-            return self
-        assert self.engine is not None
-        if self.conn is None:
-            self.conn = self.engine.connect()
-        sql = {
-            "postgresql": "SELECT pg_advisory_lock(:k)",
-            "mysql": "SELECT GET_LOCK(CONCAT('autoshard-', :k), 3600)",
-        }[self.backend]
-        self.conn.execute(sqlalchemy.text(sql), {"k": _LOCK_KEY})
-        self.conn.commit()  # the lock belongs to the session, not to the transaction
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.fd is not None and fcntl is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-        if self.conn is not None:
-            sql = {
-                "postgresql": "SELECT pg_advisory_unlock(:k)",
-                "mysql": "SELECT RELEASE_LOCK(CONCAT('autoshard-', :k))",
-            }[self.backend]
-            with contextlib.suppress(sqlalchemy.exc.SQLAlchemyError):
-                self.conn.execute(sqlalchemy.text(sql), {"k": _LOCK_KEY})
-                self.conn.commit()
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        if self.conn is not None:
-            with contextlib.suppress(sqlalchemy.exc.SQLAlchemyError):
-                self.conn.close()
-            self.conn = None
-        if self.engine is not None:
-            self.engine.dispose()
-
-
-# ---------------------------------------------------------------------------------------------
 # The store
 # ---------------------------------------------------------------------------------------------
 
@@ -305,7 +238,9 @@ def open_store(
         journal = Journal(out / JOURNAL_NAME, notice)
         journal.repair()
         journal.keep_reserve()
-        claims = ClaimLock(url)
+        claims = ClaimLock(url, notice)
+        # Not tried again: a server that cannot be reached at the start is a wrong URL or a
+        # server that is down, said at once; reconnecting is for a study under way.
         with _db_errors(shown), claims:
             rdb = _open_rdb(url, shown, notice)
         return StudyStore(out, url, shown, lock, journal, claims, rdb, notice)
@@ -325,7 +260,10 @@ def _open_rdb(url: str, shown: str, notice: Callable[[str], None]) -> RDBStorage
             f"{shown}: the study database is read-only; make it writable (chmod u+w {db}) or "
             "choose another --out"
         )
-    kwargs: dict[str, Any] = {"connect_args": {"timeout": 60}} if sqlite else {}
+    # A server's pooled connections are checked before use: after a restart they are stale.
+    kwargs: dict[str, Any] = (
+        {"connect_args": {"timeout": 60}} if sqlite else {"pool_pre_ping": True}
+    )
     for attempt in (1, 2):
         try:
             with warnings.catch_warnings():
@@ -388,6 +326,7 @@ class StudyStore:
         self.out, self.url, self.shown = out, url, shown
         self.lock, self.journal, self.claims, self.storage = lock, journal, claims, storage
         self.notice = notice
+        self.again = Reconnecting(shown, claims.backend, notice)
         self.name = ""
         self.study: optuna.Study | None = None
         self.study_id = -1
@@ -440,7 +379,24 @@ class StudyStore:
         if objective is not None:
             self.objective = objective
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        with _db_errors(self.shown), self.claims:
+        with _db_errors(self.shown):
+            existed, changed, missing = self.again(
+                lambda: self._open_study(settings, metric, objective_note)
+            )
+        if changed:
+            self.notice(changed)
+        if missing:
+            where = "had no such study" if not existed else "lacked them"
+            self.notice(
+                f"restored {len(missing)} trial records of study {self.name} from "
+                f"{self.journal.path.name} ({self.shown} {where}); none is run again"
+            )
+
+    def _open_study(
+        self, settings: StudySettings, metric: str, objective_note: str
+    ) -> tuple[bool, str | None, list[TrialResult]]:
+        changed: str | None = None
+        with self.claims:
             try:
                 self.storage.get_study_id_from_name(self.name)
                 existed = True
@@ -455,6 +411,7 @@ class StudyStore:
             self.study_id = self.storage.get_study_id_from_name(self.name)
             if not existed:
                 self.study.set_user_attr(SETTINGS_ATTR, settings.model_dump(mode="json"))
+                changed = self._changed_since(settings)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 self.study.set_metric_names([metric])
@@ -463,31 +420,63 @@ class StudyStore:
             missing = [r for r in self.journal.read(self.name) if identity(r) not in known]
             for result in missing:
                 self._add_finished(result)
-        if missing:
-            where = "had no such study" if not existed else "lacked them"
-            self.notice(
-                f"restored {len(missing)} trial records of study {self.name} from "
-                f"{self.journal.path.name} ({self.shown} {where}); none is run again"
+        return existed, changed, missing
+
+    def _changed_since(self, settings: StudySettings) -> str | None:
+        """One line when this output folder's latest study is another one (a changed model,
+        another target, other settings): which, and what differs; None when there is none."""
+        latest = next((n for n in reversed(self.journal.studies()) if n != self.name), None)
+        if latest is None:
+            return None
+        kept = sum(1 for r in self.journal.read(latest) if r.status.launched)
+        try:
+            attrs = self.storage.get_study_user_attrs(self.storage.get_study_id_from_name(latest))
+            before = StudySettings.model_validate(attrs.get(SETTINGS_ATTR))
+        except (KeyError, ValidationError):
+            before = None  # its settings are not in this storage (lost, or older autoshard)
+        what = settings.differences(before) if before is not None else []
+        if before is not None and before.target != settings.target:
+            return (
+                f"--out {self.out} holds study {latest} of another target ({before.target}): "
+                f"starting study {self.name} for {settings.target} beside it; its {kept} trials "
+                "are kept and not reused (give another --out to keep them apart)"
             )
+        because = f" ({', '.join(what)} changed)" if what else ""
+        return (
+            f"starting a new study {self.name}{because}: the {kept} trials of study {latest} "
+            f"in {self.journal.path.name} are kept and not reused"
+        )
 
     # -- a turn of the loop ----------------------------------------------------------------------
 
     @contextlib.contextmanager
     def turn(self) -> Iterator[StudyView]:
         """The claim lock held: stale trials failed, then every driver's trials as they are."""
-        with _db_errors(self.shown), self.claims:
+        with _db_errors(self.shown):
+            view = self.again(self._enter_turn)
+        try:
+            yield view
+        finally:
+            self.claims.__exit__()
+
+    def _enter_turn(self) -> StudyView:
+        self.claims.__enter__()
+        try:
             self._fail_stale()
-            yield self._read()
+            return self._read()
+        except BaseException:
+            self.claims.__exit__()
+            raise
 
     def view(self) -> StudyView:
         with _db_errors(self.shown):
-            return self._read()
+            return self.again(self._read)
 
     def record(self, result: TrialResult, estimate: str | None = None) -> None:
         """A result that ran no trial (pruned, skipped): to the journal, then the storage."""
         self.journal.append(self.name, result)
         with _db_errors(self.shown):
-            self._add_finished(result, estimate)
+            self.again(lambda: self._add_finished(result, estimate))
 
     def start(self, label: str, estimate: str | None = None) -> Ticket:
         """Claim ``label``: a RUNNING trial naming this driver, its heartbeat started."""
@@ -504,9 +493,15 @@ class StudyStore:
             intermediate_values={},
             trial_id=-1,
         )
-        with _db_errors(self.shown):
+        self.claims.check()  # ClaimLost: taken for dead while stopped; the turn starts again
+
+        def create() -> int:
             trial_id = self.storage.create_new_trial(self.study_id, template_trial=template)
             self.storage.record_heartbeat(trial_id)
+            return trial_id
+
+        with _db_errors(self.shown):
+            trial_id = self.again(create)
         self._beat = _Heartbeat(self.storage, trial_id)
         self._running = Ticket(trial_id, label, estimate)
         return self._running
@@ -517,19 +512,22 @@ class StudyStore:
         self._running = None
         self.journal.append(self.name, result)
         with _db_errors(self.shown):
-            try:
-                for key, value in self._attrs(result, ticket.estimate).items():
-                    self.storage.set_trial_user_attr(ticket.trial_id, key, value)
-                ok = result.status is TrialStatus.OK
-                self.storage.set_trial_state_values(
-                    ticket.trial_id,
-                    TrialState.COMPLETE if ok else TrialState.FAIL,
-                    values=[self.objective(result)] if ok else None,
-                )
-            except optuna.exceptions.UpdateFinishedTrialError:
-                # Another driver took this one for stale (no heartbeat within the grace
-                # period) and failed it: the result is kept all the same, as a trial of its own.
-                self._add_finished(result, ticket.estimate)
+            self.again(lambda: self._store_finished(ticket, result))
+
+    def _store_finished(self, ticket: Ticket, result: TrialResult) -> None:
+        try:
+            for key, value in self._attrs(result, ticket.estimate).items():
+                self.storage.set_trial_user_attr(ticket.trial_id, key, value)
+            ok = result.status is TrialStatus.OK
+            self.storage.set_trial_state_values(
+                ticket.trial_id,
+                TrialState.COMPLETE if ok else TrialState.FAIL,
+                values=[self.objective(result)] if ok else None,
+            )
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # Another driver took this one for stale (no heartbeat within the grace period)
+            # and failed it: the result is kept all the same, as a trial of its own.
+            self._add_finished(result, ticket.estimate)
 
     def abandon(self, ticket: Ticket) -> None:
         """The trial will not finish (Ctrl-C, an error): failed without a result, so that its

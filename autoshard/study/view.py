@@ -16,6 +16,11 @@ from autoshard.results import TrialResult
 TRANSIENT_RETRIES = 1
 
 
+class ClaimLost(Exception):
+    """This driver's claim lock was taken from it while it was stopped (another driver took it
+    for dead): it claims nothing on that turn, and takes its turn again."""
+
+
 def is_transient(result: TrialResult) -> bool:
     """A crash worth one retry (``TrialResult.transient``, set by the worker group when a rank
     died by a signal)."""

@@ -4,7 +4,12 @@ The callable takes keyword arguments only (given on the command line as ``--arg 
 and returns an ``nn.Module``, or a ``(module, batch)`` tuple where ``batch`` is an example input
 for one training step or the user's data (a DataModule, DataLoader or iterable of batches:
 :mod:`autoshard.target.data`). It is called under the meta device so that a 70B model costs
-no memory; a factory that cannot be built on meta falls back to the CPU with a warning.
+no memory; a factory that cannot be built on meta falls back to the CPU with a warning, given
+before the build, and only when it fits in the free memory (:func:`available_memory`): the
+parameters the meta attempt created before it failed are counted first, and the CPU build is
+stopped as soon as its parameters pass that budget, with one line instead of the kernel's OOM
+killer. A model built on the CPU is kept for the next build of the same target in the process
+(a check, then the analysis): a factory that cannot build on meta is never built twice in a row.
 
 Every failure is a :class:`~autoshard.errors.TargetError` with one line saying what is wrong.
 The resolved :class:`TargetSpec` is plain data, so trial workers in other processes rebuild the
@@ -14,10 +19,14 @@ same model from it.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import importlib.util
+import os
 import re
 import sys
+import sysconfig
+import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +38,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from autoshard.errors import ModelError, TargetError
+from autoshard.units import format_bytes, parse_size
+
+# A size (e.g. 4GiB): the free memory to assume instead of the machine's (a job's own limit; the
+# tests use it to try a large CPU build safely).
+AVAILABLE_MEMORY_ENV = "AUTOSHARD_AVAILABLE_MEMORY"
+# A CPU build may take this share of the free memory: the rest is the process's own and the
+# temporaries a factory makes besides its parameters.
+CPU_BUILD_SHARE = 0.8
 
 
 class TargetSpec(BaseModel):
@@ -172,23 +189,40 @@ def build_model(
     label: str = name or str(getattr(factory, "__name__", repr(factory)))
     built_on = str(torch.device(device).type)
     notes: list[str] = []
+    meta = _ParameterCount()
     try:
-        result = _call_under(factory, kwargs, device, label)
+        with meta:
+            result = _call_under(factory, kwargs, device, label)
     except _FactoryRaised as first:
         if built_on != "meta":
             raise TargetError(first.message) from first.__cause__
-        try:
-            result = _call_under(factory, kwargs, "cpu", label)
-        except _FactoryRaised as second:
-            raise TargetError(second.message) from second.__cause__
-        built_on = "cpu"
+        free = available_memory()
+        budget = int(free * CPU_BUILD_SHARE) if free is not None else None
+        if budget is not None and meta.bytes > budget:
+            raise TargetError(_too_large(label, first.short, meta.bytes, free, "~")) from None
         note = (
-            f"{label} could not be built on the meta device ({first.short}); built it on the "
-            "CPU instead, which takes real memory. Make the factory meta-safe (no reads of "
+            f"{label} could not be built on the meta device ({first.short}); building it on "
+            "the CPU instead, which takes real memory. Make the factory meta-safe (no reads of "
             "tensor values while building) to analyse large models without memory."
         )
-        warnings.warn(note, BuildFallbackWarning, stacklevel=2)
+        # Said before a build that may be long and large (the meta attempt had built layers),
+        # after one that failed at once (a factory that raises anyway: its error alone is said).
+        early = meta.bytes > 0
+        if early:
+            warnings.warn(note, BuildFallbackWarning, stacklevel=2)
+        try:
+            with _ParameterCount(limit=budget):
+                result = _call_under(factory, kwargs, "cpu", label)
+        except _FactoryRaised as second:
+            raise TargetError(second.message) from second.__cause__
+        except _OverBudget as over:
+            raise TargetError(
+                _too_large(label, first.short, over.bytes, free, "more than ")
+            ) from None
+        if not early:
+            warnings.warn(note, BuildFallbackWarning, stacklevel=2)
         notes.append(note)
+        built_on = "cpu"
     model, batch = _split_result(result, label)
     _configure_model_hook(model, built_on, label)
     if next(model.parameters(), None) is None:
@@ -206,9 +240,127 @@ def build_model(
     return BuiltModel(model=model, batch=batch, built_on=built_on, warnings=notes, data=data)
 
 
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: ``AUTOSHARD_AVAILABLE_MEMORY`` when set, else the
+    least of /proc/meminfo's MemAvailable and what its cgroups' memory.max leave (Linux); None
+    where unknown."""
+    given = os.environ.get(AVAILABLE_MEMORY_ENV)
+    if given:
+        return parse_size(given, flag=AVAILABLE_MEMORY_ENV)
+    found: list[int] = []
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):  # cgroup v2: every level's limit counts
+                group = Path("/sys/fs/cgroup") / line[3:].strip().lstrip("/")
+                for level in [group, *group.parents]:
+                    limit = _read_int(level / "memory.max")
+                    used = _read_int(level / "memory.current")
+                    if limit is not None and used is not None:
+                        found.append(max(0, limit - used))
+                    if level == Path("/sys/fs/cgroup"):
+                        break
+    return min(found) if found else None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def _too_large(label: str, why: str, size: int, free: int | None, about: str) -> str:
+    return (
+        f"building {label} on the CPU needs {about}{format_bytes(size)} of parameters; this "
+        f"machine has {format_bytes(free or 0)} free: make the factory meta-safe (it could not "
+        f"be built on the meta device: {why}; read no tensor values while building, e.g. "
+        "initialise weights in reset_parameters), or run where more memory is free "
+        f"({AVAILABLE_MEMORY_ENV} sets what autoshard assumes)"
+    )
+
+
+class _OverBudget(BaseException):
+    """A CPU build passed the free memory. BaseException: a factory's own ``except Exception``
+    must not swallow it."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.bytes = size
+
+
+class _ParameterCount:
+    """Counts the bytes of the parameters and buffers that modules register while it is
+    entered (torch's global registration hooks); raises :class:`_OverBudget` past ``limit``."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self.bytes = 0
+        self._seen: set[int] = set()
+        self._handles: list[Any] = []
+
+    def _count(self, module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+        if tensor is None or id(tensor) in self._seen:
+            return
+        self._seen.add(id(tensor))
+        self.bytes += tensor.numel() * tensor.element_size()
+        if self.limit is not None and self.bytes > self.limit:
+            raise _OverBudget(self.bytes)
+
+    def __enter__(self) -> _ParameterCount:
+        hooks = torch.nn.modules.module
+        self._handles = [
+            hooks.register_module_parameter_registration_hook(self._count),
+            hooks.register_module_buffer_registration_hook(self._count),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def exit_message(exc: SystemExit, said: str = "") -> str:
+    """One line for a ``SystemExit`` raised by a model's code (``sys.exit``, argparse): its
+    code, the frame that called it (the first outside the standard library, from the end),
+    and the last line it printed (``said``: argparse's message).
+
+    >>> try:
+    ...     sys.exit(3)
+    ... except SystemExit as exc:
+    ...     print(exit_message(exc).split(", called")[0])
+    SystemExit: exit code 3
+    """
+    code = exc.code
+    text = f"SystemExit: {code}" if isinstance(code, str) else f"SystemExit: exit code {code or 0}"
+    stdlib = sysconfig.get_paths()["stdlib"]
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not (f.filename.startswith(stdlib) and "-packages" not in f.filename)
+    ]
+    if frames:
+        text += (
+            f", called at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}"
+        )
+    last = [line.strip() for line in said.splitlines() if line.strip()]
+    if last and not isinstance(code, str):
+        text += f" ({last[-1][:300]})"
+    return text
+
+
 class _FactoryRaised(Exception):
     def __init__(self, label: str, exc: BaseException) -> None:
-        self.short = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        self.short = (
+            exit_message(exc)
+            if isinstance(exc, SystemExit)
+            else f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        )
         self.message = f"{label} raised {self.short}"
         super().__init__(self.message)
 
@@ -232,7 +384,7 @@ def _call_under(
             )
             raise TargetError(f"{label}: {text}; give {fix}") from exc
         raise _FactoryRaised(label, exc) from exc
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit or argparse in a factory: its error too
         raise _FactoryRaised(label, exc) from exc
 
 
@@ -270,7 +422,22 @@ def resolve(spec: str | TargetSpec, kwargs: Mapping[str, Any] | None = None) -> 
     return target
 
 
+# The last model that had to be built on the CPU, for the next build of its target (see the
+# module docstring): (target, model). One entry, taken by the build that uses it.
+_BUILT_ON_CPU: list[tuple[TargetSpec, BuiltModel]] = []
+
+
 def build_target(target: TargetSpec, *, device: str | torch.device = "meta") -> BuiltModel:
     """Import and build the model of ``target`` under ``device``."""
+    wanted = torch.device(device).type
+    if wanted in ("meta", "cpu") and _BUILT_ON_CPU and _BUILT_ON_CPU[0][0] == target:
+        built = _BUILT_ON_CPU.pop()[1]
+        for note in built.warnings:  # said for this build too (a command shows a line once)
+            warnings.warn(note, BuildFallbackWarning, stacklevel=2)
+        return built
     factory = load_callable(target.spec)
-    return build_model(factory, target.kwargs, device=device, name=target.spec.rpartition(":")[2])
+    built = build_model(factory, target.kwargs, device=device, name=target.spec.rpartition(":")[2])
+    _BUILT_ON_CPU.clear()
+    if built.built_on == "cpu" and wanted == "meta":
+        _BUILT_ON_CPU.append((target, built))
+    return built

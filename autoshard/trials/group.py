@@ -35,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -53,6 +54,7 @@ from autoshard.errors import AutoshardError, ConfigError
 from autoshard.results import TrialResult, TrialStatus
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.lifeline import kill_tree, parent_death_preexec
+from autoshard.trials.logcap import DEFAULT_LOG_CAP, CappedLog, pump, read_tail
 from autoshard.trials.protocol import (
     Launch,
     RankReport,
@@ -100,6 +102,7 @@ class WorkerGroup:
         start_timeout: float = 180.0,
         agree_timeout: float = 10.0,
         env: dict[str, str] | None = None,
+        log_cap: int = DEFAULT_LOG_CAP,
     ) -> None:
         self.target = target
         self.log_dir = Path(log_dir)
@@ -109,7 +112,10 @@ class WorkerGroup:
         self.trial_timeout, self.start_timeout = trial_timeout, start_timeout
         self.agree_timeout = agree_timeout
         self.env = env or {}
+        self.log_cap = log_cap
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log: CappedLog | None = None
+        self._pump: threading.Thread | None = None
         self.control: Path | None = None
         self.log_path: Path | None = None
         self.ready: Ready | None = None
@@ -211,15 +217,19 @@ class WorkerGroup:
             # freed tensors leave the resident set: 28 MiB within 3%, closer to live tensors.
             env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
         self._launched_at = time.monotonic()
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # its own process group: killed as one
-                preexec_fn=parent_death_preexec(),  # and killed by the kernel with the driver
-            )
+        # Through a pipe into a log bounded per trial (autoshard.trials.logcap).
+        self._log = CappedLog(self.log_path, self.log_cap)
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its own process group: killed as one
+            preexec_fn=parent_death_preexec(),  # and killed by the kernel with the driver
+        )
+        assert self.proc.stdout is not None
+        self._pump = pump(os.dup(self.proc.stdout.fileno()), self._log)
+        self.proc.stdout.close()
 
     def close(self) -> None:
         """Ask idle workers to stop; kill them if they do not, or if a trial is running."""
@@ -241,6 +251,13 @@ class WorkerGroup:
             kill_tree(self.proc.pid)
         self.proc.wait()
         self.proc, self._busy = None, False
+        self._drain()
+
+    def _drain(self, timeout: float = 5.0) -> None:
+        """Wait until the log has all that the ended processes wrote."""
+        if self._pump is not None:
+            self._pump.join(timeout)
+            self._pump = None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -355,6 +372,8 @@ class WorkerGroup:
         )
         self._busy = True
         started = time.monotonic()
+        if self._log is not None:
+            self._log.new_section()  # each trial's output is capped on its own
         self._write_request(request)
         self._n += 1
         result_path = self._control() / f"result-{n}.json"
@@ -402,9 +421,12 @@ class WorkerGroup:
         write_json_atomically(self._control() / f"request-{request.n}.json", request)
 
     def log_tail(self) -> str:
-        if self.log_path is None or not self.log_path.exists():
+        """The end of the log, read from its end (a log may be large)."""
+        if self.log_path is None:
             return ""
-        text = self.log_path.read_bytes()[-LOG_TAIL_CHARS * 4 :].decode(errors="replace")
+        if not self.alive():
+            self._drain()
+        text = read_tail(self.log_path, LOG_TAIL_CHARS * 4).decode(errors="replace")
         return text[-LOG_TAIL_CHARS:]
 
     def rank_failures(self, n: int) -> list[RankReport]:
@@ -444,6 +466,9 @@ class WorkerGroup:
             why = f"{why}: {who} exited with code {cause.exitcode}"
         elif returncode is not None and returncode < 0:  # the launcher itself was killed
             why, transient = f"torchrun was killed by {_signal_name(-returncode)}", True
+        elif stopped := _LAUNCHER_SIGNAL.search(tail):  # torchrun stopped by SIGTERM, SIGINT...
+            why = f"torchrun was stopped by {_signal_name(int(stopped.group(1)))}"
+            return self._failed(candidate, TrialStatus.ERROR, started, why, "", True)
         detail = last_error_line(tail, fallback=cause.exitcode is None)
         return self._failed(candidate, TrialStatus.ERROR, started, why, detail, transient)
 
@@ -482,6 +507,14 @@ _TORCHRUN_WRAPPER = "ChildFailedError"
 _SIGNAL = re.compile(r"Signal (\d+) \((SIG\w+)\) received")
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.MULTILINE)
+# torchrun's own death by a signal it handles (SIGTERM, SIGINT, SIGHUP): it stops its workers
+_LAUNCHER_SIGNAL = re.compile(r"SignalException: Process \d+ got signal: (\d+)")
+# What a rank says when another one died: never the cause of a failure, only its echo.
+_ECHO = re.compile(
+    r"connection closed by peer|connection reset by peer|broken pipe|remote process exited|"
+    r"NCCL communicator was aborted",
+    re.IGNORECASE,
+)
 
 
 class CrashCause:
@@ -536,7 +569,7 @@ def last_error_line(log: str, *, fallback: bool = True) -> str:
     warning; else ""."""
     lines = [line for line in _without_warnings(log) if len(line) < 500]
     for line in reversed(lines):
-        if _EXCEPTION.match(line) and _TORCHRUN_WRAPPER not in line:
+        if _EXCEPTION.match(line) and _TORCHRUN_WRAPPER not in line and not _ECHO.search(line):
             return line
     if not fallback:
         return ""

@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import ctypes
 import gc
+import io
 import os
 import statistics
 import sys
@@ -54,7 +55,7 @@ from autoshard.sharding import (
     rank_device,
     register_float8_scales,
 )
-from autoshard.target.resolve import TargetSpec, build_target, load_callable
+from autoshard.target.resolve import TargetSpec, build_target, exit_message, load_callable
 from autoshard.target.step import (
     batch_samples,
     batch_tokens,
@@ -151,21 +152,34 @@ def run_trial(request: TrialRequest, device: torch.device, *, quiet: bool = Fals
     """Run one trial on this rank; return its local measurements or its failure (never raises).
     A failure is also printed, with its traceback, to this rank's log."""
     rank = dist.get_rank()
+    said = _LastWords(sys.stderr)
+    sys.stderr = said  # what the model's code prints last (argparse's message before it exits)
     try:
         return RankReport(rank=rank, status=TrialStatus.OK, **_measure(request, device))
+    except SystemExit as exc:  # sys.exit or argparse in the model's code: this trial's error
+        report = RankReport(
+            rank=rank,
+            status=TrialStatus.ERROR,
+            error=exit_message(exc, said.text),
+            traceback=traceback.format_exc(limit=8),
+            failed_at=time.time(),
+        )
     except torch.OutOfMemoryError as exc:
         report = RankReport(
             rank=rank, status=TrialStatus.OOM, error=_one_line(exc), failed_at=time.time()
         )
     except Exception as exc:  # a failed trial is a result, never a crash of the group
+        # a factory that called sys.exit (or argparse) on meta and on the CPU: its exit
+        exited = exc.__cause__ if isinstance(exc.__cause__, SystemExit) else None
         report = RankReport(
             rank=rank,
             status=TrialStatus.ERROR,
-            error=_one_line(exc),
+            error=exit_message(exited, said.text) if exited else _one_line(exc),
             traceback=traceback.format_exc(limit=8),
             failed_at=time.time(),
         )
     finally:
+        sys.stderr = said.stream
         # _measure's model, optimizer and activations died with its frame: release them now.
         release_freed_memory()
         if device.type == "cuda":
@@ -175,6 +189,21 @@ def run_trial(request: TrialRequest, device: torch.device, *, quiet: bool = Fals
         print(f"[autoshard rank {rank}] trial {request.n} failed: {report.error}", file=sys.stderr)
         print(report.traceback or "", file=sys.stderr, flush=True)
     return report
+
+
+class _LastWords(io.TextIOBase):
+    """A text stream that passes everything on and keeps the last 2,000 characters."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text = (self.text + text)[-2000:]
+        return int(self.stream.write(text) or 0)
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 def _measure(request: TrialRequest, device: torch.device) -> dict[str, Any]:
@@ -496,8 +525,8 @@ def warm_up_target(request: TrialRequest, device: torch.device) -> None:
     micro-batch 1 without autocast; the first at micro-batch 1 after micro-batch 2 read 36 MiB
     against 26.7 next; with this warm-up each reads as the next one (a tiny Llama: 9 -> 4.2 MiB).
     No collective here, so a failure on one rank cannot stall the others; the trial itself
-    meets it and reports it."""
-    with contextlib.suppress(Exception):
+    meets it and reports it (a ``sys.exit`` too: it must not end the worker here)."""
+    with contextlib.suppress(Exception, SystemExit):
         meta = build_target(request.target, device="meta").model
         if sum(p.numel() * p.element_size() for p in meta.parameters()) > WARM_TARGET_MAX_BYTES:
             return

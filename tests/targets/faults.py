@@ -7,15 +7,20 @@ inside trial workers (torchrun sets LOCAL_RANK): the driver analyses and estimat
 - ``slow``: the same sleep, meant to be short: a trial that is busy, not hung;
 - ``raise``: raises ``RuntimeError(message)``;
 - ``kill``: the process kills itself with SIGKILL (as the OOM killer would);
-- ``exit``: the process exits with code 3 (as a crash in native code would).
+- ``exit``: the process exits with code 3 (as a crash in native code would);
+- ``sysexit``: ``sys.exit(3)`` (a model's own code ending the program).
 ``rank=-1`` means every rank, ``batch=0`` every micro-batch size; ``step`` counts forward passes
-of one trial from 1.
+of one trial from 1. Besides: ``spam`` bytes printed by every forward pass in workers; ``argv``:
+the factory parses the command line with argparse in workers (which see the worker's own flags);
+``noise``: the factory prints a line wherever it runs (the driver too).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -41,13 +46,14 @@ class FaultyLM(nn.Module):
         step: int,
         seconds: float,
         message: str,
+        spam: int,
         vocab: int,
         width: int,
         layers: int,
     ) -> None:
         super().__init__()
         self.fault, self.rank, self.batch, self.step = fault, rank, batch, step
-        self.seconds, self.message = seconds, message
+        self.seconds, self.message, self.spam = seconds, message, spam
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
         self.head = nn.Linear(width, vocab)
@@ -55,6 +61,8 @@ class FaultyLM(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self.forwards += 1
+        if self.spam and "LOCAL_RANK" in os.environ:
+            print(f"spam {self.forwards} " + "x" * self.spam, flush=True)
         if self._strikes(ids):
             self._fail()
         x = self.embed(ids)
@@ -78,6 +86,8 @@ class FaultyLM(nn.Module):
                 os.kill(os.getpid(), signal.SIGKILL)
             case "exit":
                 os._exit(3)
+            case "sysexit":
+                sys.exit(3)
             case "none":
                 pass
             case _:
@@ -91,10 +101,17 @@ def build(
     step: int = 1,
     seconds: float = 3600.0,
     message: str = "injected fault",
+    spam: int = 0,
+    argv: bool = False,
+    noise: bool = False,
     vocab: int = 256,
     width: int = 32,
     layers: int = 2,
 ) -> FaultyLM:
+    if noise:
+        print("building the faulty model")
+    if argv and "LOCAL_RANK" in os.environ:
+        argparse.ArgumentParser(prog="train.py").parse_args()
     return FaultyLM(
         fault=fault,
         rank=rank,
@@ -102,6 +119,7 @@ def build(
         step=step,
         seconds=seconds,
         message=message,
+        spam=spam,
         vocab=vocab,
         width=width,
         layers=layers,
