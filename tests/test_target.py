@@ -174,3 +174,21 @@ def test_errors_are_autoshard_errors() -> None:
         build_target(TargetSpec(spec=f"{BAD}:raises"))
     with pytest.raises(ModelError):
         build_target(TargetSpec(spec=f"{BAD}:no_params"))
+
+
+def test_a_batchs_tokens_are_every_samples_tokens() -> None:
+    # tokens per batch, not per sample: per sample, a trial's tokens/s falls as its
+    # micro-batch grows
+    import torch
+
+    from autoshard.target.step import batch_samples, batch_tokens
+
+    ids = torch.ones(4, 128, dtype=torch.long)
+    assert batch_tokens(ids) == 512 and batch_samples(ids) == 4
+    assert batch_tokens({"input_ids": ids, "attention_mask": ids}) == 512
+    assert batch_tokens((ids, ids)) == 512 and batch_samples((ids, ids)) == 4
+    assert batch_samples({"pixel_values": torch.randn(3, 3, 8, 8)}) == 3
+    # not token ids: no tokens
+    assert batch_tokens(torch.randn(4, 128)) is None
+    assert batch_tokens(torch.ones(4, dtype=torch.long)) is None
+    assert batch_tokens({"pixel_values": torch.randn(3, 3, 8, 8)}) is None

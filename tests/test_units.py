@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from autoshard.units import format_bytes, format_share
+from autoshard.errors import ConfigError
+from autoshard.units import format_bytes, format_share, parse_size
 
 MIB, GIB, TIB = 2**20, 2**30, 2**40
 
@@ -37,3 +38,29 @@ def test_format_bytes(value: int, text: str) -> None:
 )
 def test_a_small_share_is_not_rounded_to_zero(share: float, text: str) -> None:
     assert format_share(share) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("40GB", 40 * 1000**3),  # decimal: what GPU vendors print (an A100 40GB)
+        ("40gb", 40 * 1000**3),
+        ("1.5TB", 1_500_000_000_000),
+        ("900MB", 900 * 1000**2),
+        ("80GiB", 80 * GIB),  # binary: what nvidia-smi prints
+        ("24000MiB", 24000 * MIB),
+        ("2TiB", 2 * TIB),
+        ("512KiB", 512 * 1024),
+        (" 8 GiB ", 8 * GIB),
+        (4096, 4096),  # an int is bytes
+    ],
+)
+def test_decimal_and_binary_units_are_not_confused(text: str | int, size: int) -> None:
+    # 40GB read as GiB would be 7% too much memory (or bandwidth) on every plan
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["80", "80 GiBs", "eighty GB", "-1GB", "0GB", 0, True])
+def test_a_size_that_cannot_be_read_says_how_to_write_it(text: str | int) -> None:
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        parse_size(text, flag="--gpu-memory")
