@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autoshard.errors import ConfigError
-from autoshard.units import format_bytes, format_share, parse_size
+from autoshard.units import format_bytes, format_count, format_share, parse_size
 
 MIB, GIB, TIB = 2**20, 2**30, 2**40
 
@@ -64,3 +64,34 @@ def test_decimal_and_binary_units_are_not_confused(text: str | int, size: int) -
 def test_a_size_that_cannot_be_read_says_how_to_write_it(text: str | int) -> None:
     with pytest.raises(ConfigError, match="--gpu-memory"):
         parse_size(text, flag="--gpu-memory")
+
+
+def test_sizes_at_their_boundaries() -> None:
+    # exactly 999.5 of a unit rounds to 1,000 (never "1e+03"); a share of exactly 0.1% shows
+    assert format_bytes(int(999.5 * MIB)) == "1,000 MiB"
+    assert format_share(0.001) == "0.1%"
+    # the smallest positive size is one byte, as an int or as text
+    assert parse_size(1) == 1 and parse_size("1B") == 1
+    # without a flag name, the message says "size"
+    with pytest.raises(ConfigError, match=r"^size: cannot read 'eighty GB'"):
+        parse_size("eighty GB")
+    with pytest.raises(ConfigError, match=r"^size 80: give a unit, e.g. 80GiB$"):
+        parse_size("80")
+
+
+@pytest.mark.parametrize(
+    ("count", "text"),
+    [
+        (6_738_415_616, "6.74B"),
+        (124_439_808, "124M"),
+        (8_192, "8.19K"),
+        (1_000, "1K"),
+        (1_000_000, "1M"),
+        (1e9, "1B"),
+        (2e12, "2T"),
+        (999, "999"),
+        (-2_500_000_000, "-2.5B"),
+    ],
+)
+def test_parameter_counts_for_people(count: float, text: str) -> None:
+    assert format_count(count) == text
