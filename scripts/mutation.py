@@ -42,34 +42,19 @@ MODULES: dict[str, list[str]] = {
     "predict/speed": ["tests/test_speed.py", "tests/test_calibrate.py"],
     "predict/analytic": ["tests/test_estimate.py"],
 }
-# Functions of these modules that no quick test can reach: they run inside the trial worker
-# processes (rank-local setup, timing, the serving loop). Their behaviour is covered by the
-# slow tier; mutating them here would only list "no tests".
-SKIP_FUNCTIONS: dict[str, list[str]] = {
+# Where a module's job for this purpose is only part of it: trials/worker's result accounting
+# (what a rank counts and how the ranks' reports become the trial's result, its status and its
+# error). The rest of the worker runs inside the trial processes (building, timing, serving) and
+# is covered by the slow tier, which a mutation run cannot afford.
+ONLY_FUNCTIONS: dict[str, list[str]] = {
     "trials/worker": [
-        "rank_device",
-        "init_states",
-        "build_for_training",
-        "build_sharded",
-        "run_trial",
-        "_measure",
-        "time_steps",
-        "_peak_allocated",
-        "_check_cap",
-        "_collective_device",
-        "release_freed_memory",
-        "clear_peak_rss",
-        "_status_bytes",
-        "peak_rss",
-        "current_rss",
-        "next_request",
-        "abandon",
-        "warm_model",
-        "warm_up",
-        "warm_up_target",
-        "serve",
-        "exit_worker",
-        "main",
+        "step_counts",
+        "summarize",
+        "_one_line",
+        "agree",
+        "published_failures",
+        "failure_path",
+        "target_shape",
     ],
 }
 STATUS = {1: "killed", 3: "killed", 0: "survived", 33: "no tests", 34: "skipped"}
@@ -221,8 +206,9 @@ def run_module(module: str, args: argparse.Namespace) -> dict[str, object]:
     work = scratch_copy(module)
     configure(work, module, args.own_tests_only)
     names = generate(work)
-    skipped = set(SKIP_FUNCTIONS.get(module, []))
-    names = [n for n in names if mutated_function(n).split(".")[-1] not in skipped]
+    only = ONLY_FUNCTIONS.get(module)
+    if only:
+        names = [n for n in names if mutated_function(n).split(".")[-1] in only]
     chosen = names
     if args.sample and args.sample < len(names):
         chosen = sorted(random.Random(args.seed).sample(names, args.sample))
