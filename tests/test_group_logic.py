@@ -499,3 +499,20 @@ def test_a_failure_is_one_line_naming_its_exception() -> None:
     assert _one_line(ValueError("bad\nsecond line")) == "ValueError: bad"
     assert _one_line(RuntimeError("x" * 900)) == "RuntimeError: " + "x" * 486
     assert _one_line(KeyError()) == "KeyError:"
+
+
+def test_the_atomic_writer_reports_a_missing_folder_and_survives_an_unsyncable_one(
+    tmp_path, monkeypatch
+) -> None:
+    # nothing was written, so nothing is left to remove: the writer's own error, not a cleanup's
+    with pytest.raises(FileNotFoundError):
+        write_json_atomically(tmp_path / "missing" / "result-0.json", {"n": 0})
+
+    # a folder that cannot be opened for its sync (Windows): the file is written all the same
+    def no_folder(*args: object, **kwargs: object) -> int:
+        raise OSError("cannot open a folder")
+
+    monkeypatch.setattr(os, "open", no_folder)
+    write_json_atomically(tmp_path / "result-1.json", {"n": 1, "error": "CUDA — 2 GiB"})
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "result-1.json").read_text(encoding="utf-8"))["n"] == 1
