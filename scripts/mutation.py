@@ -93,6 +93,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="run the module's own test files only, not the whole quick tier",
     )
     parser.add_argument(
+        "--rerun",
+        action="store_true",
+        help="run the mutants the module's last run did not kill again, against the tests as "
+        "they are now (after adding tests for its survivors)",
+    )
+    parser.add_argument(
         "--json", type=Path, help="also write the counts and the survivors' names to this file"
     )
     parser.add_argument(
@@ -203,18 +209,31 @@ def mutated_function(name: str) -> str:
 
 def run_module(module: str, args: argparse.Namespace) -> dict[str, object]:
     start = time.monotonic()
-    work = scratch_copy(module)
-    configure(work, module, args.own_tests_only)
-    names = generate(work)
-    only = ONLY_FUNCTIONS.get(module)
-    if only:
-        names = [n for n in names if mutated_function(n).split(".")[-1] in only]
-    chosen = names
-    if args.sample and args.sample < len(names):
-        chosen = sorted(random.Random(args.seed).sample(names, args.sample))
-    print(f"== {module}: {len(names)} mutants, testing {len(chosen)}", flush=True)
+    work = ROOT / ".mutation" / module.replace("/", "-")
+    if args.rerun and (work / "chosen.json").exists():
+        # the last run's mutants, against the tests as they are now: only those not yet killed
+        names, chosen = json.loads((work / "chosen.json").read_text())
+        for folder in (work / "tests", work / "mutants" / "tests"):
+            shutil.rmtree(folder)
+            shutil.copytree(ROOT / "tests", folder)
+        (work / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)  # tests changed
+        done = {name for _, name, code in results(work) if STATUS.get(code) == "killed"}
+        todo = [n for n in chosen if n not in done]
+    else:
+        work = scratch_copy(module)
+        configure(work, module, args.own_tests_only)
+        names = generate(work)
+        only = ONLY_FUNCTIONS.get(module)
+        if only:
+            names = [n for n in names if mutated_function(n).split(".")[-1] in only]
+        chosen = names
+        if args.sample and args.sample < len(names):
+            chosen = sorted(random.Random(args.seed).sample(names, args.sample))
+        (work / "chosen.json").write_text(json.dumps([names, chosen]))
+        todo = chosen
+    print(f"== {module}: {len(names)} mutants, testing {len(todo)} of {len(chosen)}", flush=True)
     left = args.budget - (time.monotonic() - start)
-    code = mutmut(work, ["run", "--max-children", "1", *chosen], timeout=max(60.0, left))
+    code = mutmut(work, ["run", "--max-children", "1", *todo], timeout=max(60.0, left))
     timed_out = code == 124
     if code not in (0, 124):
         print(f"mutmut ended with exit code {code}: see {work / 'mutmut.log'}", flush=True)
