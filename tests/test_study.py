@@ -998,3 +998,22 @@ def test_a_failure_outside_the_candidates_still_rules_out_its_larger_batches() -
     bad = TrialResult(candidate=gone, status=TrialStatus.ERROR, error="RuntimeError: shape")
     lessons = learn(cands, [bad], [c.label() for c in cands])
     assert sorted(lessons.ruled_out) == sorted(c.label() for c in cands)
+
+
+def test_a_failure_is_quoted_short_and_a_configuration_is_not_its_own_larger_batch() -> None:
+    from autoshard.study.lessons import _short, _Space
+
+    def failed(status: TrialStatus, error: str | None) -> TrialResult:
+        return TrialResult(candidate=Candidate(), status=status, error=error)
+
+    assert _short(failed(TrialStatus.TIMEOUT, None)) == "timeout"
+    assert _short(failed(TrialStatus.ERROR, "RuntimeError:  bad\nshape")) == (
+        "error: RuntimeError: bad shape"
+    )
+    long = "x" * 200
+    assert _short(failed(TrialStatus.ERROR, long)) == "error: " + "x" * 117 + "..."
+    assert _short(failed(TrialStatus.ERROR, "y" * 120)) == "error: " + "y" * 120
+    small, big = Candidate(micro_batch_size=1), Candidate(micro_batch_size=2)
+    space = _Space([small, big])
+    assert space.larger_batch_of(big, small) and not space.larger_batch_of(small, small)
+    assert not space.larger_batch_of(small, big)
