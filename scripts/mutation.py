@@ -201,6 +201,15 @@ def results(work: Path) -> list[tuple[str, str, int | None]]:
     return found
 
 
+def forget(work: Path, names: set[str]) -> None:
+    """Clear these mutants' results in mutmut's files, so that they read as not run."""
+    for meta, name, _ in results(work):
+        if name in names:
+            data = json.loads(Path(meta).read_text())
+            data["exit_code_by_key"][name] = None
+            Path(meta).write_text(json.dumps(data))
+
+
 def mutated_function(name: str) -> str:
     # autoshard.units.x_parse_size__mutmut_3 -> parse_size; methods: xǁClassǁmethod__mutmut_3
     tail = name.rsplit(".", 1)[-1]
@@ -219,6 +228,7 @@ def run_module(module: str, args: argparse.Namespace) -> dict[str, object]:
         (work / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)  # tests changed
         done = {name for _, name, code in results(work) if STATUS.get(code) == "killed"}
         todo = [n for n in chosen if n not in done]
+        forget(work, set(todo))  # one the budget leaves unrun reads "not run", not its old result
     else:
         work = scratch_copy(module)
         configure(work, module, args.own_tests_only)
