@@ -330,3 +330,64 @@ def test_the_loss_follows_its_documented_order() -> None:
     module = type("M", (), {"autoshard_loss": staticmethod(lambda o, b: o)})
     assert find_loss_fn(module) is module.autoshard_loss
     assert find_loss_fn(type("M", (), {"autoshard_loss": 3})) is None
+
+
+def test_the_step_helpers_at_their_edges() -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from autoshard.errors import ConfigError
+    from autoshard.target.step import (
+        batch_samples,
+        batch_tokens,
+        compute_loss,
+        find_loss_fn,
+        find_vocab_size,
+        make_batch,
+    )
+
+    rows = torch.arange(4).reshape(2, 2)
+    assert batch_samples(torch.tensor(3.0)) == 1 and batch_samples({"n": 7}) == 1
+    assert batch_samples({"n": 7, "x": rows}) == 2 and batch_samples([]) == 1
+    ids = torch.ones(4, 128, dtype=torch.long)
+    assert batch_tokens((ids, torch.ones(4, 7, dtype=torch.long))) == 512  # the first tensor's
+    vocab_one = nn.Linear(2, 2)
+    vocab_one.vocab_size = 1  # type: ignore[assignment]
+    assert find_vocab_size(vocab_one) == 1
+    assert find_loss_fn(type("M", (), {})) is None
+    # token batches: on the device asked for, every id below the vocabulary, 0 included
+    meta = make_batch(nn.Embedding(2, 4), None, micro_batch_size=4, seq_len=64,
+                      device=torch.device("meta"))  # fmt: skip
+    assert meta.is_meta and meta.shape == (4, 64)
+    built = make_batch(nn.Embedding(2, 4), (rows,), micro_batch_size=2, seq_len=None,
+                       device=torch.device("meta"))  # fmt: skip
+    assert built[0].is_meta
+    tokens = make_batch(nn.Embedding(2, 4), None, micro_batch_size=4, seq_len=64,
+                        device=torch.device("cpu"))  # fmt: skip
+    assert set(tokens.unique().tolist()) == {0, 1}
+    with pytest.raises(ConfigError, match=r"or return a batch from the factory$"):
+        make_batch(nn.Linear(2, 2), None, micro_batch_size=1, seq_len=8,
+                   device=torch.device("cpu"))  # fmt: skip
+    # the loss: the user's function gets the output and the batch
+    out, batch = torch.tensor([1.0, 2.0]), torch.tensor([10.0])
+    assert compute_loss(out, batch, lambda o, b: o.sum() + b.sum()).item() == 13.0
+    # an output's .logits (no .loss): next-token cross-entropy
+    torch.manual_seed(0)
+    logits, tok = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    nt = F.cross_entropy(logits[:, :-1].reshape(-1, 11), tok[:, 1:].reshape(-1))
+    holder = type("Out", (), {"logits": logits})()
+    assert torch.allclose(compute_loss(holder, tok), nt)
+    assert torch.allclose(compute_loss(logits, (tok,)), logits.mean())  # a tuple: no token ids
+    with pytest.raises(
+        ConfigError, match=r"define autoshard_loss\(output, batch\) in the target's module$"
+    ):
+        compute_loss(object(), tok)
+    # [N, C] scores: targets wrap modulo the classes, found in a dict's values in any order,
+    # never a float tensor
+    scores, x = torch.randn(2, 5), torch.randn(2, 8)
+    y = torch.tensor([3, 9])
+    expected = F.cross_entropy(scores, y % 5)
+    assert torch.allclose(compute_loss(scores, (x, y)), expected)
+    assert torch.allclose(compute_loss(scores, {"y": y, "x": x}), expected)
+    assert torch.allclose(compute_loss(scores, (x, torch.randn(2))), scores.mean())
