@@ -332,3 +332,25 @@ def test_slow_rates_and_trials_without_rates() -> None:
     named = hw.model_copy(update={"gpu": "h100-sxm"})
     assert trials_checked_line(named).endswith("the model's for 8 x h100-sxm")
     assert trials_checked_line(named, "a100-80gb").endswith("8 x a100-80gb")
+
+
+def test_hybrid_shard_differs_from_full_shard_only_in_sharding_and_no_trial_ran_is_one_line() -> (
+    None
+):
+    from autoshard.decide import _differs_only_in, nothing_ran
+
+    hybrid = Candidate(sharding=Sharding.HYBRID_SHARD, hybrid_mesh=(2, 4))
+    assert _differs_only_in(hybrid, Candidate(), "sharding")  # its mesh comes with it
+    assert not _differs_only_in(hybrid, Candidate(micro_batch_size=2), "sharding")
+    oom = TrialResult(
+        candidate=Candidate(), status=TrialStatus.OOM, error="OutOfMemoryError: 2 GiB"
+    )
+    other = oom.model_copy(update={"error": "OutOfMemoryError: 3 GiB"})
+    pruned = TrialResult(candidate=Candidate(), status=TrialStatus.PRUNED, error="too big")
+    assert nothing_ran([oom, other, pruned]) == (
+        "no configuration ran successfully: 2 trials failed (2 x oom: OutOfMemoryError: 3 GiB)"
+        ", 1 more candidates ruled out; see the worker logs in the output folder, under workers/"
+    )
+    assert nothing_ran([pruned]) == (
+        "no configuration could run: all 1 candidates were ruled out (too big)"
+    )
