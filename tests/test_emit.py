@@ -478,3 +478,11 @@ def test_fsdp2_strategy_saves_a_distributed_checkpoint_for_big_models() -> None:
         assert rec.strategy()._save_distributed_checkpoint is sharded
         from_yaml = parse_like_lightning_cli(rec.to_yaml("lightning")).strategy
         assert from_yaml._save_distributed_checkpoint is sharded
+
+
+def test_strategy_keeps_a_size_based_wrap_policy() -> None:
+    # no block class: FSDP1 wraps by size; the Lightning strategy must carry that policy
+    c = candidate(wrap_classes=(), min_num_params=100_000)
+    policy = emit.strategy_kwargs(make_rec(c))["auto_wrap_policy"]
+    assert policy.func.__name__ == "size_based_auto_wrap_policy"
+    assert policy.keywords == {"min_num_params": 100_000}
