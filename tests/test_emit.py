@@ -486,3 +486,9 @@ def test_strategy_keeps_a_size_based_wrap_policy() -> None:
     policy = emit.strategy_kwargs(make_rec(c))["auto_wrap_policy"]
     assert policy.func.__name__ == "size_based_auto_wrap_policy"
     assert policy.keywords == {"min_num_params": 100_000}
+
+
+def test_exports_name_the_autoshard_version_that_chose() -> None:
+    rec = make_rec()
+    for fmt in ("lightning", "accelerate"):
+        assert rec.to_yaml(fmt).startswith(f"# autoshard 0.1.0: {rec.chosen.candidate.label()}\n")
