@@ -204,3 +204,15 @@ def test_a_unit_is_sized_by_the_largest_of_its_repeated_blocks() -> None:
     assert profile.block_count == 6
     assert profile.block_params == 6 * d * d
     assert profile.root_unit_params == 100 * d
+
+
+def test_the_parameter_dtype_and_a_frozen_root_are_reported() -> None:
+    with torch.device("meta"):
+        model = _EncoderDecoder(64)
+    model.embed.to(torch.bfloat16)  # 6,400 bf16 against 147,456 fp32 parameters
+    model.embed.weight.requires_grad_(False)
+    profile = analyze_model(model)
+    assert profile.param_dtype == "float32"
+    assert profile.root_frozen_params == 100 * 64
+    model.to(torch.bfloat16)
+    assert analyze_model(model).param_dtype == "bfloat16"
