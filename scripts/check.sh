@@ -8,3 +8,5 @@ python -m pytest "$@"
 ruff check .
 ruff format --check .
 mypy
+# mutation testing is not part of CI (too slow); its script is, as a smoke test
+bash scripts/mutation.sh --help > /dev/null

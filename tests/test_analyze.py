@@ -173,3 +173,46 @@ def test_stack_of_equal_leaves_is_wrapped_per_layer() -> None:
     profile = analyze_model(model)
     assert profile.block_classes == ("torch.nn.modules.linear.Linear",)
     assert profile.block_count == 8 and profile.root_unit_params == 0
+
+
+class _T5Block(nn.Module):
+    """An encoder-decoder's block class: the decoder's instances add cross-attention."""
+
+    def __init__(self, d: int, cross: bool) -> None:
+        super().__init__()
+        self.attn = nn.Linear(d, d, bias=False)
+        self.cross = nn.Linear(d, d, bias=False) if cross else None
+        self.mlp = nn.Linear(d, 4 * d, bias=False)
+
+
+class _EncoderDecoder(nn.Module):
+    def __init__(self, d: int = 64, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, d)
+        self.encoder = nn.ModuleList(_T5Block(d, cross=False) for _ in range(layers))
+        self.decoder = nn.ModuleList(_T5Block(d, cross=True) for _ in range(layers))
+
+
+def test_a_unit_is_sized_by_the_largest_of_its_repeated_blocks() -> None:
+    # encoder blocks hold 5 d^2 parameters, decoder blocks 6 d^2: the unit FSDP gathers is the
+    # decoder's (sized by the smallest, the peak reads low)
+    d = 64
+    with torch.device("meta"):
+        model = _EncoderDecoder(d)
+    profile = analyze_model(model)
+    assert profile.block_classes == (f"{__name__}._T5Block",)
+    assert profile.block_count == 6
+    assert profile.block_params == 6 * d * d
+    assert profile.root_unit_params == 100 * d
+
+
+def test_the_parameter_dtype_and_a_frozen_root_are_reported() -> None:
+    with torch.device("meta"):
+        model = _EncoderDecoder(64)
+    model.embed.to(torch.bfloat16)  # 6,400 bf16 against 147,456 fp32 parameters
+    model.embed.weight.requires_grad_(False)
+    profile = analyze_model(model)
+    assert profile.param_dtype == "float32"
+    assert profile.root_frozen_params == 100 * 64
+    model.to(torch.bfloat16)
+    assert analyze_model(model).param_dtype == "bfloat16"

@@ -448,3 +448,47 @@ def test_round_trips_give_back_the_recommendation_with_its_doors() -> None:
     assert not hasattr(data, "to_yaml") and data != rec  # another class, the same fields
     assert emit.render(data, "lightning") == rec.to_yaml("lightning")
     assert repr(data).startswith("Decision(") and str(data) == str(rec)
+
+
+def test_accelerate_yaml_fsdp2_hybrid_shard_keeps_the_mesh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 2 nodes of 8 GPUs: replicate across the 2 nodes, shard within each node's 8 (the other
+    # way round, accelerate would build an 8 x 8 mesh for 16 processes)
+    from accelerate.parallelism_config import ParallelismConfig
+
+    c = candidate(engine=Engine.FSDP2, sharding=Sharding.HYBRID_SHARD, hybrid_mesh=(2, 8))
+    rec = make_rec(c, hardware=Hardware(gpus_per_node=8, nodes=2, gpu_memory=80 * GiB))
+    args, plugin = load_like_accelerate(tmp_path, rec.to_yaml("accelerate"), monkeypatch)
+    assert (args.num_processes, args.num_machines) == (16, 2)
+    assert plugin.fsdp_version == 2
+    mesh = ParallelismConfig()  # what a worker's Accelerator reads from the launcher's env
+    assert (mesh.dp_replicate_size, mesh.dp_shard_size) == (2, 8)
+    assert mesh.total_size == 16
+
+
+def test_fsdp2_strategy_saves_a_distributed_checkpoint_for_big_models() -> None:
+    # a 7B model gathered into one full checkpoint on rank 0 needs 28 GB of its host memory at
+    # every save: ModelParallelStrategy saves it sharded instead; a small model, as one file
+    fsdp2 = candidate(engine=Engine.FSDP2, sharding=Sharding.SHARD_GRAD_OP)
+    big = PROFILE.model_copy(update={"total_params": 7_000_000_000})
+    for profile, sharded in ((big, True), (PROFILE, False)):
+        rec = make_rec(fsdp2, profile=profile)
+        assert emit.strategy_kwargs(rec)["save_distributed_checkpoint"] is sharded
+        assert rec.strategy()._save_distributed_checkpoint is sharded
+        from_yaml = parse_like_lightning_cli(rec.to_yaml("lightning")).strategy
+        assert from_yaml._save_distributed_checkpoint is sharded
+
+
+def test_strategy_keeps_a_size_based_wrap_policy() -> None:
+    # no block class: FSDP1 wraps by size; the Lightning strategy must carry that policy
+    c = candidate(wrap_classes=(), min_num_params=100_000)
+    policy = emit.strategy_kwargs(make_rec(c))["auto_wrap_policy"]
+    assert policy.func.__name__ == "size_based_auto_wrap_policy"
+    assert policy.keywords == {"min_num_params": 100_000}
+
+
+def test_exports_name_the_autoshard_version_that_chose() -> None:
+    rec = make_rec()
+    for fmt in ("lightning", "accelerate"):
+        assert rec.to_yaml(fmt).startswith(f"# autoshard 0.1.0: {rec.chosen.candidate.label()}\n")

@@ -426,3 +426,121 @@ def test_a_capped_log_keeps_each_trials_head_and_tail(tmp_path) -> None:
     assert text.endswith(b"second trial\n")  # the next trial's output is kept from its start
     assert len(text) < 500 + 2 * cap
     assert read_tail(path, 13) == b"second trial\n"
+
+
+# --------------------------------------------------------------------------------------------
+# A trial's result accounting (no process started): tokens, samples, status precedence
+# --------------------------------------------------------------------------------------------
+
+
+def test_an_oom_on_one_rank_is_the_trials_status_whatever_the_others_raised() -> None:
+    # rank 1 runs out of memory, rank 0 then raises (its collective broke): the trial is an OOM,
+    # which the OOM dominance rule and the failure lessons read; an error would hide it
+    request = _request()
+    oom = RankReport(rank=1, status="oom", error="OutOfMemoryError: CUDA", failed_at=10.0)
+    later = RankReport(rank=0, status="error", error="RuntimeError: gloo", failed_at=12.0)
+    earlier = later.model_copy(update={"failed_at": 5.0})
+    for reports in ([later, oom], [oom, later], [earlier, oom]):
+        reply = summarize(request, reports)
+        assert reply.status is TrialStatus.OOM, reports
+        assert reply.error == "rank 1: OutOfMemoryError: CUDA"
+    # two OOMs: the first is the cause
+    second = oom.model_copy(update={"rank": 0, "failed_at": 11.0, "error": "OOM later"})
+    assert summarize(request, [second, oom]).error == "rank 1: OutOfMemoryError: CUDA"
+    # one rank failing fails the trial, however well the others ran
+    fine = RankReport(rank=0, status="ok", step_times=(0.1,), samples=2, tokens=128)
+    assert summarize(request, [fine, oom]).status is TrialStatus.OOM
+    assert summarize(request, [fine, later.model_copy(update={"rank": 1})]).status is (
+        TrialStatus.ERROR
+    )
+
+
+def test_a_trials_tokens_are_its_samples_times_the_sequence_length() -> None:
+    """What a rank counts in a timed step (trials.worker.step_counts) and what the trial
+    reports from every rank's counts: tokens/s = samples/s x seq_len, at any micro-batch."""
+    import torch
+
+    from autoshard.trials.worker import step_counts
+
+    seq_len, world = 64, 2
+    for micro_batch, accumulate in ((1, 1), (4, 1), (4, 3)):
+        ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+        samples, tokens = step_counts(ids, accumulate)
+        assert (samples, tokens) == (micro_batch * accumulate, micro_batch * accumulate * seq_len)
+        assert step_counts({"input_ids": ids, "labels": ids}, accumulate) == (samples, tokens)
+        reports = [
+            RankReport(
+                rank=r, status="ok", step_times=(0.2, 0.25, 0.3), samples=samples, tokens=tokens
+            )
+            for r in range(world)
+        ]
+        reply = summarize(_request(), reports)
+        assert reply.step_time == pytest.approx(0.25)
+        assert reply.samples_per_s == pytest.approx(world * micro_batch * accumulate / 0.25)
+        assert reply.tokens_per_s == pytest.approx(reply.samples_per_s * seq_len)
+    # not a token batch (images): samples only
+    assert step_counts(torch.randn(3, 3, 8, 8), 2) == (6, None)
+
+
+def test_the_trials_result_keeps_the_first_failures_traceback_and_rank_0s_counts() -> None:
+    from autoshard.measure import median_spread
+    from autoshard.trials.worker import failure_path, published_failures, target_shape
+
+    request = _request()
+    # a failure whose time is unknown counts as the first; its traceback is the trial's
+    unknown = RankReport(rank=1, status="error", error="E1", traceback="Traceback: one")
+    timed = RankReport(rank=0, status="error", error="E0", traceback="Traceback: zero",
+                       failed_at=0.5)  # fmt: skip
+    reply = summarize(request, [timed, unknown])
+    assert reply.error == "rank 1: E1" and reply.traceback == "Traceback: one"
+    # every rank times the same steps: a mismatch is a bug, not something to average away
+    uneven = [
+        RankReport(rank=0, status="ok", step_times=(0.1, 0.2), samples=2),
+        RankReport(rank=1, status="ok", step_times=(0.1,), samples=2),
+    ]
+    with pytest.raises(ValueError):
+        summarize(request, uneven)
+    # one rank: its own counts, spread, memory and losses
+    times = (0.30, 0.20, 0.25, 0.26, 0.24, 0.27, 0.5)
+    alone = RankReport(rank=0, status="ok", step_times=times, samples=4, tokens=256,
+                       allocated=5, reserved=9, losses=(2.0, 1.5))  # fmt: skip
+    reply = summarize(request, [alone])
+    assert reply.step_time_spread == pytest.approx(median_spread(times)) and reply.step_time_spread
+    assert reply.tokens_per_s == pytest.approx(256 / 0.26)
+    assert (reply.peak_allocated, reply.peak_reserved) == ((5,), (9,))
+    assert reply.losses == (2.0, 1.5)
+    two = summarize(request, [alone, alone.model_copy(update={"rank": 1, "reserved": 11,
+                                                              "losses": (9.0, 9.0)})])  # fmt: skip
+    assert two.peak_reserved == (9, 11) and two.losses == (2.0, 1.5)  # rank 0's losses
+    # where a failure is kept for the driver, what each rank published, what a warm-up keys on
+    assert failure_path(Path("/c"), 3, 1) == Path("/c/failed-3-rank1.json")
+    store = dist.HashStore()
+    store.set("t/0", _report(0, ok=True).model_dump_json())
+    store.set("t/2", _report(2, ok=False).model_dump_json())
+    assert [r.rank for r in published_failures(store, "t", 3)] == [2]
+    assert target_shape(request) == (request.target, request.candidate.precision, 2, 64)
+
+
+def test_a_failure_is_one_line_naming_its_exception() -> None:
+    from autoshard.trials.worker import _one_line
+
+    assert _one_line(ValueError("bad\nsecond line")) == "ValueError: bad"
+    assert _one_line(RuntimeError("x" * 900)) == "RuntimeError: " + "x" * 486
+    assert _one_line(KeyError()) == "KeyError:"
+
+
+def test_the_atomic_writer_reports_a_missing_folder_and_survives_an_unsyncable_one(
+    tmp_path, monkeypatch
+) -> None:
+    # nothing was written, so nothing is left to remove: the writer's own error, not a cleanup's
+    with pytest.raises(FileNotFoundError):
+        write_json_atomically(tmp_path / "missing" / "result-0.json", {"n": 0})
+
+    # a folder that cannot be opened for its sync (Windows): the file is written all the same
+    def no_folder(*args: object, **kwargs: object) -> int:
+        raise OSError("cannot open a folder")
+
+    monkeypatch.setattr(os, "open", no_folder)
+    write_json_atomically(tmp_path / "result-1.json", {"n": 1, "error": "CUDA — 2 GiB"})
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "result-1.json").read_text(encoding="utf-8"))["n"] == 1

@@ -268,3 +268,89 @@ def test_each_trial_is_reported_against_the_prediction_it_was_tried_with() -> No
     by_trial = {s.trial.candidate.label(): s.estimate for s in (rec.chosen, *rec.runners_up)}
     assert by_trial[second.candidate.label()] == calibrated
     assert by_trial[first.candidate.label()] == plan_estimates[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Edges of the measurement rules (found by mutation testing, scripts/mutation.sh measure)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_median_interval_of_one_step_and_of_none() -> None:
+    assert median_interval([0.3]) == (0.3, 0.3)
+    assert median_interval([0.3, 0.1]) == (0.1, 0.3)
+    with pytest.raises(ValueError, match=r"^no step times$"):
+        median_interval([])
+    # a median of zero (a step too fast for the clock) has no relative spread, not a division
+    assert median_spread([0.0, 0.0, 0.0]) == 0.0
+
+
+def test_timing_stops_exactly_at_its_limits() -> None:
+    # one step asked for and allowed (the warm-up's throwaway trial): one step is enough
+    assert enough_steps([0.1], min_steps=1, max_steps=1)
+    # the time budget reached exactly, long before any spread is known
+    assert enough_steps([0.5, 0.5], min_steps=2, max_seconds=1.0)
+    assert not enough_steps([0.5, 0.4], min_steps=2, max_seconds=1.0)
+    # a spread exactly at the target is within it
+    assert enough_steps([0.1] * 6, min_steps=3, target_spread=0.0)
+
+
+def test_equal_throughputs_tie_and_the_first_keeps_it_at_equal_headroom() -> None:
+    a, b = run(0.100, spread=0.0, peak=100), run(0.100, spread=0.0, peak=100)
+    outcome = compare(a, b)
+    assert outcome.tie and outcome.winner is a and outcome.loser is b
+    assert outcome.ratio == 1.0 and outcome.noise == 0.0
+    assert compare(b, a).winner is b
+    # the loser is the other trial, also when there is a clear winner
+    slow = run(0.200, spread=0.0)
+    assert compare(slow, a).loser is slow and compare(a, slow).loser is slow
+
+
+def test_a_trial_without_a_measured_peak_loses_a_tie() -> None:
+    measured = run(0.100, spread=0.05)
+    unmeasured = measured.model_copy(update={"peak_allocated": ()})
+    assert compare(unmeasured, measured).winner is measured
+    assert compare(measured, unmeasured).winner is measured
+
+
+def test_slow_rates_and_trials_without_rates() -> None:
+    from autoshard.measure import throughput, trials_checked_line
+
+    def rated(samples_per_s: float | None, status: TrialStatus = TrialStatus.OK) -> TrialResult:
+        return TrialResult(
+            candidate=Candidate(), status=status, samples_per_s=samples_per_s, step_time=1.0
+        )
+
+    slow, slower, none = rated(0.5), rated(0.25), rated(None)
+    assert throughput(none) == 0.0 and throughput(slow) == 0.5
+    assert compare(slow, slower).ratio == pytest.approx(2.0)  # rates below 1 sample/s
+    assert compare(slow, none).ratio == float("inf")
+    oom = rated(3.0, TrialStatus.OOM)
+    assert rank_trials([none, slower, oom, slow]) == [slow, slower]
+    # the planned GPU is named when known
+    hw = Hardware(gpus_per_node=8, gpu_memory=80 * GIB)
+    assert trials_checked_line(hw).endswith("the model's for 8 x the planned GPU")
+    named = hw.model_copy(update={"gpu": "h100-sxm"})
+    assert trials_checked_line(named).endswith("the model's for 8 x h100-sxm")
+    assert trials_checked_line(named, "a100-80gb").endswith("8 x a100-80gb")
+
+
+def test_hybrid_shard_differs_from_full_shard_only_in_sharding_and_no_trial_ran_is_one_line() -> (
+    None
+):
+    from autoshard.decide import _differs_only_in, nothing_ran
+
+    hybrid = Candidate(sharding=Sharding.HYBRID_SHARD, hybrid_mesh=(2, 4))
+    assert _differs_only_in(hybrid, Candidate(), "sharding")  # its mesh comes with it
+    assert not _differs_only_in(hybrid, Candidate(micro_batch_size=2), "sharding")
+    oom = TrialResult(
+        candidate=Candidate(), status=TrialStatus.OOM, error="OutOfMemoryError: 2 GiB"
+    )
+    other = oom.model_copy(update={"error": "OutOfMemoryError: 3 GiB"})
+    pruned = TrialResult(candidate=Candidate(), status=TrialStatus.PRUNED, error="too big")
+    assert nothing_ran([oom, other, pruned]) == (
+        "no configuration ran successfully: 2 trials failed (2 x oom: OutOfMemoryError: 3 GiB)"
+        ", 1 more candidates ruled out; see the worker logs in the output folder, under workers/"
+    )
+    assert nothing_ran([pruned]) == (
+        "no configuration could run: all 1 candidates were ruled out (too big)"
+    )

@@ -9,6 +9,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import autoshard
@@ -220,3 +221,35 @@ def test_lightning_module_trains_through_training_step_at_both_doors(cli, tmp_pa
         steps=1, warmup=1, out_dir=tmp_path / "code", precision="32-true",
     )  # fmt: skip
     assert rec.chosen.trial is not None and rec.chosen.trial.status.value == "ok"
+
+
+class _LongContextLM(torch.nn.Module):
+    """A token model whose config promises a long context (a 32k-context Llama's, say)."""
+
+    def __init__(self, context: int | None = 32768) -> None:
+        super().__init__()
+        self.max_position_embeddings = context
+        self.embed = torch.nn.Embedding(256, 32)
+        self.head = torch.nn.Linear(32, 256, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def test_the_default_seq_len_is_the_models_context_capped_at_4096() -> None:
+    # planned at 32k tokens a sample, a 32k-context model's activations would rule out nearly
+    # every candidate nobody asked for: without seq_len, plans cap the context at 4,096 and say so
+    options = PlanOptions(gpus=2, gpu_memory="8GiB", batch_size="1")
+    with pytest.warns(PlanWarning, match=r"seq_len 4096: the model's context \(32768\) capped"):
+        plan = make_plan(make_request(_LongContextLM(), options))
+    assert plan.workload.seq_len == 4096 and plan.activations.seq_len == 4096
+    # a shorter context is taken as it is, none at all assumes the cap; a given one is kept
+    from autoshard.plan import DEFAULT_SEQ_LEN_CAP, resolve_workload
+    from autoshard.target.resolve import BuiltModel
+
+    assert DEFAULT_SEQ_LEN_CAP == 4096
+    for context, seq_len, note in ((1024, 1024, "context (1024);"), (None, 4096, "assumed")):
+        workload, notes = resolve_workload(BuiltModel(_LongContextLM(context)), PlanOptions())
+        assert workload.seq_len == seq_len and note in notes[0]
+    workload, notes = resolve_workload(BuiltModel(_LongContextLM()), PlanOptions(seq_len=8192))
+    assert workload.seq_len == 8192 and not notes

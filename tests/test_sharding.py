@@ -66,3 +66,27 @@ def test_make_optimizer(optimizer: str, impl: str, expected: type) -> None:
         assert group["fused"] is True
     else:
         assert group["foreach"] is (impl == "foreach")
+
+
+def test_wrap_classes_come_from_the_model_first_then_by_import_and_sgd_keeps_momentum() -> None:
+    import torch
+    from torch import nn
+
+    from autoshard.config import Candidate
+    from autoshard.sharding import make_optimizer, wrap_classes_of
+
+    class LocalBlock(nn.Module):  # not importable by its path: found in the model itself
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+    model = nn.Sequential(LocalBlock(), nn.ReLU())
+    local = f"{LocalBlock.__module__}.{LocalBlock.__qualname__}"
+    assert wrap_classes_of(model, [local]) == {LocalBlock}
+    # a class the model does not hold is imported by its path
+    assert wrap_classes_of(model, [local, "torch.nn.modules.conv.Conv2d"]) == {
+        LocalBlock,
+        nn.Conv2d,
+    }
+    sgd = make_optimizer([nn.Parameter(torch.ones(2))], Candidate(optimizer="sgd"))
+    assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.9

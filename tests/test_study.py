@@ -1039,3 +1039,57 @@ def test_hangs_are_one_failure_whatever_their_message_says() -> None:
     untried = {c.label() for c in cands} - {a.label(), b.label(), ok.candidate.label()}
     ruled = learn(cands, [*hangs, ok], untried).ruled_out
     assert any("micro-batch >= 4" in why for why in ruled.values()), ruled
+
+
+# ---------------------------------------------------------------------------------------------
+# What a failure's signature keeps, and lessons about candidates outside the space
+# (mutation survivors of autoshard.study.lessons)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_failures_signature_blanks_its_numbers_and_keeps_its_words() -> None:
+    from autoshard.study.lessons import describe, signature
+
+    def failed(error: str | None) -> TrialResult:
+        return TrialResult(candidate=Candidate(), status=TrialStatus.ERROR, error=error)
+
+    text = "RuntimeError: Bad  shape at 0x7F3A in step 12,\n3.5 GiB on rank 1"
+    assert (
+        signature(failed(text)) == "error: runtimeerror: bad shape at # in step #, # gib on rank #"
+    )
+    assert signature(failed(text.replace("12", "99"))) == signature(failed(text))
+    assert signature(failed(None)) == "error: "
+    assert signature(failed("word " * 100)) == "error: " + ("word " * 100)[:240]
+    assert describe({"precision": "32-true", "wrap": "none"}, 4) == (
+        "precision=32-true, wrap=none, micro-batch >= 4"
+    )
+    assert describe({"precision": "32-true"}, None) == "precision=32-true"
+
+
+def test_a_failure_outside_the_candidates_still_rules_out_its_larger_batches() -> None:
+    # a failure recorded by an earlier study whose space held micro-batch 1: the same
+    # configuration at a larger micro-batch is ruled out here too
+    cands = [Candidate(precision="32-true", micro_batch_size=m) for m in (2, 4)]
+    gone = Candidate(precision="32-true", micro_batch_size=1)
+    bad = TrialResult(candidate=gone, status=TrialStatus.ERROR, error="RuntimeError: shape")
+    lessons = learn(cands, [bad], [c.label() for c in cands])
+    assert sorted(lessons.ruled_out) == sorted(c.label() for c in cands)
+
+
+def test_a_failure_is_quoted_short_and_a_configuration_is_not_its_own_larger_batch() -> None:
+    from autoshard.study.lessons import _short, _Space
+
+    def failed(status: TrialStatus, error: str | None) -> TrialResult:
+        return TrialResult(candidate=Candidate(), status=status, error=error)
+
+    assert _short(failed(TrialStatus.TIMEOUT, None)) == "timeout"
+    assert _short(failed(TrialStatus.ERROR, "RuntimeError:  bad\nshape")) == (
+        "error: RuntimeError: bad shape"
+    )
+    long = "x" * 200
+    assert _short(failed(TrialStatus.ERROR, long)) == "error: " + "x" * 117 + "..."
+    assert _short(failed(TrialStatus.ERROR, "y" * 120)) == "error: " + "y" * 120
+    small, big = Candidate(micro_batch_size=1), Candidate(micro_batch_size=2)
+    space = _Space([small, big])
+    assert space.larger_batch_of(big, small) and not space.larger_batch_of(small, small)
+    assert not space.larger_batch_of(small, big)

@@ -238,15 +238,21 @@ def _measure(request: TrialRequest, device: torch.device) -> dict[str, Any]:
     allocated = _peak_allocated(device, baseline)
     reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else peak_rss()
     _check_cap(allocated, cap)
+    samples, tokens = step_counts(batch, workload.accumulate)
     return {
         "step_times": times,
         "allocated": int(allocated),
         "reserved": int(reserved),
-        # a timed step is one optimizer step: every accumulated micro-batch
-        "samples": batch_samples(batch) * workload.accumulate,
-        "tokens": (batch_tokens(batch) or 0) * workload.accumulate or None,
+        "samples": samples,
+        "tokens": tokens,
         "losses": [float(v) for v in losses],
     }
+
+
+def step_counts(batch: Any, accumulate: int) -> tuple[int, int | None]:
+    """(samples, tokens) of one timed step on this rank: a timed step is one optimizer step,
+    every accumulated micro-batch of the whole batch (tokens None: not a token batch)."""
+    return batch_samples(batch) * accumulate, (batch_tokens(batch) or 0) * accumulate or None
 
 
 def time_steps(

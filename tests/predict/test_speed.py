@@ -661,3 +661,18 @@ def test_the_examples_in_the_docstrings_run(module, monkeypatch) -> None:
     monkeypatch.chdir(Path(__file__).resolve().parents[2])  # they name examples/gpt.py
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 5 and result.failed == 0
+
+
+def test_offload_copies_the_shard_for_every_micro_batch_under_accumulation(net) -> None:
+    # accumulate=4: each micro-batch's forward gathers and its backward regathers every unit,
+    # each copying the parameter shard to the GPU first (4 x 2 copies); the gradient shard comes
+    # back once per step. Counted once per step, offload with accumulation looks too fast.
+    profile, flops = net
+    offload = Candidate(wrap_classes=WRAP, cpu_offload=True)
+    shard = P / 8
+    optimizer = 8 * shard * 80 / 50e9  # as in the test above: once per step
+    for accumulate in (1, 4):
+        workload = WorkloadSpec(accumulate=accumulate)
+        speed = predict_speed(profile, flops, offload, ONE_NODE, workload, EXACT, gpu=GPU)
+        hand = (accumulate * 2 + 1) * shard * 4 / 10e9 + optimizer
+        assert speed.breakdown.offload_s == pytest.approx(hand, rel=1e-9)
