@@ -119,13 +119,20 @@ def test_recommend_checkpoints_when_memory_is_short() -> None:
         build_tied, gpus=2, gpu_memory="6GiB", seq_len=2048, batch_size=4, precision="32-true"
     )
     assert roomy.chosen.candidate.checkpointing.value == "none"
+    # 3 GiB: every 2nd block checkpointed fits (2.6 GiB predicted) and recomputes less than all
     tight = recommend(
         build_tied, gpus=2, gpu_memory="3GiB", seq_len=2048, batch_size=4, precision="32-true"
     )
     assert tight.chosen.estimate is not None and tight.chosen.estimate.fits
-    assert tight.chosen.candidate.checkpointing.value == "all"
+    assert tight.chosen.candidate.checkpointing.value == "every_k"
     line = next(r for r in tight.reasons if r.startswith("checkpointing"))
     assert "does not fit with" in line and "none (" in line
+    # 2.5 GiB: only checkpointing every block fits (2.2 GiB; every 2nd block 2.6 GiB)
+    tighter = recommend(
+        build_tied, gpus=2, gpu_memory="2.5GiB", seq_len=2048, batch_size=4, precision="32-true"
+    )
+    assert tighter.chosen.estimate is not None and tighter.chosen.estimate.fits
+    assert tighter.chosen.candidate.checkpointing.value == "all"
 
 
 def test_nothing_fits_is_one_clear_error() -> None:
