@@ -163,11 +163,16 @@ class TrialReply(Frozen):
 
 
 def write_json_atomically(path: Path, data: BaseModel | Any) -> None:
-    """Write ``data`` (a pydantic model, or anything ``json.dumps`` takes) so that a reader sees
-    the old file or the whole new one, never a part, even across a crash or a power cut: a
-    temporary file next to it, flushed to disk, renamed over ``path``."""
-    path = Path(path)
+    """Write ``data`` (a pydantic model, or anything ``json.dumps`` takes) with
+    :func:`write_text_atomically`."""
     text = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
+    write_text_atomically(Path(path), text)
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old file or the whole new one, never
+    a part, even across a crash, a full disk or a power cut: a temporary file next to it,
+    flushed to disk, renamed over ``path``. Raises OSError (the temporary file removed)."""
     # pid + time: two writers of one path never share a temporary file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
     try:

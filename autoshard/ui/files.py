@@ -1,20 +1,20 @@
 """The files a study leaves: ``report.json`` (:func:`autoshard.ui.report.report_data`),
 ``report.html`` (:mod:`autoshard.ui.html`), ``lightning.yaml`` and ``accelerate.yaml``, each
-written atomically (:func:`write_text_atomically`).
+written atomically (:func:`autoshard.trials.protocol.write_text_atomically`, which the
+workers' messages use too).
 :func:`autoshard.recommendation.load_result` reads them back (it makes the user's
 :class:`~autoshard.recommendation.Recommendation`, a floor above ``ui``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from autoshard.errors import AutoshardError
 from autoshard.results import Decision, TrialResult
+from autoshard.trials.protocol import write_text_atomically
 from autoshard.ui.html import render_html
 from autoshard.ui.report import report_data
 
@@ -55,20 +55,3 @@ def write_report(
         write_text_atomically(path, text)
         written[name] = path
     return written
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a reader finds the old file or the whole new one,
-    never a cut-off one (a full disk, a kill): a temporary file beside it, fsync'd, renamed over
-    it. Raises OSError (the temporary file removed)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
