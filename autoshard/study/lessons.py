@@ -90,7 +90,8 @@ def cause(error: str) -> str:
     text = re.sub(r"^workers exited: (rank|a worker)[^:]*: ", "", text)
     text = re.sub(r"\brank \d+:\s*", "", text)
     text = re.sub(r"\S*/\S*", "<path>", text)
-    text = re.sub(r"0x[0-9a-f]+|\b[0-9a-f]*\d[0-9a-f]*\b|\d+(\.\d+)?", "#", text)
+    # a hex word may be a decimal's whole part: "3.5 gib" is one number, "#", not "#.#"
+    text = re.sub(r"0x[0-9a-f]+|\b[0-9a-f]*\d[0-9a-f]*\b(\.\d+)?|\d+(\.\d+)?", "#", text)
     return " ".join(text.split())
 
 

@@ -1,14 +1,13 @@
 """The optuna storage of a study: where it is, who may write it, and how several drivers share it.
 
-A study is an optuna study named by its settings (:mod:`autoshard.study.settings`), one optuna
-trial per candidate: one categorical parameter per knob (engine, sharding, wrap, checkpointing,
-offload, precision, micro_batch, reshard), so that optuna-dashboard's importance and slice plots
-speak of them; the candidate's label and its full :class:`~autoshard.results.TrialResult` as
-user attributes. The objective is named (``set_metric_names``) and is the one the decision ranks
-by; the recommended trial is named in the study's user attribute ``recommended``. The storage
-is SQLite in the output folder by default, or any ``--storage`` URL: an RDB server
-(PostgreSQL, MySQL) lets several drivers on several machines run the trials of one study at
-once.
+A study is an optuna study named by its settings (:mod:`autoshard.study.settings`), one optuna trial
+per candidate: one categorical parameter per knob (engine, sharding, wrap, checkpointing, offload,
+precision, micro_batch, reshard, compile, float8), so that optuna-dashboard's importance and slice
+plots speak of them; the candidate's label and its full :class:`~autoshard.results.TrialResult` as
+user attributes. The objective is named (``set_metric_names``) and is the one the decision ranks by;
+the recommended trial is named in the study's user attribute ``recommended``. The storage is SQLite
+in the output folder by default, or any ``--storage`` URL: an RDB server (PostgreSQL, MySQL) lets
+several drivers on several machines run the trials of one study at once.
 
 Several drivers, one study (optuna's own distributed optimisation, on its RDB storage):
 - a driver *claims* its next candidate by creating a RUNNING trial for it; the look at the
@@ -75,7 +74,7 @@ DB_NAME = DATABASE_FILE
 PARAM = "candidate"  # the one parameter of studies written before the knobs (still read)
 LABEL_ATTR = "candidate"  # the candidate's label, a user attribute of each trial
 KNOBS = ("engine", "sharding", "wrap", "checkpointing", "offload", "precision", "micro_batch",
-         "reshard")  # fmt: skip
+         "reshard", "compile", "float8")  # fmt: skip
 OBJECTIVE_ATTR = "objective"
 RECOMMENDED_ATTR = "recommended"
 RESULT_ATTR = "autoshard_result"
@@ -739,7 +738,7 @@ def knobs_of(candidate: Candidate) -> dict[str, Any]:
         "engine": c.engine.value, "sharding": c.sharding.value + mesh, "wrap": wrap,
         "checkpointing": checkpointing, "offload": c.cpu_offload,
         "precision": c.precision.value, "micro_batch": c.micro_batch_size,
-        "reshard": c.reshard.value,
+        "reshard": c.reshard.value, "compile": c.compile, "float8": c.float8,
     }  # fmt: skip
 
 
