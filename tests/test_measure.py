@@ -349,7 +349,8 @@ def test_hybrid_shard_differs_from_full_shard_only_in_sharding_and_no_trial_ran_
     pruned = TrialResult(candidate=Candidate(), status=TrialStatus.PRUNED, error="too big")
     assert nothing_ran([oom, other, pruned]) == (
         "no configuration ran successfully: 2 trials failed (2 x oom: OutOfMemoryError: 3 GiB)"
-        ", 1 more candidates ruled out; see the worker logs in the output folder, under workers/"
+        ", 1 more candidates ruled out; each ran out of memory: plan more GPUs or smaller "
+        "micro-batches (the workers' logs are in the output folder, under workers/)"
     )
     assert nothing_ran([pruned]) == (
         "no configuration could run: all 1 candidates were ruled out (too big)"

@@ -217,7 +217,8 @@ def learn(
 
 def advice(failures: Sequence[TrialResult]) -> str:
     """What to do about failures that no configuration avoids: a timeout may be too short for
-    the model (a large one builds and warms up for minutes), an error is the model's."""
+    the model (a large one builds and warms up for minutes), running out of memory asks for
+    more memory per sample, an error is the model's."""
     logs = "the workers' logs are in the output folder, under workers/"
     if failures and all(f.status is TrialStatus.TIMEOUT for f in failures):
         limit = re.search(r"trial timeout ([\d.]+) s", failures[0].error or "")
@@ -226,6 +227,8 @@ def advice(failures: Sequence[TrialResult]) -> str:
             f"raise --trial-timeout{given} if a trial needs longer (building the model and its "
             f"first steps count); if it does not, the model hangs: {logs}"
         )
+    if failures and all(f.status is TrialStatus.OOM for f in failures):
+        return f"each ran out of memory: plan more GPUs or smaller micro-batches ({logs})"
     return f"fix the model or its arguments ({logs})"
 
 
