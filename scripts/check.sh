@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
-python -m pytest "$@"
+python -m pytest --durations=15 "$@"
 ruff check .
 ruff format --check .
 mypy
