@@ -46,3 +46,52 @@ def test_the_doc_test_finds_a_broken_example() -> None:
     for test in doctest.DocTestFinder().find(broken, "broken", globs={}):
         runner.run(test, out=lambda _: None)
     assert runner.failures == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's Python snippets, run as written
+# ---------------------------------------------------------------------------------------------
+
+# Snippets run elsewhere, by the first line that names them, with where and why.
+README_ELSEWHERE = {
+    # a fragment of one line per stack (model, batch, lightning, transformers are the user's):
+    # each line's output is checked against its real consumer in tests/test_handover.py
+    "rec = autoshard.recommend(model, batch=batch,": "tests/test_handover.py",
+    # needs torchrun's two processes: test_handover runs it so, as the README says
+    "# train.py, next to autoshard-out/": "tests/test_handover.py",
+}
+
+
+def readme_snippets() -> list[str]:
+    import re
+
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+def test_every_readme_snippet_is_run_here_or_named_where() -> None:
+    run_here = [s for s in readme_snippets() if not _elsewhere(s)]
+    assert len(run_here) >= 3  # estimate, a DataLoader target, tune
+    named = [s for s in readme_snippets() if _elsewhere(s)]
+    assert len(named) == len(README_ELSEWHERE)  # every exception still names a snippet
+
+
+def _elsewhere(snippet: str) -> bool:
+    return any(snippet.startswith(first) for first in README_ELSEWHERE)
+
+
+@pytest.mark.slow
+def test_the_readme_snippets_run_as_written(tmp_path: Path) -> None:
+    """Every snippet not run elsewhere, in one fresh Python process, from a folder that has the
+    README's examples/ (the snippets name examples/gpt.py as a user in the repository would)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    scripts = [s for s in readme_snippets() if not _elsewhere(s)]
+    for number, snippet in enumerate(scripts):
+        (tmp_path / f"snippet_{number}.py").write_text(snippet)
+        done = subprocess.run(
+            [sys.executable, f"snippet_{number}.py"], cwd=tmp_path, capture_output=True,
+            text=True, timeout=400,
+        )  # fmt: skip
+        assert done.returncode == 0, f"README snippet {number}:\n{snippet}\n{done.stderr[-3000:]}"
