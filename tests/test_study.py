@@ -368,6 +368,10 @@ def test_an_error_rules_out_the_larger_micro_batches_of_that_configuration() -> 
     untried = {c.label() for c in cands} - {failed.label()}
     lessons = learn(cands, [result], untried)
     assert set(lessons.ruled_out) == {failed.model_copy(update={"micro_batch_size": 4}).label()}
+    assert list(lessons.ruled_out.values()) == [
+        f"{failed.label()} failed (error: RuntimeError: shape [2, 8]): the same configuration "
+        "with a larger micro-batch would too"
+    ]
     # Nothing ran fine yet: the next trial should have as few of its settings as it can.
     from autoshard.study.lessons import properties
 
@@ -1093,3 +1097,29 @@ def test_a_failure_is_quoted_short_and_a_configuration_is_not_its_own_larger_bat
     space = _Space([small, big])
     assert space.larger_batch_of(big, small) and not space.larger_batch_of(small, small)
     assert not space.larger_batch_of(small, big)
+
+
+def test_what_lessons_compare_and_advise_word_for_word() -> None:
+    """A candidate's properties as the lessons compare and print them, a failure's cause with
+    its paths left out, and the timeout advice naming the first failure's limit (mutation
+    survivors of study/lessons, killed)."""
+    from autoshard.config import Checkpointing, Sharding
+    from autoshard.study.lessons import advice, cause, properties
+
+    hybrid = Candidate(
+        sharding=Sharding.HYBRID_SHARD, hybrid_mesh=(2, 4), wrap_classes=("a.Block", "a.Head"),
+        checkpointing=Checkpointing.EVERY_K, checkpoint_every=2, checkpoint_classes=("a.Block",),
+    )  # fmt: skip
+    props = properties(hybrid)
+    assert props["sharding"] == "HYBRID_SHARD 2x4"
+    assert props["checkpointing"] == "every 2"
+    assert props["wrap"] == "a.Block,a.Head"
+    assert cause("rank 0: FileNotFoundError: /tmp/x/y.pt missing") == (
+        "filenotfounderror: <path> missing"
+    )
+    timeouts = [
+        TrialResult(candidate=Candidate(), status="timeout", error=f"no result after {t} s "
+                    f"(trial timeout {t} s)")
+        for t in (7, 9)
+    ]  # fmt: skip
+    assert advice(timeouts).startswith("raise --trial-timeout (7 s) if a trial needs longer")
