@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from results_file import write_results  # benchmarks/, the script's own folder
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PUBLISHED = ROOT / "benchmarks" / "data" / "published_compile_float8.json"
@@ -132,9 +134,10 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        args.write.write_text(
+        write_results(
+            args.write,
             "# torch.compile and float8: measured vs the step-time model\n\n"
-            f"`python benchmarks/compile_float8_measured.py {' '.join(sys.argv[1:])}`\n\n{text}\n"
+            f"`python benchmarks/compile_float8_measured.py {' '.join(sys.argv[1:])}`\n\n{text}\n",
         )
 
 
