@@ -35,7 +35,13 @@ from torch import nn
 
 from autoshard.errors import ConfigError, TargetError
 from autoshard.target.data import data_source, has_own_loader
-from autoshard.target.resolve import TargetSpec, _import_file, build_target, load_callable
+from autoshard.target.resolve import (
+    TargetSpec,
+    _import_file,
+    build_target,
+    keep_for_next_build,
+    load_callable,
+)
 
 __all__ = [
     "LightningStep",
@@ -105,6 +111,7 @@ def _factory_target(spec: str, kwargs: dict[str, Any], batch: Any | None) -> Tar
     if _is_lightning_module(built.model):
         steps = callable(getattr(built.model, "training_step", None))
         return lightning_target(target, training_step=steps and (batch or built.batch) is not None)
+    keep_for_next_build(target, built)  # the plan's build, made once
     return target
 
 
