@@ -244,6 +244,15 @@ def fsdp2_mesh(candidate: Candidate, device: torch.device, world_size: int) -> A
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
 
 
+def mesh_for(candidate: Candidate, device: torch.device, world_size: int) -> Any:
+    """The device mesh ``candidate`` shards over, made before the model is wrapped (the
+    simulation makes it outside its fake mode): FSDP2's always, FSDP1's for HYBRID_SHARD only
+    (None: FSDP1 takes the default process group)."""
+    if candidate.engine is Engine.FSDP2:
+        return fsdp2_mesh(candidate, device, world_size)
+    return hybrid_mesh(candidate, device) if candidate.sharding is Sharding.HYBRID_SHARD else None
+
+
 def fsdp2_kwargs(candidate: Candidate, mesh: Any, *, pin_memory: bool) -> dict[str, Any]:
     """Keyword arguments for ``fully_shard`` of a block unit (the root and the last block take
     their ``reshard_after_forward`` from :func:`reshard_after_forward`)."""

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.config import Candidate, Engine, Hardware, Precision, Sharding, WorkloadSpec
+from autoshard.config import Candidate, Engine, Hardware, Precision, WorkloadSpec
 from autoshard.errors import ConfigError
 from autoshard.predict.analytic import allowance, as_run
 from autoshard.predict.depth import (
@@ -55,7 +55,7 @@ from autoshard.predict.tracking import (
     warnings_off,
 )
 from autoshard.results import MemoryBreakdown, MemoryEstimate
-from autoshard.sharding import apply_fsdp1, apply_fsdp2, fsdp2_mesh, hybrid_mesh, make_optimizer
+from autoshard.sharding import apply_fsdp1, apply_fsdp2, make_optimizer, mesh_for
 from autoshard.target.resolve import TargetSpec, build_target, load_callable
 from autoshard.target.step import find_loss_fn, make_batch, with_labels
 from autoshard.target.values_skipped import values_skipped
@@ -113,13 +113,7 @@ def _simulate_once(
     cpu = torch.device("cpu")
     world_size = hardware.world_size
     with fake_world(world_size, hardware.backend, rank), fsdp1_allocation_check_on_fakes():
-        # Meshes are made outside the fake mode: a mesh holds real rank tensors.
-        if candidate.engine is Engine.FSDP2:
-            mesh = fsdp2_mesh(candidate, cpu, world_size)
-        elif candidate.sharding is Sharding.HYBRID_SHARD:
-            mesh = hybrid_mesh(candidate, cpu)
-        else:
-            mesh = None
+        mesh = mesh_for(candidate, cpu, world_size)  # outside the fake mode: real rank tensors
         # Built inside the fake mode, not copied from meta: ``to_empty`` cannot swap tied
         # parameters into fake tensors, and FSDP1 needs a model that is not on meta.
         with fake_forward_support(), FakeTensorMode(allow_non_fake_inputs=True), warnings_off():
