@@ -55,6 +55,20 @@ def test_gathered_parameters_are_booked_as_unsharded(engine: str) -> None:
             assert b.unsharded_params <= gathered * 2 // 8, b
 
 
+@pytest.mark.parametrize("engine", ["fsdp1", "fsdp2"])
+def test_hybrid_shard_is_simulated_on_its_mesh(engine: str) -> None:
+    """HYBRID_SHARD on 2 nodes of 2: parameters sharded over the 2 ranks of a node (the mesh's
+    shard dimension, sharding.mesh_for), not over all 4."""
+    params = 8 * 256 * 256
+    hw = Hardware(gpus_per_node=2, nodes=2, gpu_memory=80 * GIB)
+    c = Candidate(
+        engine=engine, wrap_classes=BLOCK, precision="32-true", sharding="HYBRID_SHARD",
+        hybrid_mesh=(2, 2),
+    )  # fmt: skip
+    b = simulate_memory(STACK, c, hw, WorkloadSpec()).breakdown
+    assert b.sharded_params == params * 4 // 2, b
+
+
 def test_more_ranks_never_raise_the_simulated_peak() -> None:
     c = Candidate(engine="fsdp2", wrap_classes=BLOCK, precision="32-true")
     previous = None
