@@ -27,12 +27,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # module -> its own test files (the ones that must catch its mistakes)
 MODULES: dict[str, list[str]] = {
     "units": ["tests/test_units.py"],
-    "space": ["tests/test_estimate.py", "tests/test_search.py"],
-    "decide": ["tests/test_measure.py", "tests/test_recommend.py"],
+    "space": ["tests/test_space.py", "tests/test_estimate.py", "tests/test_search.py"],
+    "decide": ["tests/test_decide.py", "tests/test_measure.py", "tests/test_recommend.py"],
     "measure": ["tests/test_measure.py"],
     "sharding": ["tests/test_sharding.py", "tests/test_emit.py"],
     "analyze": ["tests/test_analyze.py"],
-    "plan": ["tests/test_parity.py", "tests/test_target.py"],
+    "plan": ["tests/test_plan.py", "tests/test_parity.py", "tests/test_target.py"],
     "target/step": ["tests/test_target.py"],
     "trials/worker": ["tests/test_group_logic.py"],
     "trials/protocol": ["tests/test_group_logic.py"],
@@ -159,7 +159,8 @@ def configure(work: Path, module: str, own_only: bool) -> None:
 def mutmut(work: Path, args: list[str], timeout: float | None = None, log: bool = True) -> int:
     """Run mutmut in ``work`` (its output in ``work/mutmut.log``); 124 when out of time."""
     env = dict(os.environ, PYTHONPATH=str(work / "mutants"))
-    command = [str(ROOT / ".venv" / "bin" / "mutmut"), *args]
+    # python -m, not the venv's mutmut script: a venv moved or shared keeps a stale shebang
+    command = [sys.executable, "-m", "mutmut", *args]
     if not log:
         return subprocess.run(command, cwd=work, env=env).returncode
     with open(work / "mutmut.log", "a") as out:
@@ -226,6 +227,10 @@ def run_module(module: str, args: argparse.Namespace) -> dict[str, object]:
             shutil.rmtree(folder)
             shutil.copytree(ROOT / "tests", folder)
         (work / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)  # tests changed
+        # the module's test files as MODULES names them now (a new own test file included)
+        for folder in (work, work / "mutants"):
+            shutil.copy2(ROOT / "pyproject.toml", folder / "pyproject.toml")
+            configure(folder, module, args.own_tests_only)
         done = {name for _, name, code in results(work) if STATUS.get(code) == "killed"}
         todo = [n for n in chosen if n not in done]
         forget(work, set(todo))  # one the budget leaves unrun reads "not run", not its old result
