@@ -30,7 +30,7 @@ MODULES: dict[str, list[str]] = {
     "space": ["tests/test_space.py", "tests/test_estimate.py", "tests/test_search.py"],
     "decide": ["tests/test_decide.py", "tests/test_measure.py", "tests/test_recommend.py"],
     "measure": ["tests/test_measure.py"],
-    "sharding": ["tests/test_sharding.py", "tests/test_emit.py"],
+    "sharding": ["tests/test_sharding.py", "tests/test_sharding_applied.py", "tests/test_emit.py"],
     "analyze": ["tests/test_analyze.py"],
     "plan": ["tests/test_plan.py", "tests/test_parity.py", "tests/test_target.py"],
     "target/step": ["tests/test_target.py"],
@@ -38,7 +38,7 @@ MODULES: dict[str, list[str]] = {
     "trials/protocol": ["tests/test_group_logic.py"],
     "study/lessons": ["tests/test_study.py"],
     "study/journal": ["tests/test_study.py"],
-    "emit": ["tests/test_emit.py"],
+    "emit": ["tests/test_emit.py", "tests/test_handover.py"],
     "predict/speed": ["tests/test_speed.py", "tests/test_calibrate.py"],
     "predict/analytic": ["tests/test_estimate.py"],
 }

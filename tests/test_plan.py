@@ -347,3 +347,26 @@ def test_an_offloading_answer_without_host_memory_says_what_it_assumes() -> None
 
 def test_no_gpu_warning_is_a_plan_warning() -> None:
     assert issubclass(NoGPUWarning, PlanWarning)
+
+
+def test_the_fewest_nodes_on_which_something_fits(monkeypatch) -> None:
+    # an 8-layer model on 2 GPUs of 1300 MiB with 400 MiB of host memory per node: only CPU
+    # offload fits the GPUs, and its 1 GiB of host memory per node needs 3 nodes to spread it
+    kwargs = {"size": "tiny", "n_layer": 8, "d_model": 768, "vocab_size": 8192}
+
+    def planned(nodes: int) -> plan_module.Plan:
+        options = PlanOptions(gpus=2, nodes=nodes, gpu_memory="1300MiB", host_memory="400MiB",
+                              batch_size="1", precision="32-true")  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return make_plan(make_request("examples/gpt.py:build", options, kwargs=kwargs))
+
+    one, two, three = planned(1), planned(2), planned(3)
+    assert not any(e.fits for e in (*one.estimates, *two.estimates))
+    roomiest = three.ranked("headroom")[0]
+    assert roomiest.fits
+    for plan in (one, two):  # found by doubling then halving, from wherever the plan starts
+        nodes, there = plan_module.fits_elsewhere(plan)
+        assert nodes == 3 and there.candidate == roomiest.candidate
+        assert there.headroom == roomiest.headroom and there.candidate.cpu_offload
+    assert plan_module.fits_elsewhere(one, max_nodes=2) is None
