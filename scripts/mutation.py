@@ -39,8 +39,8 @@ MODULES: dict[str, list[str]] = {
     "study/lessons": ["tests/test_study.py"],
     "study/journal": ["tests/test_study.py"],
     "emit": ["tests/test_emit.py", "tests/test_handover.py"],
-    "predict/speed": ["tests/test_speed.py", "tests/test_calibrate.py"],
-    "predict/analytic": ["tests/test_estimate.py"],
+    "predict/speed": ["tests/predict/test_speed.py", "tests/test_calibrate.py"],
+    "predict/analytic": ["tests/predict/test_analytic.py", "tests/test_estimate.py"],
 }
 # Where a module's job for this purpose is only part of it: trials/worker's result accounting
 # (what a rank counts and how the ranks' reports become the trial's result, its status and its
@@ -111,6 +111,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [m for m in args.modules if m.strip("/") not in MODULES]
     if unknown:
         parser.error(f"unknown module {unknown[0]!r}; choose from: {', '.join(MODULES)}")
+    # a test file moved or renamed would make every mutant "no tests", not an error
+    for module in args.modules:
+        gone = [t for t in MODULES[module.strip("/")] if not (ROOT / t).is_file()]
+        if gone:
+            parser.error(
+                f"{module}'s test file {gone[0]} does not exist: fix MODULES in {__file__}"
+            )
     return args
 
 
