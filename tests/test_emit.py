@@ -492,3 +492,51 @@ def test_exports_name_the_autoshard_version_that_chose() -> None:
     rec = make_rec()
     for fmt in ("lightning", "accelerate"):
         assert rec.to_yaml(fmt).startswith(f"# autoshard 0.1.0: {rec.chosen.candidate.label()}\n")
+
+
+# (mutation survivors of autoshard.emit, scripts/mutation.sh emit)
+
+
+def test_each_fsdp2_reshard_policy_is_described_word_for_word() -> None:
+    from autoshard.config import Reshard
+    from autoshard.emit.text import describe_reshard
+
+    def said(**update: Any) -> str:
+        return describe_reshard(candidate(engine=Engine.FSDP2, **update))
+
+    assert said(reshard=Reshard.ALL) == (
+        "reshard policy all: every unit reshards after forward (reshard_after_forward=True, root "
+        "included)"
+    )
+    assert said(reshard=Reshard.KEEP_ROOT) == (
+        "reshard policy keep_root: the root stays gathered after forward (reshard_after_forward="
+        "False on the root, True on the blocks: fully_shard's default)"
+    )
+    assert said(reshard=Reshard.KEEP_ROOT_AND_LAST) == (
+        "reshard policy keep_root_and_last: the root and the last block stay gathered after "
+        "forward (reshard_after_forward=False on them, True on the other blocks: torchtitan's)"
+    )
+    assert said(sharding=Sharding.SHARD_GRAD_OP) == (
+        "nothing reshards after forward (SHARD_GRAD_OP: reshard_after_forward=False)"
+    )
+    assert describe_reshard(candidate()) == ""
+
+
+def test_accelerate_notes_name_accelerate_and_cli_yaml_refuses_a_size_policy() -> None:
+    from autoshard.emit.text import accelerate_config, lightning_cli_config
+
+    hybrid = candidate(sharding=Sharding.HYBRID_SHARD, hybrid_mesh=(2, 1), compile=True)
+    _, notes = accelerate_config(make_rec(hybrid))
+    assert (
+        "accelerate's HYBRID_SHARD shards within each node (2 ranks); autoshard chose groups of 1 "
+        "(mesh 2 x 1), which accelerate has no setting for: rec.apply(model) applies it"
+    ) in notes
+    fsdp2 = candidate(engine=Engine.FSDP2, compile=True)
+    _, notes = accelerate_config(make_rec(fsdp2))
+    assert any(n.endswith("; accelerate's own compile flag compiles it whole") for n in notes)
+    with pytest.raises(ConfigError) as refused:
+        lightning_cli_config(make_rec(candidate(wrap_classes=(), min_num_params=100_000)))
+    assert str(refused.value) == (
+        "a size-based wrap policy cannot be written as Lightning CLI YAML; use rec.strategy() in "
+        "code"
+    )
