@@ -540,3 +540,17 @@ def test_accelerate_notes_name_accelerate_and_cli_yaml_refuses_a_size_policy() -
         "a size-based wrap policy cannot be written as Lightning CLI YAML; use rec.strategy() in "
         "code"
     )
+
+
+def test_hf_trainer_arguments_carry_the_hybrid_mesh_note_and_the_evidence() -> None:
+    from autoshard.emit.text import describe_evidence, hf_trainer_config
+
+    rec = make_rec(
+        candidate(engine=Engine.FSDP2, sharding=Sharding.HYBRID_SHARD, hybrid_mesh=(2, 1))
+    )
+    args, notes = hf_trainer_config(rec)
+    assert (
+        "HYBRID_SHARD: pass parallelism_config=accelerate.ParallelismConfig(dp_replicate_size=2, "
+        "dp_shard_size=1) (an object, not JSON)"
+    ) in notes
+    assert args["fsdp_config"]["autoshard"] == {"chosen": describe_evidence(rec), "notes": notes}
