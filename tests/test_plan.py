@@ -370,3 +370,15 @@ def test_the_fewest_nodes_on_which_something_fits(monkeypatch) -> None:
         assert nodes == 3 and there.candidate == roomiest.candidate
         assert there.headroom == roomiest.headroom and there.candidate.cpu_offload
     assert plan_module.fits_elsewhere(one, max_nodes=2) is None
+
+
+def test_simulate_refines_the_best_candidates_by_simulation() -> None:
+    # --simulate 1: the best ranked candidate's peak is the simulation's (real FSDP on fake
+    # tensors, exact to the allocator), every other one stays analytic
+    options = PlanOptions(gpus=2, gpu_memory="8GiB", batch_size="1", precision="32-true",
+                          simulate=1)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = make_plan(make_request("examples/gpt.py:build", options, kwargs={"size": "tiny"}))
+    methods = [e.method for e in plan.estimates]
+    assert methods.count("simulated") == 1 and methods.count("analytic") == len(methods) - 1
