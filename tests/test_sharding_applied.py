@@ -199,3 +199,19 @@ def test_float8_converts_the_blocks_linears_of_sixteen_multiples_only() -> None:
     model.tied = nn.Linear(32, 64)
     assert float8_linears(model, Candidate(engine="fsdp2")) == [
         model.blocks[0].fits, model.blocks[1].fits, model.head, model.tied]  # fmt: skip
+
+
+def test_a_rank_trains_on_its_local_gpu_unless_its_group_speaks_gloo(one_rank, monkeypatch):
+    # the decision only (which device a rank picks): CUDA's presence is what is stood in for
+    initialised = dist.is_initialized
+    assert rank_device() == CPU  # no GPU here
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # before init_process_group
+    assert rank_device() == torch.device("cuda", 3) and chosen == [3]  # made the current one
+    monkeypatch.setattr(dist, "is_initialized", initialised)
+    assert rank_device() == CPU  # a gloo group: CPU tensors
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    assert rank_device() == torch.device("cuda", 3)
