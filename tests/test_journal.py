@@ -138,3 +138,15 @@ def test_a_line_that_is_not_a_record_names_its_line(tmp_path) -> None:
     path.write_bytes(record_line("a", OK) + b'"text"\n' + record_line("b", OK) + b'{"study": 1}\n')
     assert journal.studies() == ["a", "b"]  # foreign lines name no study
     assert read_records(tmp_path / "none.jsonl") == []
+
+
+def test_a_write_that_cannot_be_taken_back_still_ends_in_one_line(tmp_path, monkeypatch) -> None:
+    journal, _ = _journal(tmp_path)
+    _disk_fails(monkeypatch, errno.ENOSPC, times=1)
+
+    def ftruncate(fd: int, length: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(journal_mod.os, "ftruncate", ftruncate)
+    with pytest.raises(StorageError, match=r"no space left to record the trial of .*No space left"):
+        journal.append("s", OK)

@@ -215,3 +215,69 @@ def test_a_rank_trains_on_its_local_gpu_unless_its_group_speaks_gloo(one_rank, m
     assert rank_device() == CPU  # a gloo group: CPU tensors
     monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
     assert rank_device() == torch.device("cuda", 3)
+
+
+def test_fsdp1_wraps_a_class_only_the_model_has_and_materialises_a_meta_model(one_rank) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    class LocalBlock(Block):  # not importable by its path: found in the model itself
+        pass
+
+    model = Stack()
+    model.blocks = nn.ModuleList(LocalBlock() for _ in range(4))
+    local = candidate(wrap_classes=(f"{__name__}.{LocalBlock.__qualname__}",))
+    wrapped = apply_candidate(model, local, CPU)
+    assert sum(isinstance(m, FSDP) for m in wrapped.modules()) == 5
+    # built on meta: param_init_fn gives each module its values, as the trials build
+    with torch.device("meta"):
+        meta = Stack()
+    filled: list[str] = []
+
+    def init(module: nn.Module) -> None:
+        module.to_empty(device=CPU, recurse=False)
+        for p in module.parameters(recurse=False):
+            nn.init.constant_(p, 0.5)
+        filled.append(type(module).__name__)
+
+    wrapped = apply_candidate(meta, candidate(), CPU, param_init_fn=init)
+    assert "Linear" in filled and not any(p.is_meta for p in wrapped.parameters())
+    assert {float(p.float().mean()) for p in wrapped.parameters()} == {0.5}
+
+
+def test_fsdp2_no_shard_is_applied_on_its_2d_mesh(one_rank) -> None:
+    model = apply_candidate(Stack(), candidate(engine="fsdp2", sharding="NO_SHARD"), CPU)
+    mesh = model._get_fsdp_state()._fsdp_param_group.mesh_info.mesh
+    assert mesh.mesh_dim_names == ("replicate", "shard")
+
+
+def test_float8_converts_exactly_the_chosen_linears_or_names_what_to_install(monkeypatch) -> None:
+    import sys
+
+    from autoshard.errors import MissingDependencyError
+    from autoshard.sharding import apply_float8
+
+    pytest.importorskip("torchao.float8")
+    model = Stack(width=32)
+    apply_float8(model, candidate(engine="fsdp2", float8=True))
+    converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+    assert converted == [f"blocks.{i}.inner" for i in range(4)]  # the head stays bf16
+    untouched = Stack(width=32)
+    apply_float8(untouched, candidate(engine="fsdp2"))
+    assert not any(type(m).__name__ == "Float8Linear" for m in untouched.modules())
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(MissingDependencyError) as missing:
+        apply_float8(Stack(width=32), candidate(engine="fsdp2", float8=True))
+    assert str(missing.value) == (
+        "float8 training needs torchao, which is not installed: run "
+        "`pip install 'autoshard[float8]'`"
+    )
+
+
+@pytest.mark.parametrize(("optimizer", "impl"), [("adam", "foreach"), ("sgd", "fused"),
+                                                 ("sgd", "for_loop"), ("adamw", "foreach")])  # fmt: skip
+def test_every_optimizer_takes_the_learning_rate(optimizer: str, impl: str) -> None:
+    from autoshard.sharding import make_optimizer
+
+    c = Candidate(optimizer=optimizer, optimizer_impl=impl)
+    assert make_optimizer(nn.Linear(2, 2).parameters(), c).param_groups[0]["lr"] == 1e-4
+    assert make_optimizer(nn.Linear(2, 2).parameters(), c, lr=0.5).param_groups[0]["lr"] == 0.5
