@@ -424,3 +424,33 @@ def test_the_cuda_allowance_is_the_context_plus_the_allocator_slack(stack) -> No
     gloo = hw.model_copy(update={"backend": "gloo"})
     assert estimate_memory(profile, c, gloo, WorkloadSpec()).breakdown.allowance == 0
     assert allowance(10 * GIB, gloo) == 0
+
+
+def test_what_the_analytic_estimate_cannot_model_is_said_word_for_word() -> None:
+    # (mutation survivors of autoshard.predict.analytic: its own files never asked)
+    from autoshard.predict.analytic import needs_simulation
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    trained = analyze_model(model)
+    model[0].requires_grad_(False)
+    frozen = analyze_model(model)
+    modelled = WorkloadSpec()
+    assert needs_simulation(frozen, Candidate(min_num_params=10), modelled) == (
+        "frozen parameters under a size-based wrap policy: which FSDP1 units train (and so "
+        "hold a full flat gradient) is not known before wrapping; simulate it"
+    )
+    # FSDP2 and named wrap classes know their units; nothing frozen, nothing to know
+    assert needs_simulation(frozen, Candidate(engine="fsdp2", min_num_params=10), modelled) is None
+    assert needs_simulation(frozen, Candidate(wrap_classes=("torch.nn.Linear",)), modelled) is None
+    assert needs_simulation(trained, Candidate(min_num_params=10), modelled) is None
+    twice = WorkloadSpec(accumulate=2)
+    assert needs_simulation(trained, Candidate(cpu_offload=True), twice) == (
+        "gradient accumulation with CPU offload is not modelled (where the kept gradients live "
+        "depends on the engine); measure it with a trial"
+    )
+    hybrid = Candidate(sharding="HYBRID_SHARD", hybrid_mesh=(2, 4))
+    assert needs_simulation(trained, hybrid, twice) == (
+        "gradient accumulation with HYBRID_SHARD is not checked against a measurement; simulate it"
+    )
+    assert needs_simulation(trained, hybrid, modelled) is None
+    assert needs_simulation(trained, Candidate(cpu_offload=True), modelled) is None
