@@ -99,6 +99,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "they are now (after adding tests for its survivors)",
     )
     parser.add_argument(
+        "--deselect",
+        action="append",
+        default=[],
+        metavar="TEST",
+        help="leave out this test (a pytest node id; repeatable), e.g. one that takes minutes "
+        "under tracing: fewer tests can only kill fewer mutants, so the rate is a lower bound",
+    )
+    parser.add_argument(
         "--json", type=Path, help="also write the counts and the survivors' names to this file"
     )
     parser.add_argument(
@@ -150,9 +158,10 @@ def scratch_copy(module: str) -> Path:
     return work
 
 
-def configure(work: Path, module: str, own_only: bool) -> None:
+def configure(work: Path, module: str, own_only: bool, deselect: list[str]) -> None:
     """Narrow the shared [tool.mutmut] settings to this module and its tests."""
     tests = list(MODULES[module]) + ([] if own_only else ["tests"])
+    tests += [arg for test in deselect for arg in ("--deselect", test)]
     lines = [
         f"only_mutate = {json.dumps(source_globs(module))}",
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
@@ -237,13 +246,13 @@ def run_module(module: str, args: argparse.Namespace) -> dict[str, object]:
         # the module's test files as MODULES names them now (a new own test file included)
         for folder in (work, work / "mutants"):
             shutil.copy2(ROOT / "pyproject.toml", folder / "pyproject.toml")
-            configure(folder, module, args.own_tests_only)
+            configure(folder, module, args.own_tests_only, args.deselect)
         done = {name for _, name, code in results(work) if STATUS.get(code) == "killed"}
         todo = [n for n in chosen if n not in done]
         forget(work, set(todo))  # one the budget leaves unrun reads "not run", not its old result
     else:
         work = scratch_copy(module)
-        configure(work, module, args.own_tests_only)
+        configure(work, module, args.own_tests_only, args.deselect)
         names = generate(work)
         only = ONLY_FUNCTIONS.get(module)
         if only:
@@ -274,6 +283,7 @@ def run_module(module: str, args: argparse.Namespace) -> dict[str, object]:
         "mutants": len(names),
         "sampled": len(chosen),
         "seed": args.seed if len(chosen) < len(names) else None,
+        "deselected": args.deselect,
         "killed": killed,
         "survived": survived,
         "no_tests": counts["no tests"],
