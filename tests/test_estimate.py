@@ -454,3 +454,20 @@ def test_what_the_analytic_estimate_cannot_model_is_said_word_for_word() -> None
     )
     assert needs_simulation(trained, hybrid, modelled) is None
     assert needs_simulation(trained, Candidate(cpu_offload=True), modelled) is None
+
+
+def test_a_peak_equal_to_the_usable_memory_fits_and_one_byte_more_does_not(stack) -> None:
+    from autoshard.predict.analytic import estimate_memory
+
+    _, profile = stack
+    workload = WorkloadSpec(seq_len=64)
+    candidate = Candidate(wrap_classes=profile.wrap_policy)
+    roomy = Hardware(gpus_per_node=2, gpu_memory=80 * GIB, margin=0.0)
+    peak = estimate_memory(profile, candidate, roomy, workload).gpu_peak
+    exact = estimate_memory(profile, candidate, roomy.model_copy(update={"gpu_memory": peak}),
+                            workload)  # fmt: skip
+    assert exact.fits and exact.headroom == 0 and exact.reason == ""
+    short = estimate_memory(profile, candidate, roomy.model_copy(update={"gpu_memory": peak - 1}),
+                            workload)  # fmt: skip
+    assert not short.fits and short.headroom == -1
+    assert short.reason == f"needs {peak / GIB:.1f} GiB per GPU, {(peak - 1) / GIB:.1f} GiB usable"
