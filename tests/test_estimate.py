@@ -471,3 +471,17 @@ def test_a_peak_equal_to_the_usable_memory_fits_and_one_byte_more_does_not(stack
                             workload)  # fmt: skip
     assert not short.fits and short.headroom == -1
     assert short.reason == f"needs {peak / GIB:.1f} GiB per GPU, {(peak - 1) / GIB:.1f} GiB usable"
+
+
+def test_an_offload_short_of_host_memory_says_how_much_it_needs(stack) -> None:
+    from autoshard.predict.analytic import estimate_memory
+    from autoshard.units import format_bytes
+
+    _, profile = stack
+    offload = Candidate(wrap_classes=profile.wrap_policy, cpu_offload=True)
+    hardware = Hardware(gpus_per_node=2, gpu_memory=80 * GIB, host_memory=1024)
+    estimate = estimate_memory(profile, offload, hardware, WorkloadSpec(seq_len=64))
+    assert not estimate.fits and estimate.host_peak > 1024
+    assert estimate.reason == (
+        f"needs {format_bytes(estimate.host_peak)} of host memory per node, 1 KiB given"
+    )

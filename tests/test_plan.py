@@ -383,3 +383,16 @@ def test_simulate_refines_the_best_candidates_by_simulation() -> None:
         plan = make_plan(make_request("examples/gpt.py:build", options, kwargs={"size": "tiny"}))
     methods = [e.method for e in plan.estimates]
     assert methods.count("simulated") == 1 and methods.count("analytic") == len(methods) - 1
+
+
+def test_a_seq_len_that_contradicts_the_batch_is_refused_word_for_word() -> None:
+    from autoshard.plan import resolve_workload
+
+    built = BuiltModel(torch.nn.Embedding(100, 4), batch=torch.zeros(2, 32, dtype=torch.long))
+    with pytest.raises(ConfigError) as refused:
+        resolve_workload(built, PlanOptions(seq_len=64), "the target")
+    assert str(refused.value) == (
+        "seq_len 64 but the batch the target returns has 32 tokens per sample, and that batch is "
+        "what is measured: build it with 64 (e.g. --arg seq_len=64, or kwargs={'seq_len': 64} in "
+        "code) or leave out --seq-len / seq_len="
+    )

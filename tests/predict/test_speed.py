@@ -676,3 +676,15 @@ def test_offload_copies_the_shard_for_every_micro_batch_under_accumulation(net) 
         speed = predict_speed(profile, flops, offload, ONE_NODE, workload, EXACT, gpu=GPU)
         hand = (accumulate * 2 + 1) * shard * 4 / 10e9 + optimizer
         assert speed.breakdown.offload_s == pytest.approx(hand, rel=1e-9)
+
+
+def test_offload_on_two_ranks_regathers_too(net) -> None:
+    # (mutation survivor of predict/speed: the regather rule at the smallest sharded world)
+    # two ranks shard the parameters as eight do: backward regathers, copying the shard again
+    profile, flops = net
+    offload = Candidate(wrap_classes=WRAP, cpu_offload=True)
+    two = ONE_NODE.model_copy(update={"gpus_per_node": 2})
+    shard = P / 2
+    optimizer = 2 * shard * 80 / 50e9  # the node's 2 ranks step their shards in host memory
+    speed = predict_speed(profile, flops, offload, two, WorkloadSpec(), EXACT, gpu=GPU)
+    assert speed.breakdown.offload_s == pytest.approx(3 * shard * 4 / 10e9 + optimizer, rel=1e-9)
