@@ -485,3 +485,8 @@ def test_an_offload_short_of_host_memory_says_how_much_it_needs(stack) -> None:
     assert estimate.reason == (
         f"needs {format_bytes(estimate.host_peak)} of host memory per node, 1 KiB given"
     )
+    # short of both: each reason, in one line
+    both = estimate_memory(profile, offload, hardware.model_copy(update={"gpu_memory": GIB}),
+                           WorkloadSpec(seq_len=64))  # fmt: skip
+    gpu, host = both.reason.split("; ")
+    assert gpu.endswith("GiB usable") and host.endswith("of host memory per node, 1 KiB given")
