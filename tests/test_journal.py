@@ -150,3 +150,11 @@ def test_a_write_that_cannot_be_taken_back_still_ends_in_one_line(tmp_path, monk
     monkeypatch.setattr(journal_mod.os, "ftruncate", ftruncate)
     with pytest.raises(StorageError, match=r"no space left to record the trial of .*No space left"):
         journal.append("s", OK)
+
+
+def test_the_reserve_is_an_ordinary_file_of_the_folder(tmp_path) -> None:
+    journal, _ = _journal(tmp_path)
+    journal.keep_reserve()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert journal.reserve_path.stat().st_mode & 0o777 == 0o644 & ~umask

@@ -396,3 +396,21 @@ def test_a_seq_len_that_contradicts_the_batch_is_refused_word_for_word() -> None
         "what is measured: build it with 64 (e.g. --arg seq_len=64, or kwargs={'seq_len': 64} in "
         "code) or leave out --seq-len / seq_len="
     )
+
+
+def test_a_loader_that_makes_its_batches_says_which_size_is_planned() -> None:
+    from autoshard.plan import resolve_workload
+
+    class Fixed:  # a DataLoader with its own batch_sampler
+        fixed, samples, origin = True, 5, "the DataLoader"
+
+    built = BuiltModel(torch.nn.Linear(4, 4), batch=torch.zeros(5, 4), data=Fixed())
+    workload, notes = resolve_workload(built, PlanOptions(batch_size="2,6"))
+    assert workload.micro_batch_size == 5
+    assert notes == [
+        "micro-batch 5, not --batch-size 2,6: the DataLoader makes its batches itself (its own "
+        "batch_sampler, batch_size=None or made batches), so trials and estimates use its size; "
+        "give a DataLoader with batch_size= to compare sizes"
+    ]
+    _, notes = resolve_workload(built, PlanOptions(batch_size="5"))
+    assert notes[0].startswith("micro-batch 5: the DataLoader makes its batches itself")
