@@ -158,3 +158,12 @@ def test_the_reserve_is_an_ordinary_file_of_the_folder(tmp_path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     assert journal.reserve_path.stat().st_mode & 0o777 == 0o644 & ~umask
+
+
+def test_a_short_write_is_continued_until_the_record_is_whole(tmp_path, monkeypatch) -> None:
+    # a write may take fewer bytes than given (a disk near full, a signal): the rest follows
+    real = os.write
+    monkeypatch.setattr(journal_mod.os, "write", lambda fd, data: real(fd, bytes(data[:100])))
+    journal, _ = _journal(tmp_path)
+    journal.append("s", OK)
+    assert journal.read("s") == [OK] and len(record_line("s", OK)) > 300

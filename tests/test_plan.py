@@ -414,3 +414,15 @@ def test_a_loader_that_makes_its_batches_says_which_size_is_planned() -> None:
     ]
     _, notes = resolve_workload(built, PlanOptions(batch_size="5"))
     assert notes[0].startswith("micro-batch 5: the DataLoader makes its batches itself")
+
+
+def test_a_request_for_trials_without_a_gpu_plans_two_processes_and_the_vocabulary(no_gpu):
+    from autoshard.plan import resolve_workload
+
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 4), torch.nn.Linear(4, 100))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        request = make_request(model, PlanOptions(gpu_memory="8GiB"), trials=True)
+    assert request.hardware.gpus_per_node == 2
+    workload, _ = resolve_workload(BuiltModel(model), PlanOptions())
+    assert workload.vocab_size == 100 and workload.seq_len == 4096
