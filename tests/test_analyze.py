@@ -216,3 +216,101 @@ def test_the_parameter_dtype_and_a_frozen_root_are_reported() -> None:
     assert profile.root_frozen_params == 100 * 64
     model.to(torch.bfloat16)
     assert analyze_model(model).param_dtype == "bfloat16"
+
+
+# (mutation survivors of autoshard.analyze, scripts/mutation.sh analyze)
+
+
+class _Wide(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(64, width, bias=False)
+        self.down = nn.Linear(width, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(x))
+
+
+class Big(_Wide):
+    pass
+
+
+class Quarter(_Wide):
+    pass
+
+
+class Fifth(_Wide):
+    pass
+
+
+class _Siblings(nn.Module):
+    """Four Big blocks, then siblings of another class at 25% and at 20% of a Big's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bigs = nn.ModuleList(Big(400) for _ in range(4))
+        self.quarters = nn.ModuleList(Quarter(100) for _ in range(4))
+        self.fifths = nn.ModuleList(Fifth(80) for _ in range(4))
+        self.scale = nn.Parameter(torch.ones(64))  # the root's own parameter
+
+
+def test_a_sibling_block_class_is_a_unit_from_a_quarter_of_the_blocks_size() -> None:
+    profile = analyze_model(_Siblings())
+    path = f"{__name__}.{{}}"
+    # Quarter holds 25% of a Big's parameters (a unit of its own); Fifth 20% (left to the root)
+    assert profile.block_classes == (path.format("Big"), path.format("Quarter"))
+    assert profile.wrap_reason == (
+        "repeated blocks Big x4 (51,200 params each), Quarter x4 (12,800 params each) hold "
+        "86% of the parameters: one FSDP unit per block gathers one block at a time"
+    )
+
+
+def test_the_roots_own_parameters_are_named_and_ties_warned_word_for_word() -> None:
+    model = nn.Module()  # four blocks, a head larger than a block, a parameter of its own
+    model.bigs = nn.ModuleList(Big(400) for _ in range(4))
+    model.head = nn.Linear(64, 1000, bias=False)
+    model.scale = nn.Parameter(torch.ones(64))
+    profile = analyze_model(model)
+    (root,) = [w for w in profile.warnings if w.startswith("the root unit keeps")]
+    assert root == (
+        "the root unit keeps 64,064 parameters (24%) outside the wrapped blocks (head 64,000, "
+        "<root> 64); they are gathered whole for every step"
+    )
+    tied = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    tied[1].weight = tied[0].weight
+    assert "tied parameters 0.weight, 1.weight (40) are one tensor: they stay in one FSDP unit" in (
+        analyze_model(tied).warnings
+    )
+
+
+def test_frozen_blocks_are_counted_and_where_the_model_was_built_is_kept() -> None:
+    model = _Siblings()
+    for block in (model.bigs[0], model.bigs[2]):
+        block.requires_grad_(False)
+    model.bigs[1].up.requires_grad_(False)  # one half-frozen block: the largest that trains
+    profile = analyze_model(model, built_on="cpu")
+    assert profile.frozen_blocks == 2 and profile.block_frozen_params == 25_600
+    assert profile.built_on == "cpu"
+    assert analyze_model(model, built_on="cuda:0").built_on == "cpu"  # built on a device
+    assert analyze_model(model).built_on == "meta"
+
+
+def test_the_context_is_the_smallest_limit_found() -> None:
+    from autoshard.analyze import find_context
+
+    model = nn.Module()
+    model.pos_emb = nn.Embedding(512, 8)
+    model.max_seq_len = 1024
+    assert find_context(model) == (512, "positional table pos_emb (Embedding(512, 8))")
+    model.max_seq_len = 128
+    assert find_context(model) == (128, "max_seq_len")
+    assert find_context(nn.Linear(2, 2)) is None
+
+
+def test_the_module_table_keeps_its_first_two_thousand_rows() -> None:
+    from autoshard.analyze import MODULE_ROWS
+
+    model = nn.Sequential(nn.ModuleList(nn.Linear(1, 1) for _ in range(2500)))
+    rows = analyze_model(model).modules
+    assert MODULE_ROWS == 2000 and len(rows) == 2000
+    assert [r.name for r in rows[:3]] == ["", "0", "0.0"] and rows[-1].name == "0.1997"

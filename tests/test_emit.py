@@ -492,3 +492,122 @@ def test_exports_name_the_autoshard_version_that_chose() -> None:
     rec = make_rec()
     for fmt in ("lightning", "accelerate"):
         assert rec.to_yaml(fmt).startswith(f"# autoshard 0.1.0: {rec.chosen.candidate.label()}\n")
+
+
+# (mutation survivors of autoshard.emit, scripts/mutation.sh emit)
+
+
+def test_each_fsdp2_reshard_policy_is_described_word_for_word() -> None:
+    from autoshard.config import Reshard
+    from autoshard.emit.text import describe_reshard
+
+    def said(**update: Any) -> str:
+        return describe_reshard(candidate(engine=Engine.FSDP2, **update))
+
+    assert said(reshard=Reshard.ALL) == (
+        "reshard policy all: every unit reshards after forward (reshard_after_forward=True, root "
+        "included)"
+    )
+    assert said(reshard=Reshard.KEEP_ROOT) == (
+        "reshard policy keep_root: the root stays gathered after forward (reshard_after_forward="
+        "False on the root, True on the blocks: fully_shard's default)"
+    )
+    assert said(reshard=Reshard.KEEP_ROOT_AND_LAST) == (
+        "reshard policy keep_root_and_last: the root and the last block stay gathered after "
+        "forward (reshard_after_forward=False on them, True on the other blocks: torchtitan's)"
+    )
+    assert said(sharding=Sharding.SHARD_GRAD_OP) == (
+        "nothing reshards after forward (SHARD_GRAD_OP: reshard_after_forward=False)"
+    )
+    assert describe_reshard(candidate()) == ""
+
+
+def test_accelerate_notes_name_accelerate_and_cli_yaml_refuses_a_size_policy() -> None:
+    from autoshard.emit.text import accelerate_config, lightning_cli_config
+
+    hybrid = candidate(sharding=Sharding.HYBRID_SHARD, hybrid_mesh=(2, 1), compile=True)
+    _, notes = accelerate_config(make_rec(hybrid))
+    assert (
+        "accelerate's HYBRID_SHARD shards within each node (2 ranks); autoshard chose groups of 1 "
+        "(mesh 2 x 1), which accelerate has no setting for: rec.apply(model) applies it"
+    ) in notes
+    fsdp2 = candidate(engine=Engine.FSDP2, compile=True)
+    _, notes = accelerate_config(make_rec(fsdp2))
+    assert any(n.endswith("; accelerate's own compile flag compiles it whole") for n in notes)
+    with pytest.raises(ConfigError) as refused:
+        lightning_cli_config(make_rec(candidate(wrap_classes=(), min_num_params=100_000)))
+    assert str(refused.value) == (
+        "a size-based wrap policy cannot be written as Lightning CLI YAML; use rec.strategy() in "
+        "code"
+    )
+
+
+def test_hf_trainer_arguments_carry_the_hybrid_mesh_note_and_the_evidence() -> None:
+    from autoshard.emit.text import describe_evidence, hf_trainer_config
+
+    rec = make_rec(
+        candidate(engine=Engine.FSDP2, sharding=Sharding.HYBRID_SHARD, hybrid_mesh=(2, 1))
+    )
+    args, notes = hf_trainer_config(rec)
+    assert (
+        "HYBRID_SHARD: pass parallelism_config=accelerate.ParallelismConfig(dp_replicate_size=2, "
+        "dp_shard_size=1) (an object, not JSON)"
+    ) in notes
+    assert args["fsdp_config"]["autoshard"] == {"chosen": describe_evidence(rec), "notes": notes}
+
+
+def test_a_missing_lightning_names_the_feature_and_a_local_class_comes_from_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch import nn
+
+    class LocalBlock(nn.Module):  # not importable by its path: only the model has it
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+    model = nn.Sequential(LocalBlock(), LocalBlock())
+    rec = make_rec(candidate(wrap_classes=(f"{__name__}.{LocalBlock.__qualname__}",)))
+    assert rec.strategy(model=model).kwargs["auto_wrap_policy"]._module_classes == {LocalBlock}
+    with pytest.raises(ConfigError, match="cannot import class"):
+        rec.strategy()
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    with pytest.raises(MissingDependencyError) as missing:
+        make_rec().strategy()
+    assert str(missing.value) == (
+        "rec.strategy() needs lightning, which is not installed: run "
+        "`pip install 'autoshard[lightning]'`"
+    )
+
+
+def test_what_accelerate_cannot_express_word_for_word() -> None:
+    from autoshard.emit.text import _accelerate_notes, compile_float8_notes
+
+    true = candidate(precision=Precision.BF16_TRUE)
+    assert _accelerate_notes(true, "accelerate") == [
+        "bf16-true: cast the model to bf16 yourself (model.to(torch.bfloat16))"
+    ]
+    fsdp2 = candidate(engine=Engine.FSDP2, precision=Precision.BF16_MIXED)
+    assert _accelerate_notes(fsdp2, "accelerate") == [
+        "accelerate's FSDP2 reduces gradients in the compute dtype; autoshard's trials ran "
+        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): pass it as "
+        "FullyShardedDataParallelPlugin(mixed_precision_policy=...) for the same"
+    ]
+    # FSDP1 reduces in the compute dtype as accelerate does: nothing to say
+    assert _accelerate_notes(candidate(precision=Precision.BF16_MIXED), "accelerate") == []
+    float8 = candidate(engine=Engine.FSDP2, float8=True)
+    both = (
+        "float8: torchao's Float8Linear on the blocks' linear layers with FSDP2's float8 "
+        "all-gather (pip install 'autoshard[float8]'); "
+    )
+    scales = (
+        "; after each optimizer.step() call torchao.float8.precompute_float8_dynamic_scale_for_fsdp"
+        "(model), as the trials did"
+    )
+    assert compile_float8_notes(float8, "Lightning") == [
+        f"{both}the FSDP2 plan converts them before fully_shard{scales}"
+    ]
+    assert compile_float8_notes(float8, "accelerate") == [
+        f"{both}accelerate has no key for it: call autoshard.sharding.apply_float8(model, "
+        f"rec.chosen.candidate) before preparing the model{scales}"
+    ]

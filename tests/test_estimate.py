@@ -424,3 +424,69 @@ def test_the_cuda_allowance_is_the_context_plus_the_allocator_slack(stack) -> No
     gloo = hw.model_copy(update={"backend": "gloo"})
     assert estimate_memory(profile, c, gloo, WorkloadSpec()).breakdown.allowance == 0
     assert allowance(10 * GIB, gloo) == 0
+
+
+def test_what_the_analytic_estimate_cannot_model_is_said_word_for_word() -> None:
+    # (mutation survivors of autoshard.predict.analytic: its own files never asked)
+    from autoshard.predict.analytic import needs_simulation
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    trained = analyze_model(model)
+    model[0].requires_grad_(False)
+    frozen = analyze_model(model)
+    modelled = WorkloadSpec()
+    assert needs_simulation(frozen, Candidate(min_num_params=10), modelled) == (
+        "frozen parameters under a size-based wrap policy: which FSDP1 units train (and so "
+        "hold a full flat gradient) is not known before wrapping; simulate it"
+    )
+    # FSDP2 and named wrap classes know their units; nothing frozen, nothing to know
+    assert needs_simulation(frozen, Candidate(engine="fsdp2", min_num_params=10), modelled) is None
+    assert needs_simulation(frozen, Candidate(wrap_classes=("torch.nn.Linear",)), modelled) is None
+    assert needs_simulation(trained, Candidate(min_num_params=10), modelled) is None
+    twice = WorkloadSpec(accumulate=2)
+    assert needs_simulation(trained, Candidate(cpu_offload=True), twice) == (
+        "gradient accumulation with CPU offload is not modelled (where the kept gradients live "
+        "depends on the engine); measure it with a trial"
+    )
+    hybrid = Candidate(sharding="HYBRID_SHARD", hybrid_mesh=(2, 4))
+    assert needs_simulation(trained, hybrid, twice) == (
+        "gradient accumulation with HYBRID_SHARD is not checked against a measurement; simulate it"
+    )
+    assert needs_simulation(trained, hybrid, modelled) is None
+    assert needs_simulation(trained, Candidate(cpu_offload=True), modelled) is None
+
+
+def test_a_peak_equal_to_the_usable_memory_fits_and_one_byte_more_does_not(stack) -> None:
+    from autoshard.predict.analytic import estimate_memory
+
+    _, profile = stack
+    workload = WorkloadSpec(seq_len=64)
+    candidate = Candidate(wrap_classes=profile.wrap_policy)
+    roomy = Hardware(gpus_per_node=2, gpu_memory=80 * GIB, margin=0.0)
+    peak = estimate_memory(profile, candidate, roomy, workload).gpu_peak
+    exact = estimate_memory(profile, candidate, roomy.model_copy(update={"gpu_memory": peak}),
+                            workload)  # fmt: skip
+    assert exact.fits and exact.headroom == 0 and exact.reason == ""
+    short = estimate_memory(profile, candidate, roomy.model_copy(update={"gpu_memory": peak - 1}),
+                            workload)  # fmt: skip
+    assert not short.fits and short.headroom == -1
+    assert short.reason == f"needs {peak / GIB:.1f} GiB per GPU, {(peak - 1) / GIB:.1f} GiB usable"
+
+
+def test_an_offload_short_of_host_memory_says_how_much_it_needs(stack) -> None:
+    from autoshard.predict.analytic import estimate_memory
+    from autoshard.units import format_bytes
+
+    _, profile = stack
+    offload = Candidate(wrap_classes=profile.wrap_policy, cpu_offload=True)
+    hardware = Hardware(gpus_per_node=2, gpu_memory=80 * GIB, host_memory=1024)
+    estimate = estimate_memory(profile, offload, hardware, WorkloadSpec(seq_len=64))
+    assert not estimate.fits and estimate.host_peak > 1024
+    assert estimate.reason == (
+        f"needs {format_bytes(estimate.host_peak)} of host memory per node, 1 KiB given"
+    )
+    # short of both: each reason, in one line
+    both = estimate_memory(profile, offload, hardware.model_copy(update={"gpu_memory": GIB}),
+                           WorkloadSpec(seq_len=64))  # fmt: skip
+    gpu, host = both.reason.split("; ")
+    assert gpu.endswith("GiB usable") and host.endswith("of host memory per node, 1 KiB given")

@@ -866,6 +866,51 @@ def test_apply_refuses_in_one_line_what_it_cannot_apply() -> None:
         hybrid.apply(gpt.build("tiny"))
 
 
+@pytest.mark.usefixtures("gpt_importable", "one_rank_group")
+def test_apply_wraps_as_chosen_and_says_where_it_runs() -> None:
+    """rec.apply on one gloo rank: the chosen units and checkpointing, and one notice saying
+    where FSDP runs and that the plan was for another world size."""
+    import gpt
+    import torch
+    from torch import nn
+
+    import autoshard
+    from autoshard.config import Checkpointing, Engine, Sharding
+    from autoshard.errors import ConfigError
+    from tests.test_emit import candidate, make_rec
+
+    rec = make_rec(candidate(checkpointing=Checkpointing.ALL, compile=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = rec.apply(gpt.build("tiny"))
+    assert structure(model)["fsdp1 units"] == 5
+    assert structure(model)["checkpointed blocks"] == [0, 1, 2, 3]
+    notices = [str(w.message) for w in caught if w.category is autoshard.HandoverNotice]
+    assert notices == [
+        f"rec.apply(): {rec.chosen.candidate.label()} on the CPU of each rank (gloo; no CUDA "
+        "device here, so FSDP runs on the CPU), 1 ranks (a micro-batch of 2 per rank is your "
+        "loader's); torch.compile on the wrapped model: the first step compiles; planned for 2 "
+        "ranks, so each rank's memory differs from the plan"
+    ]
+    # a checkpointed class the model lacks is refused by name, as a missing wrap class is
+    stray = candidate(checkpointing=Checkpointing.ALL,
+                      checkpoint_classes=("torch.nn.modules.linear.Bilinear",))  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        make_rec(stray).apply(gpt.build("tiny"))
+    assert str(refused.value) == (
+        "rec.apply(): the recommendation checkpoints torch.nn.modules.linear.Bilinear, which "
+        "this model (GPT) does not contain; is it the model autoshard planned?"
+    )
+    # FSDP2's plan builds its own mesh where none (or a 1-D one for a 2-D choice) is given
+    for sharding in (Sharding.FULL_SHARD, Sharding.NO_SHARD):
+        plan = make_rec(candidate(engine=Engine.FSDP2, sharding=sharding)).fsdp2_plan()
+        sharded = plan(gpt.build("tiny"))
+        assert structure(sharded)["fsdp2 units"] == 5
+        mesh = sharded._get_fsdp_state()._fsdp_param_group.mesh_info.mesh
+        assert mesh.ndim == (2 if sharding is Sharding.NO_SHARD else 1)
+    assert isinstance(model, nn.Module) and not torch.cuda.is_available()
+
+
 def test_load_reads_each_output_back(tmp_path: Path) -> None:
     import autoshard
     from tests.test_emit import make_rec

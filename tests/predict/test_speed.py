@@ -676,3 +676,40 @@ def test_offload_copies_the_shard_for_every_micro_batch_under_accumulation(net) 
         speed = predict_speed(profile, flops, offload, ONE_NODE, workload, EXACT, gpu=GPU)
         hand = (accumulate * 2 + 1) * shard * 4 / 10e9 + optimizer
         assert speed.breakdown.offload_s == pytest.approx(hand, rel=1e-9)
+
+
+def test_offload_on_two_ranks_regathers_too(net) -> None:
+    # (mutation survivor of predict/speed: the regather rule at the smallest sharded world)
+    # two ranks shard the parameters as eight do: backward regathers, copying the shard again
+    profile, flops = net
+    offload = Candidate(wrap_classes=WRAP, cpu_offload=True)
+    two = ONE_NODE.model_copy(update={"gpus_per_node": 2})
+    shard = P / 2
+    optimizer = 2 * shard * 80 / 50e9  # the node's 2 ranks step their shards in host memory
+    speed = predict_speed(profile, flops, offload, two, WorkloadSpec(), EXACT, gpu=GPU)
+    assert speed.breakdown.offload_s == pytest.approx(3 * shard * 4 / 10e9 + optimizer, rel=1e-9)
+
+
+def test_blocks_the_analysis_does_not_wrap_tf32_and_cpu_offload(net) -> None:
+    # (mutation survivors of predict/speed, each a number a user would read)
+    profile, flops = net
+    plain = Candidate(wrap_classes=WRAP)
+    wrapped = predict_speed(profile, flops, plain, ONE_NODE, WorkloadSpec(), EXACT, gpu=GPU)
+    # the same work when the analysis found no blocks to wrap: one piece, the same seconds
+    unwrapped = profile.model_copy(update={"block_count": 0})
+    whole = predict_speed(unwrapped, flops, Candidate(), ONE_NODE, WorkloadSpec(), EXACT, gpu=GPU)
+    assert whole.breakdown.compute_s == pytest.approx(wrapped.breakdown.compute_s, rel=1e-9)
+    # fp32 with TF32 matmuls computes at the TF32 peak (its memory traffic stays as it was)
+    fast = GPU.model_copy(update={"tf32_flops": 2 * GPU.fp32_flops})
+    fp32 = Candidate(wrap_classes=WRAP, precision="32-true")
+    tf32 = predict_speed(profile, flops, fp32, ONE_NODE, WorkloadSpec(), EXACT, gpu=fast, tf32=True)
+    full = predict_speed(profile, flops, fp32, ONE_NODE, WorkloadSpec(), EXACT, gpu=fast)
+    assert full.breakdown.compute_s / 2 < tf32.breakdown.compute_s < 0.99 * full.breakdown.compute_s
+    # CPU processes: the host is the device, so the optimizer's pass over its shard is added to
+    # the copies, at the device's memory rate
+    cpu = GPU.model_copy(update={"id": "cpu-gloo"})
+    offload = Candidate(engine="fsdp2", wrap_classes=WRAP, cpu_offload=True)
+    speed = predict_speed(profile, flops, offload, ONE_NODE, WorkloadSpec(), EXACT, gpu=cpu)
+    shard = P / 8
+    hand = 3 * shard * 4 / 10e9 + shard * 80 / 1e12
+    assert speed.breakdown.offload_s == pytest.approx(hand, rel=1e-9)

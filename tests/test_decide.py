@@ -1,0 +1,182 @@
+"""The decision (autoshard.decide) as a user reads it: which candidate a plan recommends, the
+reasons given for each setting, and the runners-up and ruled-out lists. Quick: a small model
+planned on the meta device, trials given as results (none runs)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from torch import nn
+
+import autoshard.decide as decide_module
+from autoshard.config import Candidate, Checkpointing, Hardware, Sharding
+from autoshard.decide import _differences, decide, explain_estimate, versions
+from autoshard.plan import Plan, PlanOptions, make_plan, make_request
+from autoshard.results import Scored
+from autoshard.units import format_bytes
+from tests.test_emit import estimate
+from tests.test_measure import recommend, run, with_speed
+
+GIB = 2**30
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ff = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        return x + self.ff(x)
+
+
+class DecoderBlock(EncoderBlock):
+    pass
+
+
+class TwoTower(nn.Module):
+    """Two kinds of repeated block (both are units and checkpointed), tied embedding and head."""
+
+    def __init__(self, width: int = 64, vocab: int = 512) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.encoder = nn.ModuleList(EncoderBlock(width) for _ in range(4))
+        self.decoder = nn.ModuleList(DecoderBlock(width) for _ in range(4))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in [*self.encoder, *self.decoder]:
+            x = block(x)
+        return self.head(x)
+
+
+BLOCKS = f"{__name__}.EncoderBlock, {__name__}.DecoderBlock"
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    # 1.1 GiB GPUs: the CUDA allowance leaves little, so some candidates do not fit
+    options = PlanOptions(gpus=2, gpu_memory="1100MiB", batch_size="1,2,64", seq_len=256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return make_plan(make_request(TwoTower(), options))
+
+
+def test_the_first_fitting_candidate_is_chosen_and_every_other_is_listed(plan) -> None:
+    ranked = plan.ranked()
+    fitting = [e for e in ranked if e.fits]
+    assert 1 < len(fitting) < len(ranked)  # some do not fit: the order matters
+    rec = decide(plan)
+    assert rec.chosen.estimate == fitting[0]
+    assert [s.estimate for s in rec.runners_up] == fitting[1:5]
+    assert [s.estimate for s in rec.ruled_out] == [e for e in ranked if not e.fits]
+    assert rec.basis == "estimate"
+    assert rec.workload.micro_batch_size == fitting[0].candidate.micro_batch_size
+
+
+def test_estimate_reasons_name_tied_parameters_checkpointed_blocks_and_offload(plan) -> None:
+    reasons = decide(plan).reasons
+    assert "tied parameters (embed.weight, head.weight) stay in one FSDP unit (the root)" in reasons
+    # a checkpointed candidate names every block class it checkpoints
+    checkpointed = next(e for e in plan.estimates if e.candidate.checkpointing is Checkpointing.ALL)
+    lines = explain_estimate(checkpointed, plan)
+    assert any(line.startswith(f"checkpointing all of {{{BLOCKS}}}: ") for line in lines), lines
+    # offload is proposed with FULL_SHARD only: another sharding has no alternative to name
+    sgo = next(
+        e for e in plan.estimates
+        if e.candidate.sharding is Sharding.SHARD_GRAD_OP and e.candidate.wrap_classes
+    )  # fmt: skip
+    assert "cpu_offload False: offload is considered with FULL_SHARD only" in explain_estimate(
+        sgo, plan
+    )
+
+
+def test_fsdp2_estimate_reasons_say_fully_shards_own_prefetching() -> None:
+    options = PlanOptions(gpus=2, gpu_memory="8GiB", batch_size="1", seq_len=64, engine="fsdp2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reasons = decide(make_plan(make_request(TwoTower(), options))).reasons
+    assert (
+        "fully_shard's own prefetching (the next unit's all-gather issued ahead on its own "
+        "stream, forward and backward), adamw (foreach): the defaults; the optimizer's "
+        "implementation changes speed a little; measure it with trials"
+    ) in reasons
+    assert not any(line.startswith("limit_all_gathers=") for line in reasons)
+
+
+def test_a_wrap_difference_is_said_in_the_engines_own_terms() -> None:
+    blocks = Candidate(wrap_classes=("gpt.Block", "gpt.Head"))
+    assert _differences(Candidate(), blocks) == ["auto_wrap_policy=Block,Head"]
+    assert _differences(blocks, Candidate()) == ["auto_wrap_policy=none (one unit)"]
+    assert _differences(Candidate(), Candidate(min_num_params=10_000)) == [
+        "auto_wrap_policy=size>=10,000"
+    ]
+    fsdp2 = Candidate(engine="fsdp2", wrap_classes=("gpt.Block",))
+    assert "fully_shard units=Block" in _differences(Candidate(engine="fsdp2"), fsdp2)
+    every2 = Candidate(checkpointing="every_k", checkpoint_every=2, checkpoint_classes=("a.B",))
+    assert _differences(Candidate(), every2) == ["checkpointing=every 2 blocks"]
+
+
+def test_trial_reasons_say_which_rate_was_measured() -> None:
+    quick = run(0.100, spread=0.01)
+    slow = run(0.130, spread=0.01, sharding=Sharding.SHARD_GRAD_OP)
+    rec = recommend([quick, slow])
+    assert rec.reasons[0] == (
+        "fastest of 2 measured configurations: 0.100 s/step (±1%), 5,120 tokens/s on 2 cpu ranks"
+    )
+    # no tokens measured (a model without a sequence): samples/s, not "tokens"
+    quick, slow = (r.model_copy(update={"tokens_per_s": None}) for r in (quick, slow))
+    assert recommend([quick, slow]).reasons[0] == (
+        "fastest of 2 measured configurations: 0.100 s/step (±1%), 40 samples/s on 2 cpu ranks"
+    )
+
+
+def test_cpu_trials_without_a_prediction_come_last_fastest_measured_first() -> None:
+    gpus = Hardware(gpus_per_node=8, gpu_memory=80 * GIB, gpu="h100-sxm")
+    predicted = run(0.300, spread=0.01)
+    slow = run(0.200, spread=0.01, sharding=Sharding.SHARD_GRAD_OP)
+    fast = run(0.100, spread=0.01, sharding=Sharding.NO_SHARD)
+    estimates = [
+        with_speed(estimate(predicted.candidate), 900.0),
+        estimate(slow.candidate),  # no prediction for these two
+        estimate(fast.candidate),
+    ]
+    rec = recommend([slow, predicted, fast], gpus, estimates)
+    assert [s.trial for s in (rec.chosen, *rec.runners_up)] == [predicted, fast, slow]
+
+
+def test_an_offloading_choice_says_what_it_needs_of_the_host() -> None:
+    offload = estimate(Candidate(cpu_offload=True, wrap_classes=("gpt.Block",)))
+    need = format_bytes(offload.host_peak)
+    hardware = Hardware(gpus_per_node=2, gpu_memory=2 * GIB)
+    chosen = Scored(candidate=offload.candidate, estimate=offload)
+    assert decide_module.host_memory_reason(chosen, hardware) == [
+        f"CPU offload needs {need} of host memory per node (parameters, gradients and "
+        "optimizer states of the node's ranks): not checked, no host memory given"
+    ]
+    with_host = hardware.model_copy(update={"host_memory": 64 * GIB})
+    assert decide_module.host_memory_reason(chosen, with_host) == [
+        f"CPU offload needs {need} of host memory per node (parameters, gradients and optimizer "
+        "states of the node's ranks), of 64 GiB"
+    ]
+    kept = estimate(Candidate(wrap_classes=("gpt.Block",)))
+    assert decide_module.host_memory_reason(Scored(candidate=kept.candidate, estimate=kept),
+                                            with_host) == []  # fmt: skip
+
+
+def test_an_exports_versions_name_each_package_installed(monkeypatch) -> None:
+    import autoshard
+
+    found = versions()
+    assert found["autoshard"] == autoshard.__version__ and "torch" in found
+    real = decide_module.version
+
+    def version(name: str) -> str:
+        if name == "transformers":
+            raise decide_module.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(decide_module, "version", version)
+    assert set(versions()) == {"torch", "autoshard", "lightning"}
