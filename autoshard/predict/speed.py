@@ -162,12 +162,16 @@ DEFAULT_FACTORS = SpeedFactors()
 
 
 def default_factors(gpu: GPUSpec) -> SpeedFactors:
-    """The uncalibrated factors for ``gpu``: one set for every GPU, another for CPU processes
+    """The uncalibrated factors for ``gpu``: one set for every GPU but its compute efficiency
+    (the catalogue's ``step_efficiency``: A100 0.75, H100/H200 0.6), another for CPU processes
     (gloo), where FSDP waits for each collective on the calling thread (no side stream), so
     nothing overlaps, and issuing an operation costs what was measured here. The trials
     calibrate the rest."""
     if gpu.id != "cpu-gloo":
-        return DEFAULT_FACTORS
+        # the GPU's own share of its achievable rate (catalogue: A100 0.75, H100/H200 0.6)
+        if gpu.step_efficiency == DEFAULT_FACTORS.compute_efficiency:
+            return DEFAULT_FACTORS
+        return DEFAULT_FACTORS.model_copy(update={"compute_efficiency": gpu.step_efficiency})
     # Profiled here (torch.profiler, the tiny GPT's fp32 step on one thread, the machine
     # otherwise idle): its matrix products ran at 130 GFLOP/s against the 256 x 256 product's
     # 185, and torch's CPU AdamW streamed its 20 passes at 14 GB/s against a 54 GB/s copy.
