@@ -371,6 +371,31 @@ def _overlapped(
     return elapsed, comm_seconds
 
 
+def _distributed_seconds(
+    step: list[MicroBatch], comm: Collectives, gpu: GPUSpec, factors: SpeedFactors
+) -> float:
+    """Seconds the compute stream spends on FSDP's copies around its collectives in one step:
+    each all-gather's output copied out into the unit's parameters and each reduce-scatter's
+    input copied in from the gradients (FSDP1: the gradients divided before the reduction), each
+    read and written at the memory-bound rate. None on one GPU or without sharding (FSDP1 runs
+    NO_SHARD there; an all-reduce works in place).
+
+    Sources: the copies sit on the compute stream's critical path, 'about 1.4% of the total
+    iteration time' of Llama 3 70B on one 8-GPU node (pytorch/pytorch issue #157027: the
+    trace's FSDP::all_gather_copy_out and FSDP::post_backward_reduce); a dedicated copy-out
+    kernel 'can achieve 650-700GB/s' of output (pytorch/pytorch PR #115515), twice that in
+    traffic: a copy at about the HBM rate of an element-wise kernel, as modelled."""
+    if comm.shard <= 1:
+        return 0.0
+    copied = 0.0
+    for mb in step:
+        for turn in (*mb.forward, *mb.backward):
+            copied += mb.count * (
+                turn.gathered * comm.gather_bytes + turn.reduced * comm.reduce_bytes
+            )
+    return 2 * copied / (gpu.hbm_bandwidth * factors.memory_efficiency)  # read and write
+
+
 def _optimizer_and_offload(
     candidate: Candidate,
     hardware: Hardware,
@@ -471,7 +496,9 @@ def predict_speed(
     offload_s, optimizer_s = _optimizer_and_offload(
         candidate, hardware, gpu, factors, params=params, shard=comm.shard, accumulate=accumulate
     )
+    distributed_s = _distributed_seconds(step, comm, gpu, factors)
     total = compute_s + recompute_s + exposed + contention_s + offload_s + optimizer_s
+    total += distributed_s
     samples = mbs * accumulate
     tokens = workload.seq_len
     return SpeedEstimate(
@@ -486,6 +513,7 @@ def predict_speed(
             contention_s=contention_s,
             offload_s=offload_s,
             optimizer_s=optimizer_s,
+            distributed_s=distributed_s,
         ),
         gpu=gpu.id,
     )
