@@ -162,7 +162,7 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
     from autoshard.predict.activations import profile_activations
     from autoshard.predict.analytic import estimate_memory
     from autoshard.predict.flops import profile_flops
-    from autoshard.predict.speed import predict_speed
+    from autoshard.predict.speed import predict_speed, under_pressure
 
     model = record["model"]
     precision = precision_of(record)
@@ -212,6 +212,9 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
     speed = predict_speed(profile, flops, candidate, hardware, workload, skip_sync=skip_sync)
     assert speed.tokens_per_s_per_gpu is not None
     memory = estimate_memory(profile, candidate, hardware, workload, activations=acts)
+    # as the planner does (predict.calibrate.repredict): slowed near the usable memory
+    speed = under_pressure(speed, memory.gpu_peak, hardware.usable_gpu_memory)
+    assert speed.tokens_per_s_per_gpu is not None
     return {"tokens": speed.tokens_per_s_per_gpu, "speed": speed, "memory": memory, "note": note}
 
 

@@ -149,6 +149,25 @@ class SpeedFactors(Frozen):
         "Overlap in GPU-Accelerated Distributed Deep Learning', arXiv:2507.03114). Applies only "
         "where collectives overlap compute (``overlap``).",
     )
+    pressure_margin: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="Share of the usable GPU memory below which a predicted peak counts as near "
+        "the limit: there the caching allocator runs out of free cached blocks, frees them all "
+        "and retries cudaMalloc, synchronising the device (torch.cuda.memory_stats: "
+        "'num_alloc_retries: number of failed cudaMalloc calls that result in a cache flush and "
+        "retry'). 5%: the default margin the planner already keeps (Hardware.margin).",
+    )
+    pressure_slowdown: float = Field(
+        0.1,
+        ge=0,
+        description="How much slower a step runs at the limit, rising linearly from 0 at "
+        "``pressure_margin`` below it. No published run measures it (the benchmark's rows near "
+        "the limit show none beyond their other errors, and the memory estimate itself is off "
+        "by more than the margin there); 10% marks the risk in the ranking without outweighing "
+        "a configuration that is really faster.",
+    )
     overlap: float = Field(
         1.0,
         ge=0,
@@ -516,4 +535,43 @@ def predict_speed(
             distributed_s=distributed_s,
         ),
         gpu=gpu.id,
+    )
+
+
+def under_pressure(
+    speed: SpeedEstimate, peak: int, usable: int, factors: SpeedFactors | None = None
+) -> SpeedEstimate:
+    """``speed`` slowed for a predicted ``peak`` within ``pressure_margin`` of the ``usable``
+    GPU memory (allocator retries: :class:`SpeedFactors`): ``pressure_slowdown`` of the step at
+    the limit, nothing with the margin to spare. A peak beyond the limit is not slowed: that
+    candidate does not fit, which ranks it after every one that does, and says why. The
+    slowdown is in ``breakdown.pressure_s``; where it is not zero the planner warns.
+
+    >>> from autoshard.results import SpeedEstimate
+    >>> fast = SpeedEstimate(step_time_s=1.0, samples_per_s=8.0)
+    >>> under_pressure(fast, peak=70, usable=100).step_time_s
+    1.0
+    >>> round(under_pressure(fast, peak=100, usable=100).step_time_s, 3)
+    1.1
+    """
+    factors = factors or DEFAULT_FACTORS
+    if peak > usable or factors.pressure_margin <= 0 or factors.pressure_slowdown <= 0:
+        return speed
+    near = (peak - usable * (1 - factors.pressure_margin)) / (usable * factors.pressure_margin)
+    share = max(0.0, near)
+    if share == 0.0:
+        return speed
+    extra = speed.step_time_s * factors.pressure_slowdown * share
+    total = speed.step_time_s + extra
+    scale = speed.step_time_s / total
+    return speed.model_copy(
+        update={
+            "step_time_s": total,
+            "samples_per_s": speed.samples_per_s * scale,
+            "tokens_per_s_per_gpu": (
+                None if speed.tokens_per_s_per_gpu is None else speed.tokens_per_s_per_gpu * scale
+            ),
+            "mfu": None if speed.mfu is None else speed.mfu * scale,
+            "breakdown": speed.breakdown.model_copy(update={"pressure_s": extra}),
+        }
     )
