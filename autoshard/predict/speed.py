@@ -130,6 +130,14 @@ class SpeedFactors(Frozen):
         "at the ~13 GB/s one core copies (measured on this project's Xeon VM); a dual-socket "
         "server's DRAM peaks at 400-600 GB/s.",
     )
+    host_thread_bandwidth: float = Field(
+        13e9,
+        gt=0,
+        description="Bytes/s one rank's CPU optimizer step streams on its own: one thread "
+        "(torchrun's OMP_NUM_THREADS=1) at the ~13 GB/s one core copies (measured on this "
+        "project's Xeon VM). With fewer ranks than the node's memory could feed, each is bound "
+        "by its thread, not by its share of ``host_memory_bandwidth``.",
+    )
     op_overhead_s: float = Field(
         10e-6,
         ge=0,
@@ -442,7 +450,9 @@ def _optimizer_and_offload(
     if gpu.id == "cpu-gloo":  # the host is the device: each rank's share of its memory
         offload_s += step_bytes / (gpu.hbm_bandwidth * factors.memory_efficiency)
     else:
-        offload_s += step_bytes * hardware.gpus_per_node / factors.host_memory_bandwidth
+        # each rank's share of the node's memory bandwidth, at most what its one thread streams
+        share = factors.host_memory_bandwidth / hardware.gpus_per_node
+        offload_s += step_bytes / min(share, factors.host_thread_bandwidth)
     return offload_s, 0.0
 
 

@@ -754,3 +754,15 @@ def test_the_plan_warns_when_its_first_candidate_is_at_the_memory_limit() -> Non
     gib = (first.gpu_peak + 2**20) / 2**30 / 0.95  # usable = 95% of the GPU: just above peak
     with pytest.warns(PlanWarning, match="memory pressure"):
         autoshard.estimate(model, batch=torch.randn(2, D), gpus=8, gpu_memory=f"{gib:.6f}GiB")
+
+
+def test_offload_optimizer_of_few_ranks_is_bound_by_one_thread_each(net) -> None:
+    # 2 ranks on a node whose memory streams 50 GB/s: each could have 25 GB/s, but its CPU
+    # AdamW runs on one thread (13 GB/s by default): the shard's 80 bytes per parameter at 13.
+    profile, flops = net
+    offload = Candidate(wrap_classes=WRAP, cpu_offload=True)
+    two = Hardware(gpus_per_node=2, gpu_memory=80 * 2**30)
+    factors = EXACT.model_copy(update={"host_thread_bandwidth": 13e9})
+    speed = predict_speed(profile, flops, offload, two, WorkloadSpec(), factors, gpu=GPU)
+    shard = P / 2
+    assert speed.breakdown.offload_s == pytest.approx(3 * shard * 4 / 10e9 + shard * 80 / 13e9)
