@@ -730,6 +730,7 @@ def test_memory_pressure_slows_a_candidate_at_the_limit_and_only_there() -> None
     assert under_pressure(speed, usable + 1, usable, f) == speed
 
 
+@pytest.mark.filterwarnings("ignore::autoshard.NoGPUWarning")
 def test_the_plan_warns_when_its_first_candidate_is_at_the_memory_limit() -> None:
     import warnings as _warnings
 
@@ -753,7 +754,9 @@ def test_the_plan_warns_when_its_first_candidate_is_at_the_memory_limit() -> Non
     # the planner raises it as a PlanWarning: planning for GPUs whose memory the model fills
     gib = (first.gpu_peak + 2**20) / 2**30 / 0.95  # usable = 95% of the GPU: just above peak
     with pytest.warns(PlanWarning, match="memory pressure"):
-        autoshard.estimate(model, batch=torch.randn(2, D), gpus=8, gpu_memory=f"{gib:.6f}GiB")
+        autoshard.estimate(
+            model, batch=torch.randn(2, D), gpus=8, gpu_memory=f"{gib:.6f}GiB", gpu="h100-sxm"
+        )
 
 
 def test_offload_optimizer_of_few_ranks_is_bound_by_one_thread_each(net) -> None:
