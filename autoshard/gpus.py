@@ -240,6 +240,7 @@ _ACHIEVABLE: dict[str, tuple[float, float, tuple[str, ...]]] = {
     "l4": (0.8, 0.6, (_FA2,)),
     "l40s": (0.8, 0.6, (_FA2,)),
     "a10": (0.8, 0.6, (_FA2,)),
+    "a40": (0.8, 0.6, (_FA2,)),
     "a10g": (0.8, 0.6, (_FA2,)),
     # CPU processes: the rates are measured on this machine (autoshard.predict.speed).
     "cpu-gloo": (1.0, 1.0, ()),
@@ -478,6 +479,30 @@ _ENTRIES: tuple[GPUSpec, ...] = (
         ),
     ),
     _spec(
+        id="a40",
+        name="NVIDIA A40 48GB",
+        memory=48 * GiB,
+        bf16_flops=149.7 * TFLOPS,
+        fp16_flops=149.7 * TFLOPS,
+        tf32_flops=74.8 * TFLOPS,
+        fp32_flops=37.4 * TFLOPS,
+        hbm_bandwidth=696 * GB,
+        intra_node_bandwidth=_PCIE4,
+        intra_node_link="PCIe Gen4 x16 (64 GB/s total, 32 GB/s per direction); an NVLink "
+        "bridge joins two cards at most",
+        inter_node_bandwidth=100 * Gbit,
+        host_link_bandwidth=_PCIE4,
+        notes="300 W card, GDDR6. Dense figures as printed before the '|' on the datasheet. In "
+        "a 4- or 8-card server the cards talk over PCIe (the NVLink bridge pairs two). Network "
+        "assumed: 100 Gb/s per node (12.5 GB/s); an assumption, override it.",
+        sources=(
+            "NVIDIA A40 datasheet: https://images.nvidia.com/content/Solutions/data-center/"
+            "a40/nvidia-a40-datasheet.pdf (FP32 37.4, TF32 74.8|149.6*, BF16/FP16 149.7|299.4* "
+            "TFLOPS; 48 GB GDDR6, 696 GB/s; NVLink 112.5 GB/s bidirectional between 2 GPUs; "
+            "PCIe Gen4 64 GB/s)",
+        ),
+    ),
+    _spec(
         id="a10",
         name="NVIDIA A10 24GB",
         memory=24 * GiB,
@@ -648,6 +673,8 @@ def match_gpu_name(device_name: str) -> str | None:
         return "a10g"
     if _has(tokens, "A10"):
         return "a10"
+    if _has(tokens, "A40"):  # "NVIDIA A40"
+        return "a40"
     if _has(tokens, "L40S"):
         return "l40s"
     if _has(tokens, "L4"):
