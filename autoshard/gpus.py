@@ -119,6 +119,16 @@ class GPUSpec(Frozen):
         "as torch's scaled_dot_product_attention runs them), forward and backward. Default 0.35 "
         "where no figure is catalogued (FlashAttention-2 on Hopper).",
     )
+    step_efficiency: float = Field(
+        0.7,
+        gt=0,
+        le=1,
+        description="Achieved / achievable FLOP/s of a training step's counted FLOPs on this GPU "
+        "(recomputed forwards counted): the uncalibrated ``SpeedFactors.compute_efficiency`` for "
+        "it. Hopper reaches a smaller share of its achievable rate than Ampere (its 3.2x the "
+        "FLOP/s meet 1.6x the bandwidth and the same launch and synchronisation gaps). Default "
+        "0.7 where no published runs say otherwise.",
+    )
     fp8_flops: float | None = Field(
         None,
         gt=0,
@@ -190,6 +200,29 @@ _FA3 = (
     "dim 128, batch 2, 8192 tokens, 327.9 TFLOPS (33% of 989): https://github.com/"
     "samuel-bohman/AI-benchmarking-guide/blob/main/Azure_Results/ND_H100_v5_results.md"
 )
+# A training step's share of the achievable rate, per GPU generation: the published hardware
+# FLOPs utilisation (recompute counted) of the fitting set's runs over the achievable fraction:
+# A100 median 0.69 (80GB, 15 runs: llm-foundry, IBM/PyTorch FSDP blog) and 0.79 (40GB, 14:
+# llm-foundry); H100 SXM 0.54 (24 runs at <= 4,096 tokens, where attention is a small share:
+# llm-foundry, IBM) with attention at its own rate, about 0.6 of the matrix rate. H200: the
+# H100's die (no run published with its HFU). Held-out check: benchmarks/results/
+# step_time_published.md ("Terms", first).
+_STEP_EFFICIENCY = {"ampere": 0.75, "hopper": 0.6}
+_STEP_EFFICIENCY_SOURCE = (
+    "Step efficiency per GPU generation: published hardware FLOPs utilisation of the fitting "
+    "set of benchmarks/step_time_published.py (llm-foundry's benchmarking README: A100 40GB, "
+    "A100 80GB, H100 SXM; 'Maximizing training throughput using PyTorch FSDP', IBM/PyTorch "
+    "blog, 2024: A100 80GB, H100 SXM) over the catalogue's achievable matmul fraction"
+)
+_GENERATION = {
+    "a100-40gb-sxm": "ampere",
+    "a100-80gb-sxm": "ampere",
+    "a100-40gb-pcie": "ampere",
+    "a100-80gb-pcie": "ampere",
+    "h100-sxm": "hopper",
+    "h100-pcie": "hopper",
+    "h200": "hopper",
+}
 _ACHIEVABLE: dict[str, tuple[float, float, tuple[str, ...]]] = {
     # id: (matmul_fraction, attention_fraction, sources)
     "a100-40gb-sxm": (271.2 / 312, 0.6, (_MAMF, _FA2)),
@@ -207,6 +240,7 @@ _ACHIEVABLE: dict[str, tuple[float, float, tuple[str, ...]]] = {
     "l4": (0.8, 0.6, (_FA2,)),
     "l40s": (0.8, 0.6, (_FA2,)),
     "a10": (0.8, 0.6, (_FA2,)),
+    "a40": (0.8, 0.6, (_FA2,)),
     "a10g": (0.8, 0.6, (_FA2,)),
     # CPU processes: the rates are measured on this machine (autoshard.predict.speed).
     "cpu-gloo": (1.0, 1.0, ()),
@@ -238,10 +272,14 @@ def _with_achievable(spec: GPUSpec) -> GPUSpec:
     fp8 = _FP8.get(spec.id)
     if fp8 is not None:
         sources = (*sources, fp8[1], _TORCHAO_FP8)
+    generation = _GENERATION.get(spec.id)
+    if generation is not None:
+        sources = (*sources, _STEP_EFFICIENCY_SOURCE)
     return spec.model_copy(
         update={
             "matmul_fraction": matmul,
             "attention_fraction": attention,
+            "step_efficiency": _STEP_EFFICIENCY[generation] if generation else 0.7,
             "fp8_flops": fp8[0] if fp8 else None,
             "sources": spec.sources + tuple(s for s in sources if s not in spec.sources),
         }
@@ -441,6 +479,30 @@ _ENTRIES: tuple[GPUSpec, ...] = (
         ),
     ),
     _spec(
+        id="a40",
+        name="NVIDIA A40 48GB",
+        memory=48 * GiB,
+        bf16_flops=149.7 * TFLOPS,
+        fp16_flops=149.7 * TFLOPS,
+        tf32_flops=74.8 * TFLOPS,
+        fp32_flops=37.4 * TFLOPS,
+        hbm_bandwidth=696 * GB,
+        intra_node_bandwidth=_PCIE4,
+        intra_node_link="PCIe Gen4 x16 (64 GB/s total, 32 GB/s per direction); an NVLink "
+        "bridge joins two cards at most",
+        inter_node_bandwidth=100 * Gbit,
+        host_link_bandwidth=_PCIE4,
+        notes="300 W card, GDDR6. Dense figures as printed before the '|' on the datasheet. In "
+        "a 4- or 8-card server the cards talk over PCIe (the NVLink bridge pairs two). Network "
+        "assumed: 100 Gb/s per node (12.5 GB/s); an assumption, override it.",
+        sources=(
+            "NVIDIA A40 datasheet: https://images.nvidia.com/content/Solutions/data-center/"
+            "a40/nvidia-a40-datasheet.pdf (FP32 37.4, TF32 74.8|149.6*, BF16/FP16 149.7|299.4* "
+            "TFLOPS; 48 GB GDDR6, 696 GB/s; NVLink 112.5 GB/s bidirectional between 2 GPUs; "
+            "PCIe Gen4 64 GB/s)",
+        ),
+    ),
+    _spec(
         id="a10",
         name="NVIDIA A10 24GB",
         memory=24 * GiB,
@@ -611,6 +673,8 @@ def match_gpu_name(device_name: str) -> str | None:
         return "a10g"
     if _has(tokens, "A10"):
         return "a10"
+    if _has(tokens, "A40"):  # "NVIDIA A40"
+        return "a40"
     if _has(tokens, "L40S"):
         return "l40s"
     if _has(tokens, "L4"):

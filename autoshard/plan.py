@@ -505,6 +505,9 @@ def make_plan(request: PlanRequest) -> Plan:
     host_note = host_memory_note(estimates, request.hardware)
     if host_note:
         notes.append(host_note)
+    pressure = memory_pressure_note(estimates)
+    if pressure:
+        notes.append(pressure)
     for note in notes:
         warnings.warn(note, PlanWarning, stacklevel=2)
     return Plan(
@@ -600,6 +603,25 @@ def host_memory_note(estimates: list[MemoryEstimate], hardware: Hardware) -> str
         f"offload needs {format_bytes(first.host_peak)} of host memory per node "
         f"({first.candidate.label()}), assumed to be there (no host memory given); give "
         "--host-memory / host_memory= for yours"
+    )
+
+
+def memory_pressure_note(estimates: list[MemoryEstimate]) -> str | None:
+    """A warning when the first-ranked candidate fits only just: its predicted peak within a
+    few percent of the usable memory, where allocator retries slow a step (its predicted speed
+    already counts it: ``breakdown.pressure_s``) and an estimate a little low means OOM."""
+    best = next((e for e in estimates if e.fits), None)
+    if best is None or best.speed is None or best.speed.breakdown.pressure_s <= 0:
+        return None
+    usable = best.gpu_peak + best.headroom
+    pressure = best.speed.breakdown.pressure_s
+    slower = pressure / (best.speed.step_time_s - pressure)
+    return (
+        f"memory pressure: the first candidate ({best.candidate.label()}) peaks at "
+        f"{format_bytes(best.gpu_peak)} of {format_bytes(usable)} usable "
+        f"({best.headroom / usable:.1%} to spare): the allocator's retries near the limit are "
+        f"predicted to cost it {slower:.0%}, and a peak a little above the estimate runs out of "
+        "memory; a smaller micro-batch or more checkpointing gives it room"
     )
 
 

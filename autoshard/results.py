@@ -170,6 +170,16 @@ class SpeedBreakdown(Frozen):
     )
     offload_s: float = Field(0.0, description="CPU offload: host<->GPU copies, host optimizer.")
     optimizer_s: float = Field(0.0, description="The optimizer step on the GPU.")
+    distributed_s: float = Field(
+        0.0,
+        description="What running sharded costs the compute stream beyond the collectives: "
+        "FSDP's copies out of each all-gather and into each reduce-scatter (0 on one GPU).",
+    )
+    pressure_s: float = Field(
+        0.0,
+        description="Allocator stalls of a candidate whose predicted peak is within "
+        "``SpeedFactors.pressure_margin`` of the usable memory (0 with room to spare).",
+    )
 
 
 class SpeedEstimate(Frozen):

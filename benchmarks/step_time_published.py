@@ -162,7 +162,7 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
     from autoshard.predict.activations import profile_activations
     from autoshard.predict.analytic import estimate_memory
     from autoshard.predict.flops import profile_flops
-    from autoshard.predict.speed import predict_speed
+    from autoshard.predict.speed import predict_speed, under_pressure
 
     model = record["model"]
     precision = precision_of(record)
@@ -212,6 +212,9 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
     speed = predict_speed(profile, flops, candidate, hardware, workload, skip_sync=skip_sync)
     assert speed.tokens_per_s_per_gpu is not None
     memory = estimate_memory(profile, candidate, hardware, workload, activations=acts)
+    # as the planner does (predict.calibrate.repredict): slowed near the usable memory
+    speed = under_pressure(speed, memory.gpu_peak, hardware.usable_gpu_memory)
+    assert speed.tokens_per_s_per_gpu is not None
     return {"tokens": speed.tokens_per_s_per_gpu, "speed": speed, "memory": memory, "note": note}
 
 
@@ -387,8 +390,9 @@ def one_gpu_comparisons(rows: list[dict[str, Any]]) -> list[str]:
                     f"published {published:+.1%}, {kind} {predicted:+.1%} "
                     f"({verdict}; 1-GPU step "
                     f"{one['speed'].step_time_s:.2f} s predicted, communication exposed "
-                    f"{other['speed'].breakdown.exposed_comm_s:.2f} s and contention "
-                    f"{other['speed'].breakdown.contention_s:.2f} s on "
+                    f"{other['speed'].breakdown.exposed_comm_s:.2f} s, contention "
+                    f"{other['speed'].breakdown.contention_s:.2f} s and FSDP's copies "
+                    f"{other['speed'].breakdown.distributed_s:.2f} s on "
                     f"{other['record']['gpus']})"
                 )
     if len(lines) == 2:
@@ -425,8 +429,9 @@ def miss_breakdowns(rows: list[dict[str, Any]]) -> list[str]:
         "### Fitting-set misses: the model's breakdown",
         "",
         "| model | GPUs | error | step s | compute s | recompute s | exposed comm s | "
-        "contention s | optimizer s | offload s | predicted peak / usable GiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "contention s | optimizer s | offload s | FSDP copies s | pressure s | "
+        "predicted peak / usable GiB |",
+        "| --- | ---: | ---: | ---: " + "| ---: " * 9 + "|",
     ]
     for row in rows:
         part = row["speed"].breakdown
@@ -436,8 +441,8 @@ def miss_breakdowns(rows: list[dict[str, Any]]) -> list[str]:
             f"| {row['label']} | {row['record']['gpus']} ({row['record']['gpu']}) | "
             f"{row['error']:+.0%} | {row['speed'].step_time_s:.3f} | {part.compute_s:.3f} | "
             f"{part.recompute_s:.3f} | {part.exposed_comm_s:.3f} | {part.contention_s:.3f} | "
-            f"{part.optimizer_s:.3f} | {part.offload_s:.3f} | "
-            f"{memory.gpu_peak / 2**30:.1f} / {usable:.1f} |"
+            f"{part.optimizer_s:.3f} | {part.offload_s:.3f} | {part.distributed_s:.3f} | "
+            f"{part.pressure_s:.3f} | {memory.gpu_peak / 2**30:.1f} / {usable:.1f} |"
         )
     return [*lines, ""]
 

@@ -100,6 +100,7 @@ def test_cpu_entry_says_its_speeds_are_placeholders() -> None:
         ("NVIDIA A100 80GB PCIe", "a100-80gb-pcie"),
         ("NVIDIA A10G", "a10g"),
         ("NVIDIA A10", "a10"),
+        ("NVIDIA A40", "a40"),
         ("NVIDIA L4", "l4"),
         ("NVIDIA L40S", "l40s"),
         ("NVIDIA L40", None),

@@ -49,7 +49,12 @@ from autoshard.config import Candidate, Hardware, RankOrder, WorkloadSpec
 from autoshard.gpus import GPUSpec
 from autoshard.predict.flops import FlopProfile, profile_flops
 from autoshard.predict.hardware import speed_for
-from autoshard.predict.speed import SpeedFactors, default_factors, predict_speed
+from autoshard.predict.speed import (
+    SpeedFactors,
+    default_factors,
+    predict_speed,
+    under_pressure,
+)
 from autoshard.results import (
     MemoryEstimate,
     ModelProfile,
@@ -362,10 +367,12 @@ def fit_factors(
 def repredict(
     estimates: Sequence[MemoryEstimate], predict: Predict[F], factors: F, *, calibrated: bool
 ) -> list[MemoryEstimate]:
-    """The estimates with their speed predicted again with ``factors``."""
+    """The estimates with their speed predicted again with ``factors``, slowed where their
+    predicted peak is near the usable memory (:func:`~autoshard.predict.speed.under_pressure`)."""
     out = []
     for e in estimates:
         speed = predict(e.candidate, factors).model_copy(update={"calibrated": calibrated})
+        speed = under_pressure(speed, e.gpu_peak, e.gpu_peak + e.headroom)
         out.append(e.model_copy(update={"speed": speed}))
     return out
 

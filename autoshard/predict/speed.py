@@ -130,6 +130,14 @@ class SpeedFactors(Frozen):
         "at the ~13 GB/s one core copies (measured on this project's Xeon VM); a dual-socket "
         "server's DRAM peaks at 400-600 GB/s.",
     )
+    host_thread_bandwidth: float = Field(
+        13e9,
+        gt=0,
+        description="Bytes/s one rank's CPU optimizer step streams on its own: one thread "
+        "(torchrun's OMP_NUM_THREADS=1) at the ~13 GB/s one core copies (measured on this "
+        "project's Xeon VM). With fewer ranks than the node's memory could feed, each is bound "
+        "by its thread, not by its share of ``host_memory_bandwidth``.",
+    )
     op_overhead_s: float = Field(
         10e-6,
         ge=0,
@@ -149,6 +157,27 @@ class SpeedFactors(Frozen):
         "Overlap in GPU-Accelerated Distributed Deep Learning', arXiv:2507.03114). Applies only "
         "where collectives overlap compute (``overlap``).",
     )
+    pressure_margin: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="Share of the usable GPU memory below which a predicted peak counts as near "
+        "the limit: there the caching allocator runs out of free cached blocks, frees them all "
+        "and retries cudaMalloc, synchronising the device (torch.cuda.memory_stats: "
+        "'num_alloc_retries: number of failed cudaMalloc calls that result in a cache flush and "
+        "retry'). 5%: the default margin the planner already keeps (Hardware.margin).",
+    )
+    pressure_slowdown: float = Field(
+        0.1,
+        ge=0,
+        description="How much slower a step runs at the limit, rising linearly from 0 at "
+        "``pressure_margin`` below it. Measured at the limit: Mistral 7B with FSDP FULL_SHARD "
+        "at 4,600 tokens ran 6.52, 6.83 and 4.91 samples/s at micro-batches 10, 12 and 14, "
+        "'CUDA MALLOC RETRIES goes up and creates bottlenecks' (foundation-model-stack/fms-fsdp "
+        "issue #63): 28% lost at the last size that fit. 10%, not 28%: the memory estimate's "
+        "own error near the limit is larger than the margin (benchmarks/results/"
+        "step_time_published.md), so a flagged candidate is often not at the limit.",
+    )
     overlap: float = Field(
         1.0,
         ge=0,
@@ -162,12 +191,16 @@ DEFAULT_FACTORS = SpeedFactors()
 
 
 def default_factors(gpu: GPUSpec) -> SpeedFactors:
-    """The uncalibrated factors for ``gpu``: one set for every GPU, another for CPU processes
+    """The uncalibrated factors for ``gpu``: one set for every GPU but its compute efficiency
+    (the catalogue's ``step_efficiency``: A100 0.75, H100/H200 0.6), another for CPU processes
     (gloo), where FSDP waits for each collective on the calling thread (no side stream), so
     nothing overlaps, and issuing an operation costs what was measured here. The trials
     calibrate the rest."""
     if gpu.id != "cpu-gloo":
-        return DEFAULT_FACTORS
+        # the GPU's own share of its achievable rate (catalogue: A100 0.75, H100/H200 0.6)
+        if gpu.step_efficiency == DEFAULT_FACTORS.compute_efficiency:
+            return DEFAULT_FACTORS
+        return DEFAULT_FACTORS.model_copy(update={"compute_efficiency": gpu.step_efficiency})
     # Profiled here (torch.profiler, the tiny GPT's fp32 step on one thread, the machine
     # otherwise idle): its matrix products ran at 130 GFLOP/s against the 256 x 256 product's
     # 185, and torch's CPU AdamW streamed its 20 passes at 14 GB/s against a 54 GB/s copy.
@@ -367,6 +400,31 @@ def _overlapped(
     return elapsed, comm_seconds
 
 
+def _distributed_seconds(
+    step: list[MicroBatch], comm: Collectives, gpu: GPUSpec, factors: SpeedFactors
+) -> float:
+    """Seconds the compute stream spends on FSDP's copies around its collectives in one step:
+    each all-gather's output copied out into the unit's parameters and each reduce-scatter's
+    input copied in from the gradients (FSDP1: the gradients divided before the reduction), each
+    read and written at the memory-bound rate. None on one GPU or without sharding (FSDP1 runs
+    NO_SHARD there; an all-reduce works in place).
+
+    Sources: the copies sit on the compute stream's critical path, 'about 1.4% of the total
+    iteration time' of Llama 3 70B on one 8-GPU node (pytorch/pytorch issue #157027: the
+    trace's FSDP::all_gather_copy_out and FSDP::post_backward_reduce); a dedicated copy-out
+    kernel 'can achieve 650-700GB/s' of output (pytorch/pytorch PR #115515), twice that in
+    traffic: a copy at about the HBM rate of an element-wise kernel, as modelled."""
+    if comm.shard <= 1:
+        return 0.0
+    copied = 0.0
+    for mb in step:
+        for turn in (*mb.forward, *mb.backward):
+            copied += mb.count * (
+                turn.gathered * comm.gather_bytes + turn.reduced * comm.reduce_bytes
+            )
+    return 2 * copied / (gpu.hbm_bandwidth * factors.memory_efficiency)  # read and write
+
+
 def _optimizer_and_offload(
     candidate: Candidate,
     hardware: Hardware,
@@ -394,7 +452,9 @@ def _optimizer_and_offload(
     if gpu.id == "cpu-gloo":  # the host is the device: each rank's share of its memory
         offload_s += step_bytes / (gpu.hbm_bandwidth * factors.memory_efficiency)
     else:
-        offload_s += step_bytes * hardware.gpus_per_node / factors.host_memory_bandwidth
+        # each rank's share of the node's memory bandwidth, at most what its one thread streams
+        share = factors.host_memory_bandwidth / hardware.gpus_per_node
+        offload_s += step_bytes / min(share, factors.host_thread_bandwidth)
     return offload_s, 0.0
 
 
@@ -467,7 +527,9 @@ def predict_speed(
     offload_s, optimizer_s = _optimizer_and_offload(
         candidate, hardware, gpu, factors, params=params, shard=comm.shard, accumulate=accumulate
     )
+    distributed_s = _distributed_seconds(step, comm, gpu, factors)
     total = compute_s + recompute_s + exposed + contention_s + offload_s + optimizer_s
+    total += distributed_s
     samples = mbs * accumulate
     tokens = workload.seq_len
     return SpeedEstimate(
@@ -482,6 +544,46 @@ def predict_speed(
             contention_s=contention_s,
             offload_s=offload_s,
             optimizer_s=optimizer_s,
+            distributed_s=distributed_s,
         ),
         gpu=gpu.id,
+    )
+
+
+def under_pressure(
+    speed: SpeedEstimate, peak: int, usable: int, factors: SpeedFactors | None = None
+) -> SpeedEstimate:
+    """``speed`` slowed for a predicted ``peak`` within ``pressure_margin`` of the ``usable``
+    GPU memory (allocator retries: :class:`SpeedFactors`): ``pressure_slowdown`` of the step at
+    the limit, nothing with the margin to spare. A peak beyond the limit is not slowed: that
+    candidate does not fit, which ranks it after every one that does, and says why. The
+    slowdown is in ``breakdown.pressure_s``; where it is not zero the planner warns.
+
+    >>> from autoshard.results import SpeedEstimate
+    >>> fast = SpeedEstimate(step_time_s=1.0, samples_per_s=8.0)
+    >>> under_pressure(fast, peak=70, usable=100).step_time_s
+    1.0
+    >>> round(under_pressure(fast, peak=100, usable=100).step_time_s, 3)
+    1.1
+    """
+    factors = factors or DEFAULT_FACTORS
+    if peak > usable or factors.pressure_margin <= 0 or factors.pressure_slowdown <= 0:
+        return speed
+    near = (peak - usable * (1 - factors.pressure_margin)) / (usable * factors.pressure_margin)
+    share = max(0.0, near)
+    if share == 0.0:
+        return speed
+    extra = speed.step_time_s * factors.pressure_slowdown * share
+    total = speed.step_time_s + extra
+    scale = speed.step_time_s / total
+    return speed.model_copy(
+        update={
+            "step_time_s": total,
+            "samples_per_s": speed.samples_per_s * scale,
+            "tokens_per_s_per_gpu": (
+                None if speed.tokens_per_s_per_gpu is None else speed.tokens_per_s_per_gpu * scale
+            ),
+            "mfu": None if speed.mfu is None else speed.mfu * scale,
+            "breakdown": speed.breakdown.model_copy(update={"pressure_s": extra}),
+        }
     )

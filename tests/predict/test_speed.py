@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+import autoshard
 from autoshard.analyze import analyze_model
 from autoshard.config import Candidate, Hardware, WorkloadSpec
 from autoshard.gpus import CATALOGUE
@@ -27,6 +28,7 @@ from autoshard.predict.speed import (
     SpeedFactors,
     default_factors,
     predict_speed,
+    under_pressure,
 )
 from autoshard.predict.timeline import two_streams
 from autoshard.results import MemoryBreakdown, MemoryEstimate, SpeedEstimate
@@ -713,3 +715,109 @@ def test_blocks_the_analysis_does_not_wrap_tf32_and_cpu_offload(net) -> None:
     shard = P / 8
     hand = 3 * shard * 4 / 10e9 + shard * 80 / 1e12
     assert speed.breakdown.offload_s == pytest.approx(hand, rel=1e-9)
+
+
+# --------------------------------------------------------------------------------------------
+# What running distributed costs beyond the collectives; memory pressure
+# --------------------------------------------------------------------------------------------
+
+
+def test_distributed_cost_is_zero_on_one_gpu_and_fsdps_copies_on_two(net) -> None:
+    # FULL_SHARD, FSDP1, bf16-mixed: forward gathers every unit (P), backward the blocks again
+    # (4 B: the root stays gathered), every gradient reduce-scattered once (P, bf16): each
+    # element copied once, read and written, at the HBM rate (1 TB/s, efficiency 1).
+    profile, flops = net
+    full = Candidate(wrap_classes=WRAP, sharding="FULL_SHARD")
+
+    def distributed(gpus: int, candidate: Candidate = full) -> float:
+        hardware = Hardware(gpus_per_node=gpus, gpu_memory=80 * 2**30)
+        speed = predict_speed(profile, flops, candidate, hardware, WorkloadSpec(), EXACT, gpu=GPU)
+        parts = speed.breakdown
+        assert speed.step_time_s == pytest.approx(
+            parts.compute_s + parts.recompute_s + parts.exposed_comm_s + parts.contention_s
+            + parts.offload_s + parts.optimizer_s + parts.distributed_s
+        )  # fmt: skip
+        return parts.distributed_s
+
+    assert distributed(1) == 0.0
+    hand = 2 * (2 * (P + BLOCKS * B) + 2 * P) / 1e12
+    assert distributed(2) == pytest.approx(hand, rel=1e-9)
+    assert distributed(8) == pytest.approx(hand, rel=1e-9)  # per rank: the unit, whatever n
+    # NO_SHARD all-reduces the gradients in place: no copies
+    assert distributed(2, Candidate(wrap_classes=WRAP, sharding="NO_SHARD")) == 0.0
+
+
+def test_memory_pressure_slows_a_candidate_at_the_limit_and_only_there() -> None:
+    speed = SpeedEstimate(
+        step_time_s=2.0, samples_per_s=8.0, tokens_per_s_per_gpu=1000.0, mfu=0.5, gpu="h100-sxm"
+    )
+    usable = 100 * 2**30
+    f = SpeedFactors()  # 5% margin, 10% at the limit
+    assert under_pressure(speed, 90 * 2**30, usable, f) == speed  # room to spare
+    assert under_pressure(speed, 95 * 2**30, usable, f) == speed  # the margin's edge
+    half = under_pressure(speed, int(97.5 * 2**30), usable, f)
+    assert half.step_time_s == pytest.approx(2.0 * 1.05)
+    assert half.breakdown.pressure_s == pytest.approx(0.1)
+    full = under_pressure(speed, usable, usable, f)
+    assert full.step_time_s == pytest.approx(2.2)
+    assert full.tokens_per_s_per_gpu == pytest.approx(1000 / 1.1)
+    assert full.samples_per_s == pytest.approx(8 / 1.1)
+    assert full.mfu == pytest.approx(0.5 / 1.1)
+    # beyond the limit it does not fit: ruled out by memory, its speed left alone
+    assert under_pressure(speed, usable + 1, usable, f) == speed
+
+
+@pytest.mark.filterwarnings("ignore::autoshard.NoGPUWarning")
+def test_the_plan_warns_when_its_first_candidate_is_at_the_memory_limit() -> None:
+    import warnings as _warnings
+
+    from autoshard.plan import PlanWarning, memory_pressure_note
+
+    with torch.device("meta"):
+        model = Net()
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("ignore")
+        first = autoshard.estimate(model, batch=torch.randn(2, D), gpus=8, gpu_memory="80GiB")[0]
+    assert first.fits and first.speed is not None
+    assert memory_pressure_note([first]) is None  # megabytes of 76 GiB: no pressure
+    usable = first.gpu_peak + first.headroom
+    at_limit = first.model_copy(update={"gpu_peak": usable - 2**20, "headroom": 2**20})
+    at_limit = at_limit.model_copy(
+        update={"speed": under_pressure(first.speed, at_limit.gpu_peak, usable)}
+    )
+    note = memory_pressure_note([at_limit])
+    assert note is not None and note.startswith("memory pressure:")
+    assert "10%" in note and "0.0% to spare" in note
+    # the planner raises it as a PlanWarning: planning for GPUs whose memory the model fills
+    gib = (first.gpu_peak + 2**20) / 2**30 / 0.95  # usable = 95% of the GPU: just above peak
+    with pytest.warns(PlanWarning, match="memory pressure"):
+        autoshard.estimate(
+            model, batch=torch.randn(2, D), gpus=8, gpu_memory=f"{gib:.6f}GiB", gpu="h100-sxm"
+        )
+
+
+def test_offload_optimizer_of_few_ranks_is_bound_by_one_thread_each(net) -> None:
+    # 2 ranks on a node whose memory streams 50 GB/s: each could have 25 GB/s, but its CPU
+    # AdamW runs on one thread (13 GB/s by default): the shard's 80 bytes per parameter at 13.
+    profile, flops = net
+    offload = Candidate(wrap_classes=WRAP, cpu_offload=True)
+    two = Hardware(gpus_per_node=2, gpu_memory=80 * 2**30)
+    factors = EXACT.model_copy(update={"host_thread_bandwidth": 13e9})
+    speed = predict_speed(profile, flops, offload, two, WorkloadSpec(), factors, gpu=GPU)
+    shard = P / 2
+    assert speed.breakdown.offload_s == pytest.approx(3 * shard * 4 / 10e9 + shard * 80 / 13e9)
+
+
+def test_each_gpu_generation_gets_its_own_step_efficiency() -> None:
+    # A100s reach a larger share of their achievable rate than Hoppers (the fitting set's
+    # published HFU): the uncalibrated factors differ in that one number.
+    a100, h100 = CATALOGUE["a100-80gb-sxm"], CATALOGUE["h100-sxm"]
+    assert (a100.step_efficiency, h100.step_efficiency, CATALOGUE["h200"].step_efficiency) == (
+        0.75, 0.6, 0.6,
+    )  # fmt: skip
+    assert default_factors(a100).compute_efficiency == 0.75
+    assert default_factors(h100).compute_efficiency == 0.6
+    assert default_factors(h100).model_copy(update={"compute_efficiency": 0.75}) == (
+        default_factors(a100)
+    )
+    assert default_factors(CATALOGUE["l4"]).compute_efficiency == 0.7  # none published
