@@ -170,6 +170,27 @@ class SpeedBreakdown(Frozen):
     )
     offload_s: float = Field(0.0, description="CPU offload: host<->GPU copies, host optimizer.")
     optimizer_s: float = Field(0.0, description="The optimizer step on the GPU.")
+    float8_scale_sync_s: float = Field(
+        0.0,
+        description="float8: each step's amax of the float8 weights' shards and the scales' "
+        "all-reduce.",
+    )
+    compile_saving_s: float = Field(
+        0.0,
+        description="torch.compile: compute and recompute seconds its fused kernels took off "
+        "(already out of compute_s and recompute_s; not part of the step).",
+    )
+    float8_matmul_saving_s: float = Field(
+        0.0,
+        description="float8: seconds the blocks' linear layers saved at the fp8 rate (already "
+        "out of compute_s and recompute_s; not part of the step).",
+    )
+    float8_cast_s: float = Field(
+        0.0,
+        description="float8: seconds of the amax and casts of the linear layers' inputs and "
+        "gradients (already in compute_s and recompute_s). Its gathers, in 1 byte: in "
+        "exposed_comm_s.",
+    )
 
 
 class SpeedEstimate(Frozen):

@@ -69,13 +69,12 @@ def split(source: str) -> str:
 
 
 def unplannable(record: dict[str, Any]) -> list[str]:
-    """What the candidate space cannot express yet (issue 24 adds compile and float8; issue 23
-    per-op selective checkpointing): the record is reported, not scored."""
+    """What the candidate space cannot express yet (float8 other than torchao's tensorwise on
+    FSDP2; issue 23 per-op selective checkpointing): the record is reported, not scored."""
     why = []
-    if record["compile"]:
-        why.append("compile")
-    if record["float8"]:
-        why.append("float8")
+    float8 = record["float8"] or ""
+    if float8 and ("rowwise" in float8 or not record["engine"].startswith("fsdp2")):
+        why.append("float8 " + ("rowwise" if "rowwise" in float8 else "not torchao/FSDP2"))
     if is_selective_op(record["activation_checkpointing"]):
         why.append("selective")
     return why
@@ -162,6 +161,7 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
     from autoshard.predict.activations import profile_activations
     from autoshard.predict.analytic import estimate_memory
     from autoshard.predict.flops import profile_flops
+    from autoshard.predict.recipe import linear_shapes
     from autoshard.predict.speed import predict_speed
 
     model = record["model"]
@@ -179,8 +179,8 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
         flops = profile_flops(built, profile, at_len, batch)
         assert flops.measured, flops.note
         acts = profile_activations(built, profile, at_len, batch, precisions=(precision,))
-        cache[key] = profile, flops, acts
-    profile, flops, acts = cache[key]
+        cache[key] = profile, flops, acts, linear_shapes(built, profile)
+    profile, flops, acts, linears = cache[key]
     gpu = gpu_spec(record["gpu"])
     hardware = Hardware(
         gpus_per_node=record["gpus_per_node"],
@@ -191,6 +191,7 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
         inter_node_bandwidth=(record["inter_node"] or {}).get("bandwidth"),
     )
     ckpt, note = checkpointing(record, profile.checkpoint_policy)
+    why_not = unplannable(record)
     hybrid = record["sharding"] == "HYBRID_SHARD"
     candidate = Candidate(
         engine="fsdp2" if record["engine"].startswith(("fsdp2", "none")) else "fsdp1",
@@ -204,12 +205,16 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
         # next all-gather waits for the current gradients): FSDP1 only
         backward_prefetch=record["backward_prefetch"] or "BACKWARD_PRE",
         micro_batch_size=record["micro_batch_size"],
+        compile=bool(record["compile"]),
+        float8=bool(record["float8"]) and not any(w.startswith("float8") for w in why_not),
         **ckpt,
     )
     # what the source's framework does with accumulation (Composer reduces every micro-batch)
     sync = record["gradient_sync"]
     skip_sync = None if sync is None else sync == "last_micro_batch"
-    speed = predict_speed(profile, flops, candidate, hardware, workload, skip_sync=skip_sync)
+    speed = predict_speed(
+        profile, flops, candidate, hardware, workload, skip_sync=skip_sync, linears=linears
+    )
     assert speed.tokens_per_s_per_gpu is not None
     memory = estimate_memory(profile, candidate, hardware, workload, activations=acts)
     return {"tokens": speed.tokens_per_s_per_gpu, "speed": speed, "memory": memory, "note": note}
