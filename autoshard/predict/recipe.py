@@ -79,12 +79,13 @@ def linear_shapes(model: nn.Module, profile: ModelProfile) -> LinearShapes | Non
 
     if not profile.block_count or not profile.wrap_policy:
         return None
-    linears = float8_linears(model, Candidate(wrap_classes=profile.wrap_policy))
+    converted = float8_linears(model, Candidate(wrap_classes=profile.wrap_policy))
+    linears = [m for m in converted if isinstance(m, nn.Linear)]
     n = profile.block_count
     return LinearShapes(
-        inputs=sum(m.in_features for m in linears) / n,  # type: ignore[misc]
-        outputs=sum(m.out_features for m in linears) / n,  # type: ignore[misc]
-        params=sum(m.in_features * m.out_features for m in linears) / n,  # type: ignore[misc]
+        inputs=sum(m.in_features for m in linears) / n,
+        outputs=sum(m.out_features for m in linears) / n,
+        params=sum(m.in_features * m.out_features for m in linears) / n,
     )
 
 
