@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from results_file import write_results  # benchmarks/, the script's own folder
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = f"{ROOT}/examples/gpt.py:build"
 SEQ_LEN = 128
@@ -106,7 +108,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write:
-        args.write.write_text(text)
+        # the hand-written notes below the tables survive a rerun (it wrote the file whole)
+        write_results(args.write, text, hand_written_from="\n## Notes")
         if not args.measured:
             args.write.with_suffix(".json").write_text(json.dumps(runs, indent=1) + "\n")
 
