@@ -180,6 +180,27 @@ class SpeedBreakdown(Frozen):
         description="Allocator stalls of a candidate whose predicted peak is within "
         "``SpeedFactors.pressure_margin`` of the usable memory (0 with room to spare).",
     )
+    float8_scale_sync_s: float = Field(
+        0.0,
+        description="float8: each step's amax of the float8 weights' shards and the scales' "
+        "all-reduce.",
+    )
+    compile_saving_s: float = Field(
+        0.0,
+        description="torch.compile: compute and recompute seconds its fused kernels took off "
+        "(already out of compute_s and recompute_s; not part of the step).",
+    )
+    float8_matmul_saving_s: float = Field(
+        0.0,
+        description="float8: seconds the blocks' linear layers saved at the fp8 rate (already "
+        "out of compute_s and recompute_s; not part of the step).",
+    )
+    float8_cast_s: float = Field(
+        0.0,
+        description="float8: seconds of the amax and casts of the linear layers' inputs and "
+        "gradients (already in compute_s and recompute_s). Its gathers, in 1 byte: in "
+        "exposed_comm_s.",
+    )
 
 
 class SpeedEstimate(Frozen):

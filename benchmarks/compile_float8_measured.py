@@ -60,7 +60,9 @@ def main() -> None:
     from autoshard.config import Candidate, Checkpointing, Engine, Hardware, WorkloadSpec
     from autoshard.gpus import gpu_spec
     from autoshard.predict.flops import profile_flops
-    from autoshard.predict.speed import detected_gpu, predict_speed, speed_for
+    from autoshard.predict.hardware import detected_gpu, speed_for
+    from autoshard.predict.recipe import linear_shapes
+    from autoshard.predict.speed import predict_speed
     from autoshard.results import TrialStatus
     from autoshard.target.resolve import TargetSpec
     from autoshard.trials.group import WorkerGroup, default_nproc
@@ -74,6 +76,7 @@ def main() -> None:
     gpu, note = speed_for(hardware)
     profile, built = analyze_target(target)
     flops = profile_flops(built.model, profile, workload)
+    linears = linear_shapes(built.model, profile)  # what float8 converts, for its casts
     eager = Candidate(
         engine=Engine.FSDP2,
         wrap_classes=profile.wrap_policy,
@@ -102,7 +105,9 @@ def main() -> None:
             if trial.status is not TrialStatus.OK or not trial.step_time:
                 print(f"{candidate.label()}: {trial.status.value} {trial.error or ''}")
                 continue
-            speed = predict_speed(profile, flops, candidate, hardware, workload, gpu=gpu)
+            speed = predict_speed(
+                profile, flops, candidate, hardware, workload, gpu=gpu, linears=linears
+            )
             peak = (trial.max_allocated or 0) / 2**30
             rows.append((candidate, trial.step_time, speed.step_time_s, peak))
     base = {(c.compile, c.float8): m for c, m, _, _ in rows}

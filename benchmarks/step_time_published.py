@@ -14,9 +14,10 @@ the documents the model was built and checked against (``BUILT_ON``) are the fit
 other document is held out when ``sha256(source) mod 3 == 0``. A model change is good when the
 held-out error falls too; nothing is fitted to the held-out set.
 
-Records the model cannot plan yet (torch.compile, float8, torchtitan's per-op selective
-checkpointing) are printed as "not plannable yet" with what the eager, bf16, every-2nd-block
-model would say (not scored), never silently dropped.
+Records the model cannot plan yet (float8 other than torchao's tensorwise on FSDP2, torchtitan's
+per-op selective checkpointing) are printed as "not plannable yet" with what the model would say
+with per-op selective checkpointing as every 2nd block (not scored), never silently dropped.
+torchtitan's Llama 3.1 8B table (FSDP, + compile, + compile + float8) has its own section.
 
 Prints, per set: per record the published and predicted tokens/s per GPU and the error; the
 median and largest error; per source, whether the predicted order of its configurations matches
@@ -69,13 +70,12 @@ def split(source: str) -> str:
 
 
 def unplannable(record: dict[str, Any]) -> list[str]:
-    """What the candidate space cannot express yet (issue 24 adds compile and float8; issue 23
-    per-op selective checkpointing): the record is reported, not scored."""
+    """What the candidate space cannot express yet (float8 other than torchao's tensorwise on
+    FSDP2; issue 23 per-op selective checkpointing): the record is reported, not scored."""
     why = []
-    if record["compile"]:
-        why.append("compile")
-    if record["float8"]:
-        why.append("float8")
+    float8 = record["float8"] or ""
+    if float8 and ("rowwise" in float8 or not record["engine"].startswith("fsdp2")):
+        why.append("float8 " + ("rowwise" if "rowwise" in float8 else "not torchao/FSDP2"))
     if is_selective_op(record["activation_checkpointing"]):
         why.append("selective")
     return why
@@ -155,13 +155,15 @@ def precision_of(record: dict[str, Any]) -> str:
 
 def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
     """Predicted tokens/s per GPU of one record, the speed breakdown, the memory estimate and
-    a note on how it was modelled (compile and float8 ignored: the eager bf16 plan)."""
+    a note on how it was modelled (torch.compile and torchao's tensorwise float8 on FSDP2
+    planned as published; other float8 recipes as bf16)."""
     from autoshard.analyze import analyze_model
     from autoshard.config import Candidate, Hardware, WorkloadSpec
     from autoshard.gpus import gpu_spec
     from autoshard.predict.activations import profile_activations
     from autoshard.predict.analytic import estimate_memory
     from autoshard.predict.flops import profile_flops
+    from autoshard.predict.recipe import linear_shapes
     from autoshard.predict.speed import predict_speed, under_pressure
 
     model = record["model"]
@@ -179,8 +181,8 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
         flops = profile_flops(built, profile, at_len, batch)
         assert flops.measured, flops.note
         acts = profile_activations(built, profile, at_len, batch, precisions=(precision,))
-        cache[key] = profile, flops, acts
-    profile, flops, acts = cache[key]
+        cache[key] = profile, flops, acts, linear_shapes(built, profile)
+    profile, flops, acts, linears = cache[key]
     gpu = gpu_spec(record["gpu"])
     hardware = Hardware(
         gpus_per_node=record["gpus_per_node"],
@@ -191,6 +193,7 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
         inter_node_bandwidth=(record["inter_node"] or {}).get("bandwidth"),
     )
     ckpt, note = checkpointing(record, profile.checkpoint_policy)
+    why_not = unplannable(record)
     hybrid = record["sharding"] == "HYBRID_SHARD"
     candidate = Candidate(
         engine="fsdp2" if record["engine"].startswith(("fsdp2", "none")) else "fsdp1",
@@ -204,12 +207,16 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
         # next all-gather waits for the current gradients): FSDP1 only
         backward_prefetch=record["backward_prefetch"] or "BACKWARD_PRE",
         micro_batch_size=record["micro_batch_size"],
+        compile=bool(record["compile"]),
+        float8=bool(record["float8"]) and not any(w.startswith("float8") for w in why_not),
         **ckpt,
     )
     # what the source's framework does with accumulation (Composer reduces every micro-batch)
     sync = record["gradient_sync"]
     skip_sync = None if sync is None else sync == "last_micro_batch"
-    speed = predict_speed(profile, flops, candidate, hardware, workload, skip_sync=skip_sync)
+    speed = predict_speed(
+        profile, flops, candidate, hardware, workload, skip_sync=skip_sync, linears=linears
+    )
     assert speed.tokens_per_s_per_gpu is not None
     memory = estimate_memory(profile, candidate, hardware, workload, activations=acts)
     # as the planner does (predict.calibrate.repredict): slowed near the usable memory
@@ -346,8 +353,9 @@ def not_plannable(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "### Not plannable yet (reported, not scored)",
         "",
-        "What the eager model would say (compile and float8 ignored, per-op selective "
-        "checkpointing as every 2nd block): the gap is what the missing terms must explain.",
+        "What the model would say with per-op selective checkpointing as every 2nd block (and "
+        "float8 recipes other than torchao's tensorwise on FSDP2 as bf16): the gap is what is "
+        "missing.",
         "",
         "| set | source | model | GPUs | not plannable yet | published tok/s/GPU | eager "
         "prediction | published / eager |",
@@ -397,6 +405,46 @@ def one_gpu_comparisons(rows: list[dict[str, Any]]) -> list[str]:
                 )
     if len(lines) == 2:
         lines.append("- none in the data")
+    return [*lines, ""]
+
+
+def recipe_table(rows: list[dict[str, Any]]) -> list[str]:
+    """torchtitan's Llama 3.1 8B table (FSDP, + compile, + compile + float8), issue 24's check of
+    the compile and float8 terms: each within 25% and in order, memory within 10%."""
+    lines = [
+        "### torchtitan Llama 3.1 8B: FSDP, + torch.compile, + compile + float8",
+        "",
+        "| GPUs | run | published tok/s/GPU | predicted | error | published memory | estimated "
+        "| error | modelled as |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for gpus in (8, 128):
+        table = [
+            r for r in rows
+            if r["group"]["id"] == "torchtitan-h100-llama3.1-8b-gpu-count"
+            and r["record"]["gpus"] == gpus
+        ]  # fmt: skip
+        table.sort(key=lambda r: (r["record"]["compile"], bool(r["record"]["float8"])))
+        for r in table:
+            record, memory = r["record"], r["record"]["memory"]
+            run = (
+                "+ compile + float8"
+                if record["float8"]
+                else "+ compile"
+                if record["compile"]
+                else "FSDP"
+            )
+            published = published_bytes(memory)
+            estimated = r["memory"].gpu_peak
+            lines.append(
+                f"| {gpus} | {run} | {r['published']:,.0f} | {r['predicted']:,.0f} | "
+                f"{r['error']:+.1%} | {memory['value']} {memory['unit']} | "
+                f"{estimated / 2**30:.1f} GiB | {estimated / published - 1:+.0%} | "
+                f"{r['note'] or 'as published'} |"
+            )
+        ordered = [r["predicted"] for r in table] == sorted(r["predicted"] for r in table)
+        lines.append(f"| {gpus} | order FSDP < + compile < + float8 | | "
+                     f"{'right' if ordered else 'WRONG'} | | | | | |")  # fmt: skip
     return [*lines, ""]
 
 
@@ -486,6 +534,7 @@ def main() -> None:
                     if row["set"] == "fitting" and not row["why_not"] and abs(row["error"]) > TARGET
                 ]
             ),
+            *recipe_table(rows),
             *not_plannable([row for row in rows if row["why_not"]]),
             *one_gpu_comparisons(rows),
             *memory_table(rows),

@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from pydantic import Field
 
-from autoshard.config import Candidate, Frozen
+from autoshard.config import Candidate, Frozen, Precision
 from autoshard.predict.calibrate import (
     Point,
     fit_factors,
+    fit_grouped,
+    group_of,
     order_by_speed,
     relevant_factors,
     reorder_untried,
@@ -144,6 +146,64 @@ def test_what_the_noise_cannot_tell_is_not_fitted() -> None:
     assert fit_factors(close, model, Factors()).fitted == ()
     unknown = [Point(p.candidate, p.step_time) for p in close]  # no spread: fitted as before
     assert fit_factors(unknown, model, Factors()).fitted != ()
+
+
+def by_precision(c: Candidate) -> Factors:
+    """The truth where bf16-mixed steps run at half fp32's compute rate (CPU bf16 kernels:
+    issue 24's Llama-shaped grid measured about half the modelled rate)."""
+    half = TRUE.compute_efficiency / 2
+    return (
+        TRUE.model_copy(update={"compute_efficiency": half})
+        if c.precision.value != "32-true"
+        else TRUE
+    )
+
+
+def test_each_precision_gets_its_own_fit_where_its_trials_differ() -> None:
+    cands = [c for c in grid() if not c.cpu_offload]
+    fp32 = [c.model_copy(update={"precision": Precision.FP32}) for c in cands]
+    bf16 = [c.model_copy(update={"precision": Precision.BF16_MIXED}) for c in cands]
+    tried = [fp32[0], fp32[3], fp32[5], bf16[1], bf16[2], bf16[4]]
+    points = [Point(c, model(c, by_precision(c)).step_time_s, spread=0.03) for c in tried]
+    grouped = fit_grouped(points, model, Factors())
+    assert {group for group, _ in grouped.groups} >= {group_of(bf16[0])}
+    untried = [c for c in fp32 + bf16 if c not in tried]
+    for c in untried:  # each precision predicted by its own factors
+        truth = model(c, by_precision(c)).step_time_s
+        assert model(c, grouped.factors_for(c)).step_time_s == pytest.approx(truth, rel=0.1)
+    # one fit for both misses one precision or the other by more than 25%
+    shared = fit_factors(points, model, Factors())
+    misses = [model(c, shared.factors).step_time_s / model(c, by_precision(c)).step_time_s - 1
+              for c in untried]  # fmt: skip
+    assert max(abs(m) for m in misses) > 0.25
+    assert "bf16-mixed on its 3" in grouped.describe()
+    # the study's re-ranking takes each candidate's group's factors
+    estimates = [estimate(c) for c in untried]
+    done = [TrialResult(candidate=p.candidate, status=TrialStatus.OK, step_time=p.step_time,
+                        step_time_spread=p.spread) for p in points]  # fmt: skip
+    ranked, calibration = reorder_untried(estimates, done, model, Factors())
+    assert calibration.groups
+    for e in ranked:
+        assert e.speed is not None and e.speed.calibrated
+        truth = model(e.candidate, by_precision(e.candidate)).step_time_s
+        assert e.speed.step_time_s == pytest.approx(truth, rel=0.1)
+
+
+def test_precisions_that_agree_share_one_fit() -> None:
+    """Trials of two precisions measured as one model predicts them (within their noise): no
+    group gets factors of its own."""
+    cands = [c for c in grid() if not c.cpu_offload]
+    fp32 = [
+        c.model_copy(update={"precision": Precision.FP32}) for c in (cands[0], cands[3], cands[5])
+    ]
+    tried = [*fp32, cands[1], cands[2], cands[4]]  # bf16-mixed, the default
+    rng = np.random.default_rng(2)
+    points = [Point(c, model(c, TRUE).step_time_s * math.exp(rng.normal(0, 0.01)), spread=0.03)
+              for c in tried]  # fmt: skip
+    grouped = fit_grouped(points, model, Factors())
+    assert len({group_of(c) for c in tried}) == 2
+    assert grouped.groups == ()
+    assert grouped.factors == fit_factors(points, model, Factors()).factors
 
 
 def test_factors_stay_within_bounds() -> None:

@@ -114,14 +114,27 @@ def test_recommend_module_object_explains_every_setting() -> None:
 
 def test_recommend_checkpoints_when_memory_is_short() -> None:
     """A tight GPU forces the estimator's hand: the chosen candidate must fit, and the reasons
-    name the alternatives that do not."""
+    name the alternatives that do not. Eager (compile off): compile's fewer saved activations
+    would let a lighter checkpointing fit."""
     roomy = recommend(
-        build_tied, gpus=2, gpu_memory="6GiB", seq_len=2048, batch_size=4, precision="32-true"
+        build_tied,
+        gpus=2,
+        gpu_memory="6GiB",
+        seq_len=2048,
+        batch_size=4,
+        precision="32-true",
+        compile=False,
     )
     assert roomy.chosen.candidate.checkpointing.value == "none"
     # 3 GiB: every 2nd block checkpointed fits (2.6 GiB predicted) and recomputes less than all
     tight = recommend(
-        build_tied, gpus=2, gpu_memory="3GiB", seq_len=2048, batch_size=4, precision="32-true"
+        build_tied,
+        gpus=2,
+        gpu_memory="3GiB",
+        seq_len=2048,
+        batch_size=4,
+        precision="32-true",
+        compile=False,
     )
     assert tight.chosen.estimate is not None and tight.chosen.estimate.fits
     assert tight.chosen.candidate.checkpointing.value == "every_k"
@@ -129,7 +142,13 @@ def test_recommend_checkpoints_when_memory_is_short() -> None:
     assert "does not fit with" in line and "none (" in line
     # 2.5 GiB: only checkpointing every block fits (2.2 GiB; every 2nd block 2.6 GiB)
     tighter = recommend(
-        build_tied, gpus=2, gpu_memory="2.5GiB", seq_len=2048, batch_size=4, precision="32-true"
+        build_tied,
+        gpus=2,
+        gpu_memory="2.5GiB",
+        seq_len=2048,
+        batch_size=4,
+        precision="32-true",
+        compile=False,
     )
     assert tighter.chosen.estimate is not None and tighter.chosen.estimate.fits
     assert tighter.chosen.candidate.checkpointing.value == "all"

@@ -26,6 +26,7 @@ from autoshard.engine import OPTIMIZER_STATES, as_run
 from autoshard.predict.activations import ActivationProfile, rule_of_thumb
 from autoshard.predict.loop_moments import loop_moments
 from autoshard.predict.moments import step_moments
+from autoshard.predict.recipe import recipe_activations
 from autoshard.predict.step_bytes import step_bytes
 from autoshard.results import MemoryBreakdown, MemoryEstimate, ModelProfile
 from autoshard.units import format_bytes
@@ -182,6 +183,7 @@ def estimate_memory(
     True
     """
     acts = activations or rule_of_thumb(profile, workload, "no activation profile given")
+    acts = recipe_activations(candidate, acts)  # what torch.compile no longer saves
     moments, host = peak_moments(profile, candidate, hardware, workload, acts)
     peak_at, breakdown = max(moments.items(), key=lambda item: item[1].total)
     breakdown = breakdown.model_copy(update={"allowance": allowance(breakdown.total, hardware)})

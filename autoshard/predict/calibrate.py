@@ -36,6 +36,7 @@ the model is any function ``(candidate, factors) -> SpeedEstimate``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,11 +45,13 @@ from typing import Any, Generic, TypeVar
 import annotated_types
 import numpy as np
 from pydantic import BaseModel
+from torch import nn
 
 from autoshard.config import Candidate, Hardware, RankOrder, WorkloadSpec
 from autoshard.gpus import GPUSpec
 from autoshard.predict.flops import FlopProfile, profile_flops
 from autoshard.predict.hardware import speed_for
+from autoshard.predict.recipe import LinearShapes, linear_shapes
 from autoshard.predict.speed import (
     SpeedFactors,
     default_factors,
@@ -91,10 +94,27 @@ class Point:
     spread: float = 0.0
 
 
+# What trials of different recipes can tell apart: their precision, torch.compile and float8 run
+# different kernels (CPU bf16 matmuls and conversions, fused kernels, fp8 GEMMs), each at its own
+# share of the hardware's peak.
+Group = tuple[str, bool, bool]
+
+
+def group_of(candidate: Candidate) -> Group:
+    """The calibration group of a candidate: (precision, compile, float8)."""
+    return candidate.precision.value, candidate.compile, candidate.float8
+
+
+def describe_group(group: Group) -> str:
+    precision, compiled, float8 = group
+    return precision + (" +compile" if compiled else "") + (" +fp8" if float8 else "")
+
+
 @dataclass(frozen=True)
 class Calibration(Generic[F]):
     """What a fit found: the factors, which of them were fitted, and how well the model then
-    matches the points it was fitted on."""
+    matches the points it was fitted on; ``groups``: the factors refitted on one group's trials
+    where they stand out of the shared fit (:func:`fit_grouped`)."""
 
     factors: F
     fitted: tuple[str, ...]
@@ -102,13 +122,23 @@ class Calibration(Generic[F]):
     predicted: tuple[float, ...]  # step times of the points with the fitted factors
     error_before: float  # root-mean-square relative error with the prior factors
     error_after: float
+    groups: tuple[tuple[Group, Calibration[F]], ...] = ()
+
+    def factors_for(self, candidate: Candidate) -> F:
+        """The factors of ``candidate``'s group where its trials refitted them, else the
+        shared ones."""
+        return dict(self.groups).get(group_of(candidate), self).factors
 
     def describe(self) -> str:
         values = ", ".join(f"{k}={getattr(self.factors, k):.3g}" for k in self.fitted)
-        return (
+        text = (
             f"calibrated on {len(self.points)} trials ({values or 'nothing fitted'}): "
             f"step-time error {self.error_before:.0%} -> {self.error_after:.0%}"
         )
+        for group, own in self.groups:
+            values = ", ".join(f"{k}={getattr(own.factors, k):.3g}" for k in own.fitted)
+            text += f"; {describe_group(group)} on its {len(own.points)} ({values})"
+        return text
 
 
 def points_of(trials: Sequence[TrialResult]) -> list[Point]:
@@ -359,6 +389,43 @@ def fit_factors(
     )
 
 
+def fit_grouped(
+    points: Sequence[Point],
+    predict: Predict[F],
+    prior: F,
+    names: Sequence[str] | None = None,
+    *,
+    iterations: int = 30,
+) -> Calibration[F]:
+    """Fit the factors on all the points (:func:`fit_factors`), then, where trials of several
+    groups ran (precision, compile, float8: :func:`group_of`), each group's again on its own
+    points, starting from the shared fit: with the same rules (a factor only where it explains
+    what the group's points show beyond their noise), so a group whose trials agree with the
+    shared fit keeps it. A group without trials takes the shared factors."""
+    points = tuple(points)
+    shared = fit_factors(points, predict, prior, names, iterations=iterations)
+    by_group: dict[Group, list[Point]] = {}
+    for p in points:
+        by_group.setdefault(group_of(p.candidate), []).append(p)
+    if len(by_group) < 2:
+        return shared
+    groups = []
+    for group, members in sorted(by_group.items()):
+        own = fit_factors(members, predict, shared.factors, names, iterations=iterations)
+        if own.fitted:
+            groups.append((group, own))
+    if not groups:
+        return shared
+    refitted = Calibration(
+        factors=shared.factors, fitted=shared.fitted, points=points, predicted=(),
+        error_before=shared.error_before, error_after=0.0, groups=tuple(groups),
+    )  # fmt: skip
+    after = [predict(p.candidate, refitted.factors_for(p.candidate)).step_time_s for p in points]
+    return dataclasses.replace(
+        refitted, predicted=tuple(after), error_after=_rms_relative(after, points)
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Re-ranking the untried candidates
 # ---------------------------------------------------------------------------------------------
@@ -405,6 +472,7 @@ class SpeedModel:
     gpu: GPUSpec
     prior: SpeedFactors
     note: str = ""  # what was assumed about the GPU (said by the pipeline as a warning)
+    linears: LinearShapes | None = None  # the layers float8 converts
 
     @classmethod
     def build(
@@ -418,12 +486,13 @@ class SpeedModel:
         """Count the FLOPs of ``meta_model`` (built on the meta device) and resolve the GPU."""
         flops = profile_flops(meta_model, profile, workload, batch=batch)
         gpu, note = speed_for(hardware)
-        return cls(profile, flops, hardware, workload, gpu, default_factors(gpu), note)
+        linears = linear_shapes(meta_model, profile) if isinstance(meta_model, nn.Module) else None
+        return cls(profile, flops, hardware, workload, gpu, default_factors(gpu), note, linears)
 
     def predict(self, candidate: Candidate, factors: SpeedFactors) -> SpeedEstimate:
         return predict_speed(
             self.profile, self.flops, candidate, self.hardware, self.workload, factors,
-            gpu=self.gpu,
+            gpu=self.gpu, linears=self.linears,
         )  # fmt: skip
 
     def attach(self, estimates: Sequence[MemoryEstimate]) -> list[MemoryEstimate]:
@@ -442,8 +511,20 @@ def reorder_untried(
     once at least one trial was fitted), fastest predicted first.
 
     Call it after each successful trial, with every trial so far: the fit starts from the
-    prior each time, so the order never depends on the order the trials ran in.
+    prior each time, so the order never depends on the order the trials ran in. Trials of
+    several precisions (or compile/float8 settings) refit each group's factors where they
+    differ (:func:`fit_grouped`).
     """
-    calibration = fit_factors(points_of(trials), predict, prior)
-    again = repredict(untried, predict, calibration.factors, calibrated=bool(calibration.fitted))
+    calibration = fit_grouped(points_of(trials), predict, prior)
+    fitted = bool(calibration.fitted or calibration.groups)
+    again = [
+        e.model_copy(
+            update={
+                "speed": predict(e.candidate, calibration.factors_for(e.candidate)).model_copy(
+                    update={"calibrated": fitted}
+                )
+            }
+        )
+        for e in untried
+    ]
     return order_by_speed(again), calibration

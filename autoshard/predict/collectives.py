@@ -47,7 +47,7 @@ class Collectives:
         self.fresh_page = gpu.fresh_page_bandwidth
         gpn = hardware.gpus_per_node
         _, cb = element_bytes(candidate.precision)
-        self.gather_bytes = cb
+        self.gather_bytes: float = cb  # float8 gathers its linear weights in 1 byte (recipe.py)
         self.reduce_bytes = reduce_bytes(candidate)
         eff = efficiency
         self.shard, self.replicas = shard_group(candidate, hardware)

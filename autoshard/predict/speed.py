@@ -54,6 +54,7 @@ from autoshard.gpus import GPUSpec
 from autoshard.predict.collectives import Collectives
 from autoshard.predict.flops import FlopProfile
 from autoshard.predict.hardware import dense_flops, measure_cpu, speed_for
+from autoshard.predict.recipe import LinearShapes, RecipeStep
 from autoshard.predict.timeline import (
     MicroBatch,
     Pass,
@@ -469,13 +470,16 @@ def predict_speed(
     gpu: GPUSpec | None = None,
     tf32: bool = False,
     skip_sync: bool | None = None,
+    linears: LinearShapes | None = None,
 ) -> SpeedEstimate:
     """Predict one optimizer step of ``candidate`` on ``hardware`` (``gpu``: the resolved
     catalogue entry, :func:`~autoshard.predict.hardware.speed_for`'s when None), with
     ``factors`` (the defaults for that GPU when None). ``skip_sync``: whether the micro-batches
     before the last skip the gradient sync; None: as ``workload.loop`` does
     (:func:`~autoshard.engine.skips_gradient_sync`). Other trainers differ: Composer reduces
-    every micro-batch under FSDP.
+    every micro-batch under FSDP. ``linears``: the layers float8 converts
+    (:func:`~autoshard.predict.recipe.linear_shapes`); torch.compile and float8 change the
+    step's work through :class:`~autoshard.predict.recipe.RecipeStep`.
 
     >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec, analyze_target
     >>> from autoshard.predict.flops import profile_flops
@@ -503,7 +507,11 @@ def predict_speed(
         candidate, hardware, gpu,
         latency_s=factors.collective_latency_s, efficiency=factors.comm_efficiency,
     )  # fmt: skip
-    seconds = _StepSeconds(profile, flops, _rates(candidate, gpu, factors, peak), comm)
+    rates = _rates(candidate, gpu, factors, peak)
+    # torch.compile and float8: the work the step runs, its gathers' bytes (predict/recipe.py)
+    recipe = RecipeStep.of(candidate, flops, gpu, profile, linears)
+    comm.gather_bytes *= recipe.gather_scale
+    seconds = _StepSeconds(profile, recipe.flops(), rates, comm)
     blocks = len(seconds.fwd)
     params = float(profile.total_params)
     step = step_timeline(
@@ -528,8 +536,20 @@ def predict_speed(
         candidate, hardware, gpu, factors, params=params, shard=comm.shard, accumulate=accumulate
     )
     distributed_s = _distributed_seconds(step, comm, gpu, factors)
+    scale_sync_s = recipe.scale_sync_s(
+        blocks,
+        comm.shard,
+        factors.collective_latency_s,
+        gpu.hbm_bandwidth * factors.memory_efficiency,
+    )
     total = compute_s + recompute_s + exposed + contention_s + offload_s + optimizer_s
-    total += distributed_s
+    total += distributed_s + scale_sync_s
+
+    def busy(work: FlopProfile) -> float:  # compute and recompute seconds of a recipe's work
+        s = _StepSeconds(profile, work, rates, comm)
+        again = sum(f for i, f in enumerate(s.fwd) if candidate.checkpoints(i))
+        return accumulate * (sum(s.fwd) + sum(s.bwd) + s.other_fwd + s.other_bwd + again)
+
     samples = mbs * accumulate
     tokens = workload.seq_len
     return SpeedEstimate(
@@ -545,6 +565,8 @@ def predict_speed(
             offload_s=offload_s,
             optimizer_s=optimizer_s,
             distributed_s=distributed_s,
+            float8_scale_sync_s=scale_sync_s,
+            **recipe.breakdown(busy),
         ),
         gpu=gpu.id,
     )

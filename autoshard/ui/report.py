@@ -15,7 +15,7 @@ from rich.text import Text
 from autoshard.config import Engine, Hardware
 from autoshard.emit.text import describe_fsdp2_precision, describe_reshard
 from autoshard.measure import speed_basis, spread_of, trials_checked_line
-from autoshard.results import Decision, Scored, TrialResult, TrialStatus
+from autoshard.results import Decision, Scored, SpeedBreakdown, TrialResult, TrialStatus
 from autoshard.ui.fit import Column, fitted_table
 from autoshard.units import format_bytes
 
@@ -353,6 +353,8 @@ def settings_of(rec: Decision) -> dict[str, str]:
                 f", {format_bytes(estimate.breakdown.allowance)} of it the allowance for "
                 "the CUDA context, NCCL and allocator slack"
             )
+    if estimate and estimate.speed:
+        out["predicted step"] = speed_terms(estimate.speed.breakdown, estimate.speed.step_time_s)
     t = rec.chosen.trial
     if t is not None and t.step_time is not None:
         rate, unit = rate_per_rank(t)
@@ -363,6 +365,25 @@ def settings_of(rec: Decision) -> dict[str, str]:
         if t.max_allocated:
             out["measured"] += f", peak {format_bytes(t.max_allocated)} per rank on {t.device}"
     return out
+
+
+def speed_terms(b: SpeedBreakdown, step_time_s: float) -> str:
+    """The predicted step and its non-zero terms, the compile and float8 ones included
+    ("saved": taken out of compute and recompute already).
+
+    >>> from autoshard.results import SpeedBreakdown
+    >>> speed_terms(SpeedBreakdown(compute_s=1.0, compile_saving_s=0.1), 1.0)
+    '1.000 s: compute 1.000 s; torch.compile saved 0.100 s'
+    """
+    names = {
+        "compute_s": "compute", "recompute_s": "recompute", "exposed_comm_s": "exposed comm",
+        "contention_s": "contention", "offload_s": "offload", "optimizer_s": "optimizer",
+        "float8_scale_sync_s": "float8 scales", "compile_saving_s": "torch.compile saved",
+        "float8_matmul_saving_s": "float8 matmuls saved",
+        "float8_cast_s": "float8 casts (in compute)",
+    }  # fmt: skip
+    terms = [f"{names.get(k, k)} {v:.3f} s" for k, v in b.model_dump().items() if v]
+    return f"{step_time_s:.3f} s: " + "; ".join(terms)
 
 
 # ---------------------------------------------------------------------------------------------
