@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -643,14 +643,20 @@ def fits_elsewhere(plan: Plan, *, max_nodes: int = 1024) -> tuple[int, MemoryEst
         estimates = estimate_all(
             plan.profile, candidates, hardware, plan.workload, activations=plan.activations
         )
-        fitting = rank_candidates(estimates, RankOrder.HEADROOM)  # speed: modelled for these
+        # ordered as a plan on these nodes orders them (by speed there), so that a tie in
+        # headroom goes to the candidate that plan would name
+        estimates = rank_candidates(replace(plan.speed, hardware=hardware).attach(estimates))
+        fitting = rank_candidates(estimates, RankOrder.HEADROOM)
         return fitting[0] if fitting and fitting[0].fits else None
 
-    low, high = plan.hardware.nodes, plan.hardware.nodes * 2
+    low = plan.hardware.nodes
+    if low >= max_nodes:
+        return None
+    high = min(low * 2, max_nodes)  # doubling, the last step cut to max_nodes (3 is tried)
     while (found := first_fitting(high)) is None:
-        low, high = high, high * 2
-        if high > max_nodes:
+        if high >= max_nodes:
             return None
+        low, high = high, min(high * 2, max_nodes)
     while high - low > 1:
         middle = (low + high) // 2
         there = first_fitting(middle)

@@ -371,6 +371,7 @@ def test_the_fewest_nodes_on_which_something_fits(monkeypatch) -> None:
         assert there.headroom == roomiest.headroom and there.candidate.cpu_offload
     assert plan_module.fits_elsewhere(one, max_nodes=2) is None
     assert plan_module.fits_elsewhere(one, max_nodes=4)[0] == 3  # the most nodes, included
+    assert plan_module.fits_elsewhere(one, max_nodes=3)[0] == 3  # not skipped by doubling
 
 
 def test_simulate_refines_the_best_candidates_by_simulation() -> None:
