@@ -37,6 +37,7 @@ from pydantic import Field
 
 from autoshard.config import (
     Candidate,
+    Checkpointing,
     Frozen,
     Hardware,
     Optimizer,
@@ -291,12 +292,38 @@ def _block_seconds(
             strict=True,
         )
     ]
+    return _per_block(profile, fwd), _per_block(profile, bwd)
+
+
+def _per_block(profile: ModelProfile, seconds: list[float]) -> list[float]:
+    """The profile's per-block seconds for the analysed blocks: as they are when it found the
+    same blocks, else their total spread over the analysed block count."""
     count = profile.block_count
-    if n == count:
-        return fwd, bwd
+    if len(seconds) == count:
+        return seconds
     if count == 0:  # blocks the analysis does not wrap: their work in one piece
-        return ([sum(fwd)], [sum(bwd)]) if fwd else ([], [])
-    return [sum(fwd) / count] * count, [sum(bwd) / count] * count
+        return [sum(seconds)] if seconds else []
+    return [sum(seconds) / count] * count
+
+
+def _selective_recompute_seconds(
+    profile: ModelProfile, flops: FlopProfile, work: _Work, forward: list[float]
+) -> list[float]:
+    """Seconds of what selective checkpointing runs again in each block's backward (the
+    operations its policy does not save); the whole forward where the profile did not count
+    them (estimated FLOPs)."""
+    f, n = flops, len(flops.block_forward)
+    if len(f.block_selective_recompute) != n:
+        return forward
+    pieces = zip(
+        f.block_selective_recompute,
+        _pad(f.block_selective_recompute_attention, n),
+        _pad(f.block_selective_recompute_traffic, n),
+        _pad(f.block_selective_recompute_ops, n),
+        _pad(f.block_selective_recompute_fresh, n),
+        strict=True,
+    )
+    return _per_block(profile, [work.seconds(*piece) for piece in pieces])
 
 
 def _rates(candidate: Candidate, gpu: GPUSpec, factors: SpeedFactors, peak: float) -> _Work:
@@ -327,8 +354,15 @@ def _rates(candidate: Candidate, gpu: GPUSpec, factors: SpeedFactors, peak: floa
 class _StepSeconds:
     """Seconds of each piece of work of one micro-batch and of each collective."""
 
-    def __init__(self, profile: ModelProfile, flops: FlopProfile, work: _Work, comm: Collectives):
+    def __init__(
+        self, profile: ModelProfile, flops: FlopProfile, work: _Work, comm: Collectives, *,
+        selective: bool = False,
+    ):  # fmt: skip
         self.fwd, self.bwd = _block_seconds(profile, flops, work)
+        # what a checkpointed block runs again: its forward, or the part selective reruns
+        self.rec = (
+            _selective_recompute_seconds(profile, flops, work, self.fwd) if selective else self.fwd
+        )
         f = flops
         self.other_fwd = work.seconds(
             f.other_forward, f.other_forward_attention, f.other_forward_traffic,
@@ -341,7 +375,7 @@ class _StepSeconds:
         self.comm = comm
 
     def work(self, piece: Work) -> float:
-        per_block = self.bwd if piece.kind is Pass.BACKWARD else self.fwd
+        per_block = {Pass.BACKWARD: self.bwd, Pass.RECOMPUTE: self.rec}.get(piece.kind, self.fwd)
         if piece.blocks is None:
             return self.other_bwd if piece.kind is Pass.BACKWARD else self.other_fwd
         return sum(per_block[i] for i in piece.blocks)
@@ -443,7 +477,10 @@ def predict_speed(
         candidate, hardware, gpu,
         latency_s=factors.collective_latency_s, efficiency=factors.comm_efficiency,
     )  # fmt: skip
-    seconds = _StepSeconds(profile, flops, _rates(candidate, gpu, factors, peak), comm)
+    selective = candidate.checkpointing is Checkpointing.SELECTIVE
+    seconds = _StepSeconds(
+        profile, flops, _rates(candidate, gpu, factors, peak), comm, selective=selective
+    )
     blocks = len(seconds.fwd)
     params = float(profile.total_params)
     step = step_timeline(
@@ -454,7 +491,7 @@ def predict_speed(
     elapsed, comm_s = _overlapped(step, seconds, prefetch, 0.0)
     fwd, bwd = seconds.fwd, seconds.bwd
     compute_s = accumulate * (sum(fwd) + sum(bwd) + seconds.other_fwd + seconds.other_bwd)
-    recomputed = (f if candidate.checkpoints(i) else 0.0 for i, f in enumerate(fwd))
+    recomputed = (f if candidate.checkpoints(i) else 0.0 for i, f in enumerate(seconds.rec))
     recompute_s = accumulate * sum(recomputed)
     hidden_exposed = max(0.0, elapsed - compute_s - recompute_s)
     exposed = factors.overlap * hidden_exposed + (1 - factors.overlap) * comm_s
