@@ -14,9 +14,9 @@ the documents the model was built and checked against (``BUILT_ON``) are the fit
 other document is held out when ``sha256(source) mod 3 == 0``. A model change is good when the
 held-out error falls too; nothing is fitted to the held-out set.
 
-Records the model cannot plan yet (torch.compile, float8, torchtitan's per-op selective
-checkpointing) are printed as "not plannable yet" with what the eager, bf16, every-2nd-block
-model would say (not scored), never silently dropped.
+Records the model cannot plan yet (torch.compile, float8) are printed as "not plannable yet"
+with what the eager, bf16 model would say (not scored), never silently dropped. torchtitan's
+per-op selective checkpointing is planned as ``checkpointing="selective"`` (issue 23).
 
 Prints, per set: per record the published and predicted tokens/s per GPU and the error; the
 median and largest error; per source, whether the predicted order of its configurations matches
@@ -69,15 +69,13 @@ def split(source: str) -> str:
 
 
 def unplannable(record: dict[str, Any]) -> list[str]:
-    """What the candidate space cannot express yet (issue 24 adds compile and float8; issue 23
-    per-op selective checkpointing): the record is reported, not scored."""
+    """What the candidate space cannot express yet (issue 24 adds compile and float8): the
+    record is reported, not scored."""
     why = []
     if record["compile"]:
         why.append("compile")
     if record["float8"]:
         why.append("float8")
-    if is_selective_op(record["activation_checkpointing"]):
-        why.append("selective")
     return why
 
 
@@ -125,6 +123,8 @@ def checkpointing(record: dict[str, Any], blocks: tuple[str, ...]) -> tuple[dict
         return {}, ""
     if published == "full":
         return {"checkpointing": "all", "checkpoint_classes": blocks}, ""
+    if is_selective_op(published):  # torchtitan's per-op policy, as autoshard applies it
+        return {"checkpointing": "selective", "checkpoint_classes": blocks}, ""
     if published.startswith("first "):  # YaFSDP's "num-ckpt-layers": N of the L blocks recompute
         count, of = (int(word) for word in published.split()[1::2][:2])
         every = max(1, round(of / count))
@@ -135,8 +135,7 @@ def checkpointing(record: dict[str, Any], blocks: tuple[str, ...]) -> tuple[dict
             "checkpoint_classes": blocks,
         }, note
     # "every_k (k not stated)" (fms-fsdp's selective checkpointing), torchtitan's "selective
-    # layer" (its default selective_ac_option "2": every 2nd block); per-op selective is not
-    # plannable and reaches here only for the unscored approximation
+    # layer" (its default selective_ac_option "2": every 2nd block)
     note = f"'{published}' modelled as every 2nd block"
     return {"checkpointing": "every_k", "checkpoint_every": 2, "checkpoint_classes": blocks}, note
 
@@ -343,8 +342,8 @@ def not_plannable(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "### Not plannable yet (reported, not scored)",
         "",
-        "What the eager model would say (compile and float8 ignored, per-op selective "
-        "checkpointing as every 2nd block): the gap is what the missing terms must explain.",
+        "What the eager model would say (compile and float8 ignored): the gap is what the "
+        "missing terms must explain.",
         "",
         "| set | source | model | GPUs | not plannable yet | published tok/s/GPU | eager "
         "prediction | published / eager |",
