@@ -336,6 +336,9 @@ class _SelectiveKeeps(TorchDispatchMode):
         self.kept = [0] * blocks  # bytes kept, per block
         self.overlap = [0] * blocks  # of those, what autograd saves too (not rebuilt)
         self.storages: set[int] = set()
+        # kept alive until the profile ends: a freed storage's address, reused by a later
+        # output, would read as already counted
+        self.held: list[Any] = []
         self.policy = selective_policy()
         self.ctx = SelectiveCheckpointContext(is_recompute=False)
 
@@ -352,6 +355,7 @@ class _SelectiveKeeps(TorchDispatchMode):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.storages:
                     self.storages.add(t.untyped_storage()._cdata)
+                    self.held.append(t.untyped_storage())
                     self.kept[self.stack[-1]] += t.untyped_storage().nbytes()
         return out
 
