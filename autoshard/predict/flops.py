@@ -144,6 +144,21 @@ class FlopProfile(BaseModel):
         """Forward and backward FLOPs of one sample (what a step computes without recompute)."""
         return self.forward + self.backward
 
+    def selective_recompute(self) -> FlopProfile | None:
+        """This profile with each block's forward replaced by what selective checkpointing runs
+        again (the speed model times it as a forward); None where that was not counted."""
+        if len(self.block_selective_recompute) != len(self.block_forward):
+            return None
+        return self.model_copy(
+            update={
+                "block_forward": self.block_selective_recompute,
+                "block_forward_attention": self.block_selective_recompute_attention,
+                "block_forward_traffic": self.block_selective_recompute_traffic,
+                "block_forward_ops": self.block_selective_recompute_ops,
+                "block_forward_fresh": self.block_selective_recompute_fresh,
+            }
+        )
+
     @property
     def selective_recompute_flops(self) -> int:
         """FLOPs of one sample that selective checkpointing of every block recomputes."""

@@ -292,38 +292,12 @@ def _block_seconds(
             strict=True,
         )
     ]
-    return _per_block(profile, fwd), _per_block(profile, bwd)
-
-
-def _per_block(profile: ModelProfile, seconds: list[float]) -> list[float]:
-    """The profile's per-block seconds for the analysed blocks: as they are when it found the
-    same blocks, else their total spread over the analysed block count."""
     count = profile.block_count
-    if len(seconds) == count:
-        return seconds
+    if n == count:
+        return fwd, bwd
     if count == 0:  # blocks the analysis does not wrap: their work in one piece
-        return [sum(seconds)] if seconds else []
-    return [sum(seconds) / count] * count
-
-
-def _selective_recompute_seconds(
-    profile: ModelProfile, flops: FlopProfile, work: _Work, forward: list[float]
-) -> list[float]:
-    """Seconds of what selective checkpointing runs again in each block's backward (the
-    operations its policy does not save); the whole forward where the profile did not count
-    them (estimated FLOPs)."""
-    f, n = flops, len(flops.block_forward)
-    if len(f.block_selective_recompute) != n:
-        return forward
-    pieces = zip(
-        f.block_selective_recompute,
-        _pad(f.block_selective_recompute_attention, n),
-        _pad(f.block_selective_recompute_traffic, n),
-        _pad(f.block_selective_recompute_ops, n),
-        _pad(f.block_selective_recompute_fresh, n),
-        strict=True,
-    )
-    return _per_block(profile, [work.seconds(*piece) for piece in pieces])
+        return ([sum(fwd)], [sum(bwd)]) if fwd else ([], [])
+    return [sum(fwd) / count] * count, [sum(bwd) / count] * count
 
 
 def _rates(candidate: Candidate, gpu: GPUSpec, factors: SpeedFactors, peak: float) -> _Work:
@@ -360,9 +334,8 @@ class _StepSeconds:
     ):  # fmt: skip
         self.fwd, self.bwd = _block_seconds(profile, flops, work)
         # what a checkpointed block runs again: its forward, or the part selective reruns
-        self.rec = (
-            _selective_recompute_seconds(profile, flops, work, self.fwd) if selective else self.fwd
-        )
+        rerun = flops.selective_recompute() if selective else None
+        self.rec = _block_seconds(profile, rerun, work)[0] if rerun else self.fwd
         f = flops
         self.other_fwd = work.seconds(
             f.other_forward, f.other_forward_attention, f.other_forward_traffic,
