@@ -272,3 +272,22 @@ def test_outputs_that_cannot_express_it_say_so_and_checkpoint_whole_blocks(
     # FSDP2: the plan applies it; nothing to say
     fsdp2 = make_rec(candidate(engine="fsdp2", checkpointing=Checkpointing.SELECTIVE))
     assert "checkpoints whole blocks only" not in fsdp2.to_yaml("lightning")
+
+
+def test_dominance_orders_selective_between_none_and_all_but_not_against_every_k() -> None:
+    """A measured run with less recompute makes one with more pointless: selective recomputes
+    more than none and less than all, and neither more nor less than one block in k."""
+    from autoshard.search import dominated_by
+    from tests.test_emit import candidate, trial
+
+    def ran(c: Candidate) -> Any:
+        return trial(c, 0.2)
+
+    none, selective = candidate(), candidate(checkpointing=Checkpointing.SELECTIVE)
+    full = candidate(checkpointing=Checkpointing.ALL)
+    every2 = candidate(checkpointing=Checkpointing.EVERY_K, checkpoint_every=2)
+    assert dominated_by(selective, [ran(none)]) is not None
+    assert dominated_by(full, [ran(selective)]) is not None
+    assert dominated_by(none, [ran(selective)]) is None
+    assert dominated_by(selective, [ran(every2)]) is None
+    assert dominated_by(every2, [ran(selective)]) is None
