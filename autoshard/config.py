@@ -58,6 +58,9 @@ class Checkpointing(str, Enum):
     NONE = "none"
     ALL = "all"  # every block of the checkpoint classes
     EVERY_K = "every_k"  # every k-th block (``Candidate.checkpoint_every``)
+    # every block, op by op: its matrix products (every other one) and attention are saved,
+    # the rest recomputed (torchtitan's "selective" "op" policy; autoshard.sharding)
+    SELECTIVE = "selective"
 
 
 class Optimizer(str, Enum):
@@ -191,8 +194,9 @@ class Candidate(Frozen):
 
     def checkpoints(self, block: int) -> bool:
         """Whether the ``block``-th block of ``checkpoint_classes`` (in forward order, from 0)
-        recomputes its forward in backward: every block, every ``checkpoint_every``-th from the
-        first, or none. The one rule that trials apply
+        recomputes its forward (all of it, or under ``selective`` the operations the policy does
+        not save) in backward: every block, every ``checkpoint_every``-th from the first, or
+        none. The one rule that trials apply
         (:func:`autoshard.sharding.apply_checkpointing`) and the estimators count.
 
         >>> from autoshard import Candidate
@@ -216,6 +220,8 @@ class Candidate(Frozen):
             parts.append("ckpt")
         elif self.checkpointing is Checkpointing.EVERY_K:
             parts.append(f"ckpt/{self.checkpoint_every}")
+        elif self.checkpointing is Checkpointing.SELECTIVE:
+            parts.append("ckpt-op")
         if self.cpu_offload:
             parts.append("offload")
         if self.reshard is not Reshard.ALL:

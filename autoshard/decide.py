@@ -223,6 +223,8 @@ def _value(candidate: Candidate, name: str) -> str:
     value = getattr(candidate, name)
     if name == "checkpointing" and candidate.checkpointing is Checkpointing.EVERY_K:
         return f"every {candidate.checkpoint_every} blocks"
+    if name == "checkpointing" and candidate.checkpointing is Checkpointing.SELECTIVE:
+        return "selective (op-level)"
     return str(getattr(value, "value", value))
 
 

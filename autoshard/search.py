@@ -61,6 +61,9 @@ def _recompute_share(c: Candidate) -> float:
             return 1.0 / c.checkpoint_every
         case Checkpointing.ALL:
             return 1.0
+        case Checkpointing.SELECTIVE:
+            # every block, part of each: more than none, less than all (its memory too)
+            return 0.5
     raise AssertionError(c.checkpointing)
 
 
@@ -75,6 +78,9 @@ def _saves_less_or_equal(a: Candidate, b: Candidate) -> bool | None:
         b.checkpointing is not Checkpointing.NONE
     )
     if both_checkpoint and a.checkpoint_classes != b.checkpoint_classes:
+        return None
+    # op-level against one block in k: neither recomputes (nor keeps) less than the other
+    if {a.checkpointing, b.checkpointing} == {Checkpointing.SELECTIVE, Checkpointing.EVERY_K}:
         return None
     return _recompute_share(a) <= _recompute_share(b) and a.cpu_offload <= b.cpu_offload
 

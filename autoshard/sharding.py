@@ -356,7 +356,8 @@ def _unwrap_checkpoint(module: nn.Module) -> nn.Module:
 
 def apply_checkpointing(model: nn.Module, candidate: Candidate) -> None:
     """Wrap every (or every k-th) block of ``candidate.checkpoint_classes`` with non-reentrant
-    activation checkpointing, in place."""
+    activation checkpointing, in place; under ``selective``, each with the op-level policy of
+    :func:`selective_policy` (``context_fn``), the same for FSDP1 and FSDP2."""
     if candidate.checkpointing is Checkpointing.NONE:
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -367,9 +368,86 @@ def apply_checkpointing(model: nn.Module, candidate: Candidate) -> None:
     classes = tuple(wrap_classes_of(model, candidate.checkpoint_classes))
     blocks = [m for m in model.modules() if isinstance(m, classes)]
     chosen = {id(m) for i, m in enumerate(blocks) if candidate.checkpoints(i)}
+    wrapper: Callable[[nn.Module], nn.Module] = checkpoint_wrapper
+    if candidate.checkpointing is Checkpointing.SELECTIVE:
+        wrapper = partial(checkpoint_wrapper, context_fn=selective_context)
+        _without_kv_cache(model)
     apply_activation_checkpointing(
-        model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in chosen
+        model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in chosen
     )
+
+
+def _without_kv_cache(model: nn.Module) -> None:
+    """Turn off a Hugging Face model's key/value cache (``config.use_cache``), as its own
+    ``gradient_checkpointing_enable`` does: a forward that appends to the cache recomputes other
+    operations than it ran (a longer key to slice), which selective checkpointing's replay of the
+    forward's decisions refuses ("invocation ... not found in storage", torch 2.13)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False  # type: ignore[union-attr]
+
+
+def _aten_ops(*names: str) -> frozenset[Any]:
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+# What selective checkpointing keeps, after torchtitan (models/llama3/infra/parallelize.py,
+# mode "selective", option "op"): matrix products, fused attention, float8's matmul and amax,
+# and the tensor-parallel reduce-scatter. The CPU flash kernel is the CPU's fused attention
+# (trials on gloo run it). ``addmm`` is a Linear with a bias (2-d, or 3-d contiguous input:
+# aten.linear folds it into one addmm), the same product: counted as a matmul, unlike
+# torchtitan's list (its models have no biases, so it never meets one).
+SELECTIVE_MATMULS = _aten_ops("mm", "addmm")
+SELECTIVE_SAVED = SELECTIVE_MATMULS | _aten_ops(
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_mm",
+    "max",
+)
+if hasattr(torch.ops, "_c10d_functional"):
+    SELECTIVE_SAVED |= {torch.ops._c10d_functional.reduce_scatter_tensor.default}
+
+
+def selective_policy() -> Callable[..., Any]:
+    """A fresh op-level policy for one checkpointed forward (and its recompute): save the
+    outputs of :data:`SELECTIVE_SAVED`, except every second matrix product of the forward,
+    recompute the rest (torchtitan's "save only every other mm"). Its counters start at zero:
+    one policy per call of a checkpointed block, as ``context_fn`` makes it.
+
+    >>> import torch
+    >>> from torch.utils.checkpoint import SelectiveCheckpointContext
+    >>> policy, ctx = selective_policy(), SelectiveCheckpointContext(is_recompute=False)
+    >>> mm, relu = torch.ops.aten.mm.default, torch.ops.aten.relu.default
+    >>> [policy(ctx, op).name for op in (mm, relu, mm, mm)]
+    ['MUST_SAVE', 'PREFER_RECOMPUTE', 'PREFER_RECOMPUTE', 'MUST_SAVE']
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    matmuls = {"forward": 0, "recompute": 0}  # the recompute counts again, to match
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func in SELECTIVE_MATMULS:
+            matmuls[mode] += 1
+            if matmuls[mode] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        if func in SELECTIVE_SAVED:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def selective_context() -> Any:
+    """``context_fn`` of a selectively checkpointed block: the forward and recompute contexts of
+    a fresh :func:`selective_policy`."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(selective_policy())
 
 
 # ---------------------------------------------------------------------------------------------

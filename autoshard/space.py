@@ -147,12 +147,13 @@ def enumerate_candidates(
     float8s: Sequence[bool] = (False,),
 ) -> list[Candidate]:
     """All candidates for ``profile`` on ``hardware``: the analyzer's wrap policy with every
-    sharding strategy, checkpointing none / every 2nd block / every block, CPU offload (with
-    FULL_SHARD only: it is the last resort), for FSDP2 each reshard policy (:func:`reshards_for`;
-    ``reshards`` pins some), and each precision and micro-batch size; and the whole model as one
-    unit (Lightning's default) with each sharding, precision and micro-batch size. Each of them
-    with every ``compiles`` value (torch.compile off, on), and with every ``float8s`` value where
-    float8 goes (FSDP2 and bf16 compute; the hardware is the caller's to check,
+    sharding strategy, checkpointing none / every 2nd block / op-level (selective) / every
+    block, CPU offload (with FULL_SHARD only: it is the last resort), for FSDP2 each reshard
+    policy (:func:`reshards_for`; ``reshards`` pins some), and each precision and micro-batch
+    size; and the whole model as one unit (Lightning's default) with each sharding, precision
+    and micro-batch size. Each of them with every ``compiles`` value (torch.compile off, on),
+    and with every ``float8s`` value where float8 goes (FSDP2 and bf16 compute; the hardware is
+    the caller's to check,
     :func:`float8_blocker`).
 
     >>> from autoshard import Hardware, TargetSpec, WorkloadSpec, analyze_target
@@ -177,6 +178,8 @@ def enumerate_candidates(
     if blocks:
         if profile.block_count >= 4:
             checkpointing.append((Checkpointing.EVERY_K, 2))
+        # op-level (torchtitan's): between none and all in memory and in recompute
+        checkpointing.append((Checkpointing.SELECTIVE, 1))
         checkpointing.append((Checkpointing.ALL, 1))
     offloads = [False, True] if offload is None else [offload]
     sizes = tuple(micro_batch_sizes or (workload.micro_batch_size,))

@@ -60,6 +60,17 @@ SHAPES["llama-lora"] = (
      "vocab_size": 2048, "batch_size": 1, "seq_len": 64},
     64,
 )  # fmt: skip
+# Selective checkpointing needs a step whose activations weigh (the shapes above peak at the
+# loss or the optimizer): a GPT and a Llama at 512 tokens.
+SHAPES["gpt-long"] = ({"size": "tiny", "vocab_size": 1024, "max_seq_len": 512}, 512)
+# A Llama (Hugging Face's: bias-free linear layers, SwiGLU, rotary SDPA) for selective
+# checkpointing beside the GPT, whose MLP has biases (aten.addmm against aten.mm).
+SPECS["llama-tiny"] = f"{ROOT}/examples/hf_llama.py:build"
+SHAPES["llama-tiny"] = (
+    {"size": "tiny", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+     "vocab_size": 1024, "batch_size": 1, "seq_len": 512},
+    512,
+)  # fmt: skip
 # Keys of a point that are not Candidate fields: the training loop and the target's variant.
 # A point without "loop" ran in a plain loop (every point before issue 14).
 WORKLOAD_KEYS = ("loop", "accumulate")
@@ -117,7 +128,25 @@ def grid(quick: bool, world: int = 2) -> list[dict[str, Any]]:
         point = dict(shape="mixtral-tiny", engine=engine, sharding=sharding, checkpointing=ckpt,
                      precision=precision, micro_batch_size=1)  # fmt: skip
         points.append({**point, **({"reshard": reshard} if reshard != "all" else {})})
-    return points + loop_points(quick)
+    return points + selective_points(quick) + loop_points(quick)
+
+
+def selective_points(quick: bool) -> list[dict[str, Any]]:
+    """Issue 23: selective (op-level) checkpointing on two shapes, both engines, fp32 and bf16
+    mixed precision, and once at SHARD_GRAD_OP and micro-batch 2."""
+    shapes = ("gpt-long",) if quick else ("gpt-long", "llama-tiny")
+    points = [
+        dict(shape=shape, engine=engine, sharding="FULL_SHARD", checkpointing="selective",
+             precision=precision, micro_batch_size=1)
+        for shape, engine, precision in itertools.product(
+            shapes, ("fsdp1", "fsdp2"), ("32-true", "bf16-mixed"))
+    ]  # fmt: skip
+    if not quick:
+        for engine in ("fsdp1", "fsdp2"):
+            points.append(dict(shape="llama-tiny", engine=engine, sharding="SHARD_GRAD_OP",
+                               checkpointing="selective", precision="bf16-mixed",
+                               micro_batch_size=2))  # fmt: skip
+    return points
 
 
 def loop_points(quick: bool) -> list[dict[str, Any]]:
@@ -325,7 +354,7 @@ def estimate(points: list[dict[str, Any]], device_kind: str, world: int) -> list
 def label(point: dict[str, Any]) -> str:
     skip = {"shape", "engine", "sharding", "checkpointing", "precision", "micro_batch_size"}
     extra = " ".join(f"{k}={v}" for k, v in point.items() if k not in skip)
-    ckpt = " ckpt" if point["checkpointing"] != "none" else ""
+    ckpt = {"none": "", "selective": " ckpt-op"}.get(point["checkpointing"], " ckpt")
     return (
         f"{point['shape']} {point['engine']} {point['sharding']} {point['precision']}{ckpt} "
         f"mbs{point['micro_batch_size']} {extra}"

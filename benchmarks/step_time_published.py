@@ -14,10 +14,10 @@ the documents the model was built and checked against (``BUILT_ON``) are the fit
 other document is held out when ``sha256(source) mod 3 == 0``. A model change is good when the
 held-out error falls too; nothing is fitted to the held-out set.
 
-Records the model cannot plan yet (float8 other than torchao's tensorwise on FSDP2, torchtitan's
-per-op selective checkpointing) are printed as "not plannable yet" with what the model would say
-with per-op selective checkpointing as every 2nd block (not scored), never silently dropped.
-torchtitan's Llama 3.1 8B table (FSDP, + compile, + compile + float8) has its own section.
+Records the model cannot plan yet (float8 other than torchao's tensorwise on FSDP2) are printed
+as "not plannable yet" with what the bf16 model would say (not scored), never silently dropped.
+torchtitan's per-op selective checkpointing is planned as ``checkpointing="selective"`` (issue
+23). torchtitan's Llama 3.1 8B table (FSDP, + compile, + compile + float8) has its own section.
 
 Prints, per set: per record the published and predicted tokens/s per GPU and the error; the
 median and largest error; per source, whether the predicted order of its configurations matches
@@ -71,13 +71,11 @@ def split(source: str) -> str:
 
 def unplannable(record: dict[str, Any]) -> list[str]:
     """What the candidate space cannot express yet (float8 other than torchao's tensorwise on
-    FSDP2; issue 23 per-op selective checkpointing): the record is reported, not scored."""
+    FSDP2): the record is reported, not scored."""
     why = []
     float8 = record["float8"] or ""
     if float8 and ("rowwise" in float8 or not record["engine"].startswith("fsdp2")):
         why.append("float8 " + ("rowwise" if "rowwise" in float8 else "not torchao/FSDP2"))
-    if is_selective_op(record["activation_checkpointing"]):
-        why.append("selective")
     return why
 
 
@@ -125,6 +123,8 @@ def checkpointing(record: dict[str, Any], blocks: tuple[str, ...]) -> tuple[dict
         return {}, ""
     if published == "full":
         return {"checkpointing": "all", "checkpoint_classes": blocks}, ""
+    if is_selective_op(published):  # torchtitan's per-op policy, as autoshard applies it
+        return {"checkpointing": "selective", "checkpoint_classes": blocks}, ""
     if published.startswith("first "):  # YaFSDP's "num-ckpt-layers": N of the L blocks recompute
         count, of = (int(word) for word in published.split()[1::2][:2])
         every = max(1, round(of / count))
@@ -135,8 +135,7 @@ def checkpointing(record: dict[str, Any], blocks: tuple[str, ...]) -> tuple[dict
             "checkpoint_classes": blocks,
         }, note
     # "every_k (k not stated)" (fms-fsdp's selective checkpointing), torchtitan's "selective
-    # layer" (its default selective_ac_option "2": every 2nd block); per-op selective is not
-    # plannable and reaches here only for the unscored approximation
+    # layer" (its default selective_ac_option "2": every 2nd block)
     note = f"'{published}' modelled as every 2nd block"
     return {"checkpointing": "every_k", "checkpoint_every": 2, "checkpoint_classes": blocks}, note
 
@@ -353,9 +352,8 @@ def not_plannable(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "### Not plannable yet (reported, not scored)",
         "",
-        "What the model would say with per-op selective checkpointing as every 2nd block (and "
-        "float8 recipes other than torchao's tensorwise on FSDP2 as bf16): the gap is what is "
-        "missing.",
+        "What the model would say with float8 recipes other than torchao's tensorwise on FSDP2 "
+        "as bf16: the gap is what is missing.",
         "",
         "| set | source | model | GPUs | not plannable yet | published tok/s/GPU | eager "
         "prediction | published / eager |",

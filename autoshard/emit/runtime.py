@@ -75,6 +75,23 @@ def choose_state_dict_type(rec: Decision) -> tuple[StateDictType, str]:
     )
 
 
+def selective_note(candidate: Candidate, stack: str) -> str | None:
+    """Why ``stack`` cannot express selective (op-level) checkpointing, what its output does
+    instead, and what applies it as chosen; None where there is nothing to say. The closest
+    faithful setting is whole blocks: it keeps less than op-level does, so what fit still fits
+    (and recomputes more: slower than measured)."""
+    if candidate.checkpointing is not Checkpointing.SELECTIVE:
+        return None
+    return (
+        f"{stack} checkpoints whole blocks only (no per-operation policy, no context_fn); "
+        "autoshard chose selective op-level checkpointing (torchtitan's policy): this "
+        "checkpoints whole blocks instead (less memory, slower); for op-level, apply "
+        "rec.apply_checkpointing(model) or rec.apply(model)"
+        + (", or plan for FSDP2 (ModelParallelStrategy applies it)" if stack == "Lightning's "
+           "FSDPStrategy" else "")
+    )  # fmt: skip
+
+
 def _checkpoint_policy(candidate: Candidate, classes: set[type[nn.Module]]) -> Any:
     if candidate.checkpointing is Checkpointing.NONE:
         return None
@@ -302,6 +319,8 @@ def strategy_kwargs(rec: Decision, *, model: nn.Module | None = None) -> dict[st
     elif "auto_wrap_policy" in fk:
         kwargs["auto_wrap_policy"] = fk["auto_wrap_policy"]
     ckpt = _checkpoint_policy(c, _classes(c.checkpoint_classes, model))
+    if note := selective_note(c, "Lightning's FSDPStrategy"):
+        warnings.warn(note, HandoverNotice, stacklevel=3)
     if ckpt is not None:
         kwargs["activation_checkpointing_policy"] = ckpt
     if fk["mixed_precision"] != _lightning_mixed_precision(c.precision):

@@ -25,6 +25,7 @@ from autoshard.config import (
 )
 from autoshard.emit.runtime import (
     choose_state_dict_type,
+    selective_note,
     strategy_kwargs,
     trainer_kwargs,
 )
@@ -245,6 +246,9 @@ def lightning_cli_yaml(rec: Decision) -> str:
         lines.append('  rec.fsdp2_plan()(self.model, self.device_mesh["data_parallel"])')
         lines.append(f"  which applies the {describe_reshard(rec.chosen.candidate)}")
     lines.extend(compile_float8_notes(rec.chosen.candidate, "Lightning"))
+    note = selective_note(rec.chosen.candidate, "Lightning's FSDPStrategy")
+    if note and rec.chosen.candidate.engine is Engine.FSDP1:  # FSDP2's plan applies it
+        lines.append(note)
     body = yaml.safe_dump(lightning_cli_config(rec), sort_keys=False)
     return _comment(lines) + body
 
@@ -341,6 +345,8 @@ def _accelerate_notes(c: Candidate, stack: str) -> list[str]:
             f"{c.checkpoint_every} (faster): this config checkpoints every block (less memory, "
             "slower); for one in k call rec.apply_checkpointing(model) instead"
         )
+    if note := selective_note(c, stack):
+        notes.append(note)
     if c.checkpointing is not Checkpointing.NONE and set(c.checkpoint_classes) != set(
         c.wrap_classes
     ):

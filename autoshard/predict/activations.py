@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from autoshard.config import (
     Candidate,
@@ -33,7 +36,7 @@ from autoshard.predict.fakes import (
     tensors_in,
 )
 from autoshard.results import ModelProfile
-from autoshard.sharding import compute_dtype
+from autoshard.sharding import compute_dtype, selective_policy
 from autoshard.target.step import forward
 
 
@@ -66,6 +69,17 @@ class ActivationProfile(BaseModel):
         0,
         description="Of other_bytes, what was saved after the last block (the final norm's and "
         "the head's inputs), per sample: the head's backward frees it before any block's.",
+    )
+    selective_saved_bytes: tuple[int, ...] = Field(
+        (),
+        description="What each block keeps under selective (op-level) checkpointing, per sample: "
+        "its input and the outputs of the operations the policy saves (autoshard.sharding."
+        "selective_policy), counted on the same fake forward. Empty: not counted.",
+    )
+    selective_recomputed_bytes: tuple[int, ...] = Field(
+        (),
+        description="Of each block's saved activations (block_bytes), what selective "
+        "checkpointing rebuilds in the block's backward (those the policy does not keep).",
     )
     loss_bytes: int = Field(
         0, description="The loss's fp32 log-probabilities, per sample (fp32 at every precision)."
@@ -104,16 +118,22 @@ class ActivationProfile(BaseModel):
 
 @contextlib.contextmanager
 def _block_hooks(
-    model: nn.Module, blocks: list[nn.Module], stack: list[int], finished: set[int]
+    model: nn.Module,
+    blocks: list[nn.Module],
+    stack: list[int],
+    finished: set[int],
+    on_enter: Callable[[], None] = lambda: None,
 ) -> Iterator[list[int]]:
     """Keep ``stack`` (the blocks running) and ``finished`` (the blocks that ran) up to date
-    through a forward; yields the blocks' input bytes, in call order."""
+    through a forward, calling ``on_enter`` as a block starts; yields the blocks' input bytes,
+    in call order."""
     inputs: list[int] = []
     handles = []
     for index, block in enumerate(blocks):
 
         def pre(_m: nn.Module, args: Any, index: int = index) -> None:
             stack.append(index)
+            on_enter()
             first = args[0] if args else None
             if isinstance(first, torch.Tensor):
                 inputs.append(first.numel() * first.element_size())
@@ -207,6 +227,7 @@ def _profile_once(
     per_block = [0] * len(blocks)
     finished: set[int] = set()
     other = after = 0
+    keeps = _SelectiveKeeps(stack, len(blocks))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal other, after
@@ -216,6 +237,8 @@ def _profile_once(
         nbytes = seen[key] = t.untyped_storage().nbytes()
         if stack:
             per_block[stack[-1]] += nbytes
+            if key in keeps.storages:  # kept by selective checkpointing: not rebuilt
+                keeps.overlap[stack[-1]] += nbytes
         else:
             other += nbytes
             if blocks and len(finished) == len(blocks):
@@ -224,7 +247,8 @@ def _profile_once(
                 after += nbytes
         return t
 
-    counted: dict[Any, tuple[int, Any]] = {}  # (signature, input shapes) -> (saved, output)
+    # (signature, input shapes) -> (saved, kept, kept and saved, output)
+    counted: dict[Any, tuple[int, int, int, Any]] = {}
 
     def counting(index: int, block: nn.Module) -> Any:
         original = block.forward
@@ -233,12 +257,15 @@ def _profile_once(
         def forward(*args: Any, **kwargs: Any) -> Any:
             key = (signature, call_shapes((args, kwargs)))
             if id(block) in repeats and key in counted:
-                saved, output = counted[key]
+                saved, kept, overlap, output = counted[key]
                 per_block[index] += saved
+                keeps.kept[index] += kept
+                keeps.overlap[index] += overlap
                 return fresh_like(output)
             if fakes.materialize(block):  # a repeat with a new input
                 params.update(p.untyped_storage()._cdata for p in block.parameters())
             before, seen_before = per_block[index], set(seen)
+            kept_before, overlap_before = keeps.kept[index], keeps.overlap[index]
             output = original(*args, **kwargs)
             # What the block saved of the tensors every block is given (rotary tables, masks)
             # is saved once: a repeat would find it already counted.
@@ -248,7 +275,8 @@ def _profile_once(
                 if t.untyped_storage()._cdata not in seen_before
             }
             own = per_block[index] - before - sum(seen.get(k, 0) for k in shared)
-            counted.setdefault(key, (own, output))
+            kept = keeps.kept[index] - kept_before
+            counted.setdefault(key, (own, kept, keeps.overlap[index] - overlap_before, output))
             return output
 
         return forward
@@ -260,8 +288,9 @@ def _profile_once(
     )
     for index, block in enumerate(blocks):
         block.forward = counting(index, block)
-    with fakes.mode, _block_hooks(model, blocks, stack, finished) as inputs, autocast:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    hooks = _block_hooks(model, blocks, stack, finished, keeps.enter)
+    with fakes.mode, hooks as inputs, autocast:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keeps:
             out = forward(model, fakes.batch)
         logits = getattr(out, "logits", out)
         loss = 0
@@ -275,17 +304,60 @@ def _profile_once(
                 # what the loss saved is counted outside the blocks already; it is the loss's.
                 other = max(0, other - loss)
                 after = max(0, after - loss)
+    block_inputs = tuple(inputs[: len(blocks)])
     return ActivationProfile(
         seq_len=seq,
         precision=precision,
         block_bytes=tuple(per_block),
-        block_input_bytes=tuple(inputs[: len(blocks)]),
+        block_input_bytes=block_inputs,
+        selective_saved_bytes=tuple(
+            (block_inputs[i] if i < len(block_inputs) else 0) + keeps.kept[i]
+            for i in range(len(blocks))
+        ),
+        selective_recomputed_bytes=tuple(
+            max(0, b - o) for b, o in zip(per_block, keeps.overlap, strict=True)
+        ),
         other_bytes=other,
         after_blocks_bytes=after,
         loss_bytes=loss,
         loss_in_forward=in_forward,
         note=fakes.note,
     )
+
+
+class _SelectiveKeeps(TorchDispatchMode):
+    """What selective checkpointing would keep of each block's forward: the outputs of the
+    operations :func:`~autoshard.sharding.selective_policy` saves, one fresh policy per block
+    call (as ``context_fn`` makes one per checkpointed call), counted once per storage."""
+
+    def __init__(self, stack: list[int], blocks: int) -> None:
+        super().__init__()
+        self.stack = stack
+        self.kept = [0] * blocks  # bytes kept, per block
+        self.overlap = [0] * blocks  # of those, what autograd saves too (not rebuilt)
+        self.storages: set[int] = set()
+        # kept alive until the profile ends: a freed storage's address, reused by a later
+        # output, would read as already counted
+        self.held: list[Any] = []
+        self.policy = selective_policy()
+        self.ctx = SelectiveCheckpointContext(is_recompute=False)
+
+    def enter(self) -> None:
+        self.policy = selective_policy()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.stack:
+            return out
+        decision = self.policy(self.ctx, func, *args, **kwargs)
+        if decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.storages:
+                    self.storages.add(t.untyped_storage()._cdata)
+                    self.held.append(t.untyped_storage())
+                    self.kept[self.stack[-1]] += t.untyped_storage().nbytes()
+        return out
 
 
 def rule_of_thumb(profile: ModelProfile, workload: WorkloadSpec, why: str) -> ActivationProfile:

@@ -22,19 +22,12 @@ forward and backward. A 70B model costs one block and its embedding and head.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.flop_counter import (
-    FlopCounterMode,
-    flop_registry,
-    sdpa_backward_flop_count,
-    sdpa_flop_count,
-)
 
 from autoshard.config import WorkloadSpec
 from autoshard.predict.fakes import (
@@ -44,10 +37,9 @@ from autoshard.predict.fakes import (
     fresh_like,
     sample_batch,
 )
+from autoshard.predict.flop_counting import OpCounter, OpCounts
 from autoshard.results import ModelProfile
 from autoshard.target.step import compute_loss, forward
-
-aten = torch.ops.aten
 
 
 class FlopProfile(BaseModel):
@@ -116,6 +108,24 @@ class FlopProfile(BaseModel):
     )
     other_forward_fresh: int = Field(0, description="The same outside the blocks, forward.")
     other_backward_fresh: int = Field(0, description="The same outside the blocks, backward.")
+    block_selective_recompute: tuple[int, ...] = Field(
+        (),
+        description="Forward FLOPs of each block that selective (op-level) checkpointing runs "
+        "again in backward: those of the operations its policy does not save "
+        "(autoshard.sharding.selective_policy). Empty: not counted (estimated FLOPs).",
+    )
+    block_selective_recompute_attention: tuple[int, ...] = Field(
+        (), description="The part of block_selective_recompute that is fused attention."
+    )
+    block_selective_recompute_traffic: tuple[int, ...] = Field(
+        (), description="The same as block_forward_traffic, of what selective checkpointing reruns."
+    )
+    block_selective_recompute_ops: tuple[int, ...] = Field(
+        (), description="The same as block_forward_ops, of what selective checkpointing reruns."
+    )
+    block_selective_recompute_fresh: tuple[int, ...] = Field(
+        (), description="The same as block_forward_fresh, of what selective checkpointing reruns."
+    )
     measured: bool = Field(True, description="False when estimated as 6 x parameters x tokens.")
     note: str = Field("", description="Why the FLOPs were estimated, when they were.")
 
@@ -133,6 +143,26 @@ class FlopProfile(BaseModel):
     def total(self) -> int:
         """Forward and backward FLOPs of one sample (what a step computes without recompute)."""
         return self.forward + self.backward
+
+    def selective_recompute(self) -> FlopProfile | None:
+        """This profile with each block's forward replaced by what selective checkpointing runs
+        again (the speed model times it as a forward); None where that was not counted."""
+        if len(self.block_selective_recompute) != len(self.block_forward):
+            return None
+        return self.model_copy(
+            update={
+                "block_forward": self.block_selective_recompute,
+                "block_forward_attention": self.block_selective_recompute_attention,
+                "block_forward_traffic": self.block_selective_recompute_traffic,
+                "block_forward_ops": self.block_selective_recompute_ops,
+                "block_forward_fresh": self.block_selective_recompute_fresh,
+            }
+        )
+
+    @property
+    def selective_recompute_flops(self) -> int:
+        """FLOPs of one sample that selective checkpointing of every block recomputes."""
+        return sum(self.block_selective_recompute)
 
     @property
     def attention(self) -> int:
@@ -153,138 +183,6 @@ class FlopProfile(BaseModel):
             + self.other_forward_traffic
             + self.other_backward_traffic
         )
-
-
-# ---------------------------------------------------------------------------------------------
-# Attention on fake CPU tensors
-# ---------------------------------------------------------------------------------------------
-
-# On fake CPU tensors SDPA dispatches to the CPU flash kernel, which torch's counter does not
-# know (it counts the CUDA kernels only): without these, attention would count zero FLOPs.
-# A causal kernel skips the masked half of the score matrix (flash attention's tiles above the
-# diagonal; torch's own formulas ignore the mask, "NB: We aren't accounting for causal
-# attention here"), and the step time follows the work done: half the attention FLOPs.
-
-
-def _cpu_flash_forward(
-    query: Any, key: Any, value: Any, dropout_p: float = 0.0, is_causal: bool = False,
-    *args: Any, out_shape: Any = None, **kwargs: Any,
-) -> int:  # fmt: skip
-    flops = sdpa_flop_count(query, key, value)
-    return flops // 2 if is_causal else flops
-
-
-def _cpu_flash_backward(
-    grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsumexp: Any,
-    dropout_p: float = 0.0, is_causal: bool = False, *args: Any, out_shape: Any = None,
-    **kwargs: Any,
-) -> int:  # fmt: skip
-    flops = sdpa_backward_flop_count(grad_out, query, key, value)
-    return flops // 2 if is_causal else flops
-
-
-_CPU_ATTENTION = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_forward,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
-}
-
-
-class _Traffic(TorchDispatchMode):
-    """Operations that run a kernel (not views), the bytes read and written by those that are
-    not matrix products or attention (each input tensor once and each output, as an eager
-    kernel moves them through memory; allocating, ``empty``, moves nothing), and the bytes of
-    new tensors every operation (matrix products too) returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-        self.ops = 0
-        self.fresh = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        name = packet.__name__
-        if not outs or name.startswith("empty") or name.startswith("new_empty"):
-            return out
-        ins = {id(t): t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        in_place = any(
-            r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns
-        )
-        storages = {t.untyped_storage()._cdata for t in ins.values()}
-        if not in_place and any(t.untyped_storage()._cdata in storages for t in outs):
-            return out  # a view of an input
-        self.ops += 1
-        written = 0 if in_place else sum(_nbytes(t) for t in outs)
-        self.fresh += written
-        if packet in _COMPUTE_BOUND:
-            return out
-        if name in ("embedding", "index_select"):  # reads the rows it returns, not the table
-            read = written + sum(_nbytes(t) for t in ins.values() if not t.is_floating_point())
-        elif name.endswith("_like"):  # zeros_like, ones_like...: the input gives a shape only
-            read = 0
-        else:
-            read = sum(_nbytes(t) for t in ins.values())
-        self.bytes += read + written
-        return out
-
-
-_COMPUTE_BOUND = set(flop_registry) | set(_CPU_ATTENTION)
-# Fused attention kernels (forward and backward), counted apart from the matrix products: they
-# reach a different share of the GPU's peak (FlashAttention-2: ~35% of an H100's, against ~80%
-# for large matrix products), and their FLOPs grow with the square of the sequence.
-_ATTENTION = {
-    packet for packet in _COMPUTE_BOUND if "attention" in getattr(packet, "__name__", str(packet))
-}
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class _Counts(NamedTuple):
-    flops: int
-    traffic: int
-    ops: int
-    attention: int = 0  # the part of ``flops`` that is fused attention
-    fresh: int = 0  # bytes of the new tensors the operations return
-
-    def __sub__(self, other: tuple[int, ...]) -> _Counts:
-        return _Counts(*(a - b for a, b in zip(self, other, strict=True)))
-
-    def plus(self, other: tuple[int, ...]) -> _Counts:
-        """Field by field (``+`` of a tuple concatenates)."""
-        return _Counts(*(a + b for a, b in zip(self, other, strict=True)))
-
-
-class _Counter:
-    """FLOPs (torch's counter, with CPU attention) and memory traffic, counted together."""
-
-    def __init__(self) -> None:
-        self.flop_counter = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
-        self.traffic = _Traffic()
-
-    def totals(self) -> _Counts:
-        by_op = self.flop_counter.get_flop_counts().get("Global", {})
-        attention = sum(n for op, n in by_op.items() if op in _ATTENTION)
-        return _Counts(
-            self.flop_counter.get_total_flops(),
-            self.traffic.bytes,
-            self.traffic.ops,
-            attention,
-            self.traffic.fresh,
-        )
-
-    def __enter__(self) -> _Counter:
-        self.flop_counter.__enter__()
-        self.traffic.__enter__()  # innermost: sees each operation once, before any decomposition
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.traffic.__exit__(*exc)
-        self.flop_counter.__exit__(*exc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,12 +227,12 @@ def _float_outputs(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if _differentiable(t) and t.requires_grad]
 
 
-def _backward(output: Any, counter: _Counter | None = None) -> _Counts:
+def _backward(output: Any, counter: OpCounter | None = None) -> OpCounts:
     """Run the backward of every floating output (its gradients seeded with ones); return the
     counter's totals once the seeds are made, so that they are not counted as backward work."""
     outs = _float_outputs(output)
     seeds = [torch.ones_like(t) for t in outs]
-    before = counter.totals() if counter is not None else _Counts(0, 0, 0)
+    before = counter.totals() if counter is not None else OpCounts(0, 0, 0)
     if outs:
         torch.autograd.backward(outs, seeds)
     return before
@@ -379,13 +277,13 @@ def _count(
 ) -> FlopProfile:
     fakes = fake_model(meta_model, profile.checkpoint_policy, batch)
     model, blocks = fakes.model, fakes.blocks
-    counter = _Counter()
-    none = _Counts(0, 0, 0)
-    forward_counts: list[_Counts] = [none] * len(blocks)
+    counter = OpCounter()
+    none = OpCounts(0, 0, 0)
+    forward_counts: list[OpCounts] = [none] * len(blocks)
     # (signature, input shapes) -> (the block, fresh inputs, output template, forward counts)
-    distinct: dict[Any, tuple[nn.Module, Any, Any, _Counts]] = {}
+    distinct: dict[Any, tuple[nn.Module, Any, Any, OpCounts]] = {}
     keys: list[Any] = [None] * len(blocks)
-    within: list[_Counts] = []  # per running block: what the blocks inside it counted
+    within: list[OpCounts] = []  # per running block: what the blocks inside it counted
     ran = [none]  # what the blocks' own forwards counted in the model's pass
     in_pass = [True]  # the model's forward (False: a block's backward alone)
 
@@ -404,9 +302,11 @@ def _count(
             fakes.materialize(block)  # a repeat with a new input
             before = counter.totals()
             within.append(none)
+            counter.kept.start_block()
             try:
                 output = original(*args, **kwargs)
             finally:
+                counter.kept.end_block()
                 inner = within.pop()
             whole = counter.totals() - before
             own = whole - inner  # without the blocks inside it
@@ -431,7 +331,7 @@ def _count(
         total = counter.totals()
         in_pass[0] = False
         # Each distinct block alone, its inner blocks (if any) still standing in.
-        backward_of: dict[Any, _Counts] = {}
+        backward_of: dict[Any, OpCounts] = {}
         for key, (block, inputs, _, _) in list(distinct.items()):
             try:
                 backward_of[key] = _backward_alone(block, inputs)
@@ -468,13 +368,18 @@ def _count(
         block_backward_fresh=tuple(c.fresh for c in backward_counts),
         other_forward_fresh=other_forward.fresh,
         other_backward_fresh=other_backward.fresh,
+        block_selective_recompute=tuple(c.recomputed[0] for c in forward_counts),
+        block_selective_recompute_traffic=tuple(c.recomputed[1] for c in forward_counts),
+        block_selective_recompute_ops=tuple(c.recomputed[2] for c in forward_counts),
+        block_selective_recompute_attention=tuple(c.recomputed[3] for c in forward_counts),
+        block_selective_recompute_fresh=tuple(c.recomputed[4] for c in forward_counts),
     )
 
 
-def _backward_alone(block: nn.Module, inputs: Any) -> _Counts:
+def _backward_alone(block: nn.Module, inputs: Any) -> OpCounts:
     """What the backward of ``block`` alone counts, on fresh ``(args, kwargs)``."""
     args, kwargs = inputs
-    counter = _Counter()
+    counter = OpCounter()
     try:
         with counter:
             out = block.forward.original(*args, **kwargs)  # type: ignore[attr-defined]

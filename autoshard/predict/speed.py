@@ -37,6 +37,7 @@ from pydantic import Field
 
 from autoshard.config import (
     Candidate,
+    Checkpointing,
     Frozen,
     Hardware,
     Optimizer,
@@ -361,8 +362,14 @@ def _rates(candidate: Candidate, gpu: GPUSpec, factors: SpeedFactors, peak: floa
 class _StepSeconds:
     """Seconds of each piece of work of one micro-batch and of each collective."""
 
-    def __init__(self, profile: ModelProfile, flops: FlopProfile, work: _Work, comm: Collectives):
+    def __init__(
+        self, profile: ModelProfile, flops: FlopProfile, work: _Work, comm: Collectives, *,
+        selective: bool = False,
+    ):  # fmt: skip
         self.fwd, self.bwd = _block_seconds(profile, flops, work)
+        # what a checkpointed block runs again: its forward, or the part selective reruns
+        rerun = flops.selective_recompute() if selective else None
+        self.rec = _block_seconds(profile, rerun, work)[0] if rerun else self.fwd
         f = flops
         self.other_fwd = work.seconds(
             f.other_forward, f.other_forward_attention, f.other_forward_traffic,
@@ -375,7 +382,7 @@ class _StepSeconds:
         self.comm = comm
 
     def work(self, piece: Work) -> float:
-        per_block = self.bwd if piece.kind is Pass.BACKWARD else self.fwd
+        per_block = {Pass.BACKWARD: self.bwd, Pass.RECOMPUTE: self.rec}.get(piece.kind, self.fwd)
         if piece.blocks is None:
             return self.other_bwd if piece.kind is Pass.BACKWARD else self.other_fwd
         return sum(per_block[i] for i in piece.blocks)
@@ -508,10 +515,11 @@ def predict_speed(
         latency_s=factors.collective_latency_s, efficiency=factors.comm_efficiency,
     )  # fmt: skip
     rates = _rates(candidate, gpu, factors, peak)
+    selective = candidate.checkpointing is Checkpointing.SELECTIVE
     # torch.compile and float8: the work the step runs, its gathers' bytes (predict/recipe.py)
     recipe = RecipeStep.of(candidate, flops, gpu, profile, linears)
     comm.gather_bytes *= recipe.gather_scale
-    seconds = _StepSeconds(profile, recipe.flops(), rates, comm)
+    seconds = _StepSeconds(profile, recipe.flops(), rates, comm, selective=selective)
     blocks = len(seconds.fwd)
     params = float(profile.total_params)
     step = step_timeline(
@@ -522,7 +530,7 @@ def predict_speed(
     elapsed, comm_s = _overlapped(step, seconds, prefetch, 0.0)
     fwd, bwd = seconds.fwd, seconds.bwd
     compute_s = accumulate * (sum(fwd) + sum(bwd) + seconds.other_fwd + seconds.other_bwd)
-    recomputed = (f if candidate.checkpoints(i) else 0.0 for i, f in enumerate(fwd))
+    recomputed = (f if candidate.checkpoints(i) else 0.0 for i, f in enumerate(seconds.rec))
     recompute_s = accumulate * sum(recomputed)
     hidden_exposed = max(0.0, elapsed - compute_s - recompute_s)
     exposed = factors.overlap * hidden_exposed + (1 - factors.overlap) * comm_s
@@ -546,7 +554,7 @@ def predict_speed(
     total += distributed_s + scale_sync_s
 
     def busy(work: FlopProfile) -> float:  # compute and recompute seconds of a recipe's work
-        s = _StepSeconds(profile, work, rates, comm)
+        s = _StepSeconds(profile, work, rates, comm, selective=selective)
         again = sum(f for i, f in enumerate(s.fwd) if candidate.checkpoints(i))
         return accumulate * (sum(s.fwd) + sum(s.bwd) + s.other_fwd + s.other_bwd + again)
 

@@ -37,14 +37,13 @@ def activation_bytes(candidate: Candidate, acts: ActivationProfile) -> tuple[int
     """(saved activations, recompute transient) for the candidate's micro-batch, in bytes."""
     acts = acts.at(candidate.precision)
     scale = acts.scale(candidate)
-    blocks, inputs = acts.block_bytes, acts.block_input_bytes
-    saved = sum(
-        (inputs[i] if i < len(inputs) else 0) if candidate.checkpoints(i) else b
-        for i, b in enumerate(blocks)
-    )
+    blocks = acts.block_bytes
+    saved = sum(_block_saved(candidate, acts, i) for i in range(len(blocks)))
     # one checkpointed block's activations are rebuilt at a time in backward
     checkpointing = candidate.checkpointing is not Checkpointing.NONE
     recompute = max(blocks, default=0) if checkpointing else 0
+    if candidate.checkpointing is Checkpointing.SELECTIVE and acts.selective_recomputed_bytes:
+        recompute = max(acts.selective_recomputed_bytes)  # what the policy did not keep
     loss = candidate.micro_batch_size * acts.loss_bytes
     return int((saved + acts.other_bytes) * scale) + loss, int(recompute * scale)
 
@@ -72,6 +71,8 @@ def first_block_bytes(candidate: Candidate, acts: ActivationProfile) -> int:
         return int(acts.other_bytes * scale)
     ckpt = candidate.checkpointing is not Checkpointing.NONE
     first = acts.block_input_bytes[0] if ckpt and acts.block_input_bytes else acts.block_bytes[0]
+    if candidate.checkpointing is Checkpointing.SELECTIVE:
+        first = _block_saved(candidate, acts, 0)
     return int((first + acts.other_bytes) * scale)
 
 
@@ -81,13 +82,20 @@ def block_saved_bytes(candidate: Candidate, acts: ActivationProfile, index: int)
     acts = acts.at(candidate.precision)
     if not 0 <= index < len(acts.block_bytes):
         return 0
+    return int(_block_saved(candidate, acts, index) * acts.scale(candidate))
+
+
+def _block_saved(candidate: Candidate, acts: ActivationProfile, index: int) -> int:
+    """Per profiled sample, what block ``index`` keeps from its forward to its backward: all
+    it saves; its input where checkpointed; its input and the outputs the op-level policy saves
+    under selective checkpointing (all it saves where those were not counted)."""
+    if not candidate.checkpoints(index):
+        return acts.block_bytes[index]
+    if candidate.checkpointing is Checkpointing.SELECTIVE:
+        kept = acts.selective_saved_bytes
+        return kept[index] if index < len(kept) else acts.block_bytes[index]
     inputs = acts.block_input_bytes
-    saved = (
-        (inputs[index] if index < len(inputs) else 0)
-        if candidate.checkpoints(index)
-        else acts.block_bytes[index]
-    )
-    return int(saved * acts.scale(candidate))
+    return inputs[index] if index < len(inputs) else 0
 
 
 def last_block_all_activations(candidate: Candidate, acts: ActivationProfile) -> int:

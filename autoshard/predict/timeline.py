@@ -34,7 +34,9 @@ class Pass(str, Enum):
 
     FORWARD = "forward"
     BACKWARD = "backward"
-    RECOMPUTE = "recompute"  # the forward again, in backward (activation checkpointing)
+    # the forward again, in backward (activation checkpointing); under selective checkpointing
+    # only what its policy did not save (the speed model times that part)
+    RECOMPUTE = "recompute"
 
 
 @dataclass(frozen=True)

@@ -496,7 +496,10 @@ def warm_up(request: TrialRequest, device: torch.device) -> None:
         optimizer=c.optimizer,
         optimizer_impl=c.optimizer_impl,
         wrap_classes=(linear,),
-        checkpointing=Checkpointing.ALL if checkpointing else Checkpointing.NONE,
+        # the trial's own checkpointing code path (op-level too), on every block
+        checkpointing=(
+            Checkpointing.ALL if c.checkpointing is Checkpointing.EVERY_K else c.checkpointing
+        ),
         checkpoint_classes=(linear,) if checkpointing else (),
     )
     # the same code path as the trial, on a model that cannot fail on one rank only

@@ -302,6 +302,11 @@ def settings_of(rec: Decision) -> dict[str, str]:
     checkpointing = (
         c.checkpointing.value
         + (f" (1 in {c.checkpoint_every})" if c.checkpointing.value == "every_k" else "")
+        + (
+            " (op-level: matmuls, every other one, and attention kept)"
+            if c.checkpointing.value == "selective"
+            else ""
+        )
         + (f" of {', '.join(c.checkpoint_classes)}" if c.checkpoint_classes else "")
     )
     out: dict[str, str]
