@@ -50,10 +50,11 @@ def test_checkpointing_every_second_block_is_proposed_from_four_blocks_on(gpt) -
     assert kinds == {
         (Checkpointing.NONE, 1),
         (Checkpointing.EVERY_K, 2),
+        (Checkpointing.SELECTIVE, 1),
         (Checkpointing.ALL, 1),
     }
     three = {(c.checkpointing, c.checkpoint_every) for c in _space(_profile(3))}
-    assert three == {(Checkpointing.NONE, 1), (Checkpointing.ALL, 1)}
+    assert three == {(Checkpointing.NONE, 1), (Checkpointing.SELECTIVE, 1), (Checkpointing.ALL, 1)}
     # what is checkpointed is the blocks, and only where something is
     for c in _space(gpt):
         expected = () if c.checkpointing is Checkpointing.NONE else ("gpt.Block",)
@@ -62,11 +63,11 @@ def test_checkpointing_every_second_block_is_proposed_from_four_blocks_on(gpt) -
 
 def test_fsdp1_space_on_one_node_by_hand(gpt) -> None:
     space = _space(gpt, precisions=("bf16-mixed", "32-true"), micro_batch_sizes=(1, 4))
-    # per precision and micro-batch: block units x (3 shardings x 3 checkpointings + offload
-    # with FULL_SHARD x 3 checkpointings) + the whole model as one unit x 3 shardings
-    assert len(space) == 2 * 2 * (3 * 3 + 3 + 3)
+    # per precision and micro-batch: block units x (3 shardings x 4 checkpointings + offload
+    # with FULL_SHARD x 4 checkpointings) + the whole model as one unit x 3 shardings
+    assert len(space) == 2 * 2 * (3 * 4 + 4 + 3)
     offloading = [c for c in space if c.cpu_offload]
-    assert len(offloading) == 2 * 2 * 3
+    assert len(offloading) == 2 * 2 * 4
     assert {c.sharding for c in offloading} == {Sharding.FULL_SHARD}
     whole = [c for c in space if not c.wrap_classes]
     assert {(c.sharding, c.checkpointing, c.cpu_offload) for c in whole} == {
@@ -74,7 +75,7 @@ def test_fsdp1_space_on_one_node_by_hand(gpt) -> None:
         for s in (Sharding.FULL_SHARD, Sharding.SHARD_GRAD_OP, Sharding.NO_SHARD)
     }
     assert Counter((c.precision, c.micro_batch_size) for c in space) == {
-        (p, m): 15 for p in (Precision.BF16_MIXED, Precision.FP32) for m in (1, 4)
+        (p, m): 19 for p in (Precision.BF16_MIXED, Precision.FP32) for m in (1, 4)
     }
     assert all(c.engine is Engine.FSDP1 and c.reshard is Reshard.ALL for c in space)
     assert not any(c.compile or c.float8 for c in space)
