@@ -169,10 +169,10 @@ def test_warnings_reach_every_door(cli) -> None:
     assert code == 0 and "warning: seq_len" in err
 
 
-def test_every_k_checkpointing_is_chosen_when_it_is_what_fits() -> None:
-    """Between no checkpointing (too big) and checkpointing every block (more recompute),
-    checkpointing every 2nd block is the fastest that fits: dropping it from the space changes
-    the answer."""
+def test_the_fastest_checkpointing_that_fits_is_chosen() -> None:
+    """Between no checkpointing (too big) and checkpointing every block (most recompute), the
+    partial choices are the answer: op-level selective keeps less than every 2nd block here and
+    recomputes less than all, so it is chosen where it fits, and all where only all fits."""
     target, kwargs = f"{EXAMPLES}/gpt.py:build", {"size": "tiny", "n_layer": 8, "max_seq_len": 2048}
     common = {"gpus": 2, "seq_len": 2048, "batch_size": 8, "precision": "32-true"}
     estimates = autoshard.estimate(target, kwargs=kwargs, gpu_memory="80GiB", **common)
@@ -182,13 +182,18 @@ def test_every_k_checkpointing_is_chosen_when_it_is_what_fits() -> None:
         if not e.candidate.cpu_offload
     }
     key = (Sharding.FULL_SHARD, False)
-    none, every2, every = (peaks[("none", *key)], peaks[("every_k", *key)], peaks[("all", *key)])
-    assert every < every2 < none
-    # A GPU between every-2nd and none (for every sharding): every-2nd is the answer.
+    none, every2, selective, every = (
+        peaks[(name, *key)] for name in ("none", "every_k", "selective", "all")
+    )
+    assert every < selective < every2 < none
+    # A GPU between every-2nd and none (for every sharding): selective is the answer.
     memory = int((every2 + (none - every2) // 4) / 0.95)
     rec = autoshard.recommend(target, kwargs=kwargs, gpu_memory=memory, **common)
-    assert rec.chosen.candidate.checkpointing.value == "every_k"
-    assert rec.chosen.candidate.checkpoint_every == 2
+    assert rec.chosen.candidate.checkpointing.value == "selective"
+    # A GPU between all and selective: only checkpointing every block fits.
+    memory = int((every + (selective - every) // 2) / 0.95)
+    rec = autoshard.recommend(target, kwargs=kwargs, gpu_memory=memory, **common)
+    assert rec.chosen.candidate.checkpointing.value == "all"
 
 
 def test_accelerate_yaml_counts_every_process_of_every_node() -> None:
