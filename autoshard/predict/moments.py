@@ -1,8 +1,10 @@
 """The moments of one training step that can hold a rank's memory peak, each a
 :class:`~autoshard.results.MemoryBreakdown` of the step's byte counts
 (:mod:`autoshard.predict.step_bytes`): the loss at the end of forward, the head's backward, the
-top, second (FSDP2) and bottom blocks' backward, the root's backward, the optimizer step, and with
-gloo each reduce-scatter; the user's loop adds its own (:mod:`autoshard.predict.loop_moments`).
+blocks' backward (FSDP2 resharding: every block's, walked down the blocks,
+:func:`fsdp2_blocks_backward`), the root's backward, the optimizer step, and with gloo each
+reduce-scatter; the user's loop adds its own (:mod:`autoshard.predict.loop_moments`). The step's
+timeline places each at the turn where it happens (:mod:`autoshard.predict.step_memory`).
 Calibrated against torch's memory tracker on fake tensors (:mod:`autoshard.predict.simulate`).
 """
 
@@ -26,6 +28,19 @@ from autoshard.predict.step_bytes import (
     last_block_bytes,
 )
 from autoshard.results import MemoryBreakdown, ModelProfile
+
+
+def block_event_names(index: int, blocks: int) -> tuple[str, ...]:
+    """The names of block ``index``'s backward event, of ``blocks``: by its place from the top
+    and from the bottom, as the report names the blocks where a peak usually is (with two
+    blocks the bottom one is also the second)."""
+    names = (
+        ("top block backward",) * (index == blocks - 1)
+        + ("second block backward",) * (index == blocks - 2)
+        + ("block above the bottom backward",) * (index == 1 and blocks >= 4)
+        + ("bottom block backward",) * (index == 0)
+    )
+    return names or (f"block {index} backward",)
 
 
 def _loss_moment(t: StepBytes) -> MemoryBreakdown:
@@ -169,62 +184,38 @@ def _block_moments(
     return top_block, bottom_block, resharded
 
 
-def _fsdp2_second_block_moment(
-    t: StepBytes, top_block: MemoryBreakdown
-) -> tuple[MemoryBreakdown, MemoryBreakdown | None]:
-    """FSDP2 keeps a unit's reduce-scatter input alive until the next unit's post-backward
-    (``comm_ctx.reduce_scatter_state``), so the top block's backward holds only the next block's
-    all-gather buffer, and the second block's the top block's reduce-scatter input and reduced
-    shard beside it, with the top block's activations freed (simulated: gpt-deep's
-    peak at micro-batch 2 is the second block's backward). Returns the top block's moment and
-    the second block's (None with fewer than two blocks); other candidates keep
-    :func:`_block_moments`' moment, which counts both collectives' buffers."""
-    resharded = t.wrapped and resharded_sharding(t.candidate)
-    if t.candidate.engine is not Engine.FSDP2 or not resharded:
-        return top_block, None
+def fsdp2_blocks_backward(t: StepBytes, top_block: MemoryBreakdown) -> list[MemoryBreakdown]:
+    """FSDP2, resharding after forward: every block's backward in the order it runs (from the
+    top down; entry ``j`` is block ``blocks - 1 - j``), walked as a ledger from ``top_block``
+    (:func:`_block_moments`' top block). Each block's turn frees what the block above saved,
+    holds that block's gradient shard (reduced) and, until its own post-backward, the block
+    above's reduce-scatter input (``comm_ctx.reduce_scatter_state``), beside the next block's
+    all-gather buffer (prefetched; none for the bottom block) and its own backward temporaries
+    (recomputed where it is checkpointed). The top block holds no reduce-scatter input yet.
+    Going down, each block holds one more gradient shard and one block's saved activations
+    fewer: with few ranks the worst is near the bottom, with many near the top (simulated:
+    gpt-deep's peak at micro-batch 2 is the second block's, a 4-block 7B shape's in fp32 at 8
+    ranks the one above the bottom; provenance: benchmarks/results/memory_moments.md)."""
     blocks = t.profile.block_count
-    prefetched = t.gather_buffer_bytes if blocks > 1 else 0  # the next block's all-gather buffer
-    top = top_block.model_copy(update={"comm_buffers": prefetched})
-    if blocks < 2:
-        return top, None
-    second = top_block.model_copy(
-        update={
-            "gradients": top_block.gradients + t.block_grad_shard_bytes // blocks,
-            "activations": top_block.activations - last_block_bytes(t.candidate, t.acts),
-            "temporaries": t.block_backward(-2),
-            "comm_buffers": t.trained_block_params * t.reduce_dtype_bytes
-            + (t.gather_buffer_bytes if blocks > 2 else 0),
-        }
-    )
-    return top, second
-
-
-def _fsdp2_above_bottom_moment(
-    t: StepBytes, bottom_block: MemoryBreakdown
-) -> MemoryBreakdown | None:
-    """FSDP2's backward of the block above the bottom one: :func:`_block_moments`' bottom block
-    moment, with the bottom block's all-gather buffer (prefetched) beside the reduce-scatter
-    input of the block above, one block's gradient fewer in shards, and one block's saved
-    activations more. Going down the blocks, each holds one more block's gradient shard and one
-    block's saved activations fewer than the one above: where a gradient shard outweighs a
-    checkpointed block's input (few ranks), the worst block is this one, not the second from
-    the top (provenance: benchmarks/results/memory_moments.md). None for other candidates and
-    with fewer than four blocks (three: it is the second block from the top)."""
-    blocks = t.profile.block_count
-    if (
-        t.candidate.engine is not Engine.FSDP2
-        or not (t.wrapped and resharded_sharding(t.candidate))
-        or blocks < 4
-    ):
-        return None
-    return bottom_block.model_copy(
-        update={
-            "gradients": bottom_block.gradients - t.block_grad_shard_bytes // blocks,
-            "activations": bottom_block.activations + block_saved_bytes(t.candidate, t.acts, 1),
-            "temporaries": t.block_backward(1),
-            "comm_buffers": t.trained_block_params * t.reduce_dtype_bytes + t.gather_buffer_bytes,
-        }
-    )
+    events = []
+    activations = top_block.activations
+    for index in reversed(range(blocks)):
+        above = blocks - 1 - index  # blocks whose backward is done
+        if above:  # the block above's backward freed what it saved
+            activations -= block_saved_bytes(t.candidate, t.acts, index + 1)
+        reducing = t.trained_block_params * t.reduce_dtype_bytes if above else 0
+        prefetched = t.gather_buffer_bytes if index > 0 else 0
+        events.append(
+            top_block.model_copy(
+                update={
+                    "gradients": top_block.gradients + t.block_grad_shard_bytes * above // blocks,
+                    "activations": activations,
+                    "temporaries": t.block_backward(index),
+                    "comm_buffers": reducing + prefetched,
+                }
+            )
+        )
+    return events
 
 
 def _root_backward_moment(t: StepBytes) -> tuple[MemoryBreakdown, bool]:
@@ -337,8 +328,17 @@ def step_moments(t: StepBytes) -> dict[str, MemoryBreakdown]:
     loss_moment = _loss_moment(t)
     head = _head_moment(t)
     top_block, bottom_block, resharded = _block_moments(t, head)
-    top_alone, second_block = _fsdp2_second_block_moment(t, top_block)
-    above_bottom = _fsdp2_above_bottom_moment(t, bottom_block)
+    blocks = {"top block backward": top_block}
+    if resharded:
+        blocks["bottom block backward"] = bottom_block
+    if t.candidate.engine is Engine.FSDP2 and resharded and t.profile.block_count:
+        count = t.profile.block_count
+        walk = fsdp2_blocks_backward(t, top_block)
+        blocks = {
+            name: live
+            for j, live in enumerate(walk)
+            for name in block_event_names(count - 1 - j, count)
+        }
     root_backward, gathered_root = _root_backward_moment(t)
     step = _optimizer_step_moment(t)
     reduce_scatters = _reduce_scatter_moments(
@@ -347,10 +347,7 @@ def step_moments(t: StepBytes) -> dict[str, MemoryBreakdown]:
     return {
         "loss": loss_moment,
         "head backward": head,
-        "top block backward": top_alone,
-        **({"second block backward": second_block} if second_block is not None else {}),
-        **({"bottom block backward": bottom_block} if resharded else {}),
-        **({"block above the bottom backward": above_bottom} if above_bottom is not None else {}),
+        **blocks,
         "root backward": root_backward,
         "optimizer step": step,
         **reduce_scatters,
