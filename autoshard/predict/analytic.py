@@ -84,6 +84,8 @@ def peak_moments(
     head backward
     top block backward
     top block gradient
+    second block backward
+    block above the bottom backward
     bottom block backward
     bottom block gradient
     root backward

@@ -2,7 +2,7 @@
 :class:`~autoshard.results.MemoryBreakdown` of the step's byte counts
 (:mod:`autoshard.predict.step_bytes`): the loss at the end of forward, the head's backward, the
 blocks' backward (FSDP2 resharding: every block's, walked down the blocks,
-:func:`fsdp2_blocks_backward`), the root's backward, the optimizer step, and with gloo each
+:func:`blocks_backward`), the root's backward, the optimizer step, and with gloo each
 reduce-scatter; the user's loop adds its own (:mod:`autoshard.predict.loop_moments`). The step's
 timeline places each at the turn where it happens (:mod:`autoshard.predict.step_memory`).
 Calibrated against torch's memory tracker on fake tensors (:mod:`autoshard.predict.simulate`).
@@ -24,7 +24,6 @@ from autoshard.predict.step_bytes import (
     StepBytes,
     after_blocks_bytes,
     block_saved_bytes,
-    first_block_bytes,
     last_block_bytes,
 )
 from autoshard.results import MemoryBreakdown, ModelProfile
@@ -107,11 +106,9 @@ def _head_moment(t: StepBytes) -> MemoryBreakdown:
     return head
 
 
-def _block_moments(
-    t: StepBytes, head: MemoryBreakdown
-) -> tuple[MemoryBreakdown, MemoryBreakdown, bool]:
-    """Moments 2 and 3, the top and the bottom block's backward, and whether units are
-    resharded after backward (the bottom block's moment counts only then)."""
+def _block_moments(t: StepBytes, head: MemoryBreakdown) -> tuple[MemoryBreakdown, bool]:
+    """Moment 2, the top block's backward, and whether units are resharded after forward (the
+    other blocks' moments count only then: :func:`blocks_backward`)."""
     # 2. The top block's backward: the block recomputes under checkpointing and makes its
     #    gradients.
     resharded = t.wrapped and resharded_sharding(t.candidate)
@@ -150,68 +147,52 @@ def _block_moments(
             "activations": top_block.activations - freed,
         }
     )
-    # 3. The bottom block's backward: the other blocks' activations are freed and their
-    #    gradients reduced into shards; the root (the embedding) is prefetched in place of a
-    #    next block. (SHARD_GRAD_OP holds everything all along: the top block is worse.)
-    blocks = max(t.profile.block_count, 1)
-    bottom_block = top_block.model_copy(
-        update={
-            "unsharded_params": (t.block_params + t.root_params) * t.compute_dtype_bytes,
-            # every block's gradient in shards but its own
-            "gradients": t.block_grad_shard_bytes * (blocks - 1) // blocks + t.head_grad_bytes,
-            "activations": first_block_bytes(t.candidate, t.acts) - freed,
-            "temporaries": t.block_backward(0),
-            # the block above's reduce-scatter; nothing left to prefetch (the root is gathered)
-            "comm_buffers": t.comm_bytes - t.gather_buffer_bytes if t.wrapped else t.comm_bytes,
-        }
-    )
     if t.candidate.engine is Engine.FSDP1 and resharded:
-        # FSDP1 keeps the root gathered until the root's own backward at the very end, and a
-        # unit's flat gradient only appears when the unit's backward is done (the parameters'
-        # gradients flow through views of the flat parameter), after its temporaries are freed
-        # (the block gradient moments). The worst block but the top is the second: its own
-        # unit, the first prefetched (simulated).
+        # FSDP1 keeps the root gathered until the root's own backward at the very end, and
+        # gathers each unit straight into its flat parameter (no buffers); a unit's flat
+        # gradient only appears when the unit's backward is done (the parameters' gradients
+        # flow through views of the flat parameter), after its temporaries are freed (the
+        # block gradient moments). The worst block but the top is the second: its own unit,
+        # the first prefetched (simulated).
         top_block = top_block.model_copy(
             update={"unsharded_params": t.gathered_bytes, "comm_buffers": 0}
         )
-        bottom_block = bottom_block.model_copy(
-            update={
-                "unsharded_params": t.gathered_bytes,
-                "comm_buffers": 0,
-                "gradients": t.block_grad_shard_bytes * max(blocks - 2, 0) // blocks,
-            }
-        )
-    return top_block, bottom_block, resharded
+    return top_block, resharded
 
 
-def fsdp2_blocks_backward(t: StepBytes, top_block: MemoryBreakdown) -> list[MemoryBreakdown]:
-    """FSDP2, resharding after forward: every block's backward in the order it runs (from the
-    top down; entry ``j`` is block ``blocks - 1 - j``), walked as a ledger from ``top_block``
-    (:func:`_block_moments`' top block). Each block's turn frees what the block above saved,
-    holds that block's gradient shard (reduced) and, until its own post-backward, the block
-    above's reduce-scatter input (``comm_ctx.reduce_scatter_state``), beside the next block's
-    all-gather buffer (prefetched; none for the bottom block) and its own backward temporaries
-    (recomputed where it is checkpointed). The top block holds no reduce-scatter input yet.
-    Going down, each block holds one more gradient shard and one block's saved activations
-    fewer: with few ranks the worst is near the bottom, with many near the top (simulated:
-    gpt-deep's peak at micro-batch 2 is the second block's, a 4-block 7B shape's in fp32 at 8
-    ranks the one above the bottom; provenance: benchmarks/results/memory_moments.md)."""
-    blocks = t.profile.block_count
+def blocks_backward(t: StepBytes, top_block: MemoryBreakdown) -> list[MemoryBreakdown]:
+    """Resharding after forward: every block's backward in the order it runs (from the top
+    down; entry ``j`` is block ``blocks - 1 - j``), walked as a ledger from ``top_block``
+    (:func:`_block_moments`' top block). Each block's turn frees what the block above saved and
+    holds its own backward temporaries (recomputed where it is checkpointed), with the gradient
+    shards of the blocks already reduced: FSDP2 every block above (a unit's reduce-scatter input
+    held until the next unit's post-backward, ``comm_ctx.reduce_scatter_state``, beside the
+    next block's all-gather buffer, prefetched; the top block holds no reduce-scatter input
+    yet, the bottom one nothing to prefetch); FSDP1 all but the block just above, whose flat
+    gradient is reduced after this block's turn starts (it gathers straight into the flat
+    parameters: no buffers). Going down, each block holds one more gradient shard and one
+    block's saved activations fewer: with few ranks the worst is near the bottom, with many near
+    the top (simulated: gpt-deep's FSDP2 peak at micro-batch 2 is the second block's, a 4-block
+    7B shape's in fp32 at 8 ranks the one above the bottom; provenance:
+    benchmarks/results/memory_moments.md)."""
+    blocks = max(t.profile.block_count, 1)
+    fsdp2 = t.candidate.engine is Engine.FSDP2
     events = []
     activations = top_block.activations
     for index in reversed(range(blocks)):
         above = blocks - 1 - index  # blocks whose backward is done
         if above:  # the block above's backward freed what it saved
             activations -= block_saved_bytes(t.candidate, t.acts, index + 1)
+        reduced = above if fsdp2 else max(above - 1, 0)
         reducing = t.trained_block_params * t.reduce_dtype_bytes if above else 0
         prefetched = t.gather_buffer_bytes if index > 0 else 0
         events.append(
             top_block.model_copy(
                 update={
-                    "gradients": top_block.gradients + t.block_grad_shard_bytes * above // blocks,
+                    "gradients": top_block.gradients + t.block_grad_shard_bytes * reduced // blocks,
                     "activations": activations,
                     "temporaries": t.block_backward(index),
-                    "comm_buffers": reducing + prefetched,
+                    "comm_buffers": reducing + prefetched if fsdp2 else 0,
                 }
             )
         )
@@ -327,17 +308,16 @@ def step_moments(t: StepBytes) -> dict[str, MemoryBreakdown]:
     peak, by name."""
     loss_moment = _loss_moment(t)
     head = _head_moment(t)
-    top_block, bottom_block, resharded = _block_moments(t, head)
-    blocks = {"top block backward": top_block}
+    top_block, resharded = _block_moments(t, head)
+    # SHARD_GRAD_OP and NO_SHARD hold every unit all along: the top block is the worst
+    blocks, bottom_block = {"top block backward": top_block}, top_block
     if resharded:
-        blocks["bottom block backward"] = bottom_block
-    if t.candidate.engine is Engine.FSDP2 and resharded and t.profile.block_count:
-        count = t.profile.block_count
-        walk = fsdp2_blocks_backward(t, top_block)
+        walk = blocks_backward(t, top_block)
+        bottom_block = walk[-1]
         blocks = {
             name: live
             for j, live in enumerate(walk)
-            for name in block_event_names(count - 1 - j, count)
+            for name in block_event_names(len(walk) - 1 - j, len(walk))
         }
     root_backward, gathered_root = _root_backward_moment(t)
     step = _optimizer_step_moment(t)

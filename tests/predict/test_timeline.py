@@ -165,28 +165,35 @@ def test_the_peak_is_the_event_with_the_most_live_bytes_the_earliest_of_equals()
     assert peak_event(events).name == "head backward"
 
 
-def test_each_fsdp2_block_backward_frees_what_the_block_above_saved(six_blocks) -> None:
-    """FSDP2 resharding, every 2nd of 6 blocks checkpointed: walking down the blocks, each
-    block's backward holds one more block's gradient shard, what the block above saved is
-    freed, its temporaries are those of its own checkpointing, and it holds the block above's
-    reduce-scatter input beside the next block's all-gather buffer (none at the top, none
-    to prefetch at the bottom)."""
+@pytest.mark.parametrize("engine", [Engine.FSDP1, Engine.FSDP2])
+def test_each_block_backward_frees_what_the_block_above_saved(six_blocks, engine) -> None:
+    """Resharding, every 2nd of 6 blocks checkpointed: walking down the blocks, each block's
+    backward frees what the block above saved, has the temporaries of its own checkpointing,
+    and holds one more block's gradient shard. FSDP2 holds the block above's reduce-scatter
+    input beside the next block's all-gather buffer (none at the top, none to prefetch at the
+    bottom); FSDP1 gathers into the flat parameters (no buffers), and the block just above's
+    flat gradient is not yet reduced (the top two hold none)."""
     profile, acts = six_blocks
-    candidate = fsdp2_every_2nd(profile)
+    candidate = fsdp2_every_2nd(profile).model_copy(update={"engine": engine})
     plain = WorkloadSpec(seq_len=128, loop="plain")
     t = step_bytes(profile, candidate, TWO, plain, acts)
-    moments = dict((e.name, e.live) for e in step_events(profile, candidate, TWO, plain, acts)[0])
+    moments = {e.name: e.live for e in step_events(profile, candidate, TWO, plain, acts)[0]}
     walk = [moments[block_event_names(i, 6)[0]] for i in reversed(range(6))]
     shard = t.block_grad_shard_bytes // 6
     reduce_input = t.trained_block_params * t.reduce_dtype_bytes
     for above, (upper, lower) in enumerate(itertools.pairwise(walk)):
         index = 4 - above  # the lower block's
-        assert lower.gradients - upper.gradients == shard
+        grown = 0 if engine is Engine.FSDP1 and above == 0 else shard
+        assert lower.gradients - upper.gradients == grown
         assert upper.activations - lower.activations == block_saved_bytes(
             candidate, acts, index + 1
         )
         assert lower.temporaries == t.block_backward(index)
-        assert lower.comm_buffers == reduce_input + (t.gather_buffer_bytes if index else 0)
-    assert walk[0].comm_buffers == t.gather_buffer_bytes  # the top: the next block's gather only
+        if engine is Engine.FSDP2:
+            assert lower.comm_buffers == reduce_input + (t.gather_buffer_bytes if index else 0)
+        else:
+            assert lower.comm_buffers == 0 and lower.unsharded_params == t.gathered_bytes
+    top_buffers = t.gather_buffer_bytes if engine is Engine.FSDP2 else 0
+    assert walk[0].comm_buffers == top_buffers  # the next block's gather only
     assert candidate.checkpoints(0) and not candidate.checkpoints(1)
     assert walk[-1].temporaries > walk[-2].temporaries  # the bottom block recomputes
