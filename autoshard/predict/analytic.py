@@ -183,9 +183,9 @@ def estimate_memory(
     """
     acts = activations or rule_of_thumb(profile, workload, "no activation profile given")
     events, host = step_events(profile, candidate, hardware, workload, acts)
-    peak = peak_event(events)
-    peak_at = peak.name
-    breakdown = peak.live.model_copy(update={"allowance": allowance(peak.live.total, hardware)})
+    at = peak_event(events)
+    peak_at = at.name
+    breakdown = at.live.model_copy(update={"allowance": allowance(at.live.total, hardware)})
     peak = breakdown.total
     usable = hardware.usable_gpu_memory
     reasons = []
