@@ -1,8 +1,9 @@
 """Analytic per-rank memory of an FSDP candidate: pure arithmetic after one activation profile
 (:mod:`autoshard.predict.activations`).
 
-The per-rank peak is the largest of the moments of a training step
-(:func:`~autoshard.predict.moments.peak_moments`), each a sum of terms
+The per-rank peak is the largest of the live bytes over the events of a training step's timeline
+(:func:`~autoshard.predict.step_memory.step_events`, in the order the step runs them; the peak
+event's name is the moment the report shows), each a sum of terms
 (:mod:`autoshard.predict.step_bytes`):
 - sharded parameters, gradients and optimizer states: ``P x bytes / shard_size``;
 - the unsharded working set: the unit being computed and the prefetched next one (2 x largest
@@ -24,10 +25,8 @@ from collections.abc import Sequence
 from autoshard.config import Candidate, Engine, Hardware, Loop, Sharding, WorkloadSpec
 from autoshard.engine import OPTIMIZER_STATES, as_run
 from autoshard.predict.activations import ActivationProfile, rule_of_thumb
-from autoshard.predict.loop_moments import loop_moments
-from autoshard.predict.moments import step_moments
 from autoshard.predict.recipe import recipe_activations
-from autoshard.predict.step_bytes import step_bytes
+from autoshard.predict.step_memory import peak_event, step_events
 from autoshard.results import MemoryBreakdown, MemoryEstimate, ModelProfile
 from autoshard.units import format_bytes
 
@@ -66,7 +65,8 @@ def peak_moments(
     acts: ActivationProfile,
 ) -> tuple[dict[str, MemoryBreakdown], int]:
     """The per-rank bytes at each moment that can hold the peak of a training step (before the
-    allowance), and the host bytes per node.
+    allowance), in the order the step runs them (:func:`autoshard.predict.step_memory.step_events`
+    by name), and the host bytes per node.
 
     >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec
     >>> from autoshard import analyze_target, peak_moments, profile_activations
@@ -77,18 +77,20 @@ def peak_moments(
     >>> gpus = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
     >>> acts = profile_activations(built.model, profile, workload)
     >>> moments, host = peak_moments(profile, candidate, gpus, workload, acts)
-    >>> for moment in moments:
+    >>> for moment in moments:  # in the order the step runs them
     ...     print(moment)
+    last block forward
+    root forward end
     loss
     head backward
     top block backward
+    top block gradient
+    second block backward
+    block above the bottom backward
     bottom block backward
+    bottom block gradient
     root backward
     optimizer step
-    top block gradient
-    bottom block gradient
-    root forward end
-    last block forward
     >>> host  # nothing offloaded
     0
     >>> trainer = WorkloadSpec(seq_len=128, loop="lightning")  # zero_grad before backward
@@ -100,10 +102,8 @@ def peak_moments(
     loss, last step's gradients
     root forward end, last step's gradients
     """
-    t = step_bytes(profile, candidate, hardware, workload, acts)
-    moments = step_moments(t)
-    moments.update(loop_moments(moments, profile, t.candidate, hardware, workload, t.acts))
-    return moments, t.host_bytes
+    events, host = step_events(profile, candidate, hardware, workload, acts)
+    return {event.name: event.live for event in events}, host
 
 
 def needs_simulation(
@@ -184,9 +184,10 @@ def estimate_memory(
     """
     acts = activations or rule_of_thumb(profile, workload, "no activation profile given")
     acts = recipe_activations(candidate, acts)  # what torch.compile no longer saves
-    moments, host = peak_moments(profile, candidate, hardware, workload, acts)
-    peak_at, breakdown = max(moments.items(), key=lambda item: item[1].total)
-    breakdown = breakdown.model_copy(update={"allowance": allowance(breakdown.total, hardware)})
+    events, host = step_events(profile, candidate, hardware, workload, acts)
+    at = peak_event(events)
+    peak_at = at.name
+    breakdown = at.live.model_copy(update={"allowance": allowance(at.live.total, hardware)})
     peak = breakdown.total
     usable = hardware.usable_gpu_memory
     reasons = []

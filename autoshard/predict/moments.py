@@ -1,8 +1,10 @@
 """The moments of one training step that can hold a rank's memory peak, each a
 :class:`~autoshard.results.MemoryBreakdown` of the step's byte counts
 (:mod:`autoshard.predict.step_bytes`): the loss at the end of forward, the head's backward, the
-top, second (FSDP2) and bottom blocks' backward, the root's backward, the optimizer step, and with
-gloo each reduce-scatter; the user's loop adds its own (:mod:`autoshard.predict.loop_moments`).
+blocks' backward (FSDP2 resharding: every block's, walked down the blocks,
+:func:`blocks_backward`), the root's backward, the optimizer step, and with gloo each
+reduce-scatter; the user's loop adds its own (:mod:`autoshard.predict.loop_moments`). The step's
+timeline places each at the turn where it happens (:mod:`autoshard.predict.step_memory`).
 Calibrated against torch's memory tracker on fake tensors (:mod:`autoshard.predict.simulate`).
 """
 
@@ -22,10 +24,22 @@ from autoshard.predict.step_bytes import (
     StepBytes,
     after_blocks_bytes,
     block_saved_bytes,
-    first_block_bytes,
     last_block_bytes,
 )
 from autoshard.results import MemoryBreakdown, ModelProfile
+
+
+def block_event_names(index: int, blocks: int) -> tuple[str, ...]:
+    """The names of block ``index``'s backward event, of ``blocks``: by its place from the top
+    and from the bottom, as the report names the blocks where a peak usually is (with two
+    blocks the bottom one is also the second)."""
+    names = (
+        ("top block backward",) * (index == blocks - 1)
+        + ("second block backward",) * (index == blocks - 2)
+        + ("block above the bottom backward",) * (index == 1 and blocks >= 4)
+        + ("bottom block backward",) * (index == 0)
+    )
+    return names or (f"block {index} backward",)
 
 
 def _loss_moment(t: StepBytes) -> MemoryBreakdown:
@@ -92,11 +106,9 @@ def _head_moment(t: StepBytes) -> MemoryBreakdown:
     return head
 
 
-def _block_moments(
-    t: StepBytes, head: MemoryBreakdown
-) -> tuple[MemoryBreakdown, MemoryBreakdown, bool]:
-    """Moments 2 and 3, the top and the bottom block's backward, and whether units are
-    resharded after backward (the bottom block's moment counts only then)."""
+def _block_moments(t: StepBytes, head: MemoryBreakdown) -> tuple[MemoryBreakdown, bool]:
+    """Moment 2, the top block's backward, and whether units are resharded after forward (the
+    other blocks' moments count only then: :func:`blocks_backward`)."""
     # 2. The top block's backward: the block recomputes under checkpointing and makes its
     #    gradients.
     resharded = t.wrapped and resharded_sharding(t.candidate)
@@ -135,96 +147,56 @@ def _block_moments(
             "activations": top_block.activations - freed,
         }
     )
-    # 3. The bottom block's backward: the other blocks' activations are freed and their
-    #    gradients reduced into shards; the root (the embedding) is prefetched in place of a
-    #    next block. (SHARD_GRAD_OP holds everything all along: the top block is worse.)
-    blocks = max(t.profile.block_count, 1)
-    bottom_block = top_block.model_copy(
-        update={
-            "unsharded_params": (t.block_params + t.root_params) * t.compute_dtype_bytes,
-            # every block's gradient in shards but its own
-            "gradients": t.block_grad_shard_bytes * (blocks - 1) // blocks + t.head_grad_bytes,
-            "activations": first_block_bytes(t.candidate, t.acts) - freed,
-            "temporaries": t.block_backward(0),
-            # the block above's reduce-scatter; nothing left to prefetch (the root is gathered)
-            "comm_buffers": t.comm_bytes - t.gather_buffer_bytes if t.wrapped else t.comm_bytes,
-        }
-    )
     if t.candidate.engine is Engine.FSDP1 and resharded:
-        # FSDP1 keeps the root gathered until the root's own backward at the very end, and a
-        # unit's flat gradient only appears when the unit's backward is done (the parameters'
-        # gradients flow through views of the flat parameter), after its temporaries are freed
-        # (the block gradient moments). The worst block but the top is the second: its own
-        # unit, the first prefetched (simulated).
+        # FSDP1 keeps the root gathered until the root's own backward at the very end, and
+        # gathers each unit straight into its flat parameter (no buffers); a unit's flat
+        # gradient only appears when the unit's backward is done (the parameters' gradients
+        # flow through views of the flat parameter), after its temporaries are freed (the
+        # block gradient moments). The worst block but the top is the second: its own unit,
+        # the first prefetched (simulated).
         top_block = top_block.model_copy(
             update={"unsharded_params": t.gathered_bytes, "comm_buffers": 0}
         )
-        bottom_block = bottom_block.model_copy(
-            update={
-                "unsharded_params": t.gathered_bytes,
-                "comm_buffers": 0,
-                "gradients": t.block_grad_shard_bytes * max(blocks - 2, 0) // blocks,
-            }
+    return top_block, resharded
+
+
+def blocks_backward(t: StepBytes, top_block: MemoryBreakdown) -> list[MemoryBreakdown]:
+    """Resharding after forward: every block's backward in the order it runs (from the top
+    down; entry ``j`` is block ``blocks - 1 - j``), walked as a ledger from ``top_block``
+    (:func:`_block_moments`' top block). Each block's turn frees what the block above saved and
+    holds its own backward temporaries (recomputed where it is checkpointed), with the gradient
+    shards of the blocks already reduced: FSDP2 every block above (a unit's reduce-scatter input
+    held until the next unit's post-backward, ``comm_ctx.reduce_scatter_state``, beside the
+    next block's all-gather buffer, prefetched; the top block holds no reduce-scatter input
+    yet, the bottom one nothing to prefetch); FSDP1 all but the block just above, whose flat
+    gradient is reduced after this block's turn starts (it gathers straight into the flat
+    parameters: no buffers). Going down, each block holds one more gradient shard and one
+    block's saved activations fewer: with few ranks the worst is near the bottom, with many near
+    the top (simulated: gpt-deep's FSDP2 peak at micro-batch 2 is the second block's, a 4-block
+    7B shape's in fp32 at 8 ranks the one above the bottom; provenance:
+    benchmarks/results/memory_moments.md)."""
+    blocks = max(t.profile.block_count, 1)
+    fsdp2 = t.candidate.engine is Engine.FSDP2
+    events = []
+    activations = top_block.activations
+    for index in reversed(range(blocks)):
+        above = blocks - 1 - index  # blocks whose backward is done
+        if above:  # the block above's backward freed what it saved
+            activations -= block_saved_bytes(t.candidate, t.acts, index + 1)
+        reduced = above if fsdp2 else max(above - 1, 0)
+        reducing = t.trained_block_params * t.reduce_dtype_bytes if above else 0
+        prefetched = t.gather_buffer_bytes if index > 0 else 0
+        events.append(
+            top_block.model_copy(
+                update={
+                    "gradients": top_block.gradients + t.block_grad_shard_bytes * reduced // blocks,
+                    "activations": activations,
+                    "temporaries": t.block_backward(index),
+                    "comm_buffers": reducing + prefetched if fsdp2 else 0,
+                }
+            )
         )
-    return top_block, bottom_block, resharded
-
-
-def _fsdp2_second_block_moment(
-    t: StepBytes, top_block: MemoryBreakdown
-) -> tuple[MemoryBreakdown, MemoryBreakdown | None]:
-    """FSDP2 keeps a unit's reduce-scatter input alive until the next unit's post-backward
-    (``comm_ctx.reduce_scatter_state``), so the top block's backward holds only the next block's
-    all-gather buffer, and the second block's the top block's reduce-scatter input and reduced
-    shard beside it, with the top block's activations freed (simulated: gpt-deep's
-    peak at micro-batch 2 is the second block's backward). Returns the top block's moment and
-    the second block's (None with fewer than two blocks); other candidates keep
-    :func:`_block_moments`' moment, which counts both collectives' buffers."""
-    resharded = t.wrapped and resharded_sharding(t.candidate)
-    if t.candidate.engine is not Engine.FSDP2 or not resharded:
-        return top_block, None
-    blocks = t.profile.block_count
-    prefetched = t.gather_buffer_bytes if blocks > 1 else 0  # the next block's all-gather buffer
-    top = top_block.model_copy(update={"comm_buffers": prefetched})
-    if blocks < 2:
-        return top, None
-    second = top_block.model_copy(
-        update={
-            "gradients": top_block.gradients + t.block_grad_shard_bytes // blocks,
-            "activations": top_block.activations - last_block_bytes(t.candidate, t.acts),
-            "temporaries": t.block_backward(-2),
-            "comm_buffers": t.trained_block_params * t.reduce_dtype_bytes
-            + (t.gather_buffer_bytes if blocks > 2 else 0),
-        }
-    )
-    return top, second
-
-
-def _fsdp2_above_bottom_moment(
-    t: StepBytes, bottom_block: MemoryBreakdown
-) -> MemoryBreakdown | None:
-    """FSDP2's backward of the block above the bottom one: :func:`_block_moments`' bottom block
-    moment, with the bottom block's all-gather buffer (prefetched) beside the reduce-scatter
-    input of the block above, one block's gradient fewer in shards, and one block's saved
-    activations more. Going down the blocks, each holds one more block's gradient shard and one
-    block's saved activations fewer than the one above: where a gradient shard outweighs a
-    checkpointed block's input (few ranks), the worst block is this one, not the second from
-    the top (provenance: benchmarks/results/memory_moments.md). None for other candidates and
-    with fewer than four blocks (three: it is the second block from the top)."""
-    blocks = t.profile.block_count
-    if (
-        t.candidate.engine is not Engine.FSDP2
-        or not (t.wrapped and resharded_sharding(t.candidate))
-        or blocks < 4
-    ):
-        return None
-    return bottom_block.model_copy(
-        update={
-            "gradients": bottom_block.gradients - t.block_grad_shard_bytes // blocks,
-            "activations": bottom_block.activations + block_saved_bytes(t.candidate, t.acts, 1),
-            "temporaries": t.block_backward(1),
-            "comm_buffers": t.trained_block_params * t.reduce_dtype_bytes + t.gather_buffer_bytes,
-        }
-    )
+    return events
 
 
 def _root_backward_moment(t: StepBytes) -> tuple[MemoryBreakdown, bool]:
@@ -336,9 +308,17 @@ def step_moments(t: StepBytes) -> dict[str, MemoryBreakdown]:
     peak, by name."""
     loss_moment = _loss_moment(t)
     head = _head_moment(t)
-    top_block, bottom_block, resharded = _block_moments(t, head)
-    top_alone, second_block = _fsdp2_second_block_moment(t, top_block)
-    above_bottom = _fsdp2_above_bottom_moment(t, bottom_block)
+    top_block, resharded = _block_moments(t, head)
+    # SHARD_GRAD_OP and NO_SHARD hold every unit all along: the top block is the worst
+    blocks, bottom_block = {"top block backward": top_block}, top_block
+    if resharded:
+        walk = blocks_backward(t, top_block)
+        bottom_block = walk[-1]
+        blocks = {
+            name: live
+            for j, live in enumerate(walk)
+            for name in block_event_names(len(walk) - 1 - j, len(walk))
+        }
     root_backward, gathered_root = _root_backward_moment(t)
     step = _optimizer_step_moment(t)
     reduce_scatters = _reduce_scatter_moments(
@@ -347,10 +327,7 @@ def step_moments(t: StepBytes) -> dict[str, MemoryBreakdown]:
     return {
         "loss": loss_moment,
         "head backward": head,
-        "top block backward": top_alone,
-        **({"second block backward": second_block} if second_block is not None else {}),
-        **({"bottom block backward": bottom_block} if resharded else {}),
-        **({"block above the bottom backward": above_bottom} if above_bottom is not None else {}),
+        **blocks,
         "root backward": root_backward,
         "optimizer step": step,
         **reduce_scatters,

@@ -5,15 +5,26 @@ streams their seconds run on."""
 from __future__ import annotations
 
 import doctest
+import itertools
 
 import pytest
 
+from autoshard.analyze import analyze_target
 from autoshard.config import Candidate, Engine, Hardware, Loop, Reshard, WorkloadSpec
 from autoshard.predict import timeline as timeline_module
+from autoshard.predict.activations import ActivationProfile, profile_activations
+from autoshard.predict.moments import block_event_names
+from autoshard.predict.step_bytes import block_saved_bytes, step_bytes
+from autoshard.predict.step_memory import MemoryEvent, peak_event, step_events
 from autoshard.predict.timeline import Pass, Work, micro_batch, step_timeline
+from autoshard.results import MemoryBreakdown, ModelProfile
+from autoshard.target.resolve import TargetSpec
+
+from ..conftest import EXAMPLES
 
 GIB = 2**30
 EIGHT = Hardware(gpus_per_node=8, gpu_memory=80 * GIB)
+TWO = Hardware(gpus_per_node=2, gpu_memory=80 * GIB)
 SHAPE = {"blocks": 3, "params": 1000.0, "block_params": 100.0}  # a root of 700
 
 
@@ -102,3 +113,87 @@ def test_accumulation_reduces_every_micro_batch_or_only_the_last_by_engine_and_l
 def test_the_examples_in_the_docstrings_run() -> None:
     result = doctest.testmod(timeline_module, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 5 and result.failed == 0
+
+
+# The memory side: the step's events in the order they run, the peak the largest of them.
+
+SIX = TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny", "n_layer": 6})
+
+
+@pytest.fixture(scope="module")
+def six_blocks() -> tuple[ModelProfile, ActivationProfile]:
+    profile, built = analyze_target(SIX)
+    workload = WorkloadSpec(seq_len=128, loop="plain")
+    return profile, profile_activations(built.model, profile, workload, precisions=["32-true"])
+
+
+def fsdp2_every_2nd(profile: ModelProfile) -> Candidate:
+    return Candidate(
+        engine="fsdp2", wrap_classes=profile.wrap_policy, checkpointing="every_k",
+        checkpoint_every=2, checkpoint_classes=profile.wrap_policy, micro_batch_size=4,
+        precision="32-true",
+    )  # fmt: skip
+
+
+def test_memory_events_run_in_the_order_of_the_step(six_blocks) -> None:
+    profile, acts = six_blocks
+    plain = WorkloadSpec(seq_len=128, loop="plain")
+    events, _ = step_events(profile, fsdp2_every_2nd(profile), TWO, plain, acts)
+    assert [e.name for e in events] == [
+        "forward start", "last block all-gather", "last block forward", "root forward end",
+        "loss", "backward start", "head backward", "top block backward",
+        "second block backward", "block 3 backward", "block 2 backward",
+        "block above the bottom backward", "bottom block backward", "root backward",
+        "optimizer step",
+    ]  # fmt: skip
+    lightning = WorkloadSpec(seq_len=128, loop="lightning", accumulate=2)
+    names = [
+        e.name for e in step_events(profile, fsdp2_every_2nd(profile), TWO, lightning, acts)[0]
+    ]
+    # the later micro-batch beside the first's gradients, then the step, then the next forward
+    assert names.index("bottom block backward") < names.index("accumulating forward start")
+    assert names.index("accumulating root backward") < names.index("optimizer step")
+    assert names[-1] == "forward end, last step's gradients"  # FSDP2 frees them at backward
+    assert names.index("optimizer step") < names.index("forward start, last step's gradients")
+
+
+def test_the_peak_is_the_event_with_the_most_live_bytes_the_earliest_of_equals() -> None:
+    def event(name: str, activations: int) -> MemoryEvent:
+        return MemoryEvent(name, MemoryBreakdown(activations=activations))
+
+    events = [event("loss", 5), event("head backward", 7), event("root backward", 7)]
+    assert peak_event(events).name == "head backward"
+
+
+@pytest.mark.parametrize("engine", [Engine.FSDP1, Engine.FSDP2])
+def test_each_block_backward_frees_what_the_block_above_saved(six_blocks, engine) -> None:
+    """Resharding, every 2nd of 6 blocks checkpointed: walking down the blocks, each block's
+    backward frees what the block above saved, has the temporaries of its own checkpointing,
+    and holds one more block's gradient shard. FSDP2 holds the block above's reduce-scatter
+    input beside the next block's all-gather buffer (none at the top, none to prefetch at the
+    bottom); FSDP1 gathers into the flat parameters (no buffers), and the block just above's
+    flat gradient is not yet reduced (the top two hold none)."""
+    profile, acts = six_blocks
+    candidate = fsdp2_every_2nd(profile).model_copy(update={"engine": engine})
+    plain = WorkloadSpec(seq_len=128, loop="plain")
+    t = step_bytes(profile, candidate, TWO, plain, acts)
+    moments = {e.name: e.live for e in step_events(profile, candidate, TWO, plain, acts)[0]}
+    walk = [moments[block_event_names(i, 6)[0]] for i in reversed(range(6))]
+    shard = t.block_grad_shard_bytes // 6
+    reduce_input = t.trained_block_params * t.reduce_dtype_bytes
+    for above, (upper, lower) in enumerate(itertools.pairwise(walk)):
+        index = 4 - above  # the lower block's
+        grown = 0 if engine is Engine.FSDP1 and above == 0 else shard
+        assert lower.gradients - upper.gradients == grown
+        assert upper.activations - lower.activations == block_saved_bytes(
+            candidate, acts, index + 1
+        )
+        assert lower.temporaries == t.block_backward(index)
+        if engine is Engine.FSDP2:
+            assert lower.comm_buffers == reduce_input + (t.gather_buffer_bytes if index else 0)
+        else:
+            assert lower.comm_buffers == 0 and lower.unsharded_params == t.gathered_bytes
+    top_buffers = t.gather_buffer_bytes if engine is Engine.FSDP2 else 0
+    assert walk[0].comm_buffers == top_buffers  # the next block's gather only
+    assert candidate.checkpoints(0) and not candidate.checkpoints(1)
+    assert walk[-1].temporaries > walk[-2].temporaries  # the bottom block recomputes
