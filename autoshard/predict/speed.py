@@ -33,12 +33,9 @@ The factors (:class:`SpeedFactors`) say how much of each peak is reached; trials
 
 from __future__ import annotations
 
-from pydantic import Field
-
 from autoshard.config import (
     Candidate,
     Checkpointing,
-    Frozen,
     Hardware,
     Optimizer,
     OptimizerImpl,
@@ -53,8 +50,9 @@ from autoshard.engine import (
 )
 from autoshard.gpus import GPUSpec
 from autoshard.predict.collectives import Collectives
+from autoshard.predict.factors import DEFAULT_FACTORS, SpeedFactors, default_factors
 from autoshard.predict.flops import FlopProfile
-from autoshard.predict.hardware import dense_flops, measure_cpu, speed_for
+from autoshard.predict.hardware import dense_flops, speed_for
 from autoshard.predict.recipe import LinearShapes, RecipeStep
 from autoshard.predict.timeline import (
     MicroBatch,
@@ -66,162 +64,6 @@ from autoshard.predict.timeline import (
     two_streams,
 )
 from autoshard.results import ModelProfile, SpeedBreakdown, SpeedEstimate
-
-
-class SpeedFactors(Frozen):
-    """How much of each hardware peak a training step reaches: what trials calibrate.
-
-    The defaults are one set for every GPU, from public measurements (not fitted to the
-    benchmark that checks them, ``benchmarks/step_time_published.py``).
-
-    >>> from autoshard.predict.speed import SpeedFactors
-    >>> SpeedFactors().compute_efficiency
-    0.7
-    """
-
-    compute_efficiency: float = Field(
-        0.7,
-        gt=0,
-        le=1,
-        description="Achieved / achievable FLOP/s of the counted FLOPs: the share of the GPU's "
-        "best matrix-product rate (``GPUSpec.matmul_fraction`` of its peak) and of its fused "
-        "attention rate (``attention_fraction``) that a training step's kernels reach (their "
-        "shapes are not the best ones; gaps between kernels). Default: large-model training "
-        "on A100s reaches 52-72% of the 312 TFLOP/s peak (Megatron-LM, Narayanan et al. 2021: "
-        "52%; Korthikanti et al. 2022: 54-56%; FlashAttention-2's GPT training: 72%), which is "
-        "0.6-0.83 of the A100's achievable 271 TFLOP/s; 0.7 is the middle. Not fitted to the "
-        "benchmark that checks it (benchmarks/step_time_published.py, whose results show the "
-        "sensitivity).",
-    )
-    comm_efficiency: float = Field(
-        0.75,
-        gt=0,
-        le=1,
-        description="Achieved / link bandwidth of a collective. Default: NCCL's all-gather and "
-        "reduce-scatter bus bandwidth reach about 80% of NVLink (nccl-tests on 8 H100 SXM: ~360 "
-        "of 450 GB/s) and about 90% of InfiniBand at large messages; FSDP's per-unit messages "
-        "run beside compute that shares the GPU, so a little less.",
-    )
-    collective_latency_s: float = Field(
-        30e-6,
-        ge=0,
-        description="Fixed cost of one collective (launch, synchronisation), seconds. NCCL's "
-        "small-message latency is 10-50 us inside a node and grows slowly with the number of "
-        "nodes (tree and PAT algorithms); one number for all.",
-    )
-    memory_efficiency: float = Field(
-        0.8,
-        gt=0,
-        le=1,
-        description="Achieved / peak device-memory bandwidth of the memory-bound work (the "
-        "model's element-wise operations and the optimizer step): large element-wise kernels "
-        "reach 80-90% of HBM bandwidth.",
-    )
-    host_efficiency: float = Field(
-        0.8,
-        gt=0,
-        le=1,
-        description="Achieved / peak host-link bandwidth of CPU offload's copies (pinned "
-        "copies reach ~25 of PCIe Gen4's 32 GB/s).",
-    )
-    host_memory_bandwidth: float = Field(
-        100e9,
-        gt=0,
-        description="Bytes/s of host memory that the ranks of one node stream through in their "
-        "CPU optimizer steps. Default: 8 ranks of one thread each (torchrun's OMP_NUM_THREADS=1) "
-        "at the ~13 GB/s one core copies (measured on this project's Xeon VM); a dual-socket "
-        "server's DRAM peaks at 400-600 GB/s.",
-    )
-    host_thread_bandwidth: float = Field(
-        13e9,
-        gt=0,
-        description="Bytes/s one rank's CPU optimizer step streams on its own: one thread "
-        "(torchrun's OMP_NUM_THREADS=1) at the ~13 GB/s one core copies (measured on this "
-        "project's Xeon VM). With fewer ranks than the node's memory could feed, each is bound "
-        "by its thread, not by its share of ``host_memory_bandwidth``.",
-    )
-    op_overhead_s: float = Field(
-        10e-6,
-        ge=0,
-        description="Host seconds to issue one operation (Python, dispatcher, autograd, kernel "
-        "launch). A GPU runs the kernels meanwhile, so this bounds a small model's step from "
-        "below; CPU processes pay it on top of the work (measured at run time for cpu-gloo). "
-        "Default: eager PyTorch issues a CUDA operation in 5-10 us.",
-    )
-    overlap_slowdown: float = Field(
-        0.189,
-        ge=0,
-        le=1,
-        description="How much slower compute runs while a collective runs beside it (0.189: "
-        "19% longer). Default: 'an average computational slowdown of 18.9%, with a maximum of "
-        "40.0%' when computation overlaps communication, measured on A100, H100, MI250 and "
-        "MI210 with GPT and LLaMA models (Lee et al. 2025, 'Characterizing Compute-Communication "
-        "Overlap in GPU-Accelerated Distributed Deep Learning', arXiv:2507.03114). Applies only "
-        "where collectives overlap compute (``overlap``).",
-    )
-    pressure_margin: float = Field(
-        0.05,
-        ge=0,
-        lt=1,
-        description="Share of the usable GPU memory below which a predicted peak counts as near "
-        "the limit: there the caching allocator runs out of free cached blocks, frees them all "
-        "and retries cudaMalloc, synchronising the device (torch.cuda.memory_stats: "
-        "'num_alloc_retries: number of failed cudaMalloc calls that result in a cache flush and "
-        "retry'). 5%: the default margin the planner already keeps (Hardware.margin).",
-    )
-    pressure_slowdown: float = Field(
-        0.1,
-        ge=0,
-        description="How much slower a step runs at the limit, rising linearly from 0 at "
-        "``pressure_margin`` below it. Measured at the limit: Mistral 7B with FSDP FULL_SHARD "
-        "at 4,600 tokens ran 6.52, 6.83 and 4.91 samples/s at micro-batches 10, 12 and 14, "
-        "'CUDA MALLOC RETRIES goes up and creates bottlenecks' (foundation-model-stack/fms-fsdp "
-        "issue #63): 28% lost at the last size that fit. 10%, not 28%: the memory estimate's "
-        "own error near the limit is larger than the margin (benchmarks/results/"
-        "step_time_published.md), so a flagged candidate is often not at the limit.",
-    )
-    overlap: float = Field(
-        1.0,
-        ge=0,
-        le=1,
-        description="Fraction of the communication that may hide behind compute: 1 for NCCL "
-        "(its own CUDA streams), 0 where collectives block the compute (gloo on CPU processes).",
-    )
-
-
-DEFAULT_FACTORS = SpeedFactors()
-
-
-def default_factors(gpu: GPUSpec) -> SpeedFactors:
-    """The uncalibrated factors for ``gpu``: one set for every GPU but its compute efficiency
-    (the catalogue's ``step_efficiency``: A100 0.75, H100/H200 0.6), another for CPU processes
-    (gloo), where FSDP waits for each collective on the calling thread (no side stream), so
-    nothing overlaps, and issuing an operation costs what was measured here. The trials
-    calibrate the rest."""
-    if gpu.id != "cpu-gloo":
-        # the GPU's own share of its achievable rate (catalogue: A100 0.75, H100/H200 0.6)
-        if gpu.step_efficiency == DEFAULT_FACTORS.compute_efficiency:
-            return DEFAULT_FACTORS
-        return DEFAULT_FACTORS.model_copy(update={"compute_efficiency": gpu.step_efficiency})
-    # Profiled here (torch.profiler, the tiny GPT's fp32 step on one thread, the machine
-    # otherwise idle): its matrix products ran at 130 GFLOP/s against the 256 x 256 product's
-    # 185, and torch's CPU AdamW streamed its 20 passes at 14 GB/s against a 54 GB/s copy.
-    # A collective's fixed cost is FSDP's per unit, not gloo's: CPU trials time CPU seconds
-    # (autoshard.trials.worker.time_steps), in which a bare 1 KB gloo all-gather costs 0.075 ms,
-    # but each FSDP1 unit of a stack of Linear(64, 64) layers (2 ranks, batch 1) costs a step
-    # 2.1-2.7 ms under FULL_SHARD and 1.5-2.0 under SHARD_GRAD_OP: 0.7-1.0 ms per collective
-    # (hooks, flat-parameter views, the gloo calls and their copies; benchmarks/
-    # cpu_gloo_probe.py, results/cpu_gloo_probe.txt). With the bare gloo call's 0.1 ms, three
-    # CPU trials at one micro-batch could not tell it from compute, and the calibrated model
-    # missed per-block micro-batch 1 trials by 27-36% (benchmarks/speed_calibration_cpu.py).
-    return SpeedFactors(
-        compute_efficiency=0.7,
-        memory_efficiency=0.25,
-        collective_latency_s=8e-4,
-        overlap=0.0,
-        op_overhead_s=measure_cpu()[3],
-    )
-
 
 # Bytes one optimizer step streams per parameter, per 4-byte element: a fused AdamW reads the
 # parameter, its gradient and two states and writes three (7 passes); torch's foreach (and
@@ -466,6 +308,38 @@ def _optimizer_and_offload(
     return offload_s, 0.0
 
 
+def _busy_seconds(
+    seconds: _StepSeconds, candidate: Candidate, accumulate: int
+) -> tuple[float, float]:
+    """(compute, recompute) seconds of a step: ``accumulate`` micro-batches' forward and
+    backward, and the checkpointed blocks' forward (or selective's share of it) again."""
+    fwd, bwd = seconds.fwd, seconds.bwd
+    compute = accumulate * (sum(fwd) + sum(bwd) + seconds.other_fwd + seconds.other_bwd)
+    recomputed = (f if candidate.checkpoints(i) else 0.0 for i, f in enumerate(seconds.rec))
+    return compute, accumulate * sum(recomputed)
+
+
+def _exposed_and_contention(
+    step: list[MicroBatch],
+    seconds: _StepSeconds,
+    prefetch: bool,
+    factors: SpeedFactors,
+    busy_s: float,
+) -> tuple[float, float]:
+    """(exposed communication, contention) seconds: what the compute does not hide on the
+    two-stream timeline, and what hiding costs the compute beside the collectives."""
+    elapsed, comm_s = _overlapped(step, seconds, prefetch, 0.0)
+    hidden_exposed = max(0.0, elapsed - busy_s)
+    exposed = factors.overlap * hidden_exposed + (1 - factors.overlap) * comm_s
+    # What hiding costs: the same timeline with the compute slowed beside the collectives,
+    # counted apart so that "exposed" keeps meaning the collectives the compute did not hide.
+    contention_s = 0.0
+    if factors.overlap > 0 and factors.overlap_slowdown > 0 and comm_s > 0:
+        slowed = _overlapped(step, seconds, prefetch, factors.overlap_slowdown)[0]
+        contention_s = factors.overlap * max(0.0, slowed - elapsed)
+    return exposed, contention_s
+
+
 def predict_speed(
     profile: ModelProfile,
     flops: FlopProfile,
@@ -527,19 +401,10 @@ def predict_speed(
         block_params=float(profile.block_params) if blocks else 0.0, skip_sync=skip_sync,
     )  # fmt: skip
     prefetch = policy_of(candidate).prefetches_backward(candidate)
-    elapsed, comm_s = _overlapped(step, seconds, prefetch, 0.0)
-    fwd, bwd = seconds.fwd, seconds.bwd
-    compute_s = accumulate * (sum(fwd) + sum(bwd) + seconds.other_fwd + seconds.other_bwd)
-    recomputed = (f if candidate.checkpoints(i) else 0.0 for i, f in enumerate(seconds.rec))
-    recompute_s = accumulate * sum(recomputed)
-    hidden_exposed = max(0.0, elapsed - compute_s - recompute_s)
-    exposed = factors.overlap * hidden_exposed + (1 - factors.overlap) * comm_s
-    # What hiding costs: the same timeline with the compute slowed beside the collectives,
-    # counted apart so that "exposed" keeps meaning the collectives the compute did not hide.
-    contention_s = 0.0
-    if factors.overlap > 0 and factors.overlap_slowdown > 0 and comm_s > 0:
-        slowed = _overlapped(step, seconds, prefetch, factors.overlap_slowdown)[0]
-        contention_s = factors.overlap * max(0.0, slowed - elapsed)
+    compute_s, recompute_s = _busy_seconds(seconds, candidate, accumulate)
+    exposed, contention_s = _exposed_and_contention(
+        step, seconds, prefetch, factors, compute_s + recompute_s
+    )
     offload_s, optimizer_s = _optimizer_and_offload(
         candidate, hardware, gpu, factors, params=params, shard=comm.shard, accumulate=accumulate
     )
@@ -554,9 +419,8 @@ def predict_speed(
     total += distributed_s + scale_sync_s
 
     def busy(work: FlopProfile) -> float:  # compute and recompute seconds of a recipe's work
-        s = _StepSeconds(profile, work, rates, comm, selective=selective)
-        again = sum(f for i, f in enumerate(s.fwd) if candidate.checkpoints(i))
-        return accumulate * (sum(s.fwd) + sum(s.bwd) + s.other_fwd + s.other_bwd + again)
+        step_seconds = _StepSeconds(profile, work, rates, comm, selective=selective)
+        return sum(_busy_seconds(step_seconds, candidate, accumulate))
 
     samples = mbs * accumulate
     tokens = workload.seq_len
