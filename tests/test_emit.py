@@ -611,3 +611,20 @@ def test_what_accelerate_cannot_express_word_for_word() -> None:
         f"{both}accelerate has no key for it: call autoshard.sharding.apply_float8(model, "
         f"rec.chosen.candidate) before preparing the model{scales}"
     ]
+
+
+def test_lightning_strategy_computes_in_the_precision_the_trials_ran(monkeypatch) -> None:
+    # Lightning's FSDPStrategy takes its MixedPrecision from the Trainer's precision plugin
+    # unless given one: for every precision, what Lightning will use is what the trials used
+    # (sharding.fsdp1_kwargs). FSDP1 reduces in the compute dtype as Lightning's plugin does, so
+    # the strategy never needs its own today (the branch that passes one is a guard).
+    pytest.importorskip("lightning")
+    from autoshard import sharding
+    from autoshard.emit.runtime import _lightning_mixed_precision
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # the wrap class, gpt.Block
+    for precision in Precision:
+        c = candidate(precision=precision)
+        kwargs = emit.strategy_kwargs(make_rec(c))
+        lightning = kwargs.get("mixed_precision") or _lightning_mixed_precision(precision)
+        assert lightning == sharding.fsdp1_kwargs(c)["mixed_precision"], precision

@@ -340,10 +340,15 @@ def test_estimate_in_code_and_on_the_command_line_with_simulation(cli, tmp_path)
     analytic = autoshard.estimate(
         target, kwargs={"size": "tiny"}, gpus=2, gpu_memory="8GiB", seq_len=64, sort="speed"
     )
-    assert [e.candidate for e in estimates] == [e.candidate for e in analytic]  # order kept
-    assert estimates[0].method == "simulated" and estimates[0].fits
-    assert all(e.method == "analytic" for e in estimates[1:])
-    sim, ana = estimates[0], analytic[0]
+    # the best analytic candidate is simulated; its simulated peak may move it within a
+    # predicted speed tie (ties go to headroom), the rest keep their analytic estimates
+    assert sorted(e.candidate.label() for e in estimates) == sorted(
+        e.candidate.label() for e in analytic
+    )
+    simulated = [e for e in estimates if e.method == "simulated"]
+    assert len(simulated) == 1 and simulated[0].fits
+    sim, ana = simulated[0], analytic[0]
+    assert sim.candidate == ana.candidate
     assert abs(sim.gpu_peak - ana.gpu_peak) <= 0.10 * (ana.gpu_peak - ana.breakdown.allowance)
 
     code, out, err = cli(
