@@ -258,6 +258,24 @@ def test_measurements_reorder_the_untried_candidates() -> None:
     assert not any(e.speed and e.speed.calibrated for e in same)
 
 
+def test_a_calibrated_prediction_keeps_the_memory_pressure_slowdown() -> None:
+    """A candidate predicted at the usable memory is slowed (allocator stalls) before and after
+    the trials calibrate the model: recalibrating must not make it look 10% faster."""
+    prior = Factors(compute_efficiency=0.3, comm_efficiency=0.8)
+    at_limit = Candidate(sharding="NO_SHARD", micro_batch_size=4)
+    base = estimate(at_limit)
+    full = base.model_copy(update={"headroom": 0, "speed": model(at_limit, prior)})
+    ran = [Candidate(sharding="FULL_SHARD", micro_batch_size=m) for m in (1, 4)]
+    trials = [
+        TrialResult(candidate=c, status=TrialStatus.OK, step_time=model(c, prior).step_time_s)
+        for c in ran
+    ]
+    again, _ = reorder_untried([full], trials, model, prior)
+    plain = model(at_limit, prior).step_time_s
+    assert again[0].speed.step_time_s == pytest.approx(1.1 * plain, rel=1e-6)
+    assert again[0].speed.breakdown.pressure_s == pytest.approx(0.1 * plain, rel=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # In the study: the real step-time model, calibrated only on the device planned for
 # ---------------------------------------------------------------------------------------------

@@ -432,13 +432,19 @@ def fit_grouped(
 
 
 def repredict(
-    estimates: Sequence[MemoryEstimate], predict: Predict[F], factors: F, *, calibrated: bool
+    estimates: Sequence[MemoryEstimate],
+    predict: Predict[F],
+    factors: Callable[[Candidate], F],
+    *,
+    calibrated: bool,
 ) -> list[MemoryEstimate]:
-    """The estimates with their speed predicted again with ``factors``, slowed where their
-    predicted peak is near the usable memory (:func:`~autoshard.predict.speed.under_pressure`)."""
+    """The estimates with their speed predicted again with each candidate's ``factors``, slowed
+    where their predicted peak is near the usable memory
+    (:func:`~autoshard.predict.speed.under_pressure`)."""
     out = []
     for e in estimates:
-        speed = predict(e.candidate, factors).model_copy(update={"calibrated": calibrated})
+        speed = predict(e.candidate, factors(e.candidate))
+        speed = speed.model_copy(update={"calibrated": calibrated})
         speed = under_pressure(speed, e.gpu_peak, e.gpu_peak + e.headroom)
         out.append(e.model_copy(update={"speed": speed}))
     return out
@@ -497,7 +503,7 @@ class SpeedModel:
 
     def attach(self, estimates: Sequence[MemoryEstimate]) -> list[MemoryEstimate]:
         """The estimates with the uncalibrated speed prediction."""
-        return repredict(estimates, self.predict, self.prior, calibrated=False)
+        return repredict(estimates, self.predict, lambda _: self.prior, calibrated=False)
 
 
 def reorder_untried(
@@ -517,14 +523,5 @@ def reorder_untried(
     """
     calibration = fit_grouped(points_of(trials), predict, prior)
     fitted = bool(calibration.fitted or calibration.groups)
-    again = [
-        e.model_copy(
-            update={
-                "speed": predict(e.candidate, calibration.factors_for(e.candidate)).model_copy(
-                    update={"calibrated": fitted}
-                )
-            }
-        )
-        for e in untried
-    ]
+    again = repredict(untried, predict, calibration.factors_for, calibrated=fitted)
     return order_by_speed(again), calibration
