@@ -8,13 +8,11 @@ runs over its whole grid).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import gloo_peaks
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = {"spec": f"{ROOT}/examples/gpt.py:build", "kwargs": {"size": "tiny"}}
@@ -28,40 +26,11 @@ POINTS = [
 
 
 def candidates() -> list:
-    from autoshard.analyze import analyze_target
-    from autoshard.config import Candidate
-    from autoshard.target.resolve import TargetSpec
-
-    profile, _ = analyze_target(TargetSpec(**TARGET))
-    return [
-        Candidate(
-            wrap_classes=profile.wrap_policy, checkpoint_classes=profile.checkpoint_policy, **point
-        )
-        for point in POINTS
-    ]
+    return gloo_peaks.candidates(TARGET, POINTS)
 
 
 def main() -> None:
-    import torch
-    import torch.distributed as dist
-
-    from autoshard.config import WorkloadSpec
-    from autoshard.predict.simulate import measure_training_peak
-    from autoshard.target.resolve import TargetSpec
-    from autoshard.trials.worker import exit_worker
-
-    dist.init_process_group("gloo")
-    peaks = []
-    for candidate in candidates():
-        peak = measure_training_peak(
-            TargetSpec(**TARGET), candidate, WorkloadSpec(seq_len=SEQ), torch.device("cpu")
-        )["Total"]
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, peak)
-        peaks.append(max(gathered))
-    if dist.get_rank() == 0:
-        Path(sys.argv[1]).write_text(json.dumps(peaks))
-    exit_worker()  # not a plain exit: gloo can abort the interpreter's finalization
+    gloo_peaks.measure_peaks(TARGET, POINTS, SEQ)
 
 
 @pytest.mark.slow
@@ -73,16 +42,7 @@ def test_estimates_planned_for_gloo_match_measured_gloo_runs(tmp_path) -> None:
     from autoshard.predict.simulate import simulate_memory
     from autoshard.target.resolve import TargetSpec
 
-    result = tmp_path / "peaks.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT)])}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-         "--standalone", __file__, str(result)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    measured = json.loads(result.read_text())
+    measured = gloo_peaks.launch(__file__, tmp_path)
 
     target = TargetSpec(**TARGET)
     profile, built = analyze_target(target)

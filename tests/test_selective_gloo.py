@@ -10,13 +10,11 @@ trains each configuration for two steps under torch's memory tracker
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import gloo_peaks
 
 ROOT = Path(__file__).resolve().parents[1]
 # A step whose activations weigh (512 tokens, a small vocabulary): benchmarks' gpt-long.
@@ -34,40 +32,11 @@ POINTS = [
 
 
 def candidates() -> list:
-    from autoshard.analyze import analyze_target
-    from autoshard.config import Candidate
-    from autoshard.target.resolve import TargetSpec
-
-    profile, _ = analyze_target(TargetSpec(**TARGET))
-    return [
-        Candidate(
-            wrap_classes=profile.wrap_policy, checkpoint_classes=profile.checkpoint_policy, **point
-        )
-        for point in POINTS
-    ]
+    return gloo_peaks.candidates(TARGET, POINTS)
 
 
 def main() -> None:
-    import torch
-    import torch.distributed as dist
-
-    from autoshard.config import WorkloadSpec
-    from autoshard.predict.simulate import measure_training_peak
-    from autoshard.target.resolve import TargetSpec
-    from autoshard.trials.worker import exit_worker
-
-    dist.init_process_group("gloo")
-    peaks = []
-    for candidate in candidates():
-        peak = measure_training_peak(
-            TargetSpec(**TARGET), candidate, WorkloadSpec(seq_len=SEQ), torch.device("cpu")
-        )["Total"]
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, peak)
-        peaks.append(max(gathered))
-    if dist.get_rank() == 0:
-        Path(sys.argv[1]).write_text(json.dumps(peaks))
-    exit_worker()  # not a plain exit: gloo can abort the interpreter's finalization
+    gloo_peaks.measure_peaks(TARGET, POINTS, SEQ)
 
 
 @pytest.mark.slow
@@ -79,16 +48,7 @@ def test_selective_runs_in_fsdp1_and_fsdp2_between_none_and_all_as_estimated(tmp
     from autoshard.predict.simulate import simulate_memory
     from autoshard.target.resolve import TargetSpec
 
-    result = tmp_path / "peaks.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT)])}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-         "--standalone", __file__, str(result)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    none, selective, full, _ = measured = json.loads(result.read_text())
+    none, selective, full, _ = measured = gloo_peaks.launch(__file__, tmp_path)
     # what the policy keeps costs memory, what it recomputes saves some
     assert full < selective < none, measured
 
