@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Literal
@@ -30,12 +31,113 @@ class Engine(str, Enum):
 
 
 class Sharding(str, Enum):
-    """FSDP sharding strategy, by the names of ``torch.distributed.fsdp.ShardingStrategy``."""
+    """FSDP sharding strategy, by the names of ``torch.distributed.fsdp.ShardingStrategy``; what
+    each one does is its row of :data:`SHARDING_TRAITS`."""
 
     FULL_SHARD = "FULL_SHARD"
     SHARD_GRAD_OP = "SHARD_GRAD_OP"
     NO_SHARD = "NO_SHARD"
     HYBRID_SHARD = "HYBRID_SHARD"
+
+
+class ShardGroup(str, Enum):
+    """Over which ranks a sharding strategy shards each parameter, and so its device mesh."""
+
+    WORLD = "world"  # all ranks: a 1-D mesh (FSDP1: the default process group)
+    HYBRID = "hybrid"  # within each shard group of the candidate's (replicate, shard) mesh
+    NONE = "none"  # no rank: every rank holds the whole parameter (FSDP2: a (world, 1) mesh)
+
+
+@dataclass(frozen=True)
+class ShardingTraits:
+    """Everything autoshard knows about one sharding strategy, in one row of
+    :data:`SHARDING_TRAITS`: the estimators, the space, the trials' set-up and every emitter
+    read it, so a new strategy is a new enum member and its row.
+
+    >>> SHARDING_TRAITS[Sharding.SHARD_GRAD_OP].keeps_gathered
+    True
+    >>> SHARDING_TRAITS[Sharding.FULL_SHARD].hf_trainer_name
+    'full_shard'
+    """
+
+    group: ShardGroup
+    # Units are freed after forward and all-gathered from the shard group again in backward.
+    # NO_SHARD has no shard group to gather from, so False; under FSDP2 its units still get a
+    # local unsharded copy, which fully_shard frees after forward as the reshard policy says
+    # (engine.reshard_after_forward: only a sharding that keeps_gathered pins it False).
+    reshards: bool
+    fsdp1_name: str  # torch's ShardingStrategy member; Lightning's FSDPStrategy takes it too
+    # accelerate's fsdp_sharding_strategy (FSDP1); the HF Trainer takes it in lower case
+    accelerate_name: str
+    min_ranks: int = 1  # the space proposes it from this many ranks
+    min_nodes: int = 1  # ... and this many nodes
+    offloads: bool = False  # ... and with CPU offload (the last resort: once is enough)
+
+    @property
+    def shards_params(self) -> bool:
+        """Parameters are sharded over a group (else replicated whole)."""
+        return self.group is not ShardGroup.NONE
+
+    @property
+    def replicates(self) -> bool:
+        """A replicate dimension: reduced gradients are all-reduced across it (a 2-D mesh)."""
+        return self.group is not ShardGroup.WORLD
+
+    @property
+    def keeps_gathered(self) -> bool:
+        """Sharded, but every unit stays gathered from forward into backward (ZeRO-2)."""
+        return self.shards_params and not self.reshards
+
+    @property
+    def needs_mesh(self) -> bool:
+        """A candidate with it carries ``hybrid_mesh=(replicate, shard)``."""
+        return self.group is ShardGroup.HYBRID
+
+    @property
+    def hf_trainer_name(self) -> str:
+        """The HF Trainer's ``fsdp_config["reshard_after_forward"]`` under FSDP1 (transformers
+        hands it to accelerate's plugin, which upper-cases it)."""
+        return self.accelerate_name.lower()
+
+    def proposed_for(self, hardware: Hardware) -> bool:
+        """Whether the space proposes it for ``hardware``."""
+        return hardware.world_size >= self.min_ranks and hardware.nodes >= self.min_nodes
+
+    def proposed_mesh(self, hardware: Hardware) -> tuple[int, int] | None:
+        """The (replicate, shard) mesh the space proposes it with: a hybrid strategy shards
+        within each node and replicates across nodes."""
+        return (hardware.nodes, hardware.gpus_per_node) if self.needs_mesh else None
+
+
+SHARDING_TRAITS: dict[Sharding, ShardingTraits] = {
+    Sharding.FULL_SHARD: ShardingTraits(
+        ShardGroup.WORLD,
+        reshards=True,
+        fsdp1_name="FULL_SHARD",
+        accelerate_name="FULL_SHARD",
+        offloads=True,
+    ),
+    Sharding.SHARD_GRAD_OP: ShardingTraits(
+        ShardGroup.WORLD,
+        reshards=False,
+        fsdp1_name="SHARD_GRAD_OP",
+        accelerate_name="SHARD_GRAD_OP",
+    ),
+    Sharding.NO_SHARD: ShardingTraits(
+        ShardGroup.NONE,
+        reshards=False,
+        fsdp1_name="NO_SHARD",
+        accelerate_name="NO_SHARD",
+        min_ranks=2,
+    ),
+    Sharding.HYBRID_SHARD: ShardingTraits(
+        ShardGroup.HYBRID,
+        reshards=True,
+        fsdp1_name="HYBRID_SHARD",
+        accelerate_name="HYBRID_SHARD",
+        min_nodes=2,
+    ),
+}
 
 
 class Precision(str, Enum):
@@ -169,10 +271,12 @@ class Candidate(Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> Candidate:
-        if self.sharding is Sharding.HYBRID_SHARD and self.hybrid_mesh is None:
-            raise ValueError("HYBRID_SHARD needs hybrid_mesh=(replicate, shard)")
-        if self.sharding is not Sharding.HYBRID_SHARD and self.hybrid_mesh is not None:
-            raise ValueError("hybrid_mesh is only meaningful with HYBRID_SHARD")
+        needs_mesh = SHARDING_TRAITS[self.sharding].needs_mesh
+        if needs_mesh and self.hybrid_mesh is None:
+            raise ValueError(f"{self.sharding.value} needs hybrid_mesh=(replicate, shard)")
+        if not needs_mesh and self.hybrid_mesh is not None:
+            meshed = " or ".join(s.value for s, t in SHARDING_TRAITS.items() if t.needs_mesh)
+            raise ValueError(f"hybrid_mesh is only meaningful with {meshed}")
         if self.checkpointing is not Checkpointing.NONE and not self.checkpoint_classes:
             raise ValueError("activation checkpointing needs checkpoint_classes")
         if self.reshard is not Reshard.ALL and self.engine is not Engine.FSDP2:

@@ -21,9 +21,8 @@ the policy of the candidate's engine (:func:`policy_of`) instead of re-deriving 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from autoshard.config import (
+    SHARDING_TRAITS,
     BackwardPrefetch,
     Candidate,
     Engine,
@@ -32,7 +31,9 @@ from autoshard.config import (
     Optimizer,
     Precision,
     Reshard,
+    ShardGroup,
     Sharding,
+    ShardingTraits,
     WorkloadSpec,
 )
 from autoshard.errors import ConfigError
@@ -51,17 +52,17 @@ def element_bytes(precision: Precision) -> tuple[int, int]:
 def shard_group(candidate: Candidate, hardware: Hardware) -> tuple[int, int]:
     """(ranks a parameter is sharded over, replicas of each shard) of the candidate's sharding."""
     world = hardware.world_size
-    match candidate.sharding:
-        case Sharding.NO_SHARD:
+    match traits(candidate).group:
+        case ShardGroup.NONE:
             return 1, world
-        case Sharding.HYBRID_SHARD:
+        case ShardGroup.HYBRID:
             assert candidate.hybrid_mesh is not None
             replicas, shard = candidate.hybrid_mesh
             return shard, replicas
-        case Sharding.FULL_SHARD | Sharding.SHARD_GRAD_OP:
+        case ShardGroup.WORLD:
             return world, 1
         case _:
-            raise ValueError(f"unknown sharding {candidate.sharding!r}")
+            raise ValueError(f"unknown shard group of {candidate.sharding!r}")
 
 
 def shard_size(candidate: Candidate, hardware: Hardware) -> int:
@@ -69,31 +70,9 @@ def shard_size(candidate: Candidate, hardware: Hardware) -> int:
     return shard_group(candidate, hardware)[0]
 
 
-@dataclass(frozen=True)
-class ShardingTraits:
-    """What a sharding strategy does, as the estimators need it: a new strategy is one row of
-    :data:`SHARDING_TRAITS` (and its shard group, :func:`shard_group`)."""
-
-    shards_params: bool  # parameters are sharded over a group (else replicated whole)
-    reshards: bool  # units are freed after forward and gathered again in backward
-    replicates: bool  # a replicate dimension: reduced gradients are all-reduced across it
-
-    @property
-    def keeps_gathered(self) -> bool:
-        """Sharded, but every unit stays gathered from forward into backward (ZeRO-2)."""
-        return self.shards_params and not self.reshards
-
-
-SHARDING_TRAITS = {
-    Sharding.FULL_SHARD: ShardingTraits(shards_params=True, reshards=True, replicates=False),
-    Sharding.SHARD_GRAD_OP: ShardingTraits(shards_params=True, reshards=False, replicates=False),
-    Sharding.NO_SHARD: ShardingTraits(shards_params=False, reshards=False, replicates=True),
-    Sharding.HYBRID_SHARD: ShardingTraits(shards_params=True, reshards=True, replicates=True),
-}
-
-
 def traits(candidate: Candidate) -> ShardingTraits:
-    """What the candidate's sharding strategy does."""
+    """What the candidate's sharding strategy does (its row of
+    :data:`~autoshard.config.SHARDING_TRAITS`)."""
     return SHARDING_TRAITS[candidate.sharding]
 
 
@@ -106,7 +85,12 @@ def reshard_after_forward(candidate: Candidate, *, root: bool = False, last: boo
     """``fully_shard``'s ``reshard_after_forward`` for one unit: the root unit, the last block
     (the first that backward needs), or any other block.
 
-    SHARD_GRAD_OP keeps every unit gathered. Otherwise ``candidate.reshard`` decides: ALL frees
+    One rule for the trials and every output: a sharding that keeps units gathered
+    (SHARD_GRAD_OP) is False everywhere. Otherwise ``candidate.reshard`` decides, NO_SHARD
+    included: FSDP2 has no NO_SHARD, autoshard runs it on a (world, 1) mesh where each unit
+    still gets a local unsharded copy, and freeing it after forward is what fully_shard does by
+    default and what the trials measured (nothing is gathered over the network, so
+    ``traits.reshards`` stays False for the estimators' collectives). ALL frees
     every unit after forward; KEEP_ROOT keeps the root (``fully_shard``'s default, ``None``, does
     this: backward needs the root's head first); KEEP_ROOT_AND_LAST also keeps the last block
     (torchtitan, ``torchtitan/models/llama3/infra/parallelize.py``: FSDP would prefetch it again
@@ -136,6 +120,11 @@ class EnginePolicy:
     def reduce_bytes(self, candidate: Candidate) -> int:
         """Bytes per gradient element in the reduction."""
         return element_bytes(candidate.precision)[1]
+
+    def mesh_shape(self, candidate: Candidate, world_size: int) -> tuple[int, ...] | None:
+        """The shape of the device mesh the engine shards ``candidate`` over, (replicate,
+        shard) when it has two dimensions; None: the default process group."""
+        raise NotImplementedError
 
     def regathers(self, candidate: Candidate, *, root: bool = False, last: bool = False) -> bool:
         """Whether backward gathers the unit again (it was freed after forward), sharded or not:
@@ -181,6 +170,10 @@ class FSDP1Policy(EnginePolicy):
         if hardware.world_size == 1 and candidate.sharding is not Sharding.NO_SHARD:
             return candidate.model_copy(update={"sharding": Sharding.NO_SHARD, "hybrid_mesh": None})
         return candidate
+
+    def mesh_shape(self, candidate: Candidate, world_size: int) -> tuple[int, ...] | None:
+        # the sharding strategy shards over the default group unless it has a hybrid mesh
+        return candidate.hybrid_mesh if traits(candidate).needs_mesh else None
 
     def regathers(self, candidate: Candidate, *, root: bool = False, last: bool = False) -> bool:
         # the sharding strategy decides; the root is never resharded after forward
@@ -241,6 +234,16 @@ class FSDP2Policy(EnginePolicy):
         if candidate.precision.mixed and candidate.reduce_dtype_fp32:
             return 4
         return super().reduce_bytes(candidate)
+
+    def mesh_shape(self, candidate: Candidate, world_size: int) -> tuple[int, ...] | None:
+        # fully_shard has no strategy argument: the mesh's shard dimension is the shard group
+        match traits(candidate).group:
+            case ShardGroup.HYBRID:
+                return candidate.hybrid_mesh
+            case ShardGroup.NONE:
+                return (world_size, 1)
+            case _:
+                return (world_size,)
 
     def regathers(self, candidate: Candidate, *, root: bool = False, last: bool = False) -> bool:
         return resharded_sharding(candidate) and reshard_after_forward(

@@ -13,10 +13,10 @@ checkpointing is applied after wrapping with ``apply_activation_checkpointing``.
 FSDP2 follows torchtitan: checkpoint the blocks, ``fully_shard`` each block, then the root;
 ``reshard_after_forward=False`` for SHARD_GRAD_OP, and per unit as ``candidate.reshard`` says
 otherwise (:func:`reshard_after_forward`); HYBRID_SHARD and NO_SHARD on a 2-D (replicate, shard)
-mesh; gradients reduced in fp32 under mixed precision. ``candidate.float8`` converts the
-blocks' linear layers to torchao's ``Float8Linear`` first, and ``candidate.compile`` compiles
-each block in place before ``fully_shard`` (torchtitan's order: float8, checkpointing, compile,
-FSDP); FSDP1 compiles the wrapped model.
+mesh (:func:`mesh_for`); gradients reduced in fp32 under mixed precision. ``candidate.float8``
+converts the blocks' linear layers to torchao's ``Float8Linear`` first, and
+``candidate.compile`` compiles each block in place before ``fully_shard`` (torchtitan's order:
+float8, checkpointing, compile, FSDP); FSDP1 compiles the wrapped model.
 """
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ from autoshard.config import (
     Optimizer,
     OptimizerImpl,
     Precision,
-    Sharding,
 )
-from autoshard.engine import reshard_after_forward
+from autoshard.engine import policy_of, reshard_after_forward, traits
 from autoshard.errors import ConfigError, MissingDependencyError
 
 _DTYPES = {
@@ -114,7 +113,7 @@ def fsdp1_kwargs(
         raise ConfigError("fsdp1_kwargs needs an fsdp1 candidate")
     dtype = compute_dtype(candidate.precision)
     kwargs: dict[str, Any] = {
-        "sharding_strategy": ShardingStrategy[candidate.sharding.value],
+        "sharding_strategy": ShardingStrategy[traits(candidate).fsdp1_name],
         "cpu_offload": CPUOffload(offload_params=candidate.cpu_offload),
         "mixed_precision": MixedPrecision(
             param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype
@@ -157,8 +156,8 @@ def apply_fsdp1(
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     classes = wrap_classes_of(model, candidate.wrap_classes) if candidate.wrap_classes else None
-    if mesh is None and candidate.sharding is Sharding.HYBRID_SHARD:
-        mesh = hybrid_mesh(candidate, device)
+    if mesh is None:
+        mesh = mesh_for(candidate, device, dist.get_world_size())
     kwargs = fsdp1_kwargs(candidate, device=device, classes=classes, device_mesh=mesh)
     if param_init_fn is not None:
         kwargs["param_init_fn"] = param_init_fn
@@ -205,7 +204,7 @@ def apply_candidate(
         model = model.to(torch.bfloat16)
     if candidate.engine is Engine.FSDP1:
         return apply_fsdp1(model, candidate, device, param_init_fn=param_init_fn)
-    mesh = fsdp2_mesh(candidate, device, dist.get_world_size())
+    mesh = mesh_for(candidate, device, dist.get_world_size())
     model = apply_fsdp2(model, candidate, mesh)
     if param_init_fn is not None:
         model.to_empty(device=device)
@@ -221,36 +220,18 @@ def apply_candidate(
 # ---------------------------------------------------------------------------------------------
 
 
-def hybrid_mesh(candidate: Candidate, device: torch.device) -> Any:
-    """The (replicate, shard) device mesh of a HYBRID_SHARD candidate."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    assert candidate.hybrid_mesh is not None
-    return init_device_mesh(
-        device.type, tuple(candidate.hybrid_mesh), mesh_dim_names=("replicate", "shard")
-    )
-
-
-def fsdp2_mesh(candidate: Candidate, device: torch.device, world_size: int) -> Any:
-    """The device mesh FSDP2 shards over: 1-D for FULL_SHARD / SHARD_GRAD_OP; 2-D
-    (replicate, shard) for HYBRID_SHARD, and (world, 1) for NO_SHARD (pure replication)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    names = ("replicate", "shard")
-    if candidate.sharding is Sharding.HYBRID_SHARD:
-        return hybrid_mesh(candidate, device)
-    if candidate.sharding is Sharding.NO_SHARD:
-        return init_device_mesh(device.type, (world_size, 1), mesh_dim_names=names)
-    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
-
-
 def mesh_for(candidate: Candidate, device: torch.device, world_size: int) -> Any:
-    """The device mesh ``candidate`` shards over, made before the model is wrapped (the
-    simulation makes it outside its fake mode): FSDP2's always, FSDP1's for HYBRID_SHARD only
-    (None: FSDP1 takes the default process group)."""
-    if candidate.engine is Engine.FSDP2:
-        return fsdp2_mesh(candidate, device, world_size)
-    return hybrid_mesh(candidate, device) if candidate.sharding is Sharding.HYBRID_SHARD else None
+    """The device mesh ``candidate`` shards over, of the shape its engine's policy gives
+    (:meth:`~autoshard.engine.EnginePolicy.mesh_shape`), made before the model is wrapped (the
+    simulation makes it outside its fake mode): FSDP2's always, 1-D (shard) or 2-D (replicate,
+    shard); FSDP1's for a hybrid mesh only (None: FSDP1 takes the default process group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = policy_of(candidate).mesh_shape(candidate, world_size)
+    if shape is None:
+        return None
+    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    return init_device_mesh(device.type, tuple(shape), mesh_dim_names=names)
 
 
 def fsdp2_kwargs(candidate: Candidate, mesh: Any, *, pin_memory: bool) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from autoshard.config import (
+    SHARDING_TRAITS,
     Candidate,
     Checkpointing,
     Engine,
@@ -101,31 +102,32 @@ def float8_blocker(hardware: Hardware, engine: Engine | str) -> str | None:
 def shardings_for(
     hardware: Hardware, engine: Engine = Engine.FSDP1
 ) -> list[tuple[Sharding, tuple[int, int] | None]]:
-    """Sharding strategies that make sense for the world: HYBRID_SHARD across several nodes,
-    sharding within a node and replicating across nodes."""
-    options: list[tuple[Sharding, tuple[int, int] | None]] = [(Sharding.FULL_SHARD, None)]
+    """Sharding strategies that make sense for the world, each with its mesh (each row of
+    :data:`~autoshard.config.SHARDING_TRAITS` says from how many ranks and nodes: HYBRID_SHARD
+    across several nodes, sharding within a node and replicating across nodes)."""
+    options = [
+        (sharding, traits.proposed_mesh(hardware))
+        for sharding, traits in SHARDING_TRAITS.items()
+        if traits.proposed_for(hardware)
+    ]
     if hardware.world_size == 1 and Engine(engine) is Engine.FSDP1:
-        # FSDP1 runs every strategy as NO_SHARD on one rank (memory.as_run): one is enough.
+        # FSDP1 runs every strategy as NO_SHARD on one rank (engine.as_run): one is enough.
         # FSDP2's reshard-after-forward still differs there.
-        return options
-    options.append((Sharding.SHARD_GRAD_OP, None))
-    if hardware.world_size > 1:
-        options.append((Sharding.NO_SHARD, None))
-    if hardware.nodes > 1:
-        options.append((Sharding.HYBRID_SHARD, (hardware.nodes, hardware.gpus_per_node)))
+        return options[:1]
     return options
 
 
 def reshards_for(
     engine: Engine, sharding: Sharding, *, wrapped: bool, offload: bool
 ) -> tuple[Reshard, ...]:
-    """FSDP2's reshard policies that differ for this sharding: with FULL_SHARD or HYBRID_SHARD
-    and block units, every unit resharded, the root kept, or the root and the last block kept
-    (SHARD_GRAD_OP and NO_SHARD keep or hold everything anyway; FSDP1 has no such choice; CPU
-    offload is the last resort for memory, where keeping units gathered defeats it)."""
+    """FSDP2's reshard policies that differ for this sharding: with one that reshards
+    (FULL_SHARD, HYBRID_SHARD) and block units, every unit resharded, the root kept, or the root
+    and the last block kept (SHARD_GRAD_OP and NO_SHARD keep or hold everything anyway; FSDP1
+    has no such choice; CPU offload is the last resort for memory, where keeping units gathered
+    defeats it)."""
     if (
         Engine(engine) is Engine.FSDP2
-        and sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+        and SHARDING_TRAITS[sharding].reshards
         and wrapped
         and not offload
     ):
@@ -188,7 +190,7 @@ def enumerate_candidates(
         for sharding, mesh in shardings_for(hardware, engine):
             for ckpt, every in checkpointing:
                 for off in offloads:
-                    if off and sharding is not Sharding.FULL_SHARD:
+                    if off and not SHARDING_TRAITS[sharding].offloads:
                         continue
                     policies = reshards_for(
                         engine, sharding, wrapped=bool(profile.wrap_policy), offload=off

@@ -18,7 +18,7 @@ from autoshard.sharding import (
     cpu_workers_cannot_run,
     float8_linears,
     fsdp2_kwargs,
-    fsdp2_mesh,
+    mesh_for,
     rank_device,
 )
 
@@ -136,13 +136,13 @@ def test_fsdp2_shards_each_block_then_the_root_with_the_reshard_policy(one_rank)
     assert fp32._get_fsdp_state()._fsdp_param_group.mp_policy.param_dtype is None
 
 
-def test_fsdp2_meshes_and_unit_arguments(one_rank) -> None:
-    flat = fsdp2_mesh(candidate(engine="fsdp2"), CPU, 1)
+def test_mesh_fores_and_unit_arguments(one_rank) -> None:
+    flat = mesh_for(candidate(engine="fsdp2"), CPU, 1)
     assert flat.mesh_dim_names == ("shard",) and tuple(flat.shape) == (1,)
-    replicated = fsdp2_mesh(candidate(engine="fsdp2", sharding="NO_SHARD"), CPU, 1)
+    replicated = mesh_for(candidate(engine="fsdp2", sharding="NO_SHARD"), CPU, 1)
     assert replicated.mesh_dim_names == ("replicate", "shard") and tuple(replicated.shape) == (1, 1)
     hybrid = candidate(engine="fsdp2", sharding="HYBRID_SHARD", hybrid_mesh=(1, 1))
-    mesh = fsdp2_mesh(hybrid, CPU, 1)
+    mesh = mesh_for(hybrid, CPU, 1)
     assert mesh.mesh_dim_names == ("replicate", "shard") and tuple(mesh.shape) == (1, 1)
     kwargs = fsdp2_kwargs(candidate(engine="fsdp2", cpu_offload=True), flat, pin_memory=False)
     assert kwargs["mesh"] is flat and kwargs["reshard_after_forward"] is True

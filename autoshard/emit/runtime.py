@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from autoshard import sharding
-from autoshard.config import BackwardPrefetch, Candidate, Checkpointing, Engine, Precision, Sharding
+from autoshard.config import BackwardPrefetch, Candidate, Checkpointing, Engine, Precision
+from autoshard.engine import traits
 from autoshard.errors import ConfigError, HandoverNotice, MissingDependencyError
 from autoshard.results import Decision
 from autoshard.units import format_bytes
@@ -266,14 +267,14 @@ def fsdp2_plan(rec: Decision) -> Callable[..., nn.Module]:
         import torch
         import torch.distributed as dist
 
-        needs_2d = candidate.sharding in (Sharding.HYBRID_SHARD, Sharding.NO_SHARD)
+        needs_2d = traits(candidate).replicates  # a (replicate, shard) mesh
         if mesh is None or (needs_2d and mesh.ndim == 1):
             device_type = (
                 mesh.device_type
                 if mesh is not None
                 else ("cuda" if torch.cuda.is_available() else "cpu")
             )
-            mesh = sharding.fsdp2_mesh(candidate, torch.device(device_type), dist.get_world_size())
+            mesh = sharding.mesh_for(candidate, torch.device(device_type), dist.get_world_size())
         return sharding.apply_fsdp2(model, candidate, mesh)
 
     return plan
@@ -304,7 +305,7 @@ def strategy_kwargs(rec: Decision, *, model: nn.Module | None = None) -> dict[st
     # trials ran with; Lightning names some of its keys, the rest pass through **kwargs.
     fk = sharding.fsdp1_kwargs(c, classes=wrap or None)
     kwargs: dict[str, Any] = {
-        "sharding_strategy": c.sharding.value,
+        "sharding_strategy": traits(c).fsdp1_name,
         "cpu_offload": c.cpu_offload,
         "state_dict_type": state_dict_type,
         "limit_all_gathers": fk["limit_all_gathers"],

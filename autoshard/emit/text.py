@@ -21,7 +21,6 @@ from autoshard.config import (
     Engine,
     Precision,
     Reshard,
-    Sharding,
 )
 from autoshard.emit.runtime import (
     choose_state_dict_type,
@@ -29,6 +28,7 @@ from autoshard.emit.runtime import (
     strategy_kwargs,
     trainer_kwargs,
 )
+from autoshard.engine import reshard_after_forward, traits
 from autoshard.errors import ConfigError, HandoverNotice
 from autoshard.results import Decision
 from autoshard.units import format_bytes
@@ -102,8 +102,8 @@ def describe_reshard(c: Candidate) -> str:
     """
     if c.engine is not Engine.FSDP2:
         return ""
-    if c.sharding is Sharding.SHARD_GRAD_OP:
-        return "nothing reshards after forward (SHARD_GRAD_OP: reshard_after_forward=False)"
+    if traits(c).keeps_gathered:
+        return f"nothing reshards after forward ({c.sharding.value}: reshard_after_forward=False)"
     match c.reshard:
         case Reshard.ALL:
             what = "every unit reshards after forward (reshard_after_forward=True, root included)"
@@ -155,7 +155,7 @@ def lightning_cli_config(rec: Decision) -> dict[str, Any]:
         # of the block class. Named arguments go in init_args (jsonargparse converts their
         # types); the rest of FSDP's kwargs go in dict_kwargs, passed through unconverted.
         init: dict[str, Any] = {
-            "sharding_strategy": c.sharding.value,
+            "sharding_strategy": traits(c).fsdp1_name,
             "cpu_offload": c.cpu_offload,
             "state_dict_type": state_dict_type,
         }
@@ -271,11 +271,12 @@ def accelerate_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
     else:
         fsdp["fsdp_auto_wrap_policy"] = "NO_WRAP"
     if c.engine is Engine.FSDP2:
-        fsdp["fsdp_reshard_after_forward"] = c.sharding is not Sharding.SHARD_GRAD_OP
-        if c.sharding is not Sharding.SHARD_GRAD_OP:
+        # one value for every unit: the blocks' (the notes say where the root and last differ)
+        fsdp["fsdp_reshard_after_forward"] = reshard_after_forward(c)
+        if reshard_after_forward(c):
             notes.extend(_accelerate_reshard_notes(c))
     else:
-        fsdp["fsdp_sharding_strategy"] = c.sharding.value
+        fsdp["fsdp_sharding_strategy"] = traits(c).accelerate_name
         fsdp["fsdp_backward_prefetch"] = _ACCELERATE_PREFETCH[c.backward_prefetch]
         fsdp["fsdp_forward_prefetch"] = c.forward_prefetch
         fsdp["fsdp_use_orig_params"] = True
@@ -318,16 +319,16 @@ def accelerate_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
 
 
 def _fsdp1_hybrid_notes(rec: Decision, stack: str) -> list[str]:
-    """FSDP1's HYBRID_SHARD in accelerate shards within each node, a group that no key
+    """FSDP1's hybrid sharding in accelerate shards within each node, a group that no key
     changes: said, with what to do where autoshard chose other groups."""
     c = rec.chosen.candidate
     if c.engine is not Engine.FSDP1 or c.hybrid_mesh is None:
         return []
     per_node = rec.hardware.gpus_per_node
     if c.hybrid_mesh[1] == per_node:
-        return [f"HYBRID_SHARD shards within each node ({per_node} ranks), as {stack} does"]
+        return [f"{c.sharding.value} shards within each node ({per_node} ranks), as {stack} does"]
     return [
-        f"{stack}'s HYBRID_SHARD shards within each node ({per_node} ranks); autoshard chose "
+        f"{stack}'s {c.sharding.value} shards within each node ({per_node} ranks); autoshard chose "
         f"groups of {c.hybrid_mesh[1]} (mesh {c.hybrid_mesh[0]} x {c.hybrid_mesh[1]}), which "
         f"{stack} has no setting for: rec.apply(model) applies it"
     ]
@@ -410,22 +411,22 @@ def hf_trainer_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
         fsdp["auto_wrap_policy"] = "NO_WRAP"
     notes: list[str] = []
     if c.engine is Engine.FSDP2:
-        fsdp["reshard_after_forward"] = c.sharding is not Sharding.SHARD_GRAD_OP
-        if c.sharding is not Sharding.SHARD_GRAD_OP and c.reshard is not Reshard.ALL:
+        fsdp["reshard_after_forward"] = reshard_after_forward(c)  # the blocks', as above
+        if reshard_after_forward(c) and c.reshard is not Reshard.ALL:
             notes.append(
                 f"{describe_reshard(c)}; the Trainer (accelerate) has no key for it and keeps "
                 "its final norm + lm_head unit and the root gathered after forward"
             )
         if c.hybrid_mesh is not None:
             notes.append(
-                "HYBRID_SHARD: pass parallelism_config=accelerate.ParallelismConfig("
+                f"{c.sharding.value}: pass parallelism_config=accelerate.ParallelismConfig("
                 f"dp_replicate_size={c.hybrid_mesh[0]}, dp_shard_size={c.hybrid_mesh[1]}) "
                 "(an object, not JSON)"
             )
     else:
-        # FSDP1 takes the sharding strategy's name here (HYBRID_SHARD: accelerate builds the
+        # FSDP1 takes the sharding strategy's name here (a hybrid one: accelerate builds the
         # node-sized groups itself).
-        fsdp["reshard_after_forward"] = c.sharding.value.lower()
+        fsdp["reshard_after_forward"] = traits(c).hf_trainer_name
         fsdp["forward_prefetch"] = c.forward_prefetch
         # The Trainer's default is NO_PREFETCH, FSDP's is BACKWARD_PRE: always say which.
         fsdp["backward_prefetch"] = _ACCELERATE_PREFETCH[c.backward_prefetch]

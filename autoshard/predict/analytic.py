@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autoshard.config import Candidate, Engine, Hardware, Loop, Sharding, WorkloadSpec
+from autoshard.config import Candidate, Engine, Hardware, Loop, WorkloadSpec
 from autoshard.engine import OPTIMIZER_STATES, as_run
 from autoshard.predict.activations import ActivationProfile, rule_of_thumb
 from autoshard.predict.recipe import recipe_activations
@@ -147,10 +147,10 @@ def needs_simulation(
             "gradient accumulation with CPU offload is not modelled (where the kept gradients "
             "live depends on the engine); measure it with a trial"
         )
-    if workload.accumulate > 1 and candidate.sharding is Sharding.HYBRID_SHARD:
+    if workload.accumulate > 1 and candidate.hybrid_mesh is not None:  # a hybrid sharding
         return (
-            "gradient accumulation with HYBRID_SHARD is not checked against a measurement; "
-            "simulate it"
+            f"gradient accumulation with {candidate.sharding.value} is not checked against a "
+            "measurement; simulate it"
         )
     return None
 
