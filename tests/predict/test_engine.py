@@ -149,7 +149,45 @@ def test_each_sharding_strategy_is_one_row_of_what_it_does() -> None:
         "NO_SHARD": (False, False, True, False),
         "HYBRID_SHARD": (True, True, True, False),
     }
+    # the names each stack takes, and when the space proposes it
+    outputs = {
+        s.value: (t.fsdp1_name, t.accelerate_name, t.hf_trainer_name, t.needs_mesh)
+        for s, t in engine.SHARDING_TRAITS.items()
+    }
+    assert outputs == {
+        "FULL_SHARD": ("FULL_SHARD", "FULL_SHARD", "full_shard", False),
+        "SHARD_GRAD_OP": ("SHARD_GRAD_OP", "SHARD_GRAD_OP", "shard_grad_op", False),
+        "NO_SHARD": ("NO_SHARD", "NO_SHARD", "no_shard", False),
+        "HYBRID_SHARD": ("HYBRID_SHARD", "HYBRID_SHARD", "hybrid_shard", True),
+    }
+    proposed = {
+        s.value: (t.min_ranks, t.min_nodes, t.offloads) for s, t in engine.SHARDING_TRAITS.items()
+    }
+    assert proposed == {
+        "FULL_SHARD": (1, 1, True),
+        "SHARD_GRAD_OP": (1, 1, False),
+        "NO_SHARD": (2, 1, False),
+        "HYBRID_SHARD": (1, 2, False),
+    }
     assert set(engine.SHARDING_TRAITS) == set(Sharding)  # every strategy described
+    # the mesh each engine shards over: FSDP1 takes the default group unless hybrid
+    world = 8
+    shapes = {
+        (e, s.value): policy_of(c).mesh_shape(c, world)
+        for e in ("fsdp1", "fsdp2")
+        for s in Sharding
+        for c in [fsdp(e, sharding=s, hybrid_mesh=(2, 4) if s.value == "HYBRID_SHARD" else None)]
+    }
+    assert shapes == {
+        ("fsdp1", "FULL_SHARD"): None,
+        ("fsdp1", "SHARD_GRAD_OP"): None,
+        ("fsdp1", "NO_SHARD"): None,
+        ("fsdp1", "HYBRID_SHARD"): (2, 4),
+        ("fsdp2", "FULL_SHARD"): (8,),
+        ("fsdp2", "SHARD_GRAD_OP"): (8,),
+        ("fsdp2", "NO_SHARD"): (8, 1),  # pure replication: a shard dimension of 1
+        ("fsdp2", "HYBRID_SHARD"): (2, 4),
+    }
     # fully_shard keeps SHARD_GRAD_OP's units gathered whatever the reshard policy
     assert not engine.reshard_after_forward(fsdp("fsdp2", sharding="SHARD_GRAD_OP"))
     assert engine.reshard_after_forward(fsdp("fsdp2", sharding="NO_SHARD"))
