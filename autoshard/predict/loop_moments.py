@@ -1,214 +1,148 @@
-"""The memory moments the user's loop adds to those of one plain step
-(:mod:`autoshard.predict.moments`): the forward's own moments, Lightning's order (the last step's
-gradients alive through the next forward), and gradient accumulation, with the sync skipped
-(:func:`no_sync_moments`) or not (:func:`synced_accumulation_moments`).
+"""The rules of a micro-batch's forward events, by the turn of the step's timeline they happen in
+(:mod:`autoshard.predict.step_memory` walks the turns and calls them), and what the gradients
+carried into a micro-batch add to its events (:func:`with_carried`, :func:`with_reduced`).
+
+The forward's events hold the peak only when gradients are alive through it (Lightning's
+order, accumulation). Without gradients each is below a backward event that holds the same
+working set and more, but the forward's own are the peak where backward holds little (frozen
+parameters, LoRA: no weight gradients). Measured on fake tensors (torch 2.13, the tracker's
+snapshot at every module's forward):
+
+- the end of forward, inside the loss: the logits in the compute dtype, their fp32 copy (a
+  cast, or the non-contiguous shifted slice of a micro-batch above 1) and the fp32
+  log-probabilities (counted with the saved activations);
+- FSDP2: the forward's start (the root's all-gather and the first block's prefetch, each a
+  buffer and a copy), the last block's all-gather (its buffer beside the previous unit's, which
+  FSDP2 keeps until the root's forward ends, with every earlier block's activations saved), the
+  end of the last block's forward, and the end of the root's forward (the logits made, the root
+  still gathered: FSDP2 gathers a copy even with NO_SHARD);
+- FSDP1: the end of the root's forward (the root, or its low-precision copy, still held with
+  the logits) and, with resharding units, the end of the last block's forward (FSDP1 gathers
+  into the flat parameter itself: no buffer).
 """
 
 from __future__ import annotations
 
-from autoshard.config import Candidate, Engine, Hardware, Loop, WorkloadSpec
-from autoshard.engine import (
-    as_run,
-    element_bytes,
-    gradient_params,
-    resharded_sharding,
-    shard_size,
-    skips_gradient_sync,
-    traits,
-)
-from autoshard.predict.accumulation import no_sync_moments, synced_accumulation_moments
-from autoshard.predict.activations import ActivationProfile
-from autoshard.predict.moments import backward_start_moments
-from autoshard.results import MemoryBreakdown, ModelProfile
+from autoshard.config import Engine
+from autoshard.engine import resharded_sharding, traits
+from autoshard.predict.moments import loss
+from autoshard.predict.step_bytes import StepBytes, last_block_all_activations
+from autoshard.results import MemoryBreakdown
 
 
-def forward_moments(
-    moments: dict[str, MemoryBreakdown],
-    profile: ModelProfile,
-    candidate: Candidate,
-    hardware: Hardware,
-    acts: ActivationProfile,
-) -> dict[str, MemoryBreakdown]:
-    """Moments of the forward, which hold the peak only when gradients are alive through it
-    (Lightning's order, accumulation; see :func:`loop_moments`). Without gradients each is below
-    a backward moment that holds the same working set and more. Measured on fake tensors (torch
-    2.13, the tracker's snapshot at every module's forward):
-
-    - the end of forward, inside the loss: the logits in the compute dtype, their fp32 copy (a
-      cast, or the non-contiguous shifted slice of a micro-batch above 1) and the fp32
-      log-probabilities (counted with the saved activations);
-    - FSDP2: the forward's start (the root's all-gather and the first block's prefetch, each
-      a buffer and a copy), the last block's all-gather (its buffer beside the previous
-      unit's, which FSDP2 keeps until the root's forward ends, with every earlier block's
-      activations saved), the
-      end of the last block's forward, and the end of the root's forward (the logits made, the
-      root still gathered: FSDP2 gathers a copy even with NO_SHARD);
-    - FSDP1: the end of the root's forward (the root, or its low-precision copy, still held
-      with the logits) and, with resharding units, the end of the last block's forward (FSDP1
-      gathers into the flat parameter itself: no buffer)."""
-    candidate = as_run(candidate, hardware)
-    _, cb = element_bytes(candidate.precision)
-    loss = moments["loss"]
-    logits = loss.temporaries // 2  # the fp32 logits' size (see peak_moments)
-    copied = cb != 4 or candidate.micro_batch_size > 1
-    out = {
-        "forward end": loss.model_copy(
-            update={"temporaries": logits * cb // 4 + (logits if copied else 0)}
-        )
-    }
-    at = acts.at(candidate.precision)
-    saved = loss.activations
-    through_blocks = saved - candidate.micro_batch_size * at.loss_bytes
-    last = int(at.block_bytes[-1] * at.scale(candidate)) if at.block_bytes else 0
-    base = loss.model_copy(update={"temporaries": 0})
-    if candidate.engine is Engine.FSDP2:
-        out.update(_fsdp2_forward(base, profile, candidate, hardware, through_blocks, last))
-    else:
-        out.update(_fsdp1_forward(base, profile, candidate, hardware, through_blocks))
-    return out
+def _resident(t: StepBytes) -> MemoryBreakdown:
+    """What every forward event holds: the loss's event without its temporaries (the sharded
+    state, the buffers; the other terms each forward event sets)."""
+    return loss(t).model_copy(update={"temporaries": 0})
 
 
-def _gathered_units(profile: ModelProfile, candidate: Candidate) -> tuple[int, int, int]:
+def _through_blocks(t: StepBytes) -> int:
+    """The activations saved once every block has run forward (all but the loss's)."""
+    return t.saved_bytes - t.loss_saved_bytes
+
+
+def _unit_bytes(t: StepBytes) -> tuple[int, int, int]:
     """(all parameters, the root unit's, a block unit's) in bytes of the compute dtype."""
-    _, cb = element_bytes(candidate.precision)
-    params = profile.total_params
-    unit_bytes = 0 if candidate.one_unit else profile.block_params * cb
-    root_bytes = params * cb if candidate.one_unit else profile.root_unit_params * cb
-    return params * cb, root_bytes, unit_bytes
+    cb = t.compute_dtype_bytes
+    unit = 0 if t.candidate.one_unit else t.profile.block_params * cb
+    return t.params * cb, t.root_params * cb, unit
 
 
-def _fsdp2_forward(
-    base: MemoryBreakdown,
-    profile: ModelProfile,
-    candidate: Candidate,
-    hardware: Hardware,
-    through_blocks: int,
-    last: int,
-) -> dict[str, MemoryBreakdown]:
-    """FSDP2's forward moments (:func:`forward_moments`); ``base``: the loss's, without its
-    temporaries."""
-    everything, root_bytes, unit_bytes = _gathered_units(profile, candidate)
-    keeps_all = traits(candidate).keeps_gathered
-    gathered = everything if keeps_all or candidate.one_unit else root_bytes + unit_bytes
-    buffer = 0 if shard_size(candidate, hardware) == 1 else (unit_bytes or root_bytes)
-    # The forward's start: every unit was resharded after the last backward; the root is
-    # gathered (its all-gather buffer beside its copy) as the first block is prefetched.
-    gathering = root_bytes + unit_bytes
-    start = {
-        "unsharded_params": gathering,
+def forward_start(t: StepBytes) -> dict[str, MemoryBreakdown]:
+    """FSDP2, at the root's forward turn: every unit was resharded after the last backward;
+    the root is gathered (its all-gather buffer beside its copy) as the first block is
+    prefetched."""
+    if t.engine is not Engine.FSDP2:
+        return {}
+    _, root, unit = _unit_bytes(t)
+    update = {
+        "unsharded_params": root + unit,
         "activations": 0,
-        "comm_buffers": 0 if shard_size(candidate, hardware) == 1 else gathering,
+        "comm_buffers": 0 if t.shard == 1 else root + unit,
     }
-    last_gather = {
-        "unsharded_params": gathered,
-        "activations": through_blocks - last,
-        "comm_buffers": 2 * buffer,
-    }
-    last_forward = {
-        "unsharded_params": gathered,
-        "activations": through_blocks,
-        "comm_buffers": buffer,
-    }
-    root_end = {
-        "unsharded_params": everything if keeps_all else root_bytes,
-        "activations": base.activations,
-        "comm_buffers": buffer,
-    }
-    return {
-        "forward start": base.model_copy(update=start),
-        "last block all-gather": base.model_copy(update=last_gather),
-        "last block forward": base.model_copy(update=last_forward),
-        "root forward end": base.model_copy(update=root_end),
-    }
+    return {"forward start": _resident(t).model_copy(update=update)}
 
 
-def _fsdp1_forward(
-    base: MemoryBreakdown,
-    profile: ModelProfile,
-    candidate: Candidate,
-    hardware: Hardware,
-    through_blocks: int,
-) -> dict[str, MemoryBreakdown]:
-    """FSDP1's forward moments (:func:`forward_moments`); ``base``: the loss's, without its
-    temporaries."""
-    everything, root_bytes, unit_bytes = _gathered_units(profile, candidate)
-    keeps_all = traits(candidate).keeps_gathered
-    mixed = candidate.precision.mixed
-    gathers = shard_size(candidate, hardware) > 1 or mixed  # no copy: fp32 NO_SHARD
-    held = everything if keeps_all else root_bytes if gathers else 0
-    out = {
-        "root forward end": base.model_copy(
-            update={"unsharded_params": held, "activations": base.activations}
-        )
-    }
-    # NO_SHARD under mixed precision makes a low-precision copy of each unit as it runs
-    # forward, beside the root's (simulated: a LoRA Llama's peak in Lightning's order)
-    copies = not traits(candidate).shards_params and mixed
-    if (resharded_sharding(candidate) or copies) and not candidate.one_unit:
-        out["last block forward"] = base.model_copy(
-            update={"unsharded_params": root_bytes + unit_bytes, "activations": through_blocks}
-        )
-    return out
-
-
-def loop_moments(
-    moments: dict[str, MemoryBreakdown],
-    profile: ModelProfile,
-    candidate: Candidate,
-    hardware: Hardware,
-    workload: WorkloadSpec,
-    acts: ActivationProfile,
-) -> dict[str, MemoryBreakdown]:
-    """The moments the user's loop adds to those of one plain step (forward, backward, step,
-    ``zero_grad(set_to_none=True)``), named apart.
-
-    - Lightning's order zeroes the gradients after the next forward: that forward runs with the
-      last step's (sharded) gradients allocated.
-    - Accumulation: the later micro-batches run with the gradients of the earlier ones: kept
-      unsharded when the sync is skipped (:func:`skips_gradient_sync`,
-      :func:`no_sync_moments`), or reduced into the sharded gradients, which then stay
-      allocated through every forward and backward (:func:`synced_accumulation_moments`)."""
-    sharded_grads = moments["optimizer step"].gradients  # 0 when offloaded to the host
-    forward = forward_moments(moments, profile, candidate, hardware, acts)
-    out: dict[str, MemoryBreakdown] = {}
-    # in every loop: no gradients are alive then
-    out.update(
-        backward_start_moments(
-            moments["head backward"], "", moments, profile, candidate, hardware, acts
-        )
-    )
-    # The forward's own moments, with no gradient alive: the peak where backward holds little
-    # (frozen parameters, LoRA: no weight gradients).
-    out.update({name: m for name, m in forward.items() if name != "forward end"})
-    run = as_run(candidate, hardware)
-    if run.engine is Engine.FSDP1 and shard_size(run, hardware) == 1 and not run.one_unit:
-        # FSDP1 concatenates a unit's gradients into its flat gradient: the bottom block's
-        # views and flat copy beside every other unit's gradient (measured on fake tensors)
-        _, cb = element_bytes(run.precision)
-        trained_unit = gradient_params(profile, run)[2]
-        root_backward = moments["root backward"]
-        out["bottom block's flat gradient"] = root_backward.model_copy(
-            update={"gradients": root_backward.gradients + trained_unit * cb}
-        )
-    if workload.loop == Loop.LIGHTNING:
-        alive = dict(forward)
-        if candidate.engine is Engine.FSDP1:
-            # zero_grad() sets the original parameters' gradients (views, use_orig_params=True
-            # as trials and Lightning run it) to None, but the flat parameters' sharded
-            # gradients live on until the root's pre-backward hook, which runs once the loss's
-            # backward reaches the logits: the loss is computed beside them (measured on 2
-            # gloo processes and on fake tensors, every sharding)
-            alive["loss"] = moments["loss"]
-        for name, m in alive.items():
-            out[f"{name}, last step's gradients"] = m.model_copy(
-                update={"gradients": m.gradients + sharded_grads}
+def last_block_forward(t: StepBytes) -> dict[str, MemoryBreakdown]:
+    """At the last block's forward turn: FSDP2's all-gather of it and the end of its forward;
+    FSDP1's end of its forward where units reshard (or NO_SHARD casts a low-precision copy of
+    each unit beside the root's: simulated, a LoRA Llama's peak in Lightning's order)."""
+    everything, root, unit = _unit_bytes(t)
+    base = _resident(t)
+    through = _through_blocks(t)
+    if t.engine is Engine.FSDP2:
+        keeps_all = traits(t.candidate).keeps_gathered
+        gathered = everything if keeps_all or t.candidate.one_unit else root + unit
+        buffer = 0 if t.shard == 1 else (unit or root)
+        last = last_block_all_activations(t.candidate, t.acts)
+        return {
+            "last block all-gather": base.model_copy(
+                update={
+                    "unsharded_params": gathered,
+                    "activations": through - last,
+                    "comm_buffers": 2 * buffer,
+                }
+            ),
+            "last block forward": base.model_copy(
+                update={
+                    "unsharded_params": gathered,
+                    "activations": through,
+                    "comm_buffers": buffer,
+                }
+            ),
+        }
+    copies = not traits(t.candidate).shards_params and t.mixed
+    if (resharded_sharding(t.candidate) or copies) and not t.candidate.one_unit:
+        return {
+            "last block forward": base.model_copy(
+                update={"unsharded_params": root + unit, "activations": through}
             )
-    if workload.accumulate == 1:
-        return out
-    if skips_gradient_sync(candidate, workload):
-        out.update(no_sync_moments(moments, forward, profile, candidate, hardware, acts))
+        }
+    return {}
+
+
+def forward_end(t: StepBytes) -> dict[str, MemoryBreakdown]:
+    """At the root's work after the blocks: the end of the root's forward, the end of forward
+    inside the loss, and the loss (:func:`autoshard.predict.moments.loss`)."""
+    everything, root, unit = _unit_bytes(t)
+    base = _resident(t)
+    keeps_all = traits(t.candidate).keeps_gathered
+    if t.engine is Engine.FSDP2:
+        buffer = 0 if t.shard == 1 else (unit or root)
+        update = {
+            "unsharded_params": everything if keeps_all else root,
+            "activations": base.activations,
+            "comm_buffers": buffer,
+        }
     else:
-        out.update(
-            synced_accumulation_moments(moments, forward, profile, candidate, hardware, acts)
-        )
-    return out
+        held = everything if keeps_all else root if t.gathers else 0
+        update = {"unsharded_params": held, "activations": base.activations}
+    the_loss = loss(t)
+    logits = the_loss.temporaries // 2  # the fp32 logits' size
+    copied = t.compute_dtype_bytes != 4 or t.candidate.micro_batch_size > 1
+    end = logits * t.compute_dtype_bytes // 4 + (logits if copied else 0)
+    return {
+        "root forward end": base.model_copy(update=update),
+        "forward end": the_loss.model_copy(update={"temporaries": end}),
+        "loss": the_loss,
+    }
+
+
+def with_carried(live: MemoryBreakdown, gradients: int) -> MemoryBreakdown:
+    """``live`` beside ``gradients`` bytes carried in from before the micro-batch (the last
+    step's, or the earlier micro-batches')."""
+    return live.model_copy(update={"gradients": live.gradients + gradients})
+
+
+def with_reduced(t: StepBytes, live: MemoryBreakdown) -> MemoryBreakdown:
+    """A plain micro-batch's event ``live`` in a later micro-batch of synced accumulation: its
+    unsharded gradients beside every unit's sharded ones, into which this micro-batch's
+    reductions are added (a reduce-scatter output is added in after the collective, past the
+    event's peak; FSDP2's head gradient, waiting unsharded in the root, is one of them)."""
+    sharded = t.grad_shard_bytes
+    if not sharded:  # offloaded: the sharded gradients are on the host
+        return live
+    block_grads = sharded - t.trained_root_params * t.stored_dtype_bytes // t.shard
+    waiting = min(t.head_grad_bytes, live.gradients)
+    unsharded = max(0, live.gradients - waiting - block_grads) + waiting
+    return live.model_copy(update={"gradients": sharded + unsharded})
