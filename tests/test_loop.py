@@ -16,7 +16,7 @@ from autoshard.loop import optimizer_step
 from autoshard.predict.accumulation import accumulated_gradient_bytes
 from autoshard.predict.activations import profile_activations
 from autoshard.predict.analytic import estimate_memory, needs_simulation, peak_moments
-from autoshard.predict.loop_moments import forward_end
+from autoshard.predict.forward_events import forward_end
 from autoshard.predict.step_bytes import fsdp2_head_gradient, step_bytes
 from autoshard.target.resolve import TargetSpec
 

@@ -1,14 +1,15 @@
 """The rules of gradient accumulation's own events, by the turn of the step's timeline they
-happen in (:mod:`autoshard.predict.step_memory` walks the later micro-batches' turns with the
-gradients the earlier ones left and calls them where a plain event plus those gradients is not
-what the engine holds):
+happen in: :mod:`autoshard.predict.step_memory` walks the later micro-batches' turns and calls
+them where the engine holds something else than the first micro-batch's event; the walk adds
+the gradients carried in from the earlier micro-batches to every event (its state), so the rules
+count only what the micro-batch itself adds.
 
 - the sync skipped (FSDP1 ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``): every
-  micro-batch after the first runs its backward beside the unsharded gradients of all the units
-  that train (:attr:`StepBytes.kept_grad_bytes`), adding each unit's fresh ones in; the last
-  reduces them (``synchronising``);
+  micro-batch after the first runs beside the unsharded gradients of all the units that train
+  (:attr:`StepBytes.kept_grad_bytes`), adding each unit's fresh ones in; the last reduces them
+  (``synchronising``);
 - the sync kept (Lightning's Trainer with FSDP2): every micro-batch reduces into the sharded
-  gradients (:func:`autoshard.predict.loop_moments.with_reduced`); FSDP2's own events here.
+  gradients (:func:`unreduced`); FSDP2's own events here.
 
 Measured on fake tensors unless a rule says otherwise.
 """
@@ -51,28 +52,24 @@ def _fresh(t: StepBytes, params: int) -> int:
 
 
 def kept_head(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown:
-    """The plain ``head`` backward event beside the kept gradients: FSDP1 keeps the root
-    gathered until the root's backward ends, FSDP2 re-gathers it at backward's start (also
-    with NO_SHARD)."""
+    """The plain ``head`` backward event's working set in a later micro-batch: FSDP1 keeps
+    the root gathered until the root's backward ends, FSDP2 re-gathers it at backward's start
+    (also with NO_SHARD)."""
     fsdp2_root = t.root_params * t.compute_dtype_bytes if t.engine is Engine.FSDP2 else 0
-    return head.model_copy(
-        update={
-            "gradients": head.gradients + t.kept_grad_bytes,
-            "unsharded_params": max(head.unsharded_params, fsdp2_root),
-        }
-    )
+    return head.model_copy(update={"unsharded_params": max(head.unsharded_params, fsdp2_root)})
 
 
-def kept_head_backward(t: StepBytes, kept: MemoryBreakdown) -> MemoryBreakdown:
-    """The head's backward beside the ``kept`` gradients (:func:`kept_head`): its weight's fresh
-    gradient (one tensor) beside the logits' gradient, before it joins the kept one."""
+def kept_head_backward(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown:
+    """The head's backward in a later micro-batch (from :func:`kept_head`'s working set): its
+    weight's fresh gradient (one tensor) beside the logits' gradient, before it joins the kept
+    one."""
     fresh = t.head_params * t.compute_dtype_bytes if t.trained_root_params else 0
-    return kept.model_copy(update={"temporaries": kept.temporaries + fresh})
+    return head.model_copy(update={"temporaries": head.temporaries + fresh})
 
 
 def _kept_base(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown:
-    """The plain ``head`` event with only the kept gradients, no buffers or temporaries."""
-    update = {"comm_buffers": 0, "temporaries": 0, "gradients": t.kept_grad_bytes}
+    """The plain ``head`` event without gradients, buffers or temporaries."""
+    update = {"comm_buffers": 0, "temporaries": 0, "gradients": 0}
     return head.model_copy(update=update)
 
 
@@ -141,7 +138,7 @@ def synchronising_top_block(
     # FSDP1 reduce-scatters the unit's flat gradient itself, one of the kept ones
     own = t.trained_block_params * t.reduce_dtype_bytes if t.engine is Engine.FSDP1 else 0
     # the head's gradient is one of the kept ones
-    gradients = top.gradients - t.head_grad_bytes + t.kept_grad_bytes
+    gradients = top.gradients - t.head_grad_bytes
     return top.model_copy(
         update={"gradients": gradients, "comm_buffers": max(0, top.comm_buffers - own)}
     )
@@ -181,7 +178,7 @@ def fsdp1_synchronising_blocks(t: StepBytes, sync: MemoryBreakdown) -> MemoryBre
         event = sync.model_copy(
             update={
                 "unsharded_params": gathered,
-                "gradients": t.kept_grad_bytes + j * (reduced - t.trained_block_params * cb),
+                "gradients": j * (reduced - t.trained_block_params * cb),
                 "activations": max(0, sync.activations - freed),
                 "comm_buffers": 0,
                 "temporaries": reduced,  # the block's own, beside its kept one
@@ -206,8 +203,7 @@ def fsdp2_reduced_block_backward(t: StepBytes, head: MemoryBreakdown) -> MemoryB
     head_grad = t.head_params * cb * (t.trained_root_params > 0)
     return head.model_copy(
         update={
-            "gradients": t.grad_shard_bytes
-            + t.trained_block_params * t.reduce_dtype_bytes // t.shard,
+            "gradients": t.trained_block_params * t.reduce_dtype_bytes // t.shard,
             "unsharded_params": (t.profile.root_unit_params + t.profile.block_params) * cb,
             "comm_buffers": block if t.shard > 1 else 0,
             "activations": head.activations - 2 * last_block_all_activations(t.candidate, t.acts),
@@ -251,9 +247,23 @@ def fsdp2_reduced_gradients_waiting(
             update={
                 # FSDP2 gathers copies, also at 1 shard
                 "unsharded_params": (t.root_params + unit) * t.compute_dtype_bytes,
-                "gradients": t.grad_shard_bytes + t.trained_params * reduce // t.shard,
+                "gradients": t.trained_params * reduce // t.shard,
                 "temporaries": 0,
                 "activations": plain_root.activations,
             }
         ),
     }
+
+
+def unreduced(t: StepBytes, live: MemoryBreakdown) -> MemoryBreakdown:
+    """A plain micro-batch's event ``live`` in a later micro-batch of synced accumulation, but
+    for the sharded gradients carried in: only its unsharded gradients, since its reductions
+    are added into the carried shards (a reduce-scatter output is added in after the
+    collective, past the event's peak; FSDP2's head gradient, waiting unsharded in the root, is
+    one of them). Offloaded, the shards are on the host: the event as it is."""
+    if not t.grad_shard_bytes:
+        return live
+    block_grads = t.grad_shard_bytes - t.trained_root_params * t.stored_dtype_bytes // t.shard
+    waiting = min(t.head_grad_bytes, live.gradients)
+    unsharded = max(0, live.gradients - waiting - block_grads) + waiting
+    return live.model_copy(update={"gradients": unsharded})

@@ -1,5 +1,5 @@
 """The byte counts the memory moments of a training step are made of (one rank, before the
-allowance; :mod:`autoshard.predict.moments`): sharded parameters, gradients and optimizer state
+allowance; :mod:`autoshard.predict.step_memory`): sharded parameters, gradients and optimizer state
 (:func:`step_bytes`), the gathered units, the collectives' buffers, and the activations a forward
 saves and a backward frees, at the candidate's precision and micro-batch. Parameter counts are
 named ``*_params``, byte counts ``*_bytes``.
@@ -176,6 +176,13 @@ class StepBytes:
     @property
     def engine(self) -> Engine:
         return self.candidate.engine
+
+    @property
+    def reshards_blocks(self) -> bool:
+        """Whether block units are freed after forward and gathered again in backward (each
+        block's backward is then its own event; else every unit is held and the top is the
+        worst)."""
+        return self.wrapped and traits(self.candidate).reshards
 
     def block_backward(self, index: int) -> int:
         """Block ``index``'s backward temporaries, by whether it is checkpointed (``index``

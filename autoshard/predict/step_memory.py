@@ -14,9 +14,9 @@ sync skipped) or reduced into shards (the sync kept), the kept ones being reduce
 micro-batch after skipped syncs), or the last step's (Lightning zeroes them only before the
 next backward). The loop's order and accumulation are that state, not families of their own;
 the blocks' backward is a running ledger of the activations still saved. At each turn the walk
-asks the rules of what the engine holds there (:mod:`autoshard.predict.moments` for a plain
-micro-batch, :mod:`autoshard.predict.loop_moments` for the forward and what carried gradients
-add, :mod:`autoshard.predict.accumulation` where accumulation holds something else).
+asks the rules of what the engine holds there (:mod:`autoshard.predict.forward_events`,
+:mod:`autoshard.predict.backward_events`, and :mod:`autoshard.predict.accumulation` where a
+later micro-batch holds something else than the first) and adds the carried gradients.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from enum import Enum
 from autoshard.config import Candidate, Engine, Hardware, Loop, WorkloadSpec
 from autoshard.engine import skips_gradient_sync
 from autoshard.predict import accumulation as acc
-from autoshard.predict import loop_moments as fwd
-from autoshard.predict import moments as plain
+from autoshard.predict import backward_events as bwd
+from autoshard.predict import forward_events as fwd
 from autoshard.predict.activations import ActivationProfile
 from autoshard.predict.step_bytes import StepBytes, step_bytes
 from autoshard.predict.timeline import MicroBatch, Turn, step_timeline
@@ -99,11 +99,13 @@ class _Walk:
     def emit(self, turn: Turn | None, stage: str, named: Iterable[tuple[str, object]]) -> None:
         """Emit the events ``named`` (name, breakdown or None where the engine holds no such
         event) at ``turn``, named for the walk's gradients."""
+        carried = self.carried()
         for name, live in named:
             if not isinstance(live, MemoryBreakdown):
                 continue
             if self.gradients is Gradients.NONE:
                 self.first[name] = live
+            live = live.model_copy(update={"gradients": live.gradients + carried})
             event = self.gradients.name_of(name)
             self.events.append(MemoryEvent(event, live, turn, stage, self.micro_batch))
 
@@ -141,8 +143,7 @@ class _Walk:
                 # the loss's backward reaches the logits (measured on 2 gloo processes and on
                 # fake tensors, every sharding)
                 del events["loss"]
-        carried = self.carried()
-        self.emit(turn, "forward", ((n, fwd.with_carried(m, carried)) for n, m in events.items()))
+        self.emit(turn, "forward", events.items())
 
     # -- backward --------------------------------------------------------------------------
 
@@ -164,14 +165,14 @@ class _Walk:
         t = self.t
         if self.gradients is Gradients.SYNCING:
             return  # as a later micro-batch's: emitted there
-        start_from = head = plain.head_backward(t)
+        start_from = head = bwd.head_backward(t)
         if self.gradients is Gradients.KEPT:
             start_from = acc.kept_head(t, head)
             head = acc.kept_head_backward(t, start_from)
         elif self.gradients is Gradients.REDUCED:
-            start_from = head = fwd.with_reduced(t, head)
-        start = plain.backward_start(t, start_from)
-        held = plain.gloo_held_root(t, start)
+            start_from = head = acc.unreduced(t, head)
+        start = bwd.backward_start(t, start_from)
+        held = bwd.gloo_held_root(t, start)
         named = [
             ("backward start", start),
             ("backward start, last block prefetched", held),
@@ -187,25 +188,23 @@ class _Walk:
         named: list[tuple[str, object]] = []
         if self.gradients is Gradients.NONE:
             if top:
-                self.top = self.bottom = plain.top_block_backward(t, self.first["head backward"])
+                self.top = self.bottom = bwd.top_block_backward(t, self.first["head backward"])
                 self.activations = self.top.activations
             assert self.top is not None
-            if plain.resharded_blocks(t):
+            if t.reshards_blocks:
                 if not top:  # the block above's backward freed what it saved
-                    self.activations -= plain.freed_by_block(t, index + 1)
-                self.bottom = plain.block_backward(t, self.top, index, self.activations)
-                named += [(n, self.bottom) for n in plain.block_event_names(index, blocks)]
+                    self.activations -= bwd.freed_by_block(t, index + 1)
+                self.bottom = bwd.block_backward(t, self.top, index, self.activations)
+                named += [(n, self.bottom) for n in bwd.block_event_names(index, blocks)]
             elif top:  # every unit held all along: the top block is the worst
                 named.append(("top block backward", self.top))
             if top:
-                named.append(
-                    ("top block gradient", plain.fsdp1_flat_gradient(t, self.top, top=True))
-                )
+                named.append(("top block gradient", bwd.fsdp1_flat_gradient(t, self.top, top=True)))
             if bottom:
                 assert self.bottom is not None
-                flat = plain.fsdp1_flat_gradient(t, self.bottom, top=False)
+                flat = bwd.fsdp1_flat_gradient(t, self.bottom, top=False)
                 named += [("bottom block gradient", flat)]
-                named += [("block reduce-scatter", plain.gloo_block_reduce_scatter(t, self.bottom))]
+                named += [("block reduce-scatter", bwd.gloo_block_reduce_scatter(t, self.bottom))]
             self.first_at_block[index] = [n for n, live in named if live is not None]
         elif self.gradients is Gradients.KEPT:
             if bottom:  # the worst block: the most of the kept gradients' temporaries
@@ -225,7 +224,7 @@ class _Walk:
                 named.append(("block backward", acc.fsdp1_synchronising_blocks(t, self.top)))
         elif self.gradients is Gradients.REDUCED:
             names = self.first_at_block[index]
-            named += [(n, fwd.with_reduced(t, self.first[n])) for n in names]
+            named += [(n, acc.unreduced(t, self.first[n])) for n in names]
             if bottom:
                 named.append(
                     (
@@ -240,22 +239,22 @@ class _Walk:
         t = self.t
         named: list[tuple[str, object]] = []
         if self.gradients is Gradients.NONE:
-            root = plain.root_backward(t)
+            root = bwd.root_backward(t)
             named += [
                 ("root backward", root),
-                ("root reduce-scatter", plain.gloo_root_reduce_scatter(t, root)),
-                ("bottom block's flat gradient", plain.fsdp1_unsharded_flat_gradient(t, root)),
+                ("root reduce-scatter", bwd.gloo_root_reduce_scatter(t, root)),
+                ("bottom block's flat gradient", bwd.fsdp1_unsharded_flat_gradient(t, root)),
             ]
         elif self.gradients is Gradients.KEPT:
             named.append(("root backward", acc.kept_root_backward(t, self.first["head backward"])))
         elif self.gradients is Gradients.REDUCED:
             first_root = self.first["root backward"]
-            root = fwd.with_reduced(t, first_root)
+            root = acc.unreduced(t, first_root)
             named.append(("root backward", acc.fsdp2_reduced_root_backward(t, root)))
             if "root reduce-scatter" in self.first:
                 copy = self.first["root reduce-scatter"]
-                named.append(("root reduce-scatter", fwd.with_reduced(t, copy)))
-            step = plain.optimizer_step(t)
+                named.append(("root reduce-scatter", acc.unreduced(t, copy)))
+            step = bwd.optimizer_step(t)
             named += acc.fsdp2_reduced_gradients_waiting(t, root, first_root, step).items()
         self.emit(turn, "backward", named)
 
@@ -274,7 +273,7 @@ class _Walk:
     def optimizer_step(self, micro_batch: int) -> None:
         """The optimizer step, after the last micro-batch (``micro_batch``)."""
         self.gradients, self.micro_batch = Gradients.NONE, micro_batch
-        self.emit(None, "step", [("optimizer step", plain.optimizer_step(self.t))])
+        self.emit(None, "step", [("optimizer step", bwd.optimizer_step(self.t))])
 
 
 def _micro_batches(t: StepBytes) -> list[Gradients]:

@@ -13,7 +13,7 @@ from autoshard.analyze import analyze_target
 from autoshard.config import Candidate, Engine, Hardware, Loop, Reshard, WorkloadSpec
 from autoshard.predict import timeline as timeline_module
 from autoshard.predict.activations import ActivationProfile, profile_activations
-from autoshard.predict.moments import block_event_names
+from autoshard.predict.backward_events import block_event_names
 from autoshard.predict.step_bytes import block_saved_bytes, step_bytes
 from autoshard.predict.step_memory import MemoryEvent, peak_event, step_events
 from autoshard.predict.timeline import Pass, Work, micro_batch, step_timeline

@@ -1,10 +1,10 @@
-"""The rules of a plain micro-batch's events (no gradient carried in from an earlier one), by the
-turn of the step's timeline they happen in (:mod:`autoshard.predict.step_memory` walks the
-turns and calls them): the head's backward at the root's backward turn, each block's backward at
-its turn (walked down the blocks from the top, :func:`block_backward`), the root's backward at
-the root's gradient turn, FSDP1's flat-gradient concatenation and gloo's reduce-scatter copies
-at the turn that reduces, and the optimizer step. Each is a
-:class:`~autoshard.results.MemoryBreakdown` of the step's byte counts
+"""The rules of a micro-batch's backward events and of the optimizer step, by the turn of the
+step's timeline they happen in (:mod:`autoshard.predict.step_memory` walks the turns, calls them
+and adds the gradients carried in from before the micro-batch): the root re-gathered and the
+head's backward at the root's backward turn, each block's backward at its turn (walked down the
+blocks from the top, :func:`block_backward`), FSDP1's flat-gradient concatenation and gloo's
+reduce-scatter copies at the turn that reduces, the root's backward at the root's gradient turn.
+Each is a :class:`~autoshard.results.MemoryBreakdown` of the step's byte counts
 (:class:`~autoshard.predict.step_bytes.StepBytes`). Calibrated against torch's memory tracker on
 fake tensors (:mod:`autoshard.predict.simulate`).
 """
@@ -35,46 +35,12 @@ def block_event_names(index: int, blocks: int) -> tuple[str, ...]:
     return names or (f"block {index} backward",)
 
 
-def resharded_blocks(t: StepBytes) -> bool:
-    """Whether block units are freed after forward and gathered again in backward (each
-    block's backward is then its own event; else every unit is held and the top is the
-    worst)."""
-    return t.wrapped and resharded_sharding(t.candidate)
-
-
-def loss(t: StepBytes) -> MemoryBreakdown:
-    """The loss, at the end of forward: every activation saved; the logits, their shifted copy
-    (or fp32 cast) and the log-probabilities alive together. A model that computes its loss in
-    forward (a Hugging Face model given labels) has the root's backward hooks on the loss
-    itself: the root is gathered and the last block prefetched before the loss's backward,
-    beside its temporaries (simulated)."""
-    early = t.acts.loss_in_forward and resharded_blocks(t)
-    if early:
-        last = (
-            t.block_params
-            if t.engine is Engine.FSDP1
-            else policy_of(t.candidate).keeps_after_forward(t.candidate, 0, t.block_params)
-        )
-        unsharded = (t.root_params + last) * t.compute_dtype_bytes
-    else:
-        unsharded = t.kept_after_forward_bytes
-    return MemoryBreakdown(
-        sharded_params=t.param_shard_bytes,
-        unsharded_params=unsharded,
-        optimizer=t.optimizer_bytes,
-        comm_buffers=t.gather_buffer_bytes if early else 0,
-        activations=t.saved_bytes,
-        temporaries=2 * t.logits_grad_bytes,
-        buffers=t.profile.buffer_bytes,
-    )
-
-
 def head_backward(t: StepBytes) -> MemoryBreakdown:
     """The head's backward: the loss's backward is done (its log-probabilities freed), the
     logits' gradient alive, the root gathered again with the working set. FSDP2 gathers the
     last block into its all-gather buffer meanwhile (prefetched), and copies it out only when
     the block's backward starts (simulated)."""
-    if t.engine is Engine.FSDP2 and resharded_blocks(t):
+    if t.engine is Engine.FSDP2 and t.reshards_blocks:
         kept = policy_of(t.candidate).keeps_after_forward(t.candidate, 0, t.block_params)
         unsharded = (t.root_params + kept) * t.compute_dtype_bytes
     else:
@@ -140,7 +106,7 @@ def top_block_backward(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown:
     recomputes under checkpointing and makes its gradients."""
     if not t.wrapped:  # the one unit stays gathered through backward
         top = head.model_copy(update={"temporaries": t.block_backward_bytes})
-    elif resharded_blocks(t):
+    elif t.reshards_blocks:
         # The block being computed, the next one gathering into its all-gather buffer, and the
         # root, gathered from the head's backward until its own at the very end (simulated).
         top = head.model_copy(
@@ -173,7 +139,7 @@ def top_block_backward(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown:
             "activations": top.activations - freed,
         }
     )
-    if t.engine is Engine.FSDP1 and resharded_blocks(t):
+    if t.engine is Engine.FSDP1 and t.reshards_blocks:
         # FSDP1 keeps the root gathered until the root's own backward at the very end, and
         # gathers each unit straight into its flat parameter (no buffers); a unit's flat
         # gradient only appears when the unit's backward is done (the parameters' gradients
@@ -231,14 +197,14 @@ def fsdp1_flat_gradient(
     with every other block's gradient in shards. None where there is no such event."""
     if not (t.engine is Engine.FSDP1 and t.wrapped and t.shard > 1):
         return None
-    if not top and not resharded_blocks(t):
+    if not top and not t.reshards_blocks:
         return None
     update = {"temporaries": 0, "comm_buffers": 2 * t.block_params * t.reduce_dtype_bytes}
     if top:
         everything = t.params * t.compute_dtype_bytes
         saved = t.saved_bytes - t.loss_saved_bytes - last_block_bytes(t.candidate, t.acts)
         update |= {
-            "unsharded_params": t.gathered_bytes if resharded_blocks(t) else everything,
+            "unsharded_params": t.gathered_bytes if t.reshards_blocks else everything,
             "activations": saved,
         }
     else:

@@ -1,6 +1,7 @@
 """The rules of a micro-batch's forward events, by the turn of the step's timeline they happen in
-(:mod:`autoshard.predict.step_memory` walks the turns and calls them), and what the gradients
-carried into a micro-batch add to its events (:func:`with_carried`, :func:`with_reduced`).
+(:mod:`autoshard.predict.step_memory` walks the turns and calls them, adding the gradients
+carried into the micro-batch), and what a synced micro-batch's own gradients are
+(:func:`unreduced`).
 
 The forward's events hold the peak only when gradients are alive through it (Lightning's
 order, accumulation). Without gradients each is below a backward event that holds the same
@@ -24,10 +25,36 @@ snapshot at every module's forward):
 from __future__ import annotations
 
 from autoshard.config import Engine
-from autoshard.engine import resharded_sharding, traits
-from autoshard.predict.moments import loss
+from autoshard.engine import policy_of, resharded_sharding, traits
 from autoshard.predict.step_bytes import StepBytes, last_block_all_activations
 from autoshard.results import MemoryBreakdown
+
+
+def loss(t: StepBytes) -> MemoryBreakdown:
+    """The loss, at the end of forward: every activation saved; the logits, their shifted copy
+    (or fp32 cast) and the log-probabilities alive together. A model that computes its loss in
+    forward (a Hugging Face model given labels) has the root's backward hooks on the loss
+    itself: the root is gathered and the last block prefetched before the loss's backward,
+    beside its temporaries (simulated)."""
+    early = t.acts.loss_in_forward and t.reshards_blocks
+    if early:
+        last = (
+            t.block_params
+            if t.engine is Engine.FSDP1
+            else policy_of(t.candidate).keeps_after_forward(t.candidate, 0, t.block_params)
+        )
+        unsharded = (t.root_params + last) * t.compute_dtype_bytes
+    else:
+        unsharded = t.kept_after_forward_bytes
+    return MemoryBreakdown(
+        sharded_params=t.param_shard_bytes,
+        unsharded_params=unsharded,
+        optimizer=t.optimizer_bytes,
+        comm_buffers=t.gather_buffer_bytes if early else 0,
+        activations=t.saved_bytes,
+        temporaries=2 * t.logits_grad_bytes,
+        buffers=t.profile.buffer_bytes,
+    )
 
 
 def _resident(t: StepBytes) -> MemoryBreakdown:
@@ -103,7 +130,7 @@ def last_block_forward(t: StepBytes) -> dict[str, MemoryBreakdown]:
 
 def forward_end(t: StepBytes) -> dict[str, MemoryBreakdown]:
     """At the root's work after the blocks: the end of the root's forward, the end of forward
-    inside the loss, and the loss (:func:`autoshard.predict.moments.loss`)."""
+    inside the loss, and the loss (:func:`loss`)."""
     everything, root, unit = _unit_bytes(t)
     base = _resident(t)
     keeps_all = traits(t.candidate).keeps_gathered
@@ -126,23 +153,3 @@ def forward_end(t: StepBytes) -> dict[str, MemoryBreakdown]:
         "forward end": the_loss.model_copy(update={"temporaries": end}),
         "loss": the_loss,
     }
-
-
-def with_carried(live: MemoryBreakdown, gradients: int) -> MemoryBreakdown:
-    """``live`` beside ``gradients`` bytes carried in from before the micro-batch (the last
-    step's, or the earlier micro-batches')."""
-    return live.model_copy(update={"gradients": live.gradients + gradients})
-
-
-def with_reduced(t: StepBytes, live: MemoryBreakdown) -> MemoryBreakdown:
-    """A plain micro-batch's event ``live`` in a later micro-batch of synced accumulation: its
-    unsharded gradients beside every unit's sharded ones, into which this micro-batch's
-    reductions are added (a reduce-scatter output is added in after the collective, past the
-    event's peak; FSDP2's head gradient, waiting unsharded in the root, is one of them)."""
-    sharded = t.grad_shard_bytes
-    if not sharded:  # offloaded: the sharded gradients are on the host
-        return live
-    block_grads = sharded - t.trained_root_params * t.stored_dtype_bytes // t.shard
-    waiting = min(t.head_grad_bytes, live.gradients)
-    unsharded = max(0, live.gradients - waiting - block_grads) + waiting
-    return live.model_copy(update={"gradients": sharded + unsharded})
