@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
+from typing import Literal, TypeAlias
 
 from autoshard.config import Candidate, Engine, Hardware, Loop, WorkloadSpec
 from autoshard.engine import skips_gradient_sync
@@ -34,6 +36,9 @@ from autoshard.predict.activations import ActivationProfile
 from autoshard.predict.step_bytes import StepBytes, step_bytes
 from autoshard.predict.timeline import MicroBatch, Turn, step_timeline
 from autoshard.results import MemoryBreakdown, ModelProfile
+
+Live: TypeAlias = MemoryBreakdown | None  # at an event; None where the engine holds no such event
+Stage: TypeAlias = Literal["forward", "backward", "step"]
 
 
 class Gradients(str, Enum):
@@ -70,7 +75,7 @@ class MemoryEvent:
     name: str
     live: MemoryBreakdown
     turn: Turn | None = None
-    stage: str = "step"
+    stage: Stage = "step"
     micro_batch: int = 0
 
 
@@ -96,18 +101,19 @@ class _Walk:
     top: MemoryBreakdown | None = None  # the top block's backward event of this micro-batch
     bottom: MemoryBreakdown | None = None  # the bottom block's
 
-    def emit(self, turn: Turn | None, stage: str, named: Iterable[tuple[str, object]]) -> None:
+    def emit(self, turn: Turn | None, stage: Stage, named: Iterable[tuple[str, Live]]) -> None:
         """Emit the events ``named`` (name, breakdown or None where the engine holds no such
         event) at ``turn``, named for the walk's gradients."""
-        carried = self.carried()
+        carried, first = self.carried(), self.gradients is Gradients.NONE
         for name, live in named:
-            if not isinstance(live, MemoryBreakdown):
+            if live is None:
                 continue
-            if self.gradients is Gradients.NONE:
+            if first:
                 self.first[name] = live
-            live = live.model_copy(update={"gradients": live.gradients + carried})
-            event = self.gradients.name_of(name)
-            self.events.append(MemoryEvent(event, live, turn, stage, self.micro_batch))
+            else:
+                live = live.model_copy(update={"gradients": live.gradients + carried})
+                name = self.gradients.name_of(name)
+            self.events.append(MemoryEvent(name, live, turn, stage, self.micro_batch))
 
     def carried(self) -> int:
         """Bytes of the gradients carried into this micro-batch."""
@@ -120,6 +126,13 @@ class _Walk:
 
     # -- forward ---------------------------------------------------------------------------
 
+    @cached_property
+    def forward_rules(self) -> tuple[dict[str, MemoryBreakdown], ...]:
+        """The forward's events without carried gradients, at the root's turn, the last
+        block's and the root's work (every micro-batch's forward holds the same working set)."""
+        t = self.t
+        return fwd.forward_start(t), fwd.last_block_forward(t), fwd.forward_end(t)
+
     def forward(self, turn: Turn) -> None:
         """A forward turn: the root's start, the last block's, the root's work (the loss); the
         one unit's runs all three."""
@@ -129,11 +142,11 @@ class _Walk:
         index = _block_index(turn)
         events: dict[str, MemoryBreakdown] = {}
         if turn.name in ("root", "model"):
-            events |= fwd.forward_start(t)
+            events |= self.forward_rules[0]
         if turn.name == "model" or index == self.blocks - 1:
-            events |= fwd.last_block_forward(t)
+            events |= self.forward_rules[1]
         if turn.name in ("root work", "model"):
-            events |= fwd.forward_end(t)
+            events |= self.forward_rules[2]
             if self.gradients is Gradients.NONE:
                 # without gradients the loss, emitted after it, holds the same and more
                 del events["forward end"]
@@ -182,62 +195,79 @@ class _Walk:
 
     def block(self, turn: Turn, index: int, blocks: int) -> None:
         """Block ``index`` of ``blocks``: its backward, walked down from the top, and what its
-        reduction holds."""
+        reduction holds, by the gradients beside it."""
+        rules = {
+            Gradients.NONE: self._first_block,
+            Gradients.KEPT: self._kept_block,
+            Gradients.SYNCING: self._synchronising_block,
+            Gradients.REDUCED: self._reduced_block,
+        }
+        self.emit(turn, "backward", rules[self.gradients](index, blocks))
+
+    def _first_block(self, index: int, blocks: int) -> list[tuple[str, Live]]:
+        """The first micro-batch: the running ledger of the activations still saved, walking
+        down from the top block."""
         t = self.t
         top, bottom = index == blocks - 1, index == 0
-        named: list[tuple[str, object]] = []
-        if self.gradients is Gradients.NONE:
-            if top:
-                self.top = self.bottom = bwd.top_block_backward(t, self.first["head backward"])
-                self.activations = self.top.activations
+        named: list[tuple[str, Live]] = []
+        if top:
+            self.top = self.bottom = bwd.top_block_backward(t, self.first["head backward"])
+            self.activations = self.top.activations
+        assert self.top is not None and self.bottom is not None
+        if t.reshards_blocks:
+            if not top:  # the block above's backward freed what it saved
+                self.activations -= bwd.freed_by_block(t, index + 1)
+            self.bottom = bwd.block_backward(t, self.top, index, self.activations)
+            named += [(n, self.bottom) for n in bwd.block_event_names(index, blocks)]
+        elif top:  # every unit held all along: the top block is the worst
+            named.append(("top block backward", self.top))
+        if top:
+            named.append(("top block gradient", bwd.fsdp1_flat_gradient(t, self.top, top=True)))
+        if bottom:
+            flat = bwd.fsdp1_flat_gradient(t, self.bottom, top=False)
+            named.append(("bottom block gradient", flat))
+            copy = bwd.gloo_block_reduce_scatter(t, self.bottom)
+            named.append(("block reduce-scatter", copy))
+        self.first_at_block[index] = [n for n, live in named if live is not None]
+        return named
+
+    def _kept_block(self, index: int, blocks: int) -> list[tuple[str, Live]]:
+        """A later micro-batch after skipped syncs: one event, at the bottom block's turn (the
+        most of the kept gradients' temporaries)."""
+        if index:
+            return []
+        return [("block backward", acc.kept_block_backward(self.t, self.first["head backward"]))]
+
+    def _synchronising_block(self, index: int, blocks: int) -> list[tuple[str, Live]]:
+        """The last micro-batch after skipped syncs: the top block reduces while the others'
+        gradients are kept; the worst block below it (FSDP1) and gloo's copy at the bottom's."""
+        t = self.t
+        named: list[tuple[str, Live]] = []
+        if index == blocks - 1:
+            second = self.first.get("second block backward")
+            self.top = acc.synchronising_top_block(t, self.first["top block backward"], second)
+            named.append(("top block backward", self.top))
+        if index == 0:
             assert self.top is not None
-            if t.reshards_blocks:
-                if not top:  # the block above's backward freed what it saved
-                    self.activations -= bwd.freed_by_block(t, index + 1)
-                self.bottom = bwd.block_backward(t, self.top, index, self.activations)
-                named += [(n, self.bottom) for n in bwd.block_event_names(index, blocks)]
-            elif top:  # every unit held all along: the top block is the worst
-                named.append(("top block backward", self.top))
-            if top:
-                named.append(("top block gradient", bwd.fsdp1_flat_gradient(t, self.top, top=True)))
-            if bottom:
-                assert self.bottom is not None
-                flat = bwd.fsdp1_flat_gradient(t, self.bottom, top=False)
-                named += [("bottom block gradient", flat)]
-                named += [("block reduce-scatter", bwd.gloo_block_reduce_scatter(t, self.bottom))]
-            self.first_at_block[index] = [n for n, live in named if live is not None]
-        elif self.gradients is Gradients.KEPT:
-            if bottom:  # the worst block: the most of the kept gradients' temporaries
-                named.append(
-                    ("block backward", acc.kept_block_backward(t, self.first["head backward"]))
-                )
-        elif self.gradients is Gradients.SYNCING:
-            if top:
-                second = self.first.get("second block backward")
-                self.top = acc.synchronising_top_block(t, self.first["top block backward"], second)
-                named.append(("top block backward", self.top))
-            if bottom:
-                assert self.top is not None
-                named.append(
-                    ("block reduce-scatter", acc.synchronising_reduce_scatter(t, self.top))
-                )
-                named.append(("block backward", acc.fsdp1_synchronising_blocks(t, self.top)))
-        elif self.gradients is Gradients.REDUCED:
-            names = self.first_at_block[index]
-            named += [(n, acc.unreduced(t, self.first[n])) for n in names]
-            if bottom:
-                named.append(
-                    (
-                        "block backward",
-                        acc.fsdp2_reduced_block_backward(t, self.first["head backward"]),
-                    )
-                )
-        self.emit(turn, "backward", named)
+            named.append(("block reduce-scatter", acc.synchronising_reduce_scatter(t, self.top)))
+            named.append(("block backward", acc.fsdp1_synchronising_blocks(t, self.top)))
+        return named
+
+    def _reduced_block(self, index: int, blocks: int) -> list[tuple[str, Live]]:
+        """A later micro-batch of synced accumulation: the first micro-batch's events at this
+        turn with their own unsharded gradients only; FSDP2's own at the bottom block's."""
+        t = self.t
+        names = self.first_at_block[index]
+        named: list[tuple[str, Live]] = [(n, acc.unreduced(t, self.first[n])) for n in names]
+        if index == 0:
+            head = self.first["head backward"]
+            named.append(("block backward", acc.fsdp2_reduced_block_backward(t, head)))
+        return named
 
     def root_gradients(self, turn: Turn) -> None:
         """The root's backward, its gradients reduced last."""
         t = self.t
-        named: list[tuple[str, object]] = []
+        named: list[tuple[str, Live]] = []
         if self.gradients is Gradients.NONE:
             root = bwd.root_backward(t)
             named += [
