@@ -103,7 +103,8 @@ class _Walk:
 
     def emit(self, turn: Turn | None, stage: Stage, named: Iterable[tuple[str, Live]]) -> None:
         """Emit the events ``named`` (name, breakdown or None where the engine holds no such
-        event) at ``turn``, named for the walk's gradients."""
+        event) at ``turn``, beside the gradients carried into the micro-batch and named for
+        them."""
         carried, first = self.carried(), self.gradients is Gradients.NONE
         for name, live in named:
             if live is None:

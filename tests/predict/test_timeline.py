@@ -303,3 +303,17 @@ def test_each_event_carries_the_turn_of_the_timeline_it_happens_in(six_blocks) -
     step = at["optimizer step", 1]
     assert (step.turn, step.stage) == (None, "step")
     assert all(e.turn in turns for e in events if e.turn is not None)
+
+
+def test_the_one_unit_runs_its_pass_in_one_turn(six_blocks) -> None:
+    """Without a wrap policy the whole model is one unit: its forward turn holds the forward's
+    events up to the loss, its backward turn the head's, the unit's and the root's."""
+    candidate = Candidate(engine="fsdp2", precision="32-true", micro_batch_size=4)
+    events = events_of(six_blocks, candidate, loop="plain", accumulate=2)
+    assert {e.turn.name for e in events if e.turn is not None} == {"model"}
+    first = [e.name for e in events if e.micro_batch == 0]
+    assert first.index("loss") < first.index("head backward")
+    assert first.index("head backward") < first.index("top block backward")
+    assert first.index("top block backward") < first.index("root backward")
+    later = [e.name for e in events if e.micro_batch == 1]
+    assert "accumulating root backward" in later and "accumulating block backward" not in later
