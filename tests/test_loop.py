@@ -16,8 +16,8 @@ from autoshard.loop import optimizer_step
 from autoshard.predict.accumulation import accumulated_gradient_bytes
 from autoshard.predict.activations import profile_activations
 from autoshard.predict.analytic import estimate_memory, needs_simulation, peak_moments
-from autoshard.predict.loop_moments import forward_moments
-from autoshard.predict.step_bytes import fsdp2_head_gradient
+from autoshard.predict.forward_events import forward_end
+from autoshard.predict.step_bytes import fsdp2_head_gradient, step_bytes
 from autoshard.target.resolve import TargetSpec
 
 from .conftest import EXAMPLES
@@ -234,7 +234,7 @@ def test_lightning_adds_the_last_steps_gradients_to_the_forward(tiny) -> None:
     plain = moments_of(tiny, c, loop="plain")
     lightning = moments_of(tiny, c, loop="lightning")
     grads = profile.total_params * 4 // 2  # fp32, sharded over 2
-    forward = forward_moments(plain, profile, c, GLOO2, tiny[1])
+    forward = forward_end(step_bytes(profile, c, GLOO2, WorkloadSpec(seq_len=64), tiny[1]))
     assert lightning["forward end, last step's gradients"].gradients == grads
     assert (
         lightning["forward end, last step's gradients"].total

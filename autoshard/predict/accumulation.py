@@ -1,28 +1,24 @@
-"""The memory moments of gradient accumulation (:mod:`autoshard.predict.loop_moments`): the
-later micro-batches run beside the earlier ones' gradients, kept unsharded when the sync is
-skipped (:func:`no_sync_moments`) or reduced into the sharded gradients
-(:func:`synced_accumulation_moments`).
+"""The rules of gradient accumulation's own events, by the turn of the step's timeline they
+happen in: :mod:`autoshard.predict.step_memory` walks the later micro-batches' turns and calls
+them where the engine holds something else than the first micro-batch's event; the walk adds
+the gradients carried in from the earlier micro-batches to every event (its state), so the rules
+count only what the micro-batch itself adds.
+
+- the sync skipped (FSDP1 ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``): every
+  micro-batch after the first runs beside the unsharded gradients of all the units that train
+  (:attr:`StepBytes.kept_grad_bytes`), adding each unit's fresh ones in; the last reduces them
+  (``synchronising``);
+- the sync kept (Lightning's Trainer with FSDP2): every micro-batch reduces into the sharded
+  gradients (:func:`unreduced`); FSDP2's own events here.
+
+Measured on fake tensors unless a rule says otherwise.
 """
 
 from __future__ import annotations
 
 from autoshard.config import Candidate, Engine, Hardware
-from autoshard.engine import (
-    as_run,
-    element_bytes,
-    gradient_params,
-    policy_of,
-    reduce_bytes,
-    shard_size,
-    traits,
-)
-from autoshard.predict.activations import ActivationProfile
-from autoshard.predict.moments import backward_start_moments
-from autoshard.predict.step_bytes import (
-    fsdp2_head_gradient,
-    head_params,
-    last_block_all_activations,
-)
+from autoshard.engine import as_run, policy_of, traits
+from autoshard.predict.step_bytes import StepBytes, last_block_all_activations
 from autoshard.results import MemoryBreakdown, ModelProfile
 
 
@@ -36,299 +32,238 @@ def accumulated_gradient_bytes(
     return policy_of(candidate).accumulated_gradient_bytes(profile, candidate)
 
 
-def no_sync_moments(
-    moments: dict[str, MemoryBreakdown],
-    forward: dict[str, MemoryBreakdown],
-    profile: ModelProfile,
-    candidate: Candidate,
-    hardware: Hardware,
-    acts: ActivationProfile,
-) -> dict[str, MemoryBreakdown]:
-    """Accumulation with the sync skipped (FSDP1 ``no_sync``, FSDP2
-    ``set_requires_gradient_sync(False)``): every micro-batch after the first runs forward and
-    backward beside the unsharded gradients of all the units that train
-    (:func:`accumulated_gradient_bytes`); only the last reduces them.
+# -- the sync skipped: a later micro-batch (not the last) -------------------------------------
 
-    Measured on fake tensors: a non-final micro-batch's block backward holds its
-    unit's fresh gradients beside the kept ones until they are added in (FSDP1 also
-    concatenates its unit's gradients into a flat one: twice the unit; FSDP2 under mixed
-    precision upcasts them to fp32 first), and the head's gradient, which waits in the root
-    unit; FSDP1 keeps the root gathered until the root's backward ends, FSDP2 re-gathers it at
-    backward's start with the prefetched unit's all-gather buffer beside it. No reduce-scatter
-    runs in these micro-batches. The last micro-batch reduces the top block with every other
-    unit's gradients still unsharded."""
-    candidate = as_run(candidate, hardware)
-    _, cb = element_bytes(candidate.precision)
-    kept = accumulated_gradient_bytes(profile, candidate, hardware)
-    _, trained_root, trained_unit = gradient_params(profile, candidate)
-    mixed = candidate.precision.mixed
-    upcast = candidate.engine is Engine.FSDP2 and mixed and candidate.reduce_dtype_fp32
-    at = acts.at(candidate.precision)
-    scale = at.scale(candidate)
-    last = int(at.block_bytes[-1] * scale) if at.block_bytes else 0
-    head = moments["head backward"]
-    through_blocks = head.activations  # saved, less the loss's log-probabilities
-    one_unit = candidate.one_unit
-    unit_params = 0 if one_unit else profile.block_params
-    root_params = profile.total_params if one_unit else profile.root_unit_params
-    gathers = shard_size(candidate, hardware) > 1 or mixed
-    # the head's gradient waits in the root unit for its flat gradient (FSDP1) or its upcast
-    # (FSDP2 mixed); FSDP2 without an upcast adds it into the kept gradient at once
-    waits = candidate.engine is Engine.FSDP1 or upcast
-    head_grad = head_params(profile) * cb if trained_root and waits else 0
 
-    def fresh(n: int) -> int:  # a unit's new gradients before they join the kept ones
-        if candidate.engine is Engine.FSDP1:
-            return 2 * n * cb
-        # FSDP2 without an upcast: autograd adds into the kept gradient in place
-        return n * cb + n * 4 if upcast else 0
+def _upcasts(t: StepBytes) -> bool:
+    """FSDP2 under mixed precision with an fp32 reduce upcasts a unit's fresh gradients before
+    adding them into the kept ones."""
+    return t.engine is Engine.FSDP2 and t.mixed and t.candidate.reduce_dtype_fp32
 
-    out = {
-        f"accumulating {name}": m.model_copy(update={"gradients": m.gradients + kept})
-        for name, m in {**forward, "loss": moments["loss"]}.items()
-    }
-    # The head's backward: its weight's fresh gradient (one tensor) beside the logits' gradient
-    # before it joins the kept one; FSDP2 holds the root gathered, also with NO_SHARD.
-    fsdp2_root = root_params * cb if candidate.engine is Engine.FSDP2 else 0
-    head_kept = head.model_copy(
+
+def _fresh(t: StepBytes, params: int) -> int:
+    """A unit's new gradients before they join the kept ones: FSDP1 also concatenates them into
+    a flat one (twice the unit); FSDP2 upcasts them to fp32 first, or without an upcast autograd
+    adds into the kept gradient in place."""
+    cb = t.compute_dtype_bytes
+    if t.engine is Engine.FSDP1:
+        return 2 * params * cb
+    return params * cb + params * 4 if _upcasts(t) else 0
+
+
+def kept_head(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown:
+    """The plain ``head`` backward event's working set in a later micro-batch: FSDP1 keeps
+    the root gathered until the root's backward ends, FSDP2 re-gathers it at backward's start
+    (also with NO_SHARD)."""
+    fsdp2_root = t.root_params * t.compute_dtype_bytes if t.engine is Engine.FSDP2 else 0
+    return head.model_copy(update={"unsharded_params": max(head.unsharded_params, fsdp2_root)})
+
+
+def kept_head_backward(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown:
+    """The head's backward in a later micro-batch (from :func:`kept_head`'s working set): its
+    weight's fresh gradient (one tensor) beside the logits' gradient, before it joins the kept
+    one."""
+    fresh = t.head_params * t.compute_dtype_bytes if t.trained_root_params else 0
+    return head.model_copy(update={"temporaries": head.temporaries + fresh})
+
+
+def _kept_base(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown:
+    """The plain ``head`` event without gradients, buffers or temporaries."""
+    update = {"comm_buffers": 0, "temporaries": 0, "gradients": 0}
+    return head.model_copy(update=update)
+
+
+def _kept_gathered(t: StepBytes) -> int:
+    """The units gathered through a later micro-batch's backward: FSDP1 the root, the block and
+    the prefetched one; FSDP2 the root and the block (its prefetch is a buffer); every unit
+    where nothing is freed between micro-batches (SHARD_GRAD_OP)."""
+    if traits(t.candidate).keeps_gathered:
+        return t.params * t.compute_dtype_bytes
+    if not t.gathers:
+        return 0
+    unit = 0 if t.candidate.one_unit else t.profile.block_params
+    units = 2 if t.engine is Engine.FSDP1 else 1
+    return (t.root_params + units * unit) * t.compute_dtype_bytes
+
+
+def kept_block_backward(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown | None:
+    """A block's backward beside the kept gradients (the plain ``head`` event's working set):
+    its unit's fresh gradients beside the kept ones until they are added in, and the head's
+    gradient, which waits in the root unit for its flat gradient (FSDP1) or its upcast (FSDP2
+    mixed; without an upcast FSDP2 adds it into the kept gradient at once). No reduce-scatter
+    runs in these micro-batches. None with one unit."""
+    if t.candidate.one_unit:
+        return None
+    waits = t.engine is Engine.FSDP1 or _upcasts(t)
+    cb = t.compute_dtype_bytes
+    head_grad = t.head_params * cb if t.trained_root_params and waits else 0
+    buffers = 0
+    if t.engine is Engine.FSDP2 and t.shard > 1:
+        buffers = t.profile.block_params * cb
+    last = last_block_all_activations(t.candidate, t.acts)
+    return _kept_base(t, head).model_copy(
         update={
-            "gradients": head.gradients + kept,
-            "unsharded_params": max(head.unsharded_params, fsdp2_root),
+            "unsharded_params": _kept_gathered(t),
+            "comm_buffers": buffers,
+            "activations": head.activations - last,
+            "temporaries": head_grad + _fresh(t, t.trained_block_params),
         }
     )
-    out["accumulating head backward"] = head_kept.model_copy(
-        update={
-            "temporaries": head.temporaries + (head_params(profile) * cb if trained_root else 0)
-        }
-    )
-    if candidate.engine is Engine.FSDP1:
-        gathered_units = (root_params + 2 * unit_params) * cb if gathers else 0
-        buffers = 0
-    else:
-        gathered_units = (root_params + unit_params) * cb if gathers else 0
-        buffers = unit_params * cb if shard_size(candidate, hardware) > 1 else 0
-    keeps_all = traits(candidate).keeps_gathered
-    if keeps_all:
-        gathered_units = profile.total_params * cb  # nothing is freed between micro-batches
-    base = head.model_copy(update={"comm_buffers": 0, "temporaries": 0, "gradients": kept})
-    if not one_unit:
-        out["accumulating block backward"] = base.model_copy(
-            update={
-                "unsharded_params": gathered_units,
-                "comm_buffers": buffers,
-                "activations": through_blocks - last,
-                "temporaries": head_grad + fresh(trained_unit),
-            }
-        )
-    out["accumulating root backward"] = base.model_copy(
-        update={
-            "unsharded_params": gathered_units if keeps_all else root_params * cb if gathers else 0,
-            "activations": int(at.other_bytes * scale),
-            "temporaries": fresh(trained_root),
-        }
-    )
-    out.update(
-        backward_start_moments(
-            head_kept, "accumulating ", moments, profile, candidate, hardware, acts
-        )
-    )
-    out.update(_last_no_sync_moments(moments, profile, candidate, hardware, acts, kept))
-    return out
 
 
-def _last_no_sync_moments(
-    moments: dict[str, MemoryBreakdown],
-    profile: ModelProfile,
-    candidate: Candidate,
-    hardware: Hardware,
-    acts: ActivationProfile,
-    kept: int,
-) -> dict[str, MemoryBreakdown]:
-    """The last micro-batch after skipped syncs (:func:`no_sync_moments`; ``candidate`` as
-    run): the top block reduces its gradients (and gloo copies the reduce input) while every
-    other unit's ``kept`` gradients are still unsharded."""
-    out = {}
-    trained_unit = gradient_params(profile, candidate)[2]
-    keeps_all = traits(candidate).keeps_gathered
-    top = moments["top block backward"]
-    if "second block backward" in moments:  # FSDP2 holds the block above's reduce-scatter input
-        top = top.model_copy(update={"comm_buffers": moments["second block backward"].comm_buffers})
+def kept_root_backward(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown:
+    """The root's backward beside the kept gradients, its fresh gradients added in."""
+    keeps_all = traits(t.candidate).keeps_gathered
+    root = t.root_params * t.compute_dtype_bytes if t.gathers else 0
+    return _kept_base(t, head).model_copy(
+        update={
+            "unsharded_params": _kept_gathered(t) if keeps_all else root,
+            "activations": int(t.acts.other_bytes * t.acts_scale),
+            "temporaries": _fresh(t, t.trained_root_params),
+        }
+    )
+
+
+# -- the sync skipped: the last micro-batch, which reduces --------------------------------------
+
+
+def synchronising_top_block(
+    t: StepBytes, top: MemoryBreakdown, second: MemoryBreakdown | None
+) -> MemoryBreakdown:
+    """The last micro-batch after skipped syncs: the top block reduces its gradients while every
+    other unit's kept gradients are still unsharded (from the plain ``top`` block's event; FSDP2
+    holds the block above's reduce-scatter input, as the plain ``second`` block does)."""
+    if second is not None:
+        top = top.model_copy(update={"comm_buffers": second.comm_buffers})
     # FSDP1 reduce-scatters the unit's flat gradient itself, one of the kept ones
-    own = trained_unit * reduce_bytes(candidate) if candidate.engine is Engine.FSDP1 else 0
+    own = t.trained_block_params * t.reduce_dtype_bytes if t.engine is Engine.FSDP1 else 0
     # the head's gradient is one of the kept ones
-    gradients = top.gradients - fsdp2_head_gradient(profile, candidate) + kept
-    sync = top.model_copy(
+    gradients = top.gradients - t.head_grad_bytes
+    return top.model_copy(
         update={"gradients": gradients, "comm_buffers": max(0, top.comm_buffers - own)}
     )
-    out["synchronising top block backward"] = sync
-    if candidate.engine is Engine.FSDP1 and not candidate.one_unit and not keeps_all:
-        out.update(_fsdp1_synchronising_blocks(sync, profile, candidate, hardware, acts, kept))
-    if hardware.backend == "gloo" and shard_size(candidate, hardware) > 1:
-        out["synchronising block reduce-scatter"] = sync.model_copy(
-            update={
-                "temporaries": 0,
-                "comm_buffers": sync.comm_buffers + trained_unit * reduce_bytes(candidate),
-            }
-        )
-    return out
 
 
-def _fsdp1_synchronising_blocks(
-    sync: MemoryBreakdown,
-    profile: ModelProfile,
-    candidate: Candidate,
-    hardware: Hardware,
-    acts: ActivationProfile,
-    kept: int,
-) -> dict[str, MemoryBreakdown]:
-    """FSDP1's last micro-batch after ``no_sync``: each block, once its backward is done,
-    reduces its kept (unsharded, compute-dtype) flat gradient into its stored gradient (NO_SHARD:
-    cast to the parameters' dtype, the whole unit) while the blocks below still keep theirs. The
-    worst block is where the stored gradients above outgrow the activations freed
-    (provenance: benchmarks/results/memory_moments.md)."""
-    stored, cb = element_bytes(candidate.precision)
-    shard = shard_size(candidate, hardware)
-    _, _, trained_unit = gradient_params(profile, candidate)
-    at = acts.at(candidate.precision)
-    scale = at.scale(candidate)
-    mixed = candidate.precision.mixed
-    gathers = shard > 1 or mixed
-    root_params = profile.root_unit_params
-    unit_params = profile.block_params
-    blocks = max(profile.block_count, 1)
-    reduced = trained_unit * stored // shard  # one unit's stored gradient
+def synchronising_reduce_scatter(t: StepBytes, sync: MemoryBreakdown) -> MemoryBreakdown | None:
+    """gloo's copy of the reduce input (a bare collective's +1x) beside the synchronising top
+    block's event ``sync``."""
+    if not (t.hardware.backend == "gloo" and t.shard > 1):
+        return None
+    reducing = t.trained_block_params * t.reduce_dtype_bytes
+    return sync.model_copy(update={"temporaries": 0, "comm_buffers": sync.comm_buffers + reducing})
+
+
+def fsdp1_synchronising_blocks(t: StepBytes, sync: MemoryBreakdown) -> MemoryBreakdown | None:
+    """FSDP1's last micro-batch after ``no_sync``, resharding: each block, once its backward is
+    done, reduces its kept (unsharded, compute-dtype) flat gradient into its stored gradient
+    (NO_SHARD: cast to the parameters' dtype, the whole unit) while the blocks below still keep
+    theirs. The worst block, from the synchronising top block's event ``sync``, is where the
+    stored gradients above outgrow the activations freed (provenance:
+    benchmarks/results/memory_moments.md). None where it is not an event."""
+    if t.engine is not Engine.FSDP1 or t.candidate.one_unit:
+        return None
+    if traits(t.candidate).keeps_gathered:
+        return None
+    cb = t.compute_dtype_bytes
+    root, unit = t.profile.root_unit_params, t.profile.block_params
+    blocks = max(t.profile.block_count, 1)
+    saved = t.acts.block_bytes
+    reduced = t.trained_block_params * t.stored_dtype_bytes // t.shard  # one unit's stored
     worst: MemoryBreakdown | None = None
     freed = 0
     for j in range(blocks):
-        freed += int(at.block_bytes[blocks - 1 - j] * scale) if j < len(at.block_bytes) else 0
-        moment = sync.model_copy(
+        freed += int(saved[blocks - 1 - j] * t.acts_scale) if j < len(saved) else 0
+        # FSDP1 keeps the root gathered; the block and the next one prefetched
+        gathered = (root + (2 if j < blocks - 1 else 1) * unit) * cb if t.gathers else 0
+        event = sync.model_copy(
             update={
-                # FSDP1 keeps the root gathered; the block and the next one prefetched
-                "unsharded_params": (root_params + (2 if j < blocks - 1 else 1) * unit_params) * cb
-                if gathers
-                else 0,
-                "gradients": kept + j * (reduced - trained_unit * cb),
+                "unsharded_params": gathered,
+                "gradients": j * (reduced - t.trained_block_params * cb),
                 "activations": max(0, sync.activations - freed),
                 "comm_buffers": 0,
                 "temporaries": reduced,  # the block's own, beside its kept one
             }
         )
-        if worst is None or moment.total > worst.total:
-            worst = moment
-    return {} if worst is None else {"synchronising block backward": worst}
+        if worst is None or event.total > worst.total:
+            worst = event
+    return worst
 
 
-def synced_accumulation_moments(
-    moments: dict[str, MemoryBreakdown],
-    forward: dict[str, MemoryBreakdown],
-    profile: ModelProfile,
-    candidate: Candidate,
-    hardware: Hardware,
-    acts: ActivationProfile,
-) -> dict[str, MemoryBreakdown]:
-    """Accumulation without skipping the sync (Lightning's Trainer with FSDP2): every
-    micro-batch reduces into the sharded gradients, which stay allocated through the later
-    micro-batches' forwards and backwards. FSDP2 re-gathers the root at backward's start: its
-    all-gather buffer beside the copy, with the sharded gradients alive (measured on fake
-    tensors)."""
-    candidate = as_run(candidate, hardware)
-    stored, _ = element_bytes(candidate.precision)
-    shard = shard_size(candidate, hardware)
-    sharded_grads = moments["optimizer step"].gradients
-    _, trained_root, _ = gradient_params(profile, candidate)
-    block_grads = moments["optimizer step"].gradients - trained_root * stored // shard
-    out = {
-        f"accumulating {name}": m.model_copy(update={"gradients": m.gradients + sharded_grads})
-        for name, m in forward.items()
-    }
-    for name, m in moments.items():
-        if name == "optimizer step":
-            continue
-        # the moment's unsharded gradients beside every unit's sharded ones (a reduce-scatter
-        # output is added in after the collective, past the moment's peak)
-        # (FSDP2's head gradient, waiting unsharded in the root, is one of them)
-        waiting = min(fsdp2_head_gradient(profile, candidate), m.gradients)
-        unsharded_grads = (
-            max(0, m.gradients - waiting - block_grads) + waiting if sharded_grads else m.gradients
-        )
-        out[f"accumulating {name}"] = m.model_copy(
-            update={"gradients": sharded_grads + unsharded_grads}
-        )
-    out.update(
-        backward_start_moments(
-            out["accumulating head backward"],
-            "accumulating ",
-            moments,
-            profile,
-            candidate,
-            hardware,
-            acts,
-        )
+# -- the sync kept: FSDP2's own events ----------------------------------------------------------
+
+
+def fsdp2_reduced_block_backward(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown | None:
+    """FSDP2, synced accumulation: the second block from the top, its fresh gradients and the
+    top block's reduce-scatter input beside the head's gradient waiting in the root (the plain
+    ``head`` event's working set). None for FSDP1 or one unit."""
+    if t.engine is not Engine.FSDP2 or t.candidate.one_unit:
+        return None
+    cb = t.compute_dtype_bytes
+    block = t.profile.block_params * cb
+    head_grad = t.head_params * cb * (t.trained_root_params > 0)
+    return head.model_copy(
+        update={
+            "gradients": t.trained_block_params * t.reduce_dtype_bytes // t.shard,
+            "unsharded_params": (t.profile.root_unit_params + t.profile.block_params) * cb,
+            "comm_buffers": block if t.shard > 1 else 0,
+            "activations": head.activations - 2 * last_block_all_activations(t.candidate, t.acts),
+            "temporaries": head_grad + t.trained_block_params * (cb + t.reduce_dtype_bytes),
+        }
     )
-    if candidate.engine is Engine.FSDP2:
-        out.update(_fsdp2_synced_moments(out, moments, profile, candidate, hardware, acts))
-    return out
 
 
-def _fsdp2_synced_moments(
-    accumulating: dict[str, MemoryBreakdown],
-    moments: dict[str, MemoryBreakdown],
-    profile: ModelProfile,
-    candidate: Candidate,
-    hardware: Hardware,
-    acts: ActivationProfile,
+def fsdp2_reduced_root_backward(t: StepBytes, root: MemoryBreakdown) -> MemoryBreakdown:
+    """FSDP2, synced accumulation: the micro-batch's ``root`` backward event (the plain one with
+    the reduced gradients) where, over a shard dimension of 1, FSDP2 copies the gradients into a
+    reduce-scatter input even though no cast is needed (NO_SHARD replicates on a (world, 1)
+    mesh), then all-reduces (the plain event counts that copy only where it casts)."""
+    reduce = t.reduce_dtype_bytes
+    if t.engine is not Engine.FSDP2 or t.shard > 1 or reduce != t.compute_dtype_bytes:
+        return root
+    return root.model_copy(
+        update={"comm_buffers": root.comm_buffers + t.trained_root_params * reduce}
+    )
+
+
+def fsdp2_reduced_gradients_waiting(
+    t: StepBytes, root: MemoryBreakdown, plain_root: MemoryBreakdown, step: MemoryBreakdown
 ) -> dict[str, MemoryBreakdown]:
-    """FSDP2's own moments of synced accumulation (:func:`synced_accumulation_moments`, whose
-    ``accumulating`` moments they add to or replace; ``candidate`` as run)."""
-    _, cb = element_bytes(candidate.precision)
-    shard = shard_size(candidate, hardware)
-    sharded_grads = moments["optimizer step"].gradients
-    _, trained_root, trained_unit = gradient_params(profile, candidate)
-    reduce = reduce_bytes(candidate)
-    out = {}
-    if not candidate.one_unit:
-        # The second block from the top: its fresh gradients and the top block's reduce-scatter
-        # input beside the head's gradient waiting in the root (measured on fake tensors).
-        head = moments["head backward"]
-        block = profile.block_params * cb
-        out["accumulating block backward"] = head.model_copy(
-            update={
-                "gradients": sharded_grads + trained_unit * reduce // shard,
-                "unsharded_params": (profile.root_unit_params + profile.block_params) * cb,
-                "comm_buffers": block if shard > 1 else 0,
-                "activations": head.activations - 2 * last_block_all_activations(candidate, acts),
-                "temporaries": head_params(profile) * cb * (trained_root > 0)
-                + trained_unit * (cb + reduce),
-            }
-        )
-    if traits(candidate).replicates:
-        # With a replicate dimension every unit's reduced gradients wait until backward ends
-        # before they are added into the sharded ones (measured on fake tensors: a second set
-        # of gradients builds up through backward).
-        step = moments["optimizer step"]
-        unit_params = 0 if candidate.one_unit else profile.block_params
-        root_params = profile.total_params if candidate.one_unit else profile.root_unit_params
-        out["accumulating backward end"] = step.model_copy(
+    """FSDP2, synced accumulation with a replicate dimension: every unit's reduced gradients
+    wait until backward ends before they are added into the sharded ones (a second set of
+    gradients builds up through backward), at the root's backward (``root``: the plain
+    ``plain_root`` event with the reduced gradients, before :func:`fsdp2_reduced_root_backward`)
+    and at the end of backward (from the plain optimizer ``step``'s). Named without the
+    micro-batch's prefix."""
+    if t.engine is not Engine.FSDP2 or not traits(t.candidate).replicates:
+        return {}
+    reduce = t.reduce_dtype_bytes
+    unit = 0 if t.candidate.one_unit else t.profile.block_params
+    waiting = (t.trained_params - t.trained_root_params) * reduce // t.shard
+    return {
+        "root backward, reduced gradients waiting": root.model_copy(
+            update={"gradients": root.gradients + waiting}
+        ),
+        "backward end": step.model_copy(
             update={
                 # FSDP2 gathers copies, also at 1 shard
-                "unsharded_params": (root_params + unit_params) * cb,
-                "gradients": sharded_grads
-                + gradient_params(profile, candidate)[0] * reduce // shard,
+                "unsharded_params": (t.root_params + unit) * t.compute_dtype_bytes,
+                "gradients": t.trained_params * reduce // t.shard,
                 "temporaries": 0,
-                "activations": moments["root backward"].activations,
+                "activations": plain_root.activations,
             }
-        )
-        m = accumulating["accumulating root backward"]
-        waiting = (gradient_params(profile, candidate)[0] - trained_root) * reduce // shard
-        out["accumulating root backward, reduced gradients waiting"] = m.model_copy(
-            update={"gradients": m.gradients + waiting}
-        )
-    if shard == 1 and reduce == cb:
-        # FSDP2 copies the gradients into a reduce-scatter input even over a shard dimension
-        # of 1 (NO_SHARD replicates on a (world, 1) mesh), then all-reduces; peak_moments
-        # counts that copy only where it casts
-        m = accumulating["accumulating root backward"]
-        out["accumulating root backward"] = m.model_copy(
-            update={"comm_buffers": m.comm_buffers + trained_root * reduce}
-        )
-    return out
+        ),
+    }
+
+
+def unreduced(t: StepBytes, live: MemoryBreakdown) -> MemoryBreakdown:
+    """A plain micro-batch's event ``live`` in a later micro-batch of synced accumulation, but
+    for the sharded gradients carried in: only its unsharded gradients, since its reductions
+    are added into the carried shards (a reduce-scatter output is added in after the
+    collective, past the event's peak; FSDP2's head gradient, waiting unsharded in the root, is
+    one of them). Offloaded, the shards are on the host: the event as it is."""
+    if not t.grad_shard_bytes:
+        return live
+    block_grads = t.grad_shard_bytes - t.trained_root_params * t.stored_dtype_bytes // t.shard
+    waiting = min(t.head_grad_bytes, live.gradients)
+    unsharded = max(0, live.gradients - waiting - block_grads) + waiting
+    return live.model_copy(update={"gradients": unsharded})

@@ -1,5 +1,5 @@
 """The byte counts the memory moments of a training step are made of (one rank, before the
-allowance; :mod:`autoshard.predict.moments`): sharded parameters, gradients and optimizer state
+allowance; :mod:`autoshard.predict.step_memory`): sharded parameters, gradients and optimizer state
 (:func:`step_bytes`), the gathered units, the collectives' buffers, and the activations a forward
 saves and a backward frees, at the candidate's precision and micro-batch. Parameter counts are
 named ``*_params``, byte counts ``*_bytes``.
@@ -131,7 +131,9 @@ class StepBytes:
     candidate: Candidate
     profile: ModelProfile
     hardware: Hardware
+    workload: WorkloadSpec
     acts: ActivationProfile  # at the candidate's precision
+    stored_dtype_bytes: int
     compute_dtype_bytes: int
     reduce_dtype_bytes: int
     params: int
@@ -140,8 +142,10 @@ class StepBytes:
     mixed: bool
     block_params: int  # the largest block unit's (0 without block units)
     root_params: int  # the root unit's (the whole model without block units)
+    trained_params: int
     trained_root_params: int
     trained_block_params: int
+    head_params: int  # the output head's (vocabulary x hidden; 0 without one)
     param_shard_bytes: int  # this rank's shard of every parameter (0 offloaded)
     grad_shard_bytes: int  # ... of every gradient
     optimizer_bytes: int  # ... of the optimizer states
@@ -160,7 +164,25 @@ class StepBytes:
     block_grad_shard_bytes: int  # the blocks' gradients, reduced to shards
     frozen_root_bytes: int  # a root that does not train, gathered for good (FSDP1)
     head_grad_bytes: int  # the head's unsharded gradient waiting in the root (FSDP2)
+    kept_grad_bytes: int  # unsharded gradients kept between micro-batches when the sync is skipped
     host_bytes: int  # per node, offloaded
+
+    @property
+    def gathers(self) -> bool:
+        """Whether units are gathered into unsharded copies (sharded, or cast under mixed
+        precision; fp32 NO_SHARD computes on the parameters themselves)."""
+        return self.shard > 1 or self.mixed
+
+    @property
+    def engine(self) -> Engine:
+        return self.candidate.engine
+
+    @property
+    def reshards_blocks(self) -> bool:
+        """Whether block units are freed after forward and gathered again in backward (each
+        block's backward is then its own event; else every unit is held and the top is the
+        worst)."""
+        return self.wrapped and traits(self.candidate).reshards
 
     def block_backward(self, index: int) -> int:
         """Block ``index``'s backward temporaries, by whether it is checkpointed (``index``
@@ -272,10 +294,12 @@ def step_bytes(
         host = (sharded + grads + optimizer) * hardware.gpus_per_node
         sharded = grads = optimizer = one_state = block_grads = 0
     return StepBytes(
-        candidate=candidate, profile=profile, hardware=hardware, acts=at,
-        compute_dtype_bytes=cb, reduce_dtype_bytes=reduce, params=params, shard=shard,
+        candidate=candidate, profile=profile, hardware=hardware, workload=workload, acts=at,
+        stored_dtype_bytes=stored, compute_dtype_bytes=cb, reduce_dtype_bytes=reduce,
+        params=params, shard=shard,
         wrapped=wrapped, mixed=candidate.precision.mixed, block_params=unit, root_params=root,
-        trained_root_params=trained_root, trained_block_params=trained_unit,
+        trained_params=trained, trained_root_params=trained_root,
+        trained_block_params=trained_unit, head_params=head_params(profile),
         param_shard_bytes=sharded, grad_shard_bytes=grads, optimizer_bytes=optimizer,
         gathered_bytes=unsharded, kept_after_forward_bytes=after_forward,
         gather_buffer_bytes=gather, comm_bytes=trained_unit * reduce + gather,
@@ -286,5 +310,7 @@ def step_bytes(
         plain_backward_bytes=backward(False),
         logits_grad_bytes=logits, foreach_bytes=one_state if foreach else 0,
         block_grad_shard_bytes=block_grads, frozen_root_bytes=root * cb if frozen_root else 0,
-        head_grad_bytes=fsdp2_head_gradient(profile, candidate), host_bytes=host,
+        head_grad_bytes=fsdp2_head_gradient(profile, candidate),
+        kept_grad_bytes=policy_of(candidate).accumulated_gradient_bytes(profile, candidate),
+        host_bytes=host,
     )  # fmt: skip

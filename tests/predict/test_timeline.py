@@ -13,7 +13,7 @@ from autoshard.analyze import analyze_target
 from autoshard.config import Candidate, Engine, Hardware, Loop, Reshard, WorkloadSpec
 from autoshard.predict import timeline as timeline_module
 from autoshard.predict.activations import ActivationProfile, profile_activations
-from autoshard.predict.moments import block_event_names
+from autoshard.predict.backward_events import block_event_names
 from autoshard.predict.step_bytes import block_saved_bytes, step_bytes
 from autoshard.predict.step_memory import MemoryEvent, peak_event, step_events
 from autoshard.predict.timeline import Pass, Work, micro_batch, step_timeline
@@ -197,3 +197,123 @@ def test_each_block_backward_frees_what_the_block_above_saved(six_blocks, engine
     assert walk[0].comm_buffers == top_buffers  # the next block's gather only
     assert candidate.checkpoints(0) and not candidate.checkpoints(1)
     assert walk[-1].temporaries > walk[-2].temporaries  # the bottom block recomputes
+
+
+# The walk's state: which gradients a micro-batch's turns run beside.
+
+
+def events_of(six_blocks, candidate: Candidate, **workload: object) -> list[MemoryEvent]:
+    profile, acts = six_blocks
+    return step_events(profile, candidate, TWO, WorkloadSpec(seq_len=128, **workload), acts)[0]
+
+
+def test_under_lightnings_order_the_next_forward_holds_the_last_steps_gradients(
+    six_blocks,
+) -> None:
+    """Lightning zeroes the gradients only before the next backward: after the optimizer step
+    the walk runs the next step's forward turns beside the step's sharded gradients; a plain
+    loop (zero_grad after step) ends at the step."""
+    profile, acts = six_blocks
+    candidate = fsdp2_every_2nd(profile)
+    t = step_bytes(profile, candidate, TWO, WorkloadSpec(seq_len=128), acts)
+    assert t.grad_shard_bytes > 0
+    plain = events_of(six_blocks, candidate, loop="plain")
+    assert plain[-1].name == "optimizer step" and plain[-1].turn is None
+    lightning = events_of(six_blocks, candidate, loop="lightning")
+    after = lightning[[e.name for e in lightning].index("optimizer step") + 1 :]
+    first = {e.name: e.live for e in plain}
+    assert [e.stage for e in after] == ["forward"] * len(after) and len(after) == 5
+    for event in after:
+        assert event.micro_batch == 1  # the next step's first
+        assert event.name.endswith(", last step's gradients")
+        name = event.name.removesuffix(", last step's gradients")
+        if name in first:
+            assert event.live.gradients == first[name].gradients + t.grad_shard_bytes
+        else:  # the end of forward, below the loss without gradients
+            assert name == "forward end" and event.live.gradients == t.grad_shard_bytes
+
+
+def test_with_the_sync_skipped_a_later_micro_batch_runs_beside_the_kept_unsharded_gradients(
+    six_blocks,
+) -> None:
+    """FSDP2 ``set_requires_gradient_sync(False)`` in a plain loop: the second micro-batch's
+    forward and backward hold every trained parameter's unsharded gradient (in the fp32 reduce
+    dtype), more than the sharded gradients; the first micro-batch holds none before its own
+    backward, and the last micro-batch reduces them."""
+    profile, acts = six_blocks
+    candidate = fsdp2_every_2nd(profile)
+    workload = WorkloadSpec(seq_len=128, loop="plain", accumulate=3)
+    t = step_bytes(profile, candidate, TWO, workload, acts)
+    assert t.kept_grad_bytes == profile.trainable_params * 4 > t.grad_shard_bytes
+    events = events_of(six_blocks, candidate, loop="plain", accumulate=3)
+    first = [e for e in events if e.micro_batch == 0 and e.stage == "forward"]
+    assert first and all(e.live.gradients == 0 for e in first)
+    later = [e for e in events if e.micro_batch == 1]
+    stages = {e.stage for e in later}
+    assert stages == {"forward", "backward"}
+    for event in later:
+        assert event.name.startswith("accumulating ")
+        assert event.live.gradients >= t.kept_grad_bytes, event.name
+    last = [e for e in events if e.micro_batch == 2 and e.stage == "backward"]
+    assert [e.name for e in last] == ["synchronising top block backward"]
+    assert last[0].live.gradients >= t.kept_grad_bytes
+
+
+def test_with_the_sync_kept_a_later_micro_batch_reduces_into_the_carried_shards(
+    six_blocks,
+) -> None:
+    """Lightning's Trainer with FSDP2 reduces every micro-batch: the second micro-batch's block
+    backward holds every unit's sharded gradients, into which its own reductions are added
+    (not a second set), beside the head's gradient waiting unsharded in the root."""
+    profile, acts = six_blocks
+    candidate = fsdp2_every_2nd(profile)
+    workload = WorkloadSpec(seq_len=128, loop="lightning", accumulate=2)
+    t = step_bytes(profile, candidate, TWO, workload, acts)
+    events = events_of(six_blocks, candidate, loop="lightning", accumulate=2)
+    later = [e for e in events if e.micro_batch == 1 and e.stage == "backward"]
+    blocks = [e for e in later if e.turn and e.turn.name.startswith("block ")]
+    assert len(blocks) >= 6
+    for event in blocks:
+        if event.name != "accumulating block backward":  # FSDP2's own rule
+            assert event.live.gradients == t.grad_shard_bytes + t.head_grad_bytes, event.name
+
+
+def test_each_event_carries_the_turn_of_the_timeline_it_happens_in(six_blocks) -> None:
+    """The events hold their turn of the step's timeline (what it gathers, computes and
+    reduces: where the speed model's seconds attach), their stage and micro-batch."""
+    profile, _ = six_blocks
+    candidate = fsdp2_every_2nd(profile)
+    workload = WorkloadSpec(seq_len=128, loop="plain", accumulate=2)
+    events = events_of(six_blocks, candidate, loop="plain", accumulate=2)
+    timeline = step_timeline(
+        candidate, TWO, workload, blocks=6, params=float(profile.total_params),
+        block_params=float(profile.block_params),
+    )  # fmt: skip
+    turns = {*timeline[0].forward, *timeline[0].backward}
+    at = {(e.name, e.micro_batch): e for e in events}
+    assert (at["loss", 0].turn.name, at["loss", 0].stage) == ("root work", "forward")
+    assert (at["head backward", 0].turn.name, at["head backward", 0].stage) == ("root", "backward")
+    for index in range(6):
+        event = at[block_event_names(index, 6)[0], 0]
+        assert event.turn.name == f"block {index}" and event.turn in turns
+        assert event.turn.gathered > 0  # resharded after forward: gathered again
+    assert at["root backward", 0].turn.name == "root gradients"
+    assert at["accumulating block backward", 1].turn.name == "block 0"
+    assert at["synchronising top block backward", 1].turn.name == "block 5"
+    step = at["optimizer step", 1]
+    assert (step.turn, step.stage) == (None, "step")
+    assert all(e.turn in turns for e in events if e.turn is not None)
+
+
+def test_the_one_unit_runs_its_pass_in_one_turn(six_blocks) -> None:
+    """Without a wrap policy the whole model is one unit: its forward turn holds the forward's
+    events up to the loss, its backward turn the head's, the unit's and the root's."""
+    candidate = Candidate(engine="fsdp2", precision="32-true", micro_batch_size=4)
+    events = events_of(six_blocks, candidate, loop="plain", accumulate=2)
+    assert {e.turn.name for e in events if e.turn is not None} == {"model"}
+    first = [e.name for e in events if e.micro_batch == 0]
+    assert first.index("loss") < first.index("head backward")
+    assert first.index("head backward") < first.index("top block backward")
+    assert first.index("top block backward") < first.index("root backward")
+    later = [e.name for e in events if e.micro_batch == 1]
+    assert "accumulating root backward" in later and "accumulating block backward" not in later
