@@ -60,35 +60,15 @@ def no_sync_moments(
     candidate = as_run(candidate, hardware)
     _, cb = element_bytes(candidate.precision)
     kept = accumulated_gradient_bytes(profile, candidate, hardware)
-    _, trained_root, trained_unit = gradient_params(profile, candidate)
-    mixed = candidate.precision.mixed
-    upcast = candidate.engine is Engine.FSDP2 and mixed and candidate.reduce_dtype_fp32
-    at = acts.at(candidate.precision)
-    scale = at.scale(candidate)
-    last = int(at.block_bytes[-1] * scale) if at.block_bytes else 0
+    trained_root = gradient_params(profile, candidate)[1]
     head = moments["head backward"]
-    through_blocks = head.activations  # saved, less the loss's log-probabilities
-    one_unit = candidate.one_unit
-    unit_params = 0 if one_unit else profile.block_params
-    root_params = profile.total_params if one_unit else profile.root_unit_params
-    gathers = shard_size(candidate, hardware) > 1 or mixed
-    # the head's gradient waits in the root unit for its flat gradient (FSDP1) or its upcast
-    # (FSDP2 mixed); FSDP2 without an upcast adds it into the kept gradient at once
-    waits = candidate.engine is Engine.FSDP1 or upcast
-    head_grad = head_params(profile) * cb if trained_root and waits else 0
-
-    def fresh(n: int) -> int:  # a unit's new gradients before they join the kept ones
-        if candidate.engine is Engine.FSDP1:
-            return 2 * n * cb
-        # FSDP2 without an upcast: autograd adds into the kept gradient in place
-        return n * cb + n * 4 if upcast else 0
-
     out = {
         f"accumulating {name}": m.model_copy(update={"gradients": m.gradients + kept})
         for name, m in {**forward, "loss": moments["loss"]}.items()
     }
     # The head's backward: its weight's fresh gradient (one tensor) beside the logits' gradient
     # before it joins the kept one; FSDP2 holds the root gathered, also with NO_SHARD.
+    root_params = profile.total_params if candidate.one_unit else profile.root_unit_params
     fsdp2_root = root_params * cb if candidate.engine is Engine.FSDP2 else 0
     head_kept = head.model_copy(
         update={
@@ -101,32 +81,7 @@ def no_sync_moments(
             "temporaries": head.temporaries + (head_params(profile) * cb if trained_root else 0)
         }
     )
-    if candidate.engine is Engine.FSDP1:
-        gathered_units = (root_params + 2 * unit_params) * cb if gathers else 0
-        buffers = 0
-    else:
-        gathered_units = (root_params + unit_params) * cb if gathers else 0
-        buffers = unit_params * cb if shard_size(candidate, hardware) > 1 else 0
-    keeps_all = traits(candidate).keeps_gathered
-    if keeps_all:
-        gathered_units = profile.total_params * cb  # nothing is freed between micro-batches
-    base = head.model_copy(update={"comm_buffers": 0, "temporaries": 0, "gradients": kept})
-    if not one_unit:
-        out["accumulating block backward"] = base.model_copy(
-            update={
-                "unsharded_params": gathered_units,
-                "comm_buffers": buffers,
-                "activations": through_blocks - last,
-                "temporaries": head_grad + fresh(trained_unit),
-            }
-        )
-    out["accumulating root backward"] = base.model_copy(
-        update={
-            "unsharded_params": gathered_units if keeps_all else root_params * cb if gathers else 0,
-            "activations": int(at.other_bytes * scale),
-            "temporaries": fresh(trained_root),
-        }
-    )
+    out.update(_no_sync_unit_backwards(head, profile, candidate, hardware, acts, kept))
     out.update(
         backward_start_moments(
             head_kept, "accumulating ", moments, profile, candidate, hardware, acts
@@ -134,6 +89,88 @@ def no_sync_moments(
     )
     out.update(_last_no_sync_moments(moments, profile, candidate, hardware, acts, kept))
     return out
+
+
+def _no_sync_unit_backwards(
+    head: MemoryBreakdown,
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    acts: ActivationProfile,
+    kept: int,
+) -> dict[str, MemoryBreakdown]:
+    """A block's and the root's backward in a micro-batch that skips the sync
+    (:func:`no_sync_moments`; ``candidate`` as run, ``head`` its head-backward moment): each
+    unit's fresh gradients beside the ``kept`` ones, the head's gradient waiting in the root."""
+    _, cb = element_bytes(candidate.precision)
+    _, trained_root, trained_unit = gradient_params(profile, candidate)
+    upcast = _upcasts_gradients(candidate)
+    at = acts.at(candidate.precision)
+    scale = at.scale(candidate)
+    last = int(at.block_bytes[-1] * scale) if at.block_bytes else 0
+    through_blocks = head.activations  # saved, less the loss's log-probabilities
+    root_params = profile.total_params if candidate.one_unit else profile.root_unit_params
+    gathers = shard_size(candidate, hardware) > 1 or candidate.precision.mixed
+    # the head's gradient waits in the root unit for its flat gradient (FSDP1) or its upcast
+    # (FSDP2 mixed); FSDP2 without an upcast adds it into the kept gradient at once
+    waits = candidate.engine is Engine.FSDP1 or upcast
+    head_grad = head_params(profile) * cb if trained_root and waits else 0
+    gathered_units, buffers = _no_sync_gathered(profile, candidate, hardware)
+    keeps_all = traits(candidate).keeps_gathered
+    base = head.model_copy(update={"comm_buffers": 0, "temporaries": 0, "gradients": kept})
+    out = {}
+    if not candidate.one_unit:
+        out["accumulating block backward"] = base.model_copy(
+            update={
+                "unsharded_params": gathered_units,
+                "comm_buffers": buffers,
+                "activations": through_blocks - last,
+                "temporaries": head_grad + _fresh_gradients(candidate, trained_unit),
+            }
+        )
+    out["accumulating root backward"] = base.model_copy(
+        update={
+            "unsharded_params": gathered_units if keeps_all else root_params * cb if gathers else 0,
+            "activations": int(at.other_bytes * scale),
+            "temporaries": _fresh_gradients(candidate, trained_root),
+        }
+    )
+    return out
+
+
+def _upcasts_gradients(candidate: Candidate) -> bool:
+    """FSDP2 under mixed precision with an fp32 reduce upcasts each unit's gradients to fp32."""
+    mixed = candidate.precision.mixed
+    return candidate.engine is Engine.FSDP2 and mixed and candidate.reduce_dtype_fp32
+
+
+def _fresh_gradients(candidate: Candidate, n: int) -> int:
+    """Bytes of a unit's new gradients (``n`` parameters) before they join the kept ones."""
+    _, cb = element_bytes(candidate.precision)
+    if candidate.engine is Engine.FSDP1:
+        return 2 * n * cb
+    # FSDP2 without an upcast: autograd adds into the kept gradient in place
+    return n * cb + n * 4 if _upcasts_gradients(candidate) else 0
+
+
+def _no_sync_gathered(
+    profile: ModelProfile, candidate: Candidate, hardware: Hardware
+) -> tuple[int, int]:
+    """(bytes of the units gathered, of the all-gather buffers) in a block's backward of a
+    micro-batch that skips the sync; ``candidate`` as run."""
+    _, cb = element_bytes(candidate.precision)
+    unit_params = 0 if candidate.one_unit else profile.block_params
+    root_params = profile.total_params if candidate.one_unit else profile.root_unit_params
+    gathers = shard_size(candidate, hardware) > 1 or candidate.precision.mixed
+    if candidate.engine is Engine.FSDP1:
+        gathered_units = (root_params + 2 * unit_params) * cb if gathers else 0
+        buffers = 0
+    else:
+        gathered_units = (root_params + unit_params) * cb if gathers else 0
+        buffers = unit_params * cb if shard_size(candidate, hardware) > 1 else 0
+    if traits(candidate).keeps_gathered:
+        gathered_units = profile.total_params * cb  # nothing is freed between micro-batches
+    return gathered_units, buffers
 
 
 def _last_no_sync_moments(
