@@ -161,7 +161,21 @@ def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
         f'<text x="{x0}" y="16" class="t">Per-rank GPU memory: predicted (stacked by kind; '
         "faint: never launched) and measured peak (black tick)</text>",
     ]
-    # grid lines and ticks of the to-scale part
+    out += _byte_grid(axis, x0, head, bottom, top)
+    for i, (kind, label, est, measured) in enumerate(rows):
+        y = head + i * (bar_h + gap)
+        out += _memory_row(kind, label, est, measured, axis, y, bar_h, x0 + plot_w + 8)
+    if axis.broken:
+        out.append(_break_mark(axis.break_x, bottom - 4, 8))
+    out += _limit_lines(rec, axis, head, bottom)
+    out += _memory_legend(rows, axis, x0, plot_w, bottom + 30)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _byte_grid(axis: _Axis, x0: float, head: float, bottom: float, top: float) -> list[str]:
+    """Grid lines and byte ticks of the to-scale part of ``axis``, and the axis line."""
+    out = []
     for tick in _byte_ticks(axis.cut):
         tx = axis.x(tick)
         out.append(
@@ -173,46 +187,64 @@ def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     out.append(
         f'<line x1="{x0}" x2="{axis.x(top * 1.05):.1f}" y1="{bottom}" y2="{bottom}" stroke="#666"/>'
     )
-    for i, (kind, label, est, measured) in enumerate(rows):
-        y = head + i * (bar_h + gap)
-        weight = "bold" if kind == "chosen" else "normal"
-        # Never launched: the bars are the estimate alone, drawn faint, and the row says so.
-        faint = ' fill-opacity="0.35"' if kind in NOT_RUN else ""
-        out.append(
-            f'<text x="{x0 - 8}" y="{y + 13}" text-anchor="end" font-weight="{weight}" '
-            f'data-outcome="{_esc(kind)}">{_esc(label)}</text>'
-        )
-        end = 0
-        if est is not None:
-            for term, colour in KIND_COLOURS.items():
-                value = getattr(est.breakdown, term)
-                if value <= 0:
-                    continue
-                start, end = end, end + value
-                xa, xb = axis.x(start), axis.x(end)
-                fill = "url(#hatch)" if term == "allowance" else colour
-                out.append(
-                    f'<rect x="{xa:.1f}" y="{y}" width="{max(xb - xa, 0.5):.1f}" height="{bar_h}" '
-                    f'fill="{fill}"{faint} data-kind="{term}"><title>{_esc(term)}: '
-                    f"{_esc(format_bytes(value))}</title></rect>"
-                )
-            if axis.broken and end > axis.cut:
-                out.append(_break_mark(axis.break_x, y, bar_h))
-            note = _memory_note(kind, est, measured)
-            # in a column right of the plot, clear of the limit lines
-            out.append(f'<text x="{x0 + plot_w + 8}" y="{y + 13}" class="s">{_esc(note)}</text>')
-        if measured is not None:
-            mx = axis.x(measured)
+    return out
+
+
+def _memory_row(
+    kind: str,
+    label: str,
+    est: MemoryEstimate | None,
+    measured: int | None,
+    axis: _Axis,
+    y: float,
+    bar_h: float,
+    notes_x: float,
+) -> list[str]:
+    """One candidate's row of the memory chart: its label, its estimate stacked by kind with
+    the note at ``notes_x``, and its measured peak."""
+    x0 = axis.x0
+    weight = "bold" if kind == "chosen" else "normal"
+    # Never launched: the bars are the estimate alone, drawn faint, and the row says so.
+    faint = ' fill-opacity="0.35"' if kind in NOT_RUN else ""
+    out = [
+        f'<text x="{x0 - 8}" y="{y + 13}" text-anchor="end" font-weight="{weight}" '
+        f'data-outcome="{_esc(kind)}">{_esc(label)}</text>'
+    ]
+    end = 0
+    if est is not None:
+        for term, colour in KIND_COLOURS.items():
+            value = getattr(est.breakdown, term)
+            if value <= 0:
+                continue
+            start, end = end, end + value
+            xa, xb = axis.x(start), axis.x(end)
+            fill = "url(#hatch)" if term == "allowance" else colour
             out.append(
-                f'<line x1="{mx:.1f}" x2="{mx:.1f}" y1="{y - 3}" y2="{y + bar_h + 3}" '
-                f'stroke="#000" stroke-width="3"><title>measured {_esc(format_bytes(measured))}'
-                "</title></line>"
+                f'<rect x="{xa:.1f}" y="{y}" width="{max(xb - xa, 0.5):.1f}" height="{bar_h}" '
+                f'fill="{fill}"{faint} data-kind="{term}"><title>{_esc(term)}: '
+                f"{_esc(format_bytes(value))}</title></rect>"
             )
-    if axis.broken:
-        out.append(_break_mark(axis.break_x, bottom - 4, 8))
+        if axis.broken and end > axis.cut:
+            out.append(_break_mark(axis.break_x, y, bar_h))
+        note = _memory_note(kind, est, measured)
+        # in a column right of the plot, clear of the limit lines
+        out.append(f'<text x="{notes_x}" y="{y + 13}" class="s">{_esc(note)}</text>')
+    if measured is not None:
+        mx = axis.x(measured)
+        out.append(
+            f'<line x1="{mx:.1f}" x2="{mx:.1f}" y1="{y - 3}" y2="{y + bar_h + 3}" '
+            f'stroke="#000" stroke-width="3"><title>measured {_esc(format_bytes(measured))}'
+            "</title></line>"
+        )
+    return out
+
+
+def _limit_lines(rec: Decision, axis: _Axis, head: float, bottom: float) -> list[str]:
+    """The device limit and the usable memory, as lines with their values."""
+    out = []
     # Two labels side by side: the usable limit's ends at its line, the device's starts at its.
     for value, name, dash, anchor, dx in (
-        (limit, "device limit", "", "start", 3),
+        (rec.hardware.gpu_memory, "device limit", "", "start", 3),
         (rec.hardware.usable_gpu_memory, "usable", ' stroke-dasharray="4 3"', "end", -3),
     ):
         lx = axis.x(value)
@@ -222,7 +254,18 @@ def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
             f'<text x="{lx + dx:.1f}" y="{head - 12}" text-anchor="{anchor}" class="s" '
             f'fill="#c62828">{name} {_esc(format_bytes(value))}</text>'
         )
-    legend_y = bottom + 30
+    return out
+
+
+def _memory_legend(
+    rows: list[tuple[str, str, MemoryEstimate | None, int | None]],
+    axis: _Axis,
+    x0: float,
+    plot_w: float,
+    legend_y: float,
+) -> list[str]:
+    """Below the memory chart: what a broken axis compresses, and a swatch per kind."""
+    out = []
     if axis.broken:
         allowance = any(e is not None and e.breakdown.allowance for _, _, e, _ in rows)
         lines = (
@@ -252,8 +295,7 @@ def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
         if lx > x0 + plot_w - 60:
             lx = x0
             legend_y += 18
-    out.append("</svg>")
-    return "\n".join(out)
+    return out
 
 
 def speed_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
