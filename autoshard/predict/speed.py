@@ -378,14 +378,9 @@ def predict_speed(
     # torch.compile and float8: the work the step runs, its gathers' bytes (predict/recipe.py)
     recipe = RecipeStep.of(candidate, flops, gpu, profile, linears)
     comm.gather_bytes *= recipe.gather_scale
-    parts = _step_breakdown(
+    total, breakdown = _step_time(
         profile, recipe, candidate, hardware, workload, gpu, factors, comm, rates, skip_sync
     )
-    total = (
-        parts.compute_s + parts.recompute_s + parts.exposed_comm_s + parts.contention_s
-        + parts.offload_s + parts.optimizer_s
-    )  # fmt: skip
-    total += parts.distributed_s + parts.float8_scale_sync_s
     samples = mbs * accumulate
     tokens = workload.seq_len
     return SpeedEstimate(
@@ -393,12 +388,12 @@ def predict_speed(
         samples_per_s=samples * hardware.world_size / total,
         tokens_per_s_per_gpu=samples * tokens / total if tokens else None,
         mfu=accumulate * mbs * flops.total / (total * peak),
-        breakdown=parts,
+        breakdown=breakdown,
         gpu=gpu.id,
     )
 
 
-def _step_breakdown(
+def _step_time(
     profile: ModelProfile,
     recipe: RecipeStep,
     candidate: Candidate,
@@ -409,10 +404,11 @@ def _step_breakdown(
     comm: Collectives,
     rates: _Work,
     skip_sync: bool | None,
-) -> SpeedBreakdown:
-    """The seconds of one step of ``candidate`` (as run) by cause: the ``recipe``'s work at the
-    ``rates``, the collectives ``comm`` times on the step's two-stream timeline, the optimizer
-    and offload, FSDP's copies, float8's scale sync, and what compile and float8 saved."""
+) -> tuple[float, SpeedBreakdown]:
+    """Seconds of one step of ``candidate`` (as run), and their breakdown by cause: the
+    ``recipe``'s work at the ``rates``, the collectives ``comm`` times on the step's two-stream
+    timeline, the optimizer and offload, FSDP's copies, float8's scale sync, and what compile
+    and float8 saved."""
     accumulate = workload.accumulate
     selective = candidate.checkpointing is Checkpointing.SELECTIVE
     seconds = _StepSeconds(profile, recipe.flops(), rates, comm, selective=selective)
@@ -430,25 +426,28 @@ def _step_breakdown(
     offload_s, optimizer_s = _optimizer_and_offload(
         candidate, hardware, gpu, factors, params=params, shard=comm.shard, accumulate=accumulate
     )
+    distributed_s = _distributed_seconds(step, comm, gpu, factors)
     scale_sync_s = recipe.scale_sync_s(
         blocks,
         comm.shard,
         factors.collective_latency_s,
         gpu.hbm_bandwidth * factors.memory_efficiency,
     )
+    total = compute_s + recompute_s + exposed + contention_s + offload_s + optimizer_s
+    total += distributed_s + scale_sync_s
 
     def busy(work: FlopProfile) -> float:  # compute and recompute seconds of a recipe's work
         step_seconds = _StepSeconds(profile, work, rates, comm, selective=selective)
         return sum(_busy_seconds(step_seconds, candidate, accumulate))
 
-    return SpeedBreakdown(
+    return total, SpeedBreakdown(
         compute_s=compute_s,
         recompute_s=recompute_s,
         exposed_comm_s=exposed,
         contention_s=contention_s,
         offload_s=offload_s,
         optimizer_s=optimizer_s,
-        distributed_s=_distributed_seconds(step, comm, gpu, factors),
+        distributed_s=distributed_s,
         float8_scale_sync_s=scale_sync_s,
         **recipe.breakdown(busy),
     )
