@@ -222,127 +222,143 @@ def _profile_once(
     dtype = torch.float32 if precision is Precision.FP32 else compute_dtype(precision)
     fakes = fake_model(meta_model, profile.checkpoint_policy, batch, dtype)
     model, blocks = fakes.model, fakes.blocks
-    saved = _SavedBytes(fakes)
+    params = {p.untyped_storage()._cdata for p in model.parameters() if not p.is_meta}
+    seen: dict[int, int] = {}  # storage -> bytes, each saved storage counted once
+    stack: list[int] = []
+    per_block = [0] * len(blocks)
+    finished: set[int] = set()
+    other = after = 0
+    keeps = _SelectiveKeeps(stack, len(blocks))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal other, after
+        key = t.untyped_storage()._cdata
+        if key in params or key in seen:
+            return t
+        nbytes = seen[key] = t.untyped_storage().nbytes()
+        if stack:
+            per_block[stack[-1]] += nbytes
+            if key in keeps.storages:  # kept by selective checkpointing: not rebuilt
+                keeps.overlap[stack[-1]] += nbytes
+        else:
+            other += nbytes
+            if blocks and len(finished) == len(blocks):
+                # after the last block (the final norm, the head): backward frees it before it
+                # reaches any block
+                after += nbytes
+        return t
+
+    # (signature, input shapes) -> (saved, kept, kept and saved, output)
+    counted: dict[Any, tuple[int, int, int, Any]] = {}
+
     autocast = (
         torch.autocast("cpu", dtype=dtype)
         if precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
         else contextlib.nullcontext()
     )
     for index, block in enumerate(blocks):
-        block.forward = saved.counting(index, block)
-    hooks = _block_hooks(model, blocks, saved.stack, saved.finished, saved.keeps.enter)
+        block.forward = _counting(index, block, fakes, counted, per_block, keeps, seen, params)
+    hooks = _block_hooks(model, blocks, stack, finished, keeps.enter)
     with fakes.mode, hooks as inputs, autocast:
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), saved.keeps:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keeps:
             out = forward(model, fakes.batch)
-        loss, in_forward = saved.loss_of(out)
-    block_inputs = tuple(inputs[: len(blocks)])
-    keeps, per_block = saved.keeps, saved.per_block
+        loss, in_forward = _loss_bytes(out)
+        if in_forward:
+            # The model computed its loss in forward (a Hugging Face model given labels): what
+            # the loss saved is counted outside the blocks already; it is the loss's.
+            other = max(0, other - loss)
+            after = max(0, after - loss)
+    return _profile_of(
+        seq, precision, per_block, inputs[: len(blocks)], keeps, other, after, loss, in_forward,
+        fakes.note,
+    )  # fmt: skip
+
+
+def _counting(
+    index: int,
+    block: nn.Module,
+    fakes: FakeModel,
+    counted: dict[Any, tuple[int, int, int, Any]],
+    per_block: list[int],
+    keeps: _SelectiveKeeps,
+    seen: dict[int, int],
+    params: set[int],
+) -> Callable[..., Any]:
+    """``block``'s forward for the profile: what it saves adds to ``per_block[index]`` (through
+    the saved-tensors hook); a repeated block met again with the same signature and input
+    shapes adds its first call's count from ``counted`` and returns a fresh output unrun."""
+    original = block.forward
+    signature = fakes.signatures[id(block)]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        key = (signature, call_shapes((args, kwargs)))
+        if id(block) in fakes.repeats and key in counted:
+            saved, kept, overlap, output = counted[key]
+            per_block[index] += saved
+            keeps.kept[index] += kept
+            keeps.overlap[index] += overlap
+            return fresh_like(output)
+        if fakes.materialize(block):  # a repeat with a new input
+            params.update(p.untyped_storage()._cdata for p in block.parameters())
+        before, seen_before = per_block[index], set(seen)
+        kept_before, overlap_before = keeps.kept[index], keeps.overlap[index]
+        output = original(*args, **kwargs)
+        # What the block saved of the tensors every block is given (rotary tables, masks)
+        # is saved once: a repeat would find it already counted.
+        shared = {
+            t.untyped_storage()._cdata
+            for t in tensors_in((args[1:], kwargs))
+            if t.untyped_storage()._cdata not in seen_before
+        }
+        own = per_block[index] - before - sum(seen.get(k, 0) for k in shared)
+        kept = keeps.kept[index] - kept_before
+        counted.setdefault(key, (own, kept, keeps.overlap[index] - overlap_before, output))
+        return output
+
+    return forward
+
+
+def _loss_bytes(out: Any) -> tuple[int, bool]:
+    """(bytes the loss saves, whether the model computed it in forward) for the forward's
+    output ``out``: the log-probabilities of the logits, in fp32 even under autocast."""
+    logits = getattr(out, "logits", out)
+    if not (isinstance(logits, torch.Tensor) and logits.requires_grad):
+        return 0, False
+    return logits.numel() * 4, isinstance(getattr(out, "loss", None), torch.Tensor)
+
+
+def _profile_of(
+    seq: int | None,
+    precision: Precision,
+    per_block: list[int],
+    inputs: list[int],
+    keeps: _SelectiveKeeps,
+    other: int,
+    after: int,
+    loss: int,
+    in_forward: bool,
+    note: str,
+) -> ActivationProfile:
+    """The profile of one fake forward's counts; ``inputs``: each block's input bytes."""
+    block_inputs = tuple(inputs)
+    blocks = len(per_block)
     return ActivationProfile(
         seq_len=seq,
         precision=precision,
         block_bytes=tuple(per_block),
         block_input_bytes=block_inputs,
         selective_saved_bytes=tuple(
-            (block_inputs[i] if i < len(block_inputs) else 0) + keeps.kept[i]
-            for i in range(len(blocks))
+            (block_inputs[i] if i < len(block_inputs) else 0) + keeps.kept[i] for i in range(blocks)
         ),
         selective_recomputed_bytes=tuple(
             max(0, b - o) for b, o in zip(per_block, keeps.overlap, strict=True)
         ),
-        other_bytes=saved.other,
-        after_blocks_bytes=saved.after,
+        other_bytes=other,
+        after_blocks_bytes=after,
         loss_bytes=loss,
         loss_in_forward=in_forward,
-        note=fakes.note,
+        note=note,
     )
-
-
-class _SavedBytes:
-    """What autograd saves through one fake forward (``pack`` is the saved-tensors hook): per
-    block (the innermost running one), outside the blocks, and of those after the last block;
-    each saved storage counted once, parameters never. A repeated block met again with the same
-    input shapes adds its first call's count instead of running (``counting``)."""
-
-    def __init__(self, fakes: FakeModel) -> None:
-        self.fakes = fakes
-        self.params = {
-            p.untyped_storage()._cdata for p in fakes.model.parameters() if not p.is_meta
-        }
-        self.seen: dict[int, int] = {}  # storage -> bytes, each saved storage counted once
-        self.stack: list[int] = []
-        self.per_block = [0] * len(fakes.blocks)
-        self.finished: set[int] = set()
-        self.other = self.after = 0
-        self.keeps = _SelectiveKeeps(self.stack, len(fakes.blocks))
-        # (signature, input shapes) -> (saved, kept, kept and saved, output)
-        self.counted: dict[Any, tuple[int, int, int, Any]] = {}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage()._cdata
-        if key in self.params or key in self.seen:
-            return t
-        nbytes = self.seen[key] = t.untyped_storage().nbytes()
-        if self.stack:
-            self.per_block[self.stack[-1]] += nbytes
-            if key in self.keeps.storages:  # kept by selective checkpointing: not rebuilt
-                self.keeps.overlap[self.stack[-1]] += nbytes
-        else:
-            self.other += nbytes
-            if self.fakes.blocks and len(self.finished) == len(self.fakes.blocks):
-                # after the last block (the final norm, the head): backward frees it before it
-                # reaches any block
-                self.after += nbytes
-        return t
-
-    def counting(self, index: int, block: nn.Module) -> Any:
-        """``block``'s forward, counting what it saves once per (signature, input shapes)."""
-        original = block.forward
-        signature = self.fakes.signatures[id(block)]
-        per_block, keeps, seen = self.per_block, self.keeps, self.seen
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            key = (signature, call_shapes((args, kwargs)))
-            if id(block) in self.fakes.repeats and key in self.counted:
-                saved, kept, overlap, output = self.counted[key]
-                per_block[index] += saved
-                keeps.kept[index] += kept
-                keeps.overlap[index] += overlap
-                return fresh_like(output)
-            if self.fakes.materialize(block):  # a repeat with a new input
-                self.params.update(p.untyped_storage()._cdata for p in block.parameters())
-            before, seen_before = per_block[index], set(seen)
-            kept_before, overlap_before = keeps.kept[index], keeps.overlap[index]
-            output = original(*args, **kwargs)
-            # What the block saved of the tensors every block is given (rotary tables, masks)
-            # is saved once: a repeat would find it already counted.
-            shared = {
-                t.untyped_storage()._cdata
-                for t in tensors_in((args[1:], kwargs))
-                if t.untyped_storage()._cdata not in seen_before
-            }
-            own = per_block[index] - before - sum(seen.get(k, 0) for k in shared)
-            kept = keeps.kept[index] - kept_before
-            self.counted.setdefault(key, (own, kept, keeps.overlap[index] - overlap_before, output))
-            return output
-
-        return forward
-
-    def loss_of(self, out: Any) -> tuple[int, bool]:
-        """(bytes the loss saves, whether the model computed it in forward) for the forward's
-        output ``out``."""
-        logits = getattr(out, "logits", out)
-        loss = 0
-        in_forward = False
-        if isinstance(logits, torch.Tensor) and logits.requires_grad:
-            # the loss saves the log-probabilities of the logits, in fp32 even under autocast
-            loss = logits.numel() * 4
-            in_forward = isinstance(getattr(out, "loss", None), torch.Tensor)
-            if in_forward:
-                # The model computed its loss in forward (a Hugging Face model given labels):
-                # what the loss saved is counted outside the blocks already; it is the loss's.
-                self.other = max(0, self.other - loss)
-                self.after = max(0, self.after - loss)
-        return loss, in_forward
 
 
 class _SelectiveKeeps(TorchDispatchMode):
