@@ -424,7 +424,7 @@ def _speed_bars(
     s: Scored,
     measured: float | None,
     what: str,
-    bars: list[tuple[float, float, str, str]],
+    bars: Sequence[tuple[float, float, str, str]],
     px: float,
     top: float,
     scale: float,
