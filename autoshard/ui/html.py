@@ -65,7 +65,7 @@ def nice_ticks(top: float, count: int = 5) -> list[float]:
     """Round tick values from 0 to about ``top``: steps of 1, 2 or 5 times a power of ten.
 
     >>> nice_ticks(97.0)
-    [0.0, 20.0, 40.0, 60.0, 80.0]
+    [0, 20, 40, 60, 80]
     """
     if top <= 0:
         return [0.0]
