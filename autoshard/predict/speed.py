@@ -394,17 +394,10 @@ def predict_speed(
 
 
 def _step_time(
-    profile: ModelProfile,
-    recipe: RecipeStep,
-    candidate: Candidate,
-    hardware: Hardware,
-    workload: WorkloadSpec,
-    gpu: GPUSpec,
-    factors: SpeedFactors,
-    comm: Collectives,
-    rates: _Work,
+    profile: ModelProfile, recipe: RecipeStep, candidate: Candidate, hardware: Hardware,
+    workload: WorkloadSpec, gpu: GPUSpec, factors: SpeedFactors, comm: Collectives, rates: _Work,
     skip_sync: bool | None,
-) -> tuple[float, SpeedBreakdown]:
+) -> tuple[float, SpeedBreakdown]:  # fmt: skip
     """Seconds of one step of ``candidate`` (as run), and their breakdown by cause: the
     ``recipe``'s work at the ``rates``, the collectives ``comm`` times on the step's two-stream
     timeline, the optimizer and offload, FSDP's copies, float8's scale sync, and what compile
