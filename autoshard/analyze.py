@@ -95,9 +95,6 @@ def analyze_model(
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    dtypes = Counter({str(p.dtype).removeprefix("torch."): 0 for p in model.parameters()})
-    for p in model.parameters():
-        dtypes[str(p.dtype).removeprefix("torch.")] += p.numel()
 
     classes = _class_stats(model, params_of, total)
     no_split = tuple(getattr(model, "_no_split_modules", None) or ())
@@ -108,51 +105,12 @@ def analyze_model(
     block_params = max((params_of[id(m)][1] for m in block_modules), default=0)
     frozen = _frozen_split(model, block_modules)
 
-    warnings = list(extra_warnings)
-    wrap_min: int | None = None
-    if blocks:
-        wrap_policy = blocks
-        wrap_reason = block_reason
-        ckpt_policy = blocks
-        ckpt_reason = (
-            "checkpoint the same blocks, as the guide recommends: each recomputes its own "
-            "activations in backward; the estimator decides whether that memory is needed"
-        )
-        root_params = total - in_blocks
-    else:
-        wrap_policy = ()
-        ckpt_policy = ()
-        ckpt_reason = "no repeated block to checkpoint; checkpointing the whole model saves little"
-        root_params = total
-        if total >= SIZE_WRAP_MIN_TOTAL:
-            wrap_min = max(SMALL_UNIT_PARAMS, total // 8)
-            wrap_reason = (
-                f"no repeated block: wrap by size (min_num_params={wrap_min:,}), so units are "
-                "large enough that communication does not dominate"
-            )
-        else:
-            wrap_reason = (
-                f"no repeated block and only {total:,} parameters: one FSDP unit (no wrapping)"
-            )
+    root_params = total - in_blocks if blocks else total
+    policies = _policies(blocks, block_reason, total)
+    wrap_policy, wrap_min, wrap_reason, ckpt_policy, ckpt_reason = policies
     largest_unit = max(block_params, root_params)
-
-    if blocks and block_params < SMALL_UNIT_PARAMS:
-        warnings.append(
-            f"wrapped units hold only {block_params:,} parameters each (< {SMALL_UNIT_PARAMS:,}): "
-            "communication overhead will dominate; wrap a larger enclosing class"
-        )
-    if blocks and root_params > max(block_params, LARGE_ROOT_SHARE * total):
-        owners = _root_owners(model, block_set, params_of)
-        warnings.append(
-            f"the root unit keeps {root_params:,} parameters ({root_params / total:.0%}) outside "
-            f"the wrapped blocks ({owners}); they are gathered whole for every step"
-            + (" and tied weights must stay together" if tied else "")
-        )
-    for group in tied:
-        warnings.append(
-            f"tied parameters {', '.join(group.names)} ({group.numel:,}) are one tensor: "
-            "they stay in one FSDP unit"
-        )
+    warnings = list(extra_warnings)
+    warnings += _unit_warnings(model, block_set, params_of, tied, block_params, root_params, total)
 
     vocab, hidden = _largest_embedding(model)
     context = find_context(model)
@@ -167,7 +125,7 @@ def analyze_model(
         frozen_blocks=frozen.blocks,
         param_bytes=param_bytes,
         buffer_bytes=buffer_bytes,
-        param_dtype=dtypes.most_common(1)[0][0] if dtypes else "float32",
+        param_dtype=_param_dtype(model),
         built_on="cpu" if built_on != "meta" else "meta",
         classes=tuple(classes),
         modules=tuple(_module_rows(model, params_of)),
@@ -190,6 +148,69 @@ def analyze_model(
         warnings=tuple(warnings),
         seconds=time.perf_counter() - start,
     )
+
+
+def _param_dtype(model: nn.Module) -> str:
+    """The dtype that holds the most parameters ("float32" for a model without any)."""
+    dtypes = Counter({str(p.dtype).removeprefix("torch."): 0 for p in model.parameters()})
+    for p in model.parameters():
+        dtypes[str(p.dtype).removeprefix("torch.")] += p.numel()
+    return dtypes.most_common(1)[0][0] if dtypes else "float32"
+
+
+def _policies(
+    blocks: tuple[str, ...], block_reason: str, total: int
+) -> tuple[tuple[str, ...], int | None, str, tuple[str, ...], str]:
+    """(wrap policy, wrap min_num_params, why, checkpointing policy, why): the repeated
+    ``blocks`` both wrapped and checkpointed; without them, wrap by size or not at all."""
+    if blocks:
+        ckpt_reason = (
+            "checkpoint the same blocks, as the guide recommends: each recomputes its own "
+            "activations in backward; the estimator decides whether that memory is needed"
+        )
+        return blocks, None, block_reason, blocks, ckpt_reason
+    ckpt_reason = "no repeated block to checkpoint; checkpointing the whole model saves little"
+    if total >= SIZE_WRAP_MIN_TOTAL:
+        wrap_min = max(SMALL_UNIT_PARAMS, total // 8)
+        wrap_reason = (
+            f"no repeated block: wrap by size (min_num_params={wrap_min:,}), so units are "
+            "large enough that communication does not dominate"
+        )
+        return (), wrap_min, wrap_reason, (), ckpt_reason
+    wrap_reason = f"no repeated block and only {total:,} parameters: one FSDP unit (no wrapping)"
+    return (), None, wrap_reason, (), ckpt_reason
+
+
+def _unit_warnings(
+    model: nn.Module,
+    block_set: set[str],
+    params_of: dict[int, tuple[set[int], int]],
+    tied: list[TiedGroup],
+    block_params: int,
+    root_params: int,
+    total: int,
+) -> list[str]:
+    """What the proposed units get wrong: blocks too small to be worth their collectives, a
+    root that keeps more than a block (or LARGE_ROOT_SHARE of the model), tied weights."""
+    warnings = []
+    if block_set and block_params < SMALL_UNIT_PARAMS:
+        warnings.append(
+            f"wrapped units hold only {block_params:,} parameters each (< {SMALL_UNIT_PARAMS:,}): "
+            "communication overhead will dominate; wrap a larger enclosing class"
+        )
+    if block_set and root_params > max(block_params, LARGE_ROOT_SHARE * total):
+        owners = _root_owners(model, block_set, params_of)
+        warnings.append(
+            f"the root unit keeps {root_params:,} parameters ({root_params / total:.0%}) outside "
+            f"the wrapped blocks ({owners}); they are gathered whole for every step"
+            + (" and tied weights must stay together" if tied else "")
+        )
+    for group in tied:
+        warnings.append(
+            f"tied parameters {', '.join(group.names)} ({group.numel:,}) are one tensor: "
+            "they stay in one FSDP unit"
+        )
+    return warnings
 
 
 # Names of a learned positional table (GPT-2's wpe, BERT's position_embeddings, pos_emb...).

@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +47,9 @@ from autoshard.study.loop import run_trials
 from autoshard.study.settings import StudySettings
 from autoshard.trials.group import WorkerGroup
 from autoshard.ui.files import RECOMMENDATION_FILE, write_report, write_text_atomically
+
+if TYPE_CHECKING:  # optuna is imported where a study runs
+    from autoshard.study.storage import StudyStore
 
 # The fields the dominance rules reason about; every other field must be equal.
 _CHECKPOINT_FIELDS = frozenset({"checkpointing", "checkpoint_every", "checkpoint_classes"})
@@ -147,18 +151,7 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
             log_cap=opts.worker_log_cap,
         )  # launched lazily, by the first trial
         ranked = trial_order(plan)  # the planned hardware's order, wherever trials run
-        request = plan.request.options
-        settings = StudySettings.of(
-            plan.request.target, hardware, workload, engine=request.engine,
-            precisions=request.precision, micro_batch_sizes=sorted({c.micro_batch_size
-            for c in plan.candidates}), memory_cap=opts.memory_cap, model=plan.built.model,
-            batch=plan.built.batch,
-        )  # fmt: skip
-        metric, objective, why = study_objective(plan)
-        store.open_study(
-            settings, [c.label() for c in plan.candidates], candidates=plan.candidates,
-            objective=objective, metric=metric, objective_note=why,
-        )  # fmt: skip
+        _open_study(store, plan, opts)
         cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
 
         # The latest (calibrated) prediction of each candidate: the one a trial is tried with,
@@ -209,6 +202,23 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
         store.mark_recommended(rec)  # what optuna-dashboard shows beside its best trial
         write_outputs(rec, out_dir, results)
     return rec
+
+
+def _open_study(store: StudyStore, plan: Plan, opts: TuneOptions) -> None:
+    """Open (or resume) ``plan``'s study in ``store``: its settings, which a resumed study must
+    match, its candidates, and the objective its trials record."""
+    request = plan.request.options
+    settings = StudySettings.of(
+        plan.request.target, plan.hardware, plan.workload, engine=request.engine,
+        precisions=request.precision, micro_batch_sizes=sorted({c.micro_batch_size
+        for c in plan.candidates}), memory_cap=opts.memory_cap, model=plan.built.model,
+        batch=plan.built.batch,
+    )  # fmt: skip
+    metric, objective, why = study_objective(plan)
+    store.open_study(
+        settings, [c.label() for c in plan.candidates], candidates=plan.candidates,
+        objective=objective, metric=metric, objective_note=why,
+    )  # fmt: skip
 
 
 def study_objective(plan: Plan) -> tuple[str, Callable[[TrialResult], float], str]:

@@ -176,13 +176,7 @@ def enumerate_candidates(
     ['all', 'keep_root', 'keep_root_and_last']
     """
     blocks = profile.checkpoint_policy
-    checkpointing: list[tuple[Checkpointing, int]] = [(Checkpointing.NONE, 1)]
-    if blocks:
-        if profile.block_count >= 4:
-            checkpointing.append((Checkpointing.EVERY_K, 2))
-        # op-level (torchtitan's): between none and all in memory and in recompute
-        checkpointing.append((Checkpointing.SELECTIVE, 1))
-        checkpointing.append((Checkpointing.ALL, 1))
+    checkpointing = _checkpointing_options(profile)
     offloads = [False, True] if offload is None else [offload]
     sizes = tuple(micro_batch_sizes or (workload.micro_batch_size,))
     out: list[Candidate] = []
@@ -215,20 +209,50 @@ def enumerate_candidates(
                             )
                         )
         if profile.wrap_policy or profile.wrap_min_params:
-            # Lightning's default FSDPStrategy(): no wrap policy, the whole model one unit. It
-            # gathers everything at once (the estimate rules it out for large models) but has
-            # the fewest collectives: measured faster than per-block units on a small model.
-            for sharding, mesh in shardings_for(hardware, engine):
-                for mbs in sizes:
-                    out.append(
-                        Candidate(
-                            engine=engine, sharding=sharding, hybrid_mesh=mesh,
-                            precision=precision, micro_batch_size=mbs,
-                        )
-                    )  # fmt: skip
+            out += _one_unit_candidates(hardware, engine, precision, sizes)
+    return _with_recipes(out, engine, compiles, float8s)
+
+
+def _checkpointing_options(profile: ModelProfile) -> list[tuple[Checkpointing, int]]:
+    """(checkpointing, every k-th block) to try: none, and where there are blocks every 2nd
+    (from 4 blocks), op-level and every block."""
+    checkpointing: list[tuple[Checkpointing, int]] = [(Checkpointing.NONE, 1)]
+    if profile.checkpoint_policy:
+        if profile.block_count >= 4:
+            checkpointing.append((Checkpointing.EVERY_K, 2))
+        # op-level (torchtitan's): between none and all in memory and in recompute
+        checkpointing.append((Checkpointing.SELECTIVE, 1))
+        checkpointing.append((Checkpointing.ALL, 1))
+    return checkpointing
+
+
+def _one_unit_candidates(
+    hardware: Hardware, engine: Engine, precision: Precision, sizes: Sequence[int]
+) -> list[Candidate]:
+    """Lightning's default FSDPStrategy(): no wrap policy, the whole model one unit. It gathers
+    everything at once (the estimate rules it out for large models) but has the fewest
+    collectives: measured faster than per-block units on a small model."""
+    return [
+        Candidate(
+            engine=engine, sharding=sharding, hybrid_mesh=mesh,
+            precision=precision, micro_batch_size=mbs,
+        )
+        for sharding, mesh in shardings_for(hardware, engine)
+        for mbs in sizes
+    ]  # fmt: skip
+
+
+def _with_recipes(
+    candidates: list[Candidate],
+    engine: Engine,
+    compiles: Sequence[bool],
+    float8s: Sequence[bool],
+) -> list[Candidate]:
+    """Each candidate with every ``compiles`` value, and every ``float8s`` value where float8
+    goes (FSDP2 and bf16 compute)."""
     return [
         c.model_copy(update={"compile": compiled, "float8": f8}) if compiled or f8 else c
-        for c in out
+        for c in candidates
         for compiled in compiles
         for f8 in float8s
         if not f8 or (Engine(engine) is Engine.FSDP2 and c.precision in BF16_COMPUTE)

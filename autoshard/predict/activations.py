@@ -28,6 +28,7 @@ from autoshard.config import (
     WorkloadSpec,
 )
 from autoshard.predict.fakes import (
+    FakeModel,
     call_shapes,
     fake_forward_support,
     fake_model,
@@ -220,7 +221,7 @@ def _profile_once(
 ) -> ActivationProfile:
     dtype = torch.float32 if precision is Precision.FP32 else compute_dtype(precision)
     fakes = fake_model(meta_model, profile.checkpoint_policy, batch, dtype)
-    model, blocks, signatures, repeats = fakes.model, fakes.blocks, fakes.signatures, fakes.repeats
+    model, blocks = fakes.model, fakes.blocks
     params = {p.untyped_storage()._cdata for p in model.parameters() if not p.is_meta}
     seen: dict[int, int] = {}  # storage -> bytes, each saved storage counted once
     stack: list[int] = []
@@ -250,69 +251,104 @@ def _profile_once(
     # (signature, input shapes) -> (saved, kept, kept and saved, output)
     counted: dict[Any, tuple[int, int, int, Any]] = {}
 
-    def counting(index: int, block: nn.Module) -> Any:
-        original = block.forward
-        signature = signatures[id(block)]
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            key = (signature, call_shapes((args, kwargs)))
-            if id(block) in repeats and key in counted:
-                saved, kept, overlap, output = counted[key]
-                per_block[index] += saved
-                keeps.kept[index] += kept
-                keeps.overlap[index] += overlap
-                return fresh_like(output)
-            if fakes.materialize(block):  # a repeat with a new input
-                params.update(p.untyped_storage()._cdata for p in block.parameters())
-            before, seen_before = per_block[index], set(seen)
-            kept_before, overlap_before = keeps.kept[index], keeps.overlap[index]
-            output = original(*args, **kwargs)
-            # What the block saved of the tensors every block is given (rotary tables, masks)
-            # is saved once: a repeat would find it already counted.
-            shared = {
-                t.untyped_storage()._cdata
-                for t in tensors_in((args[1:], kwargs))
-                if t.untyped_storage()._cdata not in seen_before
-            }
-            own = per_block[index] - before - sum(seen.get(k, 0) for k in shared)
-            kept = keeps.kept[index] - kept_before
-            counted.setdefault(key, (own, kept, keeps.overlap[index] - overlap_before, output))
-            return output
-
-        return forward
-
     autocast = (
         torch.autocast("cpu", dtype=dtype)
         if precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
         else contextlib.nullcontext()
     )
     for index, block in enumerate(blocks):
-        block.forward = counting(index, block)
+        block.forward = _counting(index, block, fakes, counted, per_block, keeps, seen, params)
     hooks = _block_hooks(model, blocks, stack, finished, keeps.enter)
     with fakes.mode, hooks as inputs, autocast:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keeps:
             out = forward(model, fakes.batch)
-        logits = getattr(out, "logits", out)
-        loss = 0
-        in_forward = False
-        if isinstance(logits, torch.Tensor) and logits.requires_grad:
-            # the loss saves the log-probabilities of the logits, in fp32 even under autocast
-            loss = logits.numel() * 4
-            in_forward = isinstance(getattr(out, "loss", None), torch.Tensor)
-            if in_forward:
-                # The model computed its loss in forward (a Hugging Face model given labels):
-                # what the loss saved is counted outside the blocks already; it is the loss's.
-                other = max(0, other - loss)
-                after = max(0, after - loss)
-    block_inputs = tuple(inputs[: len(blocks)])
+        loss, in_forward = _loss_bytes(out)
+        if in_forward:
+            # The model computed its loss in forward (a Hugging Face model given labels): what
+            # the loss saved is counted outside the blocks already; it is the loss's.
+            other = max(0, other - loss)
+            after = max(0, after - loss)
+    return _profile_of(
+        seq, precision, per_block, inputs[: len(blocks)], keeps, other, after, loss, in_forward,
+        fakes.note,
+    )  # fmt: skip
+
+
+def _counting(
+    index: int,
+    block: nn.Module,
+    fakes: FakeModel,
+    counted: dict[Any, tuple[int, int, int, Any]],
+    per_block: list[int],
+    keeps: _SelectiveKeeps,
+    seen: dict[int, int],
+    params: set[int],
+) -> Callable[..., Any]:
+    """``block``'s forward for the profile: what it saves adds to ``per_block[index]`` (through
+    the saved-tensors hook); a repeated block met again with the same signature and input
+    shapes adds its first call's count from ``counted`` and returns a fresh output unrun."""
+    original = block.forward
+    signature = fakes.signatures[id(block)]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        key = (signature, call_shapes((args, kwargs)))
+        if id(block) in fakes.repeats and key in counted:
+            saved, kept, overlap, output = counted[key]
+            per_block[index] += saved
+            keeps.kept[index] += kept
+            keeps.overlap[index] += overlap
+            return fresh_like(output)
+        if fakes.materialize(block):  # a repeat with a new input
+            params.update(p.untyped_storage()._cdata for p in block.parameters())
+        before, seen_before = per_block[index], set(seen)
+        kept_before, overlap_before = keeps.kept[index], keeps.overlap[index]
+        output = original(*args, **kwargs)
+        # What the block saved of the tensors every block is given (rotary tables, masks)
+        # is saved once: a repeat would find it already counted.
+        shared = {
+            t.untyped_storage()._cdata
+            for t in tensors_in((args[1:], kwargs))
+            if t.untyped_storage()._cdata not in seen_before
+        }
+        own = per_block[index] - before - sum(seen.get(k, 0) for k in shared)
+        kept = keeps.kept[index] - kept_before
+        counted.setdefault(key, (own, kept, keeps.overlap[index] - overlap_before, output))
+        return output
+
+    return forward
+
+
+def _loss_bytes(out: Any) -> tuple[int, bool]:
+    """(bytes the loss saves, whether the model computed it in forward) for the forward's
+    output ``out``: the log-probabilities of the logits, in fp32 even under autocast."""
+    logits = getattr(out, "logits", out)
+    if not (isinstance(logits, torch.Tensor) and logits.requires_grad):
+        return 0, False
+    return logits.numel() * 4, isinstance(getattr(out, "loss", None), torch.Tensor)
+
+
+def _profile_of(
+    seq: int | None,
+    precision: Precision,
+    per_block: list[int],
+    inputs: list[int],
+    keeps: _SelectiveKeeps,
+    other: int,
+    after: int,
+    loss: int,
+    in_forward: bool,
+    note: str,
+) -> ActivationProfile:
+    """The profile of one fake forward's counts; ``inputs``: each block's input bytes."""
+    block_inputs = tuple(inputs)
+    blocks = len(per_block)
     return ActivationProfile(
         seq_len=seq,
         precision=precision,
         block_bytes=tuple(per_block),
         block_input_bytes=block_inputs,
         selective_saved_bytes=tuple(
-            (block_inputs[i] if i < len(block_inputs) else 0) + keeps.kept[i]
-            for i in range(len(blocks))
+            (block_inputs[i] if i < len(block_inputs) else 0) + keeps.kept[i] for i in range(blocks)
         ),
         selective_recomputed_bytes=tuple(
             max(0, b - o) for b, o in zip(per_block, keeps.overlap, strict=True)
@@ -321,7 +357,7 @@ def _profile_once(
         after_blocks_bytes=after,
         loss_bytes=loss,
         loss_in_forward=in_forward,
-        note=fakes.note,
+        note=note,
     )
 
 

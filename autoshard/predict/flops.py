@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoshard.config import WorkloadSpec
 from autoshard.predict.fakes import (
+    FakeModel,
     call_shapes,
     fake_forward_support,
     fake_model,
@@ -278,74 +279,100 @@ def _count(
     fakes = fake_model(meta_model, profile.checkpoint_policy, batch)
     model, blocks = fakes.model, fakes.blocks
     counter = OpCounter()
-    none = OpCounts(0, 0, 0)
-    forward_counts: list[OpCounts] = [none] * len(blocks)
-    # (signature, input shapes) -> (the block, fresh inputs, output template, forward counts)
-    distinct: dict[Any, tuple[nn.Module, Any, Any, OpCounts]] = {}
-    keys: list[Any] = [None] * len(blocks)
-    within: list[OpCounts] = []  # per running block: what the blocks inside it counted
-    ran = [none]  # what the blocks' own forwards counted in the model's pass
-    in_pass = [True]  # the model's forward (False: a block's backward alone)
-
-    def standing_in(index: int, block: nn.Module) -> Any:
-        original = block.forward
-        nested = id(block) in fakes.nested
-
-        def stand_in_forward(*args: Any, **kwargs: Any) -> Any:
-            key = (fakes.signatures[id(block)], call_shapes((args, kwargs)))
-            # A block holding blocks runs again in the model's pass, so that its inner blocks
-            # are met and count themselves; alone, it stands in like the others.
-            if key in distinct and not (nested and in_pass[0]):
-                if in_pass[0]:
-                    keys[index], forward_counts[index] = key, distinct[key][3]
-                return _stand_in(distinct[key][2], (args, kwargs))  # nothing counted
-            fakes.materialize(block)  # a repeat with a new input
-            before = counter.totals()
-            within.append(none)
-            counter.kept.start_block()
-            try:
-                output = original(*args, **kwargs)
-            finally:
-                counter.kept.end_block()
-                inner = within.pop()
-            whole = counter.totals() - before
-            own = whole - inner  # without the blocks inside it
-            if within:
-                within[-1] = within[-1].plus(whole)
-            if in_pass[0]:
-                keys[index], forward_counts[index] = key, own
-                ran[0] = ran[0].plus(own)
-            distinct.setdefault(key, (block, fresh_like((args, kwargs)), fresh_like(output), own))
-            return _stand_in(distinct[key][2], (args, kwargs))
-
-        stand_in_forward.original = original  # type: ignore[attr-defined]
-        return stand_in_forward
-
+    stand_ins = _StandIns(fakes, counter)
     for index, block in enumerate(blocks):
-        block.forward = standing_in(index, block)
+        block.forward = stand_ins.forward_of(index, block)
     with fakes.mode:
         with counter:
             output = forward(model, fakes.batch)
             forward_total = counter.totals()
             _backward_of_loss(output, fakes.batch)
         total = counter.totals()
-        in_pass[0] = False
+        stand_ins.in_pass = False
         # Each distinct block alone, its inner blocks (if any) still standing in.
         backward_of: dict[Any, OpCounts] = {}
-        for key, (block, inputs, _, _) in list(distinct.items()):
-            try:
-                backward_of[key] = _backward_alone(block, inputs)
-            except RuntimeError:
-                # An object the block was given holds tensors of the model's pass, whose graph
-                # its backward has freed (a Hugging Face key/value cache: GPT-2 builds one in
-                # training unless its config says use_cache=False, T5's decoder even then):
-                # count the block without it.
-                backward_of[key] = _backward_alone(block, _without_objects(inputs))
-    if blocks and any(k is None for k in keys):
+        for key, (block, inputs, _, _) in list(stand_ins.distinct.items()):
+            backward_of[key] = _backward_of_block(block, inputs)
+    if blocks and any(k is None for k in stand_ins.keys):
         raise RuntimeError("some blocks did not run in the model's forward")
-    other_forward = forward_total - ran[0]
+    other_forward = forward_total - stand_ins.ran
     other_backward = total - forward_total  # the blocks' backward stood in: nothing counted
-    backward_counts = [backward_of[k] for k in keys]
+    backward_counts = [backward_of[k] for k in stand_ins.keys]
+    return _flop_profile(
+        seq, stand_ins.forward_counts, backward_counts, other_forward, other_backward
+    )
+
+
+_NONE = OpCounts(0, 0, 0)
+
+
+class _StandIns:
+    """The blocks' forwards in the counted pass (``forward_of``): each distinct block (signature,
+    input shapes) runs once, counting what it computes without the blocks inside it; every other
+    call stands in (:func:`_stand_in`) and counts nothing."""
+
+    def __init__(self, fakes: FakeModel, counter: OpCounter) -> None:
+        self.fakes = fakes
+        self.counter = counter
+        self.forward_counts: list[OpCounts] = [_NONE] * len(fakes.blocks)
+        # (signature, input shapes) -> (the block, fresh inputs, output template, forward counts)
+        self.distinct: dict[Any, tuple[nn.Module, Any, Any, OpCounts]] = {}
+        self.keys: list[Any] = [None] * len(fakes.blocks)
+        self.within: list[OpCounts] = []  # per running block: what the blocks inside it counted
+        self.ran = _NONE  # what the blocks' own forwards counted in the model's pass
+        self.in_pass = True  # the model's forward (False: a block's backward alone)
+
+    def forward_of(self, index: int, block: nn.Module) -> Any:
+        """The forward that replaces ``block``'s (its own kept as ``.original``)."""
+        original = block.forward
+        nested = id(block) in self.fakes.nested
+        distinct = self.distinct
+
+        def stand_in_forward(*args: Any, **kwargs: Any) -> Any:
+            key = (self.fakes.signatures[id(block)], call_shapes((args, kwargs)))
+            # A block holding blocks runs again in the model's pass, so that its inner blocks
+            # are met and count themselves; alone, it stands in like the others.
+            if key in distinct and not (nested and self.in_pass):
+                if self.in_pass:
+                    self.keys[index], self.forward_counts[index] = key, distinct[key][3]
+                return _stand_in(distinct[key][2], (args, kwargs))  # nothing counted
+            self.fakes.materialize(block)  # a repeat with a new input
+            output, own = self._run_counted(original, args, kwargs)
+            if self.in_pass:
+                self.keys[index], self.forward_counts[index] = key, own
+                self.ran = self.ran.plus(own)
+            distinct.setdefault(key, (block, fresh_like((args, kwargs)), fresh_like(output), own))
+            return _stand_in(distinct[key][2], (args, kwargs))
+
+        stand_in_forward.original = original  # type: ignore[attr-defined]
+        return stand_in_forward
+
+    def _run_counted(self, original: Any, args: Any, kwargs: Any) -> tuple[Any, OpCounts]:
+        """Run a block's own forward: its output, and what it counted without the blocks inside
+        it (those add to the block around it, if any)."""
+        before = self.counter.totals()
+        self.within.append(_NONE)
+        self.counter.kept.start_block()
+        try:
+            output = original(*args, **kwargs)
+        finally:
+            self.counter.kept.end_block()
+            inner = self.within.pop()
+        whole = self.counter.totals() - before
+        own = whole - inner  # without the blocks inside it
+        if self.within:
+            self.within[-1] = self.within[-1].plus(whole)
+        return output, own
+
+
+def _flop_profile(
+    seq: int | None,
+    forward_counts: list[OpCounts],
+    backward_counts: list[OpCounts],
+    other_forward: OpCounts,
+    other_backward: OpCounts,
+) -> FlopProfile:
+    """The profile of what each block's forward and backward and the rest of the step counted."""
     return FlopProfile(
         seq_len=seq,
         block_forward=tuple(c.flops for c in forward_counts),
@@ -374,6 +401,18 @@ def _count(
         block_selective_recompute_attention=tuple(c.recomputed[3] for c in forward_counts),
         block_selective_recompute_fresh=tuple(c.recomputed[4] for c in forward_counts),
     )
+
+
+def _backward_of_block(block: nn.Module, inputs: Any) -> OpCounts:
+    """What the backward of ``block`` alone counts (:func:`_backward_alone`)."""
+    try:
+        return _backward_alone(block, inputs)
+    except RuntimeError:
+        # An object the block was given holds tensors of the model's pass, whose graph
+        # its backward has freed (a Hugging Face key/value cache: GPT-2 builds one in
+        # training unless its config says use_cache=False, T5's decoder even then):
+        # count the block without it.
+        return _backward_alone(block, _without_objects(inputs))
 
 
 def _backward_alone(block: nn.Module, inputs: Any) -> OpCounts:

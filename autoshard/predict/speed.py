@@ -87,20 +87,6 @@ def optimizer_bytes_per_param(candidate: Candidate) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# The hardware
-# ---------------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------------
-# Collectives
-# ---------------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------------
-# The timeline
-# ---------------------------------------------------------------------------------------------
-
-# ---------------------------------------------------------------------------------------------
 # The prediction
 # ---------------------------------------------------------------------------------------------
 
@@ -389,10 +375,35 @@ def predict_speed(
         latency_s=factors.collective_latency_s, efficiency=factors.comm_efficiency,
     )  # fmt: skip
     rates = _rates(candidate, gpu, factors, peak)
-    selective = candidate.checkpointing is Checkpointing.SELECTIVE
     # torch.compile and float8: the work the step runs, its gathers' bytes (predict/recipe.py)
     recipe = RecipeStep.of(candidate, flops, gpu, profile, linears)
     comm.gather_bytes *= recipe.gather_scale
+    total, breakdown = _step_time(
+        profile, recipe, candidate, hardware, workload, gpu, factors, comm, rates, skip_sync
+    )
+    samples = mbs * accumulate
+    tokens = workload.seq_len
+    return SpeedEstimate(
+        step_time_s=total,
+        samples_per_s=samples * hardware.world_size / total,
+        tokens_per_s_per_gpu=samples * tokens / total if tokens else None,
+        mfu=accumulate * mbs * flops.total / (total * peak),
+        breakdown=breakdown,
+        gpu=gpu.id,
+    )
+
+
+def _step_time(
+    profile: ModelProfile, recipe: RecipeStep, candidate: Candidate, hardware: Hardware,
+    workload: WorkloadSpec, gpu: GPUSpec, factors: SpeedFactors, comm: Collectives, rates: _Work,
+    skip_sync: bool | None,
+) -> tuple[float, SpeedBreakdown]:  # fmt: skip
+    """Seconds of one step of ``candidate`` (as run), and their breakdown by cause: the
+    ``recipe``'s work at the ``rates``, the collectives ``comm`` times on the step's two-stream
+    timeline, the optimizer and offload, FSDP's copies, float8's scale sync, and what compile
+    and float8 saved."""
+    accumulate = workload.accumulate
+    selective = candidate.checkpointing is Checkpointing.SELECTIVE
     seconds = _StepSeconds(profile, recipe.flops(), rates, comm, selective=selective)
     blocks = len(seconds.fwd)
     params = float(profile.total_params)
@@ -422,25 +433,16 @@ def predict_speed(
         step_seconds = _StepSeconds(profile, work, rates, comm, selective=selective)
         return sum(_busy_seconds(step_seconds, candidate, accumulate))
 
-    samples = mbs * accumulate
-    tokens = workload.seq_len
-    return SpeedEstimate(
-        step_time_s=total,
-        samples_per_s=samples * hardware.world_size / total,
-        tokens_per_s_per_gpu=samples * tokens / total if tokens else None,
-        mfu=accumulate * mbs * flops.total / (total * peak),
-        breakdown=SpeedBreakdown(
-            compute_s=compute_s,
-            recompute_s=recompute_s,
-            exposed_comm_s=exposed,
-            contention_s=contention_s,
-            offload_s=offload_s,
-            optimizer_s=optimizer_s,
-            distributed_s=distributed_s,
-            float8_scale_sync_s=scale_sync_s,
-            **recipe.breakdown(busy),
-        ),
-        gpu=gpu.id,
+    return total, SpeedBreakdown(
+        compute_s=compute_s,
+        recompute_s=recompute_s,
+        exposed_comm_s=exposed,
+        contention_s=contention_s,
+        offload_s=offload_s,
+        optimizer_s=optimizer_s,
+        distributed_s=distributed_s,
+        float8_scale_sync_s=scale_sync_s,
+        **recipe.breakdown(busy),
     )
 
 

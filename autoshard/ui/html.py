@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from autoshard.config import Candidate, Hardware
 from autoshard.errors import AutoshardError
 from autoshard.measure import speed_basis, spread_of
-from autoshard.results import Decision, MemoryEstimate, TrialResult, TrialStatus
+from autoshard.results import Decision, MemoryEstimate, Scored, TrialResult, TrialStatus
 from autoshard.ui.report import (
     FAILED,
     KIND_COLOURS,
@@ -65,7 +65,7 @@ def nice_ticks(top: float, count: int = 5) -> list[float]:
     """Round tick values from 0 to about ``top``: steps of 1, 2 or 5 times a power of ten.
 
     >>> nice_ticks(97.0)
-    [0.0, 20.0, 40.0, 60.0, 80.0]
+    [0, 20, 40, 60, 80]
     """
     if top <= 0:
         return [0.0]
@@ -161,7 +161,21 @@ def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
         f'<text x="{x0}" y="16" class="t">Per-rank GPU memory: predicted (stacked by kind; '
         "faint: never launched) and measured peak (black tick)</text>",
     ]
-    # grid lines and ticks of the to-scale part
+    out += _byte_grid(axis, x0, head, bottom, top)
+    for i, (kind, label, est, measured) in enumerate(rows):
+        y = head + i * (bar_h + gap)
+        out += _memory_row(kind, label, est, measured, axis, y, bar_h, x0 + plot_w + 8)
+    if axis.broken:
+        out.append(_break_mark(axis.break_x, bottom - 4, 8))
+    out += _limit_lines(rec, axis, head, bottom)
+    out += _memory_legend(rows, axis, x0, plot_w, bottom + 30)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _byte_grid(axis: _Axis, x0: float, head: float, bottom: float, top: float) -> list[str]:
+    """Grid lines and byte ticks of the to-scale part of ``axis``, and the axis line."""
+    out = []
     for tick in _byte_ticks(axis.cut):
         tx = axis.x(tick)
         out.append(
@@ -173,46 +187,64 @@ def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     out.append(
         f'<line x1="{x0}" x2="{axis.x(top * 1.05):.1f}" y1="{bottom}" y2="{bottom}" stroke="#666"/>'
     )
-    for i, (kind, label, est, measured) in enumerate(rows):
-        y = head + i * (bar_h + gap)
-        weight = "bold" if kind == "chosen" else "normal"
-        # Never launched: the bars are the estimate alone, drawn faint, and the row says so.
-        faint = ' fill-opacity="0.35"' if kind in NOT_RUN else ""
-        out.append(
-            f'<text x="{x0 - 8}" y="{y + 13}" text-anchor="end" font-weight="{weight}" '
-            f'data-outcome="{_esc(kind)}">{_esc(label)}</text>'
-        )
-        end = 0
-        if est is not None:
-            for term, colour in KIND_COLOURS.items():
-                value = getattr(est.breakdown, term)
-                if value <= 0:
-                    continue
-                start, end = end, end + value
-                xa, xb = axis.x(start), axis.x(end)
-                fill = "url(#hatch)" if term == "allowance" else colour
-                out.append(
-                    f'<rect x="{xa:.1f}" y="{y}" width="{max(xb - xa, 0.5):.1f}" height="{bar_h}" '
-                    f'fill="{fill}"{faint} data-kind="{term}"><title>{_esc(term)}: '
-                    f"{_esc(format_bytes(value))}</title></rect>"
-                )
-            if axis.broken and end > axis.cut:
-                out.append(_break_mark(axis.break_x, y, bar_h))
-            note = _memory_note(kind, est, measured)
-            # in a column right of the plot, clear of the limit lines
-            out.append(f'<text x="{x0 + plot_w + 8}" y="{y + 13}" class="s">{_esc(note)}</text>')
-        if measured is not None:
-            mx = axis.x(measured)
+    return out
+
+
+def _memory_row(
+    kind: str,
+    label: str,
+    est: MemoryEstimate | None,
+    measured: int | None,
+    axis: _Axis,
+    y: float,
+    bar_h: float,
+    notes_x: float,
+) -> list[str]:
+    """One candidate's row of the memory chart: its label, its estimate stacked by kind with
+    the note at ``notes_x``, and its measured peak."""
+    x0 = axis.x0
+    weight = "bold" if kind == "chosen" else "normal"
+    # Never launched: the bars are the estimate alone, drawn faint, and the row says so.
+    faint = ' fill-opacity="0.35"' if kind in NOT_RUN else ""
+    out = [
+        f'<text x="{x0 - 8}" y="{y + 13}" text-anchor="end" font-weight="{weight}" '
+        f'data-outcome="{_esc(kind)}">{_esc(label)}</text>'
+    ]
+    end = 0
+    if est is not None:
+        for term, colour in KIND_COLOURS.items():
+            value = getattr(est.breakdown, term)
+            if value <= 0:
+                continue
+            start, end = end, end + value
+            xa, xb = axis.x(start), axis.x(end)
+            fill = "url(#hatch)" if term == "allowance" else colour
             out.append(
-                f'<line x1="{mx:.1f}" x2="{mx:.1f}" y1="{y - 3}" y2="{y + bar_h + 3}" '
-                f'stroke="#000" stroke-width="3"><title>measured {_esc(format_bytes(measured))}'
-                "</title></line>"
+                f'<rect x="{xa:.1f}" y="{y}" width="{max(xb - xa, 0.5):.1f}" height="{bar_h}" '
+                f'fill="{fill}"{faint} data-kind="{term}"><title>{_esc(term)}: '
+                f"{_esc(format_bytes(value))}</title></rect>"
             )
-    if axis.broken:
-        out.append(_break_mark(axis.break_x, bottom - 4, 8))
+        if axis.broken and end > axis.cut:
+            out.append(_break_mark(axis.break_x, y, bar_h))
+        note = _memory_note(kind, est, measured)
+        # in a column right of the plot, clear of the limit lines
+        out.append(f'<text x="{notes_x}" y="{y + 13}" class="s">{_esc(note)}</text>')
+    if measured is not None:
+        mx = axis.x(measured)
+        out.append(
+            f'<line x1="{mx:.1f}" x2="{mx:.1f}" y1="{y - 3}" y2="{y + bar_h + 3}" '
+            f'stroke="#000" stroke-width="3"><title>measured {_esc(format_bytes(measured))}'
+            "</title></line>"
+        )
+    return out
+
+
+def _limit_lines(rec: Decision, axis: _Axis, head: float, bottom: float) -> list[str]:
+    """The device limit and the usable memory, as lines with their values."""
+    out = []
     # Two labels side by side: the usable limit's ends at its line, the device's starts at its.
     for value, name, dash, anchor, dx in (
-        (limit, "device limit", "", "start", 3),
+        (rec.hardware.gpu_memory, "device limit", "", "start", 3),
         (rec.hardware.usable_gpu_memory, "usable", ' stroke-dasharray="4 3"', "end", -3),
     ):
         lx = axis.x(value)
@@ -222,7 +254,18 @@ def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
             f'<text x="{lx + dx:.1f}" y="{head - 12}" text-anchor="{anchor}" class="s" '
             f'fill="#c62828">{name} {_esc(format_bytes(value))}</text>'
         )
-    legend_y = bottom + 30
+    return out
+
+
+def _memory_legend(
+    rows: list[tuple[str, str, MemoryEstimate | None, int | None]],
+    axis: _Axis,
+    x0: float,
+    plot_w: float,
+    legend_y: float,
+) -> list[str]:
+    """Below the memory chart: what a broken axis compresses, and a swatch per kind."""
+    out = []
     if axis.broken:
         allowance = any(e is not None and e.breakdown.allowance for _, _, e, _ in rows)
         lines = (
@@ -252,8 +295,11 @@ def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
         if lx > x0 + plot_w - 60:
             lx = x0
             legend_y += 18
-    out.append("</svg>")
-    return "\n".join(out)
+    return out
+
+
+# (kind, the candidate, predicted per GPU, measured per rank, unit) of each row of the speed chart
+_SpeedRow = tuple[str, Scored, float | None, float | None, str]
 
 
 def speed_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
@@ -262,14 +308,7 @@ def speed_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     Trials on the device planned for: both on one axis, the model's error beside. CPU trials
     while planning for GPUs: two panels with their own axes, since the two speak of different
     machines (the GPUs' prediction ranked; the CPU measurement only checked)."""
-    rows = []
-    for kind, s in listed_rows(rec, trials):
-        if s.trial is None and (s.estimate is None or not s.estimate.fits):
-            continue  # a prediction for what cannot run would only squash the scale
-        predicted, p_unit = predicted_per_rank(s, rec.hardware)
-        measured, m_unit = rate_per_rank(s.trial)
-        if predicted or measured:
-            rows.append((kind, s, predicted, measured, p_unit or m_unit))
+    rows = _speed_rows(rec, trials)
     ran = [s.trial for _, s, _, _, _ in rows if s.trial is not None]
     shared = speed_basis(rec.hardware, ran) == "trials"
     unit = next((u for *_, u in rows if u), "samples/s")
@@ -296,20 +335,7 @@ def speed_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     if not rows:
         out.append(f'<text x="{x0}" y="{head}">no predictions or measurements</text></svg>')
         return "\n".join(out)
-    panels: list[tuple[float, float, str]] = []  # (x, max, what)
-    if shared:
-        # Scaled to the measured rows; a prediction for a candidate that did not run may
-        # reach past the axis, and is clipped with its value written beside.
-        measured_rows = [(p or 0, m) for _, _, p, m, _ in rows if m]
-        top = max(v for pair in measured_rows for v in pair) if measured_rows else 0.0
-        top = top or max(p or 0 for _, _, p, _, _ in rows)
-        panels.append((x0, top * 1.1, "both"))
-    else:
-        panels.append((x0, max(p or 0 for _, _, p, _, _ in rows) * 1.1 or 1.0, "predicted"))
-        panels.append(
-            (x0 + panel_w + 40, max(m or 0 for _, _, _, m, _ in rows) * 1.1 or 1.0, "measured")
-        )
-    for px, top, what in panels:
+    for px, top, what in _speed_panels(rows, shared, x0, panel_w):
         scale = panel_w / top if top > 0 else 0.0
         title, colour = {
             "both": ("", ""),
@@ -322,16 +348,7 @@ def speed_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
                 f'<text x="{px + 14}" y="{head - 23}" class="s" font-weight="bold">'
                 f"{_esc(title)}</text>"
             )
-        for tick in nice_ticks(top):
-            tx = px + tick * scale
-            out.append(
-                f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{head - 8}" y2="{bottom}" stroke="#eee"/>'
-                f'<text x="{tx:.1f}" y="{bottom + 16}" text-anchor="middle" class="s tick">'
-                f"{tick:,.0f}</text>"
-            )
-        out.append(
-            f'<line x1="{px}" x2="{px + panel_w}" y1="{bottom}" y2="{bottom}" stroke="#666"/>'
-        )
+        out += _rate_axis(px, top, scale, panel_w, head, bottom)
         for i, (_, s, predicted, measured, _) in enumerate(rows):
             y = head + i * (2 * bar_h + gap)
             bars = []
@@ -339,26 +356,7 @@ def speed_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
                 bars.append((y, predicted, "#f28e2b", "predicted"))
             if what in ("both", "measured") and measured:
                 bars.append((y + bar_h, measured, "#4e79a7", "measured"))
-            clipped = False
-            for by, value, colour, name in bars:
-                clipped |= value > top
-                out.append(
-                    f'<rect x="{px}" y="{by}" width="{max(min(value, top) * scale, 0.5):.1f}" '
-                    f'height="{bar_h - 1}" fill="{colour}" data-kind="{name}"><title>{name}: '
-                    f"{value:,.0f} {_esc(unit)}</title></rect>"
-                )
-            end = min(max([v for _, v, _, _ in bars] + [0.0]), top)
-            error = prediction_error(s, rec.hardware) if what == "both" else None
-            text = f"model {error:+.0%}" if error is not None else ""
-            if clipped:
-                text = f"▸ {max(v for _, v, _, _ in bars):,.0f}"
-            if what == "measured" and s.trial is not None and measured:
-                text = f"±{spread_of(s.trial):.0%}"
-            if text:
-                out.append(
-                    f'<text x="{px + end * scale + 4:.1f}" y="{y + bar_h + 4}" class="s">'
-                    f"{_esc(text)}</text>"
-                )
+            out += _speed_bars(rec, s, measured, what, bars, px, top, scale, y, bar_h, unit)
     for i, (kind, s, _, _, _) in enumerate(rows):
         y = head + i * (2 * bar_h + gap)
         weight = "bold" if kind == "chosen" else "normal"
@@ -368,6 +366,97 @@ def speed_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
         )
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _speed_rows(rec: Decision, trials: Sequence[TrialResult]) -> list[_SpeedRow]:
+    """The rows of the speed chart: every candidate with a prediction or a measurement, but
+    predictions of what cannot run."""
+    rows = []
+    for kind, s in listed_rows(rec, trials):
+        if s.trial is None and (s.estimate is None or not s.estimate.fits):
+            continue  # a prediction for what cannot run would only squash the scale
+        predicted, p_unit = predicted_per_rank(s, rec.hardware)
+        measured, m_unit = rate_per_rank(s.trial)
+        if predicted or measured:
+            rows.append((kind, s, predicted, measured, p_unit or m_unit))
+    return rows
+
+
+def _speed_panels(
+    rows: list[_SpeedRow], shared: bool, x0: float, panel_w: float
+) -> list[tuple[float, float, str]]:
+    """(x, max, what) of each panel: one for both where they share a device, else one for the
+    predictions and one for the measurements, each on its own scale."""
+    panels: list[tuple[float, float, str]] = []
+    if shared:
+        # Scaled to the measured rows; a prediction for a candidate that did not run may
+        # reach past the axis, and is clipped with its value written beside.
+        measured_rows = [(p or 0, m) for _, _, p, m, _ in rows if m]
+        top = max(v for pair in measured_rows for v in pair) if measured_rows else 0.0
+        top = top or max(p or 0 for _, _, p, _, _ in rows)
+        panels.append((x0, top * 1.1, "both"))
+    else:
+        panels.append((x0, max(p or 0 for _, _, p, _, _ in rows) * 1.1 or 1.0, "predicted"))
+        panels.append(
+            (x0 + panel_w + 40, max(m or 0 for _, _, _, m, _ in rows) * 1.1 or 1.0, "measured")
+        )
+    return panels
+
+
+def _rate_axis(
+    px: float, top: float, scale: float, panel_w: float, head: float, bottom: float
+) -> list[str]:
+    """A panel's grid lines and rate ticks from 0 to ``top``, and its axis line."""
+    out = []
+    for tick in nice_ticks(top):
+        tx = px + tick * scale
+        out.append(
+            f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{head - 8}" y2="{bottom}" stroke="#eee"/>'
+            f'<text x="{tx:.1f}" y="{bottom + 16}" text-anchor="middle" class="s tick">'
+            f"{tick:,.0f}</text>"
+        )
+    out.append(f'<line x1="{px}" x2="{px + panel_w}" y1="{bottom}" y2="{bottom}" stroke="#666"/>')
+    return out
+
+
+def _speed_bars(
+    rec: Decision,
+    s: Scored,
+    measured: float | None,
+    what: str,
+    bars: Sequence[tuple[float, float, str, str]],
+    px: float,
+    top: float,
+    scale: float,
+    y: float,
+    bar_h: float,
+    unit: str,
+) -> list[str]:
+    """One row's ``bars`` (y, value, colour, name) in a panel showing ``what``, clipped at
+    ``top``, and the text beside them: the model's error, the clipped value, or the spread of
+    the ``measured`` rate."""
+    out = []
+    clipped = False
+    for by, value, colour, name in bars:
+        clipped |= value > top
+        out.append(
+            f'<rect x="{px}" y="{by}" width="{max(min(value, top) * scale, 0.5):.1f}" '
+            f'height="{bar_h - 1}" fill="{colour}" data-kind="{name}"><title>{name}: '
+            f"{value:,.0f} {_esc(unit)}</title></rect>"
+        )
+    end = min(max([v for _, v, _, _ in bars] + [0.0]), top)
+    error = prediction_error(s, rec.hardware) if what == "both" else None
+    text = f"model {error:+.0%}" if error is not None else ""
+    if clipped:
+        text = f"▸ {max(v for _, v, _, _ in bars):,.0f}"
+    if what == "measured" and s.trial is not None and measured:
+        text = f"±{spread_of(s.trial):.0%}"
+    if text:
+        out.append(
+            f'<text x="{px + end * scale + 4:.1f}" y="{y + bar_h + 4}" class="s">'
+            f"{_esc(text)}</text>"
+        )
+    return out
 
 
 def throughput_chart(rec: Decision, trials: Sequence[TrialResult]) -> str:
@@ -423,19 +512,7 @@ def throughput_chart(rec: Decision, trials: Sequence[TrialResult]) -> str:
                 f'<text x="{sx(m) + 11:.1f}" y="{sy(r) + 4:.1f}" class="s" font-weight="bold">'
                 "chosen</text>"
             )
-    for i, t in enumerate(failed):
-        x = left + 10 + i * 14
-        y = top_pad + ph - 8
-        out.append(
-            f'<text x="{x}" y="{y}" fill="{STATUS_COLOURS[t.status]}" font-weight="bold" '
-            f'data-outcome="failed">×<title>{_esc(t.candidate.label())}: '
-            f"{_esc(t.status.value)}</title></text>"
-        )
-    if failed:
-        out.append(
-            f'<text x="{left + 12 + len(failed) * 14}" y="{top_pad + ph - 8}" class="s" '
-            f'data-outcome="failed">{len(failed)} failed (oom / error / timeout)</text>'
-        )
+    out += _failure_marks(failed, left, top_pad + ph - 8)
     never = [f"{counts[SKIPPED]} skipped"] if counts[SKIPPED] else []
     never += [f"{counts[RULED_OUT]} predicted not to fit"] if counts[RULED_OUT] else []
     if never:
@@ -451,6 +528,24 @@ def throughput_chart(rec: Decision, trials: Sequence[TrialResult]) -> str:
         )
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _failure_marks(failed: list[TrialResult], left: float, y: float) -> list[str]:
+    """A cross per failed trial along the throughput chart's axis, and how many failed."""
+    out = []
+    for i, t in enumerate(failed):
+        x = left + 10 + i * 14
+        out.append(
+            f'<text x="{x}" y="{y}" fill="{STATUS_COLOURS[t.status]}" font-weight="bold" '
+            f'data-outcome="failed">×<title>{_esc(t.candidate.label())}: '
+            f"{_esc(t.status.value)}</title></text>"
+        )
+    if failed:
+        out.append(
+            f'<text x="{left + 12 + len(failed) * 14}" y="{y}" class="s" '
+            f'data-outcome="failed">{len(failed)} failed (oom / error / timeout)</text>'
+        )
+    return out
 
 
 def _table(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
