@@ -360,7 +360,7 @@ class _SelectiveKeeps(TorchDispatchMode):
         before a residual add: 0.25 MiB per block of the fp32 GPT at 512 tokens, simulated).
         Either way the recompute does not add it: only kept outputs made after the block's last
         save stay in the cache beside what the recompute rebuilds."""
-        if not self.stack:
+        if not self.stack or not self.unreplayed:
             return
         block = self.stack[-1]
         for owner, nbytes in self.unreplayed:
