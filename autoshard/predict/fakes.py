@@ -75,7 +75,7 @@ def unpacked_sequences() -> Iterator[None]:
     """Hugging Face's packed-sequence check answered "one sequence per row" for fake position
     ids (see the module's docstring); real ones are still read. Only where ``transformers`` is
     loaded already (a Hugging Face model was built): never imported here."""
-    masking = sys.modules.get("transformers.masking_utils")
+    masking: Any = sys.modules.get("transformers.masking_utils")
     find = getattr(masking, "find_packed_sequence_indices", None)
     if find is None:
         yield
