@@ -351,6 +351,11 @@ def estimate(points: list[dict[str, Any]], device_kind: str, world: int) -> list
     return out
 
 
+def _labelled(point: dict[str, Any], wanted: list[str]) -> bool:
+    """Whether the point's label has all the words of one of ``wanted``."""
+    return any(set(words.split()) <= set(label(point).split()) for words in wanted)
+
+
 def label(point: dict[str, Any]) -> str:
     skip = {"shape", "engine", "sharding", "checkpointing", "precision", "micro_batch_size"}
     extra = " ".join(f"{k}={v}" for k, v in point.items() if k not in skip)
@@ -431,6 +436,14 @@ def main() -> None:
         help="Measure each point this many times and keep its largest peak: a peak that "
         "depends on thread timing (gloo's all-gather race, see the results' Findings).",
     )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="WORDS",
+        help="Only the points whose label has all these words (e.g. 'ckpt-op 32-true'); the "
+        "saved measurements of the others are kept. Repeatable: a point matching any.",
+    )
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -439,7 +452,7 @@ def main() -> None:
     import torch
 
     world = world_size(args.device)
-    points = grid(args.quick, world)
+    points = [p for p in grid(args.quick, world) if not args.only or _labelled(p, args.only)]
     # Measurements are kept (and committed beside the table): a failure in the estimates, or a
     # rerun with a changed estimator, does not cost the measuring again.
     suffix = ("_quick" if args.quick else "") + ("" if world == 2 else f"_world{world}")
@@ -448,12 +461,7 @@ def main() -> None:
     previous = json.loads(saved.read_text()) if args.reuse and saved.exists() else []
     # Reused point by point: a grid that grew measures only its new points.
     by_point = {_key(m["point"]): m for m in previous if "error" not in m}
-    remeasured = [
-        p
-        for p in points
-        if _key(p) in by_point
-        and any(set(words.split()) <= set(label(p).split()) for words in args.remeasure)
-    ]
+    remeasured = [p for p in points if _key(p) in by_point and _labelled(p, args.remeasure)]
     missing = [p for p in points if _key(p) not in by_point] + remeasured
     for _ in range(args.repeat if missing else 0):
         for m in measure(missing, args.device, world):
@@ -461,7 +469,12 @@ def main() -> None:
     measured = [by_point[_key(p)] for p in points]
     if missing:
         saved.parent.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps(measured, indent=1) + "\n")
+        records = measured
+        if args.only:  # a subset: the other points' saved measurements stay
+            everything = {_key(m["point"]): m for m in previous}
+            everything.update({_key(m["point"]): m for m in measured})
+            records = list(everything.values())
+        saved.write_text(json.dumps(records, indent=1) + "\n")
     shown = saved.relative_to(ROOT) if saved.is_relative_to(ROOT) else saved
     parts = []
     if len(missing) < len(points) or remeasured:

@@ -6,7 +6,7 @@ The activation profile (:mod:`autoshard.predict.activations`) and the FLOP count
 (:func:`fake_model`), the simulation (:mod:`autoshard.predict.simulate`) whole training steps.
 Repeated blocks (same class, parameter and buffer shapes: :func:`block_signature`) stay on meta
 until one has to run; a block that holds blocks always runs, so that its inner blocks are met and
-count themselves. Three things get in the way on fake tensors and not in a real run:
+count themselves. Four things get in the way on fake tensors and not in a real run:
 
 - ``aten._grouped_mm`` (Hugging Face's default mixture-of-experts kernel, ``grouped_mm``) has a
   fake/meta implementation written for CUDA's kernel, which takes bf16 only, while the CPU kernel
@@ -23,6 +23,15 @@ count themselves. Three things get in the way on fake tensors and not in a real 
   which is what the check finds for the ``generate_square_subsequent_mask`` masks these classes
   are given; either answer runs the same attention FLOPs and saves the same tensors but the
   mask.
+- Hugging Face models given no key/value cache (selective checkpointing turns it off) ask whether
+  the batch packs several sequences per row (``transformers.masking_utils.
+  find_packed_sequence_indices``): on real tensors they read the position ids, and the example
+  batch's (the model's own ``arange``) are not packed, so attention runs with ``is_causal``; on
+  fake tensors they cannot read them, take the batch as packed and build a seq x seq mask, with
+  which SDPA copies grouped keys and values per head and saves a float mask per block (+6.7% on
+  a 4-layer Llama at 512 tokens in fp32, simulated against measured). Under
+  :func:`fake_forward_support` fake position ids are taken as one sequence per row; a batch that
+  really packs sequences is estimated without its packing mask.
 - When a fake kernel fails, torch logs the whole traceback at error level
   (``torch._subclasses.fake_tensor``: "failed while attempting to run meta for ...") before the
   exception reaches autoshard, which falls back and says so in one line. Those records are dropped
@@ -34,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,10 +59,37 @@ _NOISY_LOGGERS = ("torch._subclasses.fake_tensor",)
 @contextlib.contextmanager
 def fake_forward_support() -> Iterator[None]:
     """Run fake-tensor forwards with :func:`grouped_mm_in_every_float_dtype`,
-    :func:`causal_masks_by_shape` and without torch's tracebacks of failing fake kernels
-    (:func:`quiet_fake_kernel_errors`)."""
-    with quiet_fake_kernel_errors(), grouped_mm_in_every_float_dtype(), causal_masks_by_shape():
+    :func:`causal_masks_by_shape`, :func:`unpacked_sequences` and without torch's tracebacks of
+    failing fake kernels (:func:`quiet_fake_kernel_errors`)."""
+    with (
+        quiet_fake_kernel_errors(),
+        grouped_mm_in_every_float_dtype(),
+        causal_masks_by_shape(),
+        unpacked_sequences(),
+    ):
         yield
+
+
+@contextlib.contextmanager
+def unpacked_sequences() -> Iterator[None]:
+    """Hugging Face's packed-sequence check answered "one sequence per row" for fake position
+    ids (see the module's docstring); real ones are still read. Only where ``transformers`` is
+    loaded already (a Hugging Face model was built): never imported here."""
+    masking: Any = sys.modules.get("transformers.masking_utils")
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def unpacked(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if isinstance(position_ids, FakeTensor) else find(position_ids)
+
+    masking.find_packed_sequence_indices = unpacked
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = find
 
 
 @contextlib.contextmanager
