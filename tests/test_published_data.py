@@ -64,7 +64,9 @@ def test_sources_are_cited_and_grouped() -> None:
 
 @pytest.mark.parametrize(("group", "record"), RECORDS, ids=IDS)
 def test_record_is_complete_and_consistent(group: dict[str, Any], record: dict[str, Any]) -> None:
-    assert set(record["model"]) == MODEL_KEYS
+    # "projections": "separate" where the source's model is torchtitan's (wq/wk/wv, w1/w3)
+    assert MODEL_KEYS <= set(record["model"]) <= MODEL_KEYS | {"projections"}
+    assert record["model"].get("projections", "separate") == "separate"
     assert record["gpu"] in CATALOGUE and record["gpu"] != "cpu-gloo"
     assert record["sharding"] in {s.value for s in Sharding}
     assert record["global_batch_size"] == (
@@ -79,6 +81,9 @@ def test_record_is_complete_and_consistent(group: dict[str, Any], record: dict[s
     if record["memory"] is not None:  # published memory: a value, a unit, what it measures
         assert record["memory"]["value"] > 0 and record["memory"]["what"]
         assert record["memory"]["unit"] in {"GiB", "GB", "MB", "MiB"}
+        # which allocator statistic: the comparison holds it against the same estimate
+        assert record["memory"]["measures"] in {"reserved", "allocated", "active", None}
+        assert record["memory"]["expandable_segments"] in {True, False, None}
     # FSDP1's backward prefetch decides whether backward all-gathers hide; FSDP2 (and one GPU
     # without an FSDP wrapper) has no setting
     if record["engine"].startswith(("fsdp2", "none")):
