@@ -51,8 +51,9 @@ class ReservedPeak:
 def _stream_pools(t: StepBytes, at: MemoryEvent) -> int:
     """FSDP2's all-gather and reduce-scatter streams' pools that the peak event does not
     already count as live (its gradients, its communication buffers)."""
-    if t.candidate.engine is not Engine.FSDP2 or t.shard == 1:
-        return 0
+    if t.candidate.engine is not Engine.FSDP2:
+        return 0  # FSDP1's streams are not modelled
+    # (one rank too: FSDP2 still gathers and reduces, copying, on those streams)
     cb = t.compute_dtype_bytes
     # the largest all-gather output: the root unit's, or a block's beside the prefetched next
     gathered = (max(t.root_params, 2 * t.block_params) if t.wrapped else t.params) * cb
