@@ -318,3 +318,32 @@ def test_partial_checkpointing_and_precisions_are_read_as_published() -> None:
     assert BENCHMARK.precision_of({"precision": "16-mixed (DeepSpeed fp16)"}) == "16-mixed"
     assert BENCHMARK.precision_of({"precision": "32-true (fp32)"}) == "32-true"
     assert BENCHMARK.precision_of({"precision": "bf16 autocast; FSDP"}) == "bf16-mixed"
+
+
+def test_torchtitans_memory_column_is_predicted_as_the_reserved_peak_it_is() -> None:
+    """torchtitan logs max_memory_reserved: its 8B row (8 H100, FSDP2, op-level selective
+    checkpointing) is held against the predicted reserved peak, built with torchtitan's
+    wq/wk/wv, w1/w3 layout, within issue 24's 10% (it was -28% against the planner's gpu_peak
+    on the fused layout: the every-other-matmul policy then saves 12,288 instead of 23,552
+    elements per token and block)."""
+    record = next(
+        r
+        for g, r in RECORDS
+        if g["id"] == "torchtitan-h100-llama3.1-8b-gpu-count"
+        and r["gpus"] == 8
+        and not r["compile"]
+    )
+    row = {"record": record, **BENCHMARK.predict(record, {})}
+    estimated, what = BENCHMARK.comparable_estimate(row)
+    published = BENCHMARK.published_bytes(record["memory"])
+    assert what == "reserved" and abs(estimated / published - 1) <= 0.10
+    # the same row on the fused layout saves 11 GiB less and misses by far more than 10%
+    fused = {**record, "model": {**record["model"], "projections": "fused"}}
+    fused_row = {"record": fused, **BENCHMARK.predict(fused, {})}
+    assert estimated - BENCHMARK.comparable_estimate(fused_row)[0] > 10 * 2**30
+    # an allocated number is held against the allocated peak, without the allocator's reserve
+    allocated = {**record, "memory": {**record["memory"], "measures": "allocated"}}
+    assert BENCHMARK.comparable_estimate({**row, "record": allocated}) == (
+        row["reserved"].allocated,
+        "allocated",
+    )
