@@ -53,11 +53,12 @@ def _stream_pools(t: StepBytes, at: MemoryEvent) -> int:
     already count as live (its gradients, its communication buffers)."""
     if t.candidate.engine is not Engine.FSDP2:
         return 0  # FSDP1's streams are not modelled
-    # (one rank too: FSDP2 still gathers and reduces, copying, on those streams)
     cb = t.compute_dtype_bytes
-    # the largest all-gather output: the root unit's, or a block's beside the prefetched next
+    # the largest all-gather output: the root unit's, or a block's beside the prefetched next;
+    # none where nothing is sharded (FSDP2 then copies on the default stream), while the
+    # reduced gradients still come from the reduce-scatter stream
     gathered = (max(t.root_params, 2 * t.block_params) if t.wrapped else t.params) * cb
-    gathered_extra = max(0, gathered - at.live.comm_buffers)
+    gathered_extra = max(0, gathered - at.live.comm_buffers) if t.shard > 1 else 0
     shards_extra = max(0, t.grad_shard_bytes - at.live.gradients)
     return gathered_extra + shards_extra
 

@@ -1,5 +1,6 @@
 """What the CUDA caching allocator reserves beyond the allocated peak
-(autoshard/predict/allocator.py): FSDP2's stream pools and the loss's hole."""
+(autoshard/predict/allocator.py): FSDP2's stream pools, planned in the allowance, and the loss's
+hole."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from autoshard.predict.activations import profile_activations
 from autoshard.predict.analytic import (
     ALLOCATOR_SLACK,
     CUDA_CONTEXT_BYTES,
+    allowance,
     estimate_memory,
     estimate_reserved,
+    stream_pools_of,
 )
+from autoshard.predict.simulate import refine_with_simulation
 from autoshard.target.resolve import TargetSpec
 
 from ..conftest import EXAMPLES
@@ -53,10 +57,15 @@ def test_fsdp2_reserves_its_gradient_shards_and_largest_gather_beside_the_loss(s
     # the bf16 logits freed before backward: the log-probabilities' gradients cannot reuse them
     assert peak.loss_hole == MBS * SEQ * profile.vocab_size * 2
     assert peak.allocated == estimate.breakdown.total - estimate.breakdown.allowance
-    # the planner's allowance stays the context and the slack until a GPU measures the rest
-    assert estimate.breakdown.allowance == CUDA_CONTEXT_BYTES + int(
-        peak.allocated * ALLOCATOR_SLACK
-    )
+    # the planner holds the stream pools against the device beside the CUDA context and the
+    # slack; the loss's hole is left to the slack (deduced, not measured)
+    slack = int(peak.allocated * ALLOCATOR_SLACK)
+    assert estimate.breakdown.allowance == CUDA_CONTEXT_BYTES + peak.stream_pools + slack
+    # one rank: FSDP2 gathers nothing (it copies on the default stream); the gradients still
+    # come from its reduce-scatter stream
+    one = hw.model_copy(update={"gpus_per_node": 1})
+    alone = estimate_reserved(profile, candidate, one, workload, activations=acts)
+    assert alone.stream_pools == profile.total_params * 4
 
 
 def test_nothing_is_reserved_beyond_what_is_not_modelled(stack) -> None:
@@ -75,3 +84,22 @@ def test_nothing_is_reserved_beyond_what_is_not_modelled(stack) -> None:
     cpu = estimate_reserved(profile, bf16, gloo, workload, activations=acts)
     assert cpu.reserved == cpu.allocated
     assert estimate_memory(profile, bf16, gloo, workload, activations=acts).breakdown.allowance == 0
+
+
+def test_a_simulated_estimate_plans_the_same_stream_pools(stack) -> None:
+    """--simulate replaces the analytic estimate of the best candidates: the pools it planned on
+    stay in the allowance (the tracker sees the allocated bytes only)."""
+    profile, workload, acts = stack
+    hw = Hardware(gpus_per_node=GPUS, gpu_memory=80 * 2**30)
+    candidate = _candidate(profile, engine="fsdp2", precision="bf16-mixed")
+    analytic = estimate_memory(profile, candidate, hw, workload, activations=acts)
+    pools = stream_pools_of(analytic, hw)
+    assert (
+        pools == estimate_reserved(profile, candidate, hw, workload, activations=acts).stream_pools
+    )
+    (simulated,) = refine_with_simulation(
+        SPEC, [analytic], hw, workload, block_classes=profile.block_classes, count=1
+    )
+    assert simulated.method == "simulated"
+    counted = simulated.gpu_peak - simulated.breakdown.allowance
+    assert simulated.breakdown.allowance == allowance(counted, hw) + pools > 0
