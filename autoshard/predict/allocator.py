@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.config import Engine, Hardware
-from autoshard.engine import element_bytes
 from autoshard.predict.step_bytes import StepBytes
 from autoshard.predict.step_memory import MemoryEvent
 
@@ -37,7 +36,8 @@ __all__ = ["ReservedPeak", "reserved_peak"]
 
 @dataclass(frozen=True)
 class ReservedPeak:
-    """The allocated peak of a step and what the caching allocator reserves beyond it."""
+    """The allocated peak of a step and what the caching allocator reserves beyond it (the plan's
+    allowance counts the stream pools; the loss's hole is deduced, not yet measured)."""
 
     allocated: int  # the largest live bytes over the step's events
     stream_pools: int  # FSDP2's communication streams' pools, beyond what the peak holds there
@@ -65,7 +65,7 @@ def _stream_pools(t: StepBytes, at: MemoryEvent) -> int:
 
 def _loss_hole(t: StepBytes, events: list[MemoryEvent], at: MemoryEvent, seq_len: int) -> int:
     """How far the compute pool grows past the allocated peak around the loss's backward."""
-    cb = element_bytes(t.candidate.precision)[1]
+    cb = t.compute_dtype_bytes
     if cb != 2 or not t.profile.vocab_size or not seq_len:
         return 0  # fp32 logits are not cast: no 16-bit copy is freed before backward
     logits = t.candidate.micro_batch_size * seq_len * t.profile.vocab_size * cb

@@ -261,7 +261,7 @@ def estimate_reserved(
     >>> gpus = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
     >>> fsdp2 = Candidate(wrap_classes=profile.wrap_policy, engine="fsdp2")
     >>> peak = estimate_reserved(profile, fsdp2, gpus, workload, activations=acts)
-    >>> peak.reserved > peak.allocated  # the gradient shards' pool on the reduce-scatter stream
+    >>> peak.reserved > peak.allocated  # FSDP2's stream pools, the loss's hole
     True
     >>> gloo = gpus.model_copy(update={"backend": "gloo"})
     >>> cpu = estimate_reserved(profile, fsdp2, gloo, workload, activations=acts)
