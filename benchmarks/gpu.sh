@@ -30,6 +30,9 @@ case "$part" in
     # --reuse with them there skips measuring again).
     python3 benchmarks/estimate_accuracy.py --device cuda --results-dir "$out" \
       --write "$out/estimate_accuracy_gpu.md" ${AUTOSHARD_REUSE:+--reuse}
+    # The reserved peak (torchtitan's published memory) against estimate_reserved: FSDP2's
+    # stream pools and the loss's hole, default allocator and expandable segments.
+    python3 benchmarks/reserved_memory_measured.py --write "$out/reserved_memory_gpu.md"
     ;;
   tune)
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$out/gpu_tests.txt" \

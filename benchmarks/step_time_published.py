@@ -113,6 +113,8 @@ def build_model(model: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
             mlp="gelu" if mpt else "swiglu",
             max_seq_len=model["seq_len"],
             tie_embeddings=model["tied_embeddings"],
+            # torchtitan's wq/wk/wv and w1/w3: what its op-level checkpointing saves follows
+            fused_projections=model.get("projections", "fused") == "fused",
         ), None
 
 
@@ -160,7 +162,7 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
     from autoshard.config import Candidate, Hardware, WorkloadSpec
     from autoshard.gpus import gpu_spec
     from autoshard.predict.activations import profile_activations
-    from autoshard.predict.analytic import estimate_memory
+    from autoshard.predict.analytic import estimate_memory, estimate_reserved
     from autoshard.predict.flops import profile_flops
     from autoshard.predict.recipe import linear_shapes
     from autoshard.predict.speed import predict_speed, under_pressure
@@ -218,10 +220,17 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
     )
     assert speed.tokens_per_s_per_gpu is not None
     memory = estimate_memory(profile, candidate, hardware, workload, activations=acts)
+    reserved = estimate_reserved(profile, candidate, hardware, workload, activations=acts)
     # as the planner does (predict.calibrate.repredict): slowed near the usable memory
     speed = under_pressure(speed, memory.gpu_peak, hardware.usable_gpu_memory)
     assert speed.tokens_per_s_per_gpu is not None
-    return {"tokens": speed.tokens_per_s_per_gpu, "speed": speed, "memory": memory, "note": note}
+    return {
+        "tokens": speed.tokens_per_s_per_gpu,
+        "speed": speed,
+        "memory": memory,
+        "reserved": reserved,
+        "note": note,
+    }
 
 
 def order_check(rows: list[dict[str, Any]]) -> tuple[int, int, list[str]]:
@@ -254,6 +263,18 @@ def label(record: dict[str, Any]) -> str:
 def published_bytes(memory: dict[str, Any]) -> float:
     scale = {"GiB": 2**30, "GB": 1e9, "MB": 1e6, "MiB": 2**20}[memory["unit"]]
     return float(memory["value"] * scale)
+
+
+def comparable_estimate(row: dict[str, Any]) -> tuple[int, str]:
+    """The estimate that measures what the source's number measures, and its name: the
+    reserved peak (allocated + what the caching allocator keeps beyond it) for a source that
+    reports ``max_memory_reserved``, else the allocated peak; never the CUDA context or the
+    planner's slack, which no allocator statistic contains."""
+    peak = row["reserved"]
+    if row["record"]["memory"].get("measures") == "reserved":
+        return peak.reserved, "reserved"
+    stated = row["record"]["memory"].get("measures") in ("allocated", "active")
+    return peak.allocated, "allocated" if stated else "allocated (measure not stated)"
 
 
 def evaluate(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -433,7 +454,7 @@ def recipe_table(rows: list[dict[str, Any]]) -> list[str]:
                 else "FSDP"
             )
             published = published_bytes(memory)
-            estimated = r["memory"].gpu_peak
+            estimated = comparable_estimate(r)[0]
             lines.append(
                 f"| {gpus} | {run} | {r['published']:,.0f} | {r['predicted']:,.0f} | "
                 f"{r['error']:+.1%} | {memory['value']} {memory['unit']} | "
@@ -447,25 +468,46 @@ def recipe_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def memory_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Each published peak against the estimate of the same quantity (:func:`comparable_estimate`),
+    with the planner's ``gpu_peak`` (CUDA context and slack included) beside it."""
     lines = [
         "### Published memory against the estimate",
         "",
-        "| set | model | GPUs | published | estimated peak | error | fits (predicted) | note |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
+        "Like with like: a source that reports `max_memory_reserved` against the predicted "
+        "reserved peak (allocated + FSDP2's stream pools + the loss's hole: "
+        "`autoshard.predict.allocator`), any other against the predicted allocated peak.",
+        "",
+        "| set | model | GPUs | published | measures | estimated | error | planner's gpu_peak | "
+        "fits (predicted) | note |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | --- | --- |",
     ]
+    errors: dict[str, list[float]] = {}
     for row in rows:
         memory = row["record"]["memory"]
         if memory is None:
             continue
         published = published_bytes(memory)
-        estimated = row["memory"].gpu_peak
+        estimated, what = comparable_estimate(row)
+        error = estimated / published - 1
+        errors.setdefault(row["set"], []).append(abs(error))
         note = ("not plannable yet: " + "/".join(row["why_not"])) if row["why_not"] else ""
+        if memory.get("active"):  # a source that printed both (torchtitan PR 165)
+            allocated = row["reserved"].allocated / (memory["active"] * 2**30) - 1
+            note += f"active {memory['active']} GiB vs allocated {allocated:+.0%}"
+        if memory.get("expandable_segments") is False:
+            note += "; without expandable segments"
         lines.append(
             f"| {row['set']} | {row['label']} | {row['record']['gpus']} | "
-            f"{memory['value']} {memory['unit']} | {estimated / 2**30:.1f} GiB | "
-            f"{estimated / published - 1:+.0%} | {row['memory'].fits} | {note} |"
+            f"{memory['value']} {memory['unit']} | {what} | {estimated / 2**30:.1f} GiB | "
+            f"{error:+.0%} | {row['memory'].gpu_peak / 2**30:.1f} GiB | {row['memory'].fits} | "
+            f"{note.strip('; ')} |"
         )
-    return [*lines, ""]
+    summary = [
+        f"- {name}: within 10% on {sum(e <= 0.10 for e in errs)}/{len(errs)}, median |error| "
+        f"{statistics.median(errs):.0%}"
+        for name, errs in sorted(errors.items())
+    ]
+    return [*lines, "", *summary, ""]
 
 
 def miss_breakdowns(rows: list[dict[str, Any]]) -> list[str]:

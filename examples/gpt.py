@@ -5,8 +5,10 @@
 
 ``size`` picks a preset (its shapes follow GPT-2 and Llama 2); any explicit argument overrides
 the preset. ``mlp="swiglu"`` with ``n_kv_head`` gives a Llama-style block (RMSNorm, grouped-query
-attention); ``mlp="gelu"`` a GPT-2 block. Attention is ``scaled_dot_product_attention``, so saved
-activations are linear in the sequence length.
+attention); ``mlp="gelu"`` a GPT-2 block. ``fused_projections=False`` gives keys, values, gate and
+up their own matrix products, as torchtitan and Hugging Face Llama lay them out (what op-level
+selective checkpointing saves depends on it: it keeps every other matrix product). Attention is
+``scaled_dot_product_attention``, so saved activations are linear in the sequence length.
 
 The factory is meta-safe: autoshard calls it under ``torch.device("meta")`` and nothing reads a
 tensor's values while building.
@@ -45,19 +47,27 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_head: int, n_kv_head: int) -> None:
+    def __init__(self, d_model: int, n_head: int, n_kv_head: int, fused: bool = True) -> None:
         super().__init__()
         self.n_head, self.n_kv_head = n_head, n_kv_head
         self.head_dim = d_model // n_head
         kv_dim = n_kv_head * self.head_dim
         self.q_proj = nn.Linear(d_model, d_model, bias=False)
-        self.kv_proj = nn.Linear(d_model, 2 * kv_dim, bias=False)
+        if fused:
+            self.kv_proj = nn.Linear(d_model, 2 * kv_dim, bias=False)
+        else:  # torchtitan's and Hugging Face Llama's layout: one matrix product each
+            self.k_proj = nn.Linear(d_model, kv_dim, bias=False)
+            self.v_proj = nn.Linear(d_model, kv_dim, bias=False)
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q = self.q_proj(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-        k, v = self.kv_proj(x).view(b, t, 2, self.n_kv_head, self.head_dim).unbind(2)
+        if hasattr(self, "kv_proj"):
+            k, v = self.kv_proj(x).view(b, t, 2, self.n_kv_head, self.head_dim).unbind(2)
+        else:
+            k = self.k_proj(x).view(b, t, self.n_kv_head, self.head_dim)
+            v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head
@@ -66,13 +76,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, d_model: int, hidden: int, kind: str) -> None:
+    def __init__(self, d_model: int, hidden: int, kind: str, fused: bool = True) -> None:
         super().__init__()
         self.kind = kind
-        self.up = nn.Linear(d_model, hidden * (2 if kind == "swiglu" else 1), bias=kind == "gelu")
+        swiglu = kind == "swiglu"
+        self.up = nn.Linear(d_model, hidden * (2 if swiglu and fused else 1), bias=kind == "gelu")
+        if swiglu and not fused:  # torchtitan's w1 (gate) and w3 (up): two matrix products
+            self.gate = nn.Linear(d_model, hidden, bias=False)
         self.down = nn.Linear(hidden, d_model, bias=kind == "gelu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate"):
+            return self.down(F.silu(self.gate(x)) * self.up(x))
         h = self.up(x)
         if self.kind == "swiglu":
             gate, up = h.chunk(2, dim=-1)
@@ -83,13 +98,15 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One transformer block: the unit FSDP should wrap and checkpoint."""
 
-    def __init__(self, d_model: int, n_head: int, n_kv_head: int, ffn_hidden: int, mlp: str):
+    def __init__(
+        self, d_model: int, n_head: int, n_kv_head: int, ffn_hidden: int, mlp: str, fused: bool
+    ):
         super().__init__()
         norm = RMSNorm if mlp == "swiglu" else nn.LayerNorm
         self.norm1 = norm(d_model)
-        self.attn = Attention(d_model, n_head, n_kv_head)
+        self.attn = Attention(d_model, n_head, n_kv_head, fused)
         self.norm2 = norm(d_model)
-        self.mlp = MLP(d_model, ffn_hidden, mlp)
+        self.mlp = MLP(d_model, ffn_hidden, mlp, fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -109,6 +126,7 @@ class GPT(nn.Module):
         mlp: str = "gelu",
         max_seq_len: int = 4096,
         tie_embeddings: bool = False,
+        fused_projections: bool = True,
     ) -> None:
         super().__init__()
         if mlp not in ("gelu", "swiglu"):
@@ -120,7 +138,8 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(max_seq_len, d_model) if mlp == "gelu" else None
         self.blocks = nn.ModuleList(
-            Block(d_model, n_head, n_kv_head or n_head, ffn_hidden, mlp) for _ in range(n_layer)
+            Block(d_model, n_head, n_kv_head or n_head, ffn_hidden, mlp, fused_projections)
+            for _ in range(n_layer)
         )
         self.norm = RMSNorm(d_model) if mlp == "swiglu" else nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)

@@ -113,6 +113,9 @@ def test_the_simulation_keeps_the_same_units_gathered(gpt_tiny, reshard: str) ->
         sim = simulate_memory(target, c, hw, workload, block_classes=profile.block_classes)
         ana = estimate_memory(profile, c, hw, workload, activations=acts)
         peaks[policy] = sim.gpu_peak - sim.breakdown.allowance
-        assert abs(ana.gpu_peak - sim.gpu_peak) <= 0.01 * peaks[policy], policy
+        # the counted bytes (the analytic allowance also holds FSDP2's stream pools, which a
+        # simulation is given only by the plan: refine_with_simulation)
+        counted = ana.gpu_peak - ana.breakdown.allowance
+        assert abs(counted - peaks[policy]) <= 0.01 * peaks[policy], policy
     kept = profile.root_unit_params + (profile.block_params if reshard.endswith("last") else 0)
     assert abs((peaks[reshard] - peaks["all"]) - 2 * kept) <= 0.01 * peaks["all"]

@@ -13,7 +13,8 @@ event's name is the moment the report shows), each a sum of terms
 - activations saved for backward, by the checkpointing choice; the loss's fp32 log-probabilities;
 - temporaries: the logits and their gradient, one block's recomputed activations and gradients,
   the foreach optimizer's transient copy of the shard;
-- buffers, and an allowance for what a CPU cannot see (CUDA context, NCCL, allocator slack).
+- buffers, and an allowance for what a CPU cannot see (CUDA context, NCCL, what FSDP2's
+  communication streams keep reserved: :mod:`autoshard.predict.allocator`, allocator slack).
 Calibrated against torch's memory tracker on fake tensors (:mod:`autoshard.predict.simulate`) and
 checked against measured runs by ``benchmarks/estimate_accuracy.py``.
 """
@@ -25,8 +26,10 @@ from collections.abc import Sequence
 from autoshard.config import Candidate, Engine, Hardware, Loop, WorkloadSpec
 from autoshard.engine import OPTIMIZER_STATES, as_run
 from autoshard.predict.activations import ActivationProfile, rule_of_thumb
+from autoshard.predict.allocator import ReservedPeak, reserved_peak
 from autoshard.predict.recipe import recipe_activations
-from autoshard.predict.step_memory import peak_event, step_events
+from autoshard.predict.step_bytes import step_bytes
+from autoshard.predict.step_memory import MemoryEvent, peak_event, step_events
 from autoshard.results import MemoryBreakdown, MemoryEstimate, ModelProfile
 from autoshard.units import format_bytes
 
@@ -38,23 +41,35 @@ __all__ = [
     "as_run",
     "estimate_all",
     "estimate_memory",
+    "estimate_reserved",
     "needs_simulation",
     "peak_moments",
+    "stream_pools_of",
 ]
 
 # What a CPU cannot see on a GPU: the CUDA context and cuBLAS workspace (about 0.5-1 GiB on
-# recent GPUs), NCCL's buffers, and the caching allocator's reserved-over-allocated slack.
-# Uncalibrated until a GPU run measures it (benchmarks/results/), so stated as an allowance.
+# recent GPUs), NCCL's buffers, and the caching allocator's reserved-over-allocated slack beyond
+# FSDP2's stream pools (predict.allocator). Uncalibrated until a GPU run measures it
+# (benchmarks/gpu.sh accuracy: reserved_memory_measured.py), so stated as an allowance.
 CUDA_CONTEXT_BYTES = 1 * 1024**3
 ALLOCATOR_SLACK = 0.05
 
 
-def allowance(subtotal: int, hardware: Hardware) -> int:
-    """What a CPU cannot see on a GPU, for a peak of ``subtotal`` counted bytes; nothing for CPU
-    processes (gloo), where there is no CUDA context or caching allocator."""
+def allowance(subtotal: int, hardware: Hardware, pools: int = 0) -> int:
+    """What a CPU cannot see on a GPU, for a peak of ``subtotal`` counted bytes beside which
+    FSDP2's communication streams keep ``pools`` bytes reserved
+    (:mod:`autoshard.predict.allocator`); nothing for CPU processes (gloo), where there is no
+    CUDA context or caching allocator."""
     if hardware.backend == "gloo":
         return 0
-    return CUDA_CONTEXT_BYTES + int(subtotal * ALLOCATOR_SLACK)
+    return CUDA_CONTEXT_BYTES + pools + int(subtotal * ALLOCATOR_SLACK)
+
+
+def stream_pools_of(estimate: MemoryEstimate, hardware: Hardware) -> int:
+    """What of an analytic estimate's allowance is FSDP2's stream pools
+    (:func:`allowance`'s ``pools``): a simulation of the same candidate adds the same."""
+    counted = estimate.gpu_peak - estimate.breakdown.allowance
+    return estimate.breakdown.allowance - allowance(counted, hardware)
 
 
 def peak_moments(
@@ -182,12 +197,15 @@ def estimate_memory(
     >>> replicated.breakdown.optimizer == 8 * full.breakdown.optimizer  # AdamW, 8 ranks
     True
     """
-    acts = activations or rule_of_thumb(profile, workload, "no activation profile given")
-    acts = recipe_activations(candidate, acts)  # what torch.compile no longer saves
+    acts = _acts(profile, candidate, workload, activations)
     events, host = step_events(profile, candidate, hardware, workload, acts)
     at = peak_event(events)
     peak_at = at.name
-    breakdown = at.live.model_copy(update={"allowance": allowance(at.live.total, hardware)})
+    # Of what the allocator reserves beyond the peak, FSDP2's stream pools (read in torch's code)
+    # are planned on; the loss's hole is left to the slack: deduced, unmeasured, and a fused
+    # cross-entropy has none (benchmarks/results/published_memory.md).
+    pools = _reserved(profile, candidate, hardware, workload, acts, events).stream_pools
+    breakdown = at.live.model_copy(update={"allowance": allowance(at.live.total, hardware, pools)})
     peak = breakdown.total
     usable = hardware.usable_gpu_memory
     reasons = []
@@ -209,6 +227,62 @@ def estimate_memory(
         headroom=usable - peak,
         reason="; ".join(reasons),
     )
+
+
+def _acts(
+    profile: ModelProfile,
+    candidate: Candidate,
+    workload: WorkloadSpec,
+    activations: ActivationProfile | None,
+) -> ActivationProfile:
+    acts = activations or rule_of_thumb(profile, workload, "no activation profile given")
+    return recipe_activations(candidate, acts)  # what torch.compile no longer saves
+
+
+def estimate_reserved(
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    *,
+    activations: ActivationProfile | None = None,
+) -> ReservedPeak:
+    """The allocated peak of ``candidate``'s step (no allowance) and what the CUDA caching
+    allocator reserves beyond it: the number to hold against a measured
+    ``torch.cuda.max_memory_reserved``. :func:`estimate_memory`'s ``gpu_peak`` is the allocated
+    peak plus its allowance, which counts the stream pools but not the loss's hole.
+
+    >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec
+    >>> from autoshard import analyze_target, profile_activations
+    >>> profile, built = analyze_target(
+    ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
+    >>> workload = WorkloadSpec(seq_len=128)
+    >>> acts = profile_activations(built.model, profile, workload)
+    >>> gpus = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
+    >>> fsdp2 = Candidate(wrap_classes=profile.wrap_policy, engine="fsdp2")
+    >>> peak = estimate_reserved(profile, fsdp2, gpus, workload, activations=acts)
+    >>> peak.reserved > peak.allocated  # FSDP2's stream pools, the loss's hole
+    True
+    >>> gloo = gpus.model_copy(update={"backend": "gloo"})
+    >>> cpu = estimate_reserved(profile, fsdp2, gloo, workload, activations=acts)
+    >>> cpu.reserved == cpu.allocated  # no caching allocator
+    True
+    """
+    acts = _acts(profile, candidate, workload, activations)
+    events, _ = step_events(profile, candidate, hardware, workload, acts)
+    return _reserved(profile, candidate, hardware, workload, acts, events)
+
+
+def _reserved(
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    acts: ActivationProfile,
+    events: list[MemoryEvent],
+) -> ReservedPeak:
+    t = step_bytes(profile, candidate, hardware, workload, acts)
+    return reserved_peak(t, hardware, events, peak_event(events), workload.seq_len or 0)
 
 
 def estimate_all(

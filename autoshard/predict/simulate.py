@@ -29,7 +29,7 @@ from torch import nn
 
 from autoshard.config import Candidate, Engine, Hardware, Precision, WorkloadSpec
 from autoshard.errors import ConfigError
-from autoshard.predict.analytic import allowance, as_run
+from autoshard.predict.analytic import allowance, as_run, stream_pools_of
 from autoshard.predict.depth import (
     DEEPEN_AT_MOST,
     EXTRAPOLATE_ABOVE,
@@ -155,8 +155,11 @@ def simulate_memory(
     *,
     block_classes: tuple[str, ...] = (),
     extrapolate: bool = True,
+    pools: int = 0,
 ) -> MemoryEstimate:
-    """Predict the per-rank GPU peak of ``candidate`` by running it on fake tensors.
+    """Predict the per-rank GPU peak of ``candidate`` by running it on fake tensors; ``pools``:
+    what FSDP2's communication streams keep reserved beside it
+    (:func:`autoshard.predict.analytic.stream_pools_of`), added to the allowance.
 
     ``block_classes`` (the analyzer's ``profile.block_classes``) enables depth extrapolation for
     models deeper than :data:`EXTRAPOLATE_ABOVE` blocks. Seconds per candidate for small
@@ -196,7 +199,7 @@ def simulate_memory(
 
     phases, how = extrapolate_depth(run, deep) if deep else (run({}), "simulated")
     kinds = max(phases.values(), key=lambda kinds: kinds.get("Total", 0))
-    return _estimate(candidate, hardware, kinds, how)
+    return _estimate(candidate, hardware, kinds, how, pools)
 
 
 def ranks_to_simulate(model: nn.Module, candidate: Candidate, hardware: Hardware) -> list[int]:
@@ -215,7 +218,7 @@ def ranks_to_simulate(model: nn.Module, candidate: Candidate, hardware: Hardware
 
 
 def _estimate(
-    candidate: Candidate, hardware: Hardware, kinds: dict[str, int], how: str
+    candidate: Candidate, hardware: Hardware, kinds: dict[str, int], how: str, pools: int = 0
 ) -> MemoryEstimate:
     fields: dict[str, int] = {}
     for kind, nbytes in kinds.items():
@@ -229,7 +232,7 @@ def _estimate(
     breakdown = breakdown.model_copy(
         update={"temporaries": breakdown.temporaries + peak - breakdown.total}
     )
-    breakdown = breakdown.model_copy(update={"allowance": allowance(peak, hardware)})
+    breakdown = breakdown.model_copy(update={"allowance": allowance(peak, hardware, pools)})
     gpu_peak = breakdown.total
     usable = hardware.usable_gpu_memory
     fits = gpu_peak <= usable
@@ -262,8 +265,9 @@ def refine_with_simulation(
     out = list(ranked)
     chosen = [i for i, e in enumerate(out) if e.fits and not e.candidate.cpu_offload][:count]
     for i in chosen:
+        pools = stream_pools_of(out[i], hardware)  # as the analytic estimate planned them
         simulated = simulate_memory(
-            target, out[i].candidate, hardware, workload, block_classes=block_classes
+            target, out[i].candidate, hardware, workload, block_classes=block_classes, pools=pools
         )
         out[i] = simulated.model_copy(update={"host_peak": out[i].host_peak})
     return out
