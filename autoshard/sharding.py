@@ -352,17 +352,19 @@ def apply_checkpointing(model: nn.Module, candidate: Candidate) -> None:
     wrapper: Callable[[nn.Module], nn.Module] = checkpoint_wrapper
     if candidate.checkpointing is Checkpointing.SELECTIVE:
         wrapper = partial(checkpoint_wrapper, context_fn=selective_context)
-        _without_kv_cache(model)
+    _without_kv_cache(model)
     apply_activation_checkpointing(
         model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in chosen
     )
 
 
 def _without_kv_cache(model: nn.Module) -> None:
-    """Turn off a Hugging Face model's key/value cache (``config.use_cache``), as its own
-    ``gradient_checkpointing_enable`` does: a forward that appends to the cache recomputes other
-    operations than it ran (a longer key to slice), which selective checkpointing's replay of the
-    forward's decisions refuses ("invocation ... not found in storage", torch 2.13)."""
+    """Turn off a Hugging Face model's key/value cache (``config.use_cache``) under activation
+    checkpointing, as its own ``gradient_checkpointing_enable`` does: in training the cache only
+    keeps every layer's keys and values alive beside the checkpointed blocks (which the estimates
+    count without it: +18% simulated on a 4-layer Llama at 512 tokens, fp32), and a forward that
+    appends to it recomputes other operations than it ran (a longer key to slice), which
+    selective checkpointing's replay refuses ("invocation ... not found in storage", torch 2.13)."""
     for module in model.modules():
         config = getattr(module, "config", None)
         if getattr(config, "use_cache", False):

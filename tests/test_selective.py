@@ -350,6 +350,51 @@ def test_speed_model_times_the_selective_recompute_part_only() -> None:
     assert recompute("selective", unknown) == pytest.approx(recompute("all"))
 
 
+def test_hugging_face_cache_is_off_under_whole_block_checkpointing_too() -> None:
+    """Under whole-block checkpointing the cache would keep every layer's keys and values alive
+    beside the checkpointed blocks (the estimates count without it): it is turned off there
+    too, and the forward hands back no cache; without checkpointing it is left as it is."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    layer = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
+    untouched = LlamaForCausalLM(config)
+    apply_checkpointing(untouched, Candidate())
+    assert untouched.config.use_cache is True
+    model = LlamaForCausalLM(config)
+    apply_checkpointing(model, Candidate(checkpointing="all", checkpoint_classes=(layer,)))
+    ids = torch.randint(0, 64, (1, 8))
+    assert model(input_ids=ids, labels=ids).past_key_values is None
+
+
+def test_outputs_that_checkpoint_an_hf_model_say_to_turn_its_cache_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """accelerate, the HF Trainer and Lightning's FSDPStrategy apply FSDP's checkpointing, which
+    leaves the cache on: each output says to turn it off, as the plan assumed; a model without
+    Hugging Face classes, or no checkpointing, gets no such line."""
+    pytest.importorskip("lightning")
+    from autoshard.results import ClassStat
+    from tests.test_emit import EXAMPLES, PROFILE, candidate, make_rec
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    hf = PROFILE.model_copy(update={"classes": (ClassStat(
+        class_path="transformers.models.llama.modeling_llama.LlamaDecoderLayer",
+        name="LlamaDecoderLayer", count=2, params_each=1000, params_total=2000,
+        share=0.5),)})  # fmt: skip
+    ckpt = candidate(checkpointing=Checkpointing.ALL)
+    for fmt in ("accelerate", "hf-trainer", "lightning"):
+        assert "use_cache = False" in make_rec(ckpt, profile=hf).to_yaml(fmt), fmt
+        assert "use_cache" not in make_rec(ckpt).to_yaml(fmt), fmt
+        assert "use_cache" not in make_rec(candidate(), profile=hf).to_yaml(fmt), fmt
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_rec(ckpt, profile=hf).strategy()
+    assert any("use_cache = False" in str(w.message) for w in caught)
+
+
 def test_hugging_face_cache_is_turned_off_for_selective() -> None:
     """A forward that appends to a key/value cache recomputes other operations than it ran,
     which selective checkpointing refuses: applying it turns the cache off, as Hugging Face's

@@ -93,6 +93,21 @@ def selective_note(candidate: Candidate, stack: str) -> str | None:
     )  # fmt: skip
 
 
+def kv_cache_note(rec: Decision, stack: str) -> str | None:
+    """What ``stack`` leaves on that the plan assumed off: a Hugging Face model's key/value cache
+    under activation checkpointing (autoshard's trials, ``rec.apply`` and the estimates turn it
+    off, as ``gradient_checkpointing_enable`` does; FSDP's own checkpointing does not)."""
+    c = rec.chosen.candidate
+    hf = any(k.class_path.startswith("transformers.") for k in rec.profile.classes)
+    if c.checkpointing is Checkpointing.NONE or not hf:
+        return None
+    return (
+        f"{stack} checkpoints without turning off the Hugging Face model's key/value cache: set "
+        "model.config.use_cache = False before training, as autoshard's trials and estimates did "
+        "(with it on, every layer's keys and values stay alive beside the checkpointed blocks)"
+    )
+
+
 def _checkpoint_policy(candidate: Candidate, classes: set[type[nn.Module]]) -> Any:
     if candidate.checkpointing is Checkpointing.NONE:
         return None
@@ -321,6 +336,8 @@ def strategy_kwargs(rec: Decision, *, model: nn.Module | None = None) -> dict[st
         kwargs["auto_wrap_policy"] = fk["auto_wrap_policy"]
     ckpt = _checkpoint_policy(c, _classes(c.checkpoint_classes, model))
     if note := selective_note(c, "Lightning's FSDPStrategy"):
+        warnings.warn(note, HandoverNotice, stacklevel=3)
+    if note := kv_cache_note(rec, "Lightning's FSDPStrategy"):
         warnings.warn(note, HandoverNotice, stacklevel=3)
     if ckpt is not None:
         kwargs["activation_checkpointing_policy"] = ckpt

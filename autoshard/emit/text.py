@@ -24,6 +24,7 @@ from autoshard.config import (
 )
 from autoshard.emit.runtime import (
     choose_state_dict_type,
+    kv_cache_note,
     selective_note,
     strategy_kwargs,
     trainer_kwargs,
@@ -249,6 +250,10 @@ def lightning_cli_yaml(rec: Decision) -> str:
     note = selective_note(rec.chosen.candidate, "Lightning's FSDPStrategy")
     if note and rec.chosen.candidate.engine is Engine.FSDP1:  # FSDP2's plan applies it
         lines.append(note)
+    if rec.chosen.candidate.engine is Engine.FSDP1 and (
+        note := kv_cache_note(rec, "Lightning's FSDPStrategy")
+    ):
+        lines.append(note)
     body = yaml.safe_dump(lightning_cli_config(rec), sort_keys=False)
     return _comment(lines) + body
 
@@ -312,6 +317,7 @@ def accelerate_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
         }
     notes.extend(_fsdp1_hybrid_notes(rec, "accelerate"))
     notes.extend(_accelerate_notes(c, "accelerate"))
+    notes.extend(filter(None, [kv_cache_note(rec, "accelerate")]))
     notes.extend(compile_float8_notes(c, "accelerate"))
     if not c.limit_all_gathers:
         notes.append("set fsdp_plugin.limit_all_gathers = False in code (no config key)")
@@ -443,6 +449,7 @@ def hf_trainer_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
     )
     fsdp["cpu_ram_efficient_loading"] = True
     notes.extend(_accelerate_notes(c, "the Hugging Face Trainer"))
+    notes.extend(filter(None, [kv_cache_note(rec, "the Hugging Face Trainer")]))
     notes.extend(compile_float8_notes(c, "the Hugging Face Trainer"))
     # Read by nobody but people: the Trainer stores unknown fsdp_config keys and ignores them.
     fsdp["autoshard"] = {"chosen": describe_evidence(rec), "notes": notes}
