@@ -329,9 +329,12 @@ def test_the_study_recalibrates_on_its_own_device_only(gpt_tiny, monkeypatch) ->
             # On the GPUs this tiny model's step waits on its host, FSDP's hooks most (one unit
             # first): a host that issues for free and an optimizer 100x slower swap them.
             p.model_copy(
-                update={"unit_host_scale": 0.0, "op_overhead_s": 0.0,
-                        "memory_efficiency": p.memory_efficiency / 100}
-            ),  # fmt: skip
+                update={
+                    "unit_host_scale": 0.0,
+                    "op_overhead_s": 0.0,
+                    "memory_efficiency": p.memory_efficiency / 100,
+                }
+            ),
         ]
         slow = next(t for t in truths if order(t) != prior_order)
         ran = [
