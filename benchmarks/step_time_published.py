@@ -397,8 +397,9 @@ def one_gpu_comparisons(rows: list[dict[str, Any]]) -> list[str]:
                     f"({verdict}; 1-GPU step "
                     f"{one['speed'].step_time_s:.2f} s predicted, communication exposed "
                     f"{other['speed'].breakdown.exposed_comm_s:.2f} s, contention "
-                    f"{other['speed'].breakdown.contention_s:.2f} s and FSDP's copies "
-                    f"{other['speed'].breakdown.distributed_s:.2f} s on "
+                    f"{other['speed'].breakdown.contention_s:.2f} s, FSDP's copies "
+                    f"{other['speed'].breakdown.distributed_s:.2f} s and waiting on the host "
+                    f"{other['speed'].breakdown.host_bound_s:.2f} s on "
                     f"{other['record']['gpus']})"
                 )
     if len(lines) == 2:

@@ -68,7 +68,7 @@ class _Kernels:
         rerun = flops.selective_recompute() if selective else None
         recompute = rerun.block_forward_ops if rerun else flops.block_forward_ops
         count = profile.block_count
-        per_block = {
+        per_block: dict[Pass, tuple[float, ...]] = {
             Pass.FORWARD: flops.block_forward_ops,
             Pass.BACKWARD: flops.block_backward_ops,
             Pass.RECOMPUTE: recompute,
