@@ -897,3 +897,30 @@ def test_the_host_bound_term_is_in_the_report_and_the_json() -> None:
     terms = speed_terms(SpeedBreakdown(compute_s=0.1, host_bound_s=0.2), 0.3)
     assert "host-bound 0.200 s" in terms
     assert SpeedBreakdown(host_bound_s=0.2).model_dump()["host_bound_s"] == 0.2
+
+
+def test_the_host_issues_every_kernel_of_the_step_recompute_included(net) -> None:
+    from autoshard.predict.host_bound import host_seconds
+    from autoshard.predict.timeline import step_timeline
+
+    profile, flops = net
+    one = Hardware(gpus_per_node=1, gpu_memory=80 * 2**30)  # no FSDP hooks: kernels only
+
+    def host(candidate: Candidate, accumulate: int = 1) -> float:
+        step = step_timeline(
+            candidate, one, WorkloadSpec(accumulate=accumulate), blocks=BLOCKS,
+            params=float(profile.total_params), block_params=float(profile.block_params),
+        )  # fmt: skip
+        return host_seconds(step, profile, flops, candidate, one, op_s=1e-3)
+
+    plain = Candidate(wrap_classes=WRAP)
+    kernels = (
+        sum(flops.block_forward_ops) + sum(flops.block_backward_ops)
+        + flops.other_forward_ops + flops.other_backward_ops
+    )  # fmt: skip
+    assert host(plain) == pytest.approx(kernels * 1e-3)
+    # every micro-batch issues its kernels again
+    assert host(plain, accumulate=3) == pytest.approx(3 * kernels * 1e-3)
+    # checkpointing every block issues each block's forward again in backward
+    every = plain.model_copy(update={"checkpointing": "all", "checkpoint_classes": WRAP})
+    assert host(every) == pytest.approx((kernels + sum(flops.block_forward_ops)) * 1e-3)
