@@ -175,6 +175,12 @@ class SpeedBreakdown(Frozen):
         description="What running sharded costs the compute stream beyond the collectives: "
         "FSDP's copies out of each all-gather and into each reduce-scatter (0 on one GPU).",
     )
+    host_bound_s: float = Field(
+        0.0,
+        description="What the step waits on its host beyond the GPU's work: the kernels' "
+        "launches and FSDP's hooks per unit take longer than the GPU runs them (a small or "
+        "short-sequence model; :mod:`autoshard.predict.host_bound`). 0 where the GPU is busier.",
+    )
     pressure_s: float = Field(
         0.0,
         description="Allocator stalls of a candidate whose predicted peak is within "

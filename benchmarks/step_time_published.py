@@ -418,8 +418,9 @@ def one_gpu_comparisons(rows: list[dict[str, Any]]) -> list[str]:
                     f"({verdict}; 1-GPU step "
                     f"{one['speed'].step_time_s:.2f} s predicted, communication exposed "
                     f"{other['speed'].breakdown.exposed_comm_s:.2f} s, contention "
-                    f"{other['speed'].breakdown.contention_s:.2f} s and FSDP's copies "
-                    f"{other['speed'].breakdown.distributed_s:.2f} s on "
+                    f"{other['speed'].breakdown.contention_s:.2f} s, FSDP's copies "
+                    f"{other['speed'].breakdown.distributed_s:.2f} s and waiting on the host "
+                    f"{other['speed'].breakdown.host_bound_s:.2f} s on "
                     f"{other['record']['gpus']})"
                 )
     if len(lines) == 2:
@@ -517,9 +518,9 @@ def miss_breakdowns(rows: list[dict[str, Any]]) -> list[str]:
         "### Fitting-set misses: the model's breakdown",
         "",
         "| model | GPUs | error | step s | compute s | recompute s | exposed comm s | "
-        "contention s | optimizer s | offload s | FSDP copies s | pressure s | "
+        "contention s | optimizer s | offload s | FSDP copies s | host-bound s | pressure s | "
         "predicted peak / usable GiB |",
-        "| --- | ---: | ---: | ---: " + "| ---: " * 9 + "|",
+        "| --- | ---: | ---: | ---: " + "| ---: " * 10 + "|",
     ]
     for row in rows:
         part = row["speed"].breakdown
@@ -530,7 +531,8 @@ def miss_breakdowns(rows: list[dict[str, Any]]) -> list[str]:
             f"{row['error']:+.0%} | {row['speed'].step_time_s:.3f} | {part.compute_s:.3f} | "
             f"{part.recompute_s:.3f} | {part.exposed_comm_s:.3f} | {part.contention_s:.3f} | "
             f"{part.optimizer_s:.3f} | {part.offload_s:.3f} | {part.distributed_s:.3f} | "
-            f"{part.pressure_s:.3f} | {memory.gpu_peak / 2**30:.1f} / {usable:.1f} |"
+            f"{part.host_bound_s:.3f} | {part.pressure_s:.3f} | "
+            f"{memory.gpu_peak / 2**30:.1f} / {usable:.1f} |"
         )
     return [*lines, ""]
 

@@ -184,7 +184,8 @@ def speed_of(llama: dict[str, Any], gpu: str = "h100-sxm", spec: Any = None, **f
     from autoshard.predict.speed import predict_speed
 
     p = llama["profile"]
-    fields.setdefault("micro_batch_size", 32)  # device-bound (a GPU waits for launches below)
+    # device-bound (below, a GPU waits for the launches and FSDP's hooks: predict/host_bound.py)
+    fields.setdefault("micro_batch_size", 256)
     candidate = Candidate(engine=Engine.FSDP2, wrap_classes=p.wrap_policy, **fields)
     hardware = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30, gpu=gpu)
     return predict_speed(

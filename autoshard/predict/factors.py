@@ -85,12 +85,26 @@ class SpeedFactors(Frozen):
         "by its thread, not by its share of ``host_memory_bandwidth``.",
     )
     op_overhead_s: float = Field(
-        10e-6,
+        14e-6,
         ge=0,
         description="Host seconds to issue one operation (Python, dispatcher, autograd, kernel "
         "launch). A GPU runs the kernels meanwhile, so this bounds a small model's step from "
-        "below; CPU processes pay it on top of the work (measured at run time for cpu-gloo). "
-        "Default: eager PyTorch issues a CUDA operation in 5-10 us.",
+        "below (:mod:`autoshard.predict.host_bound`); CPU processes pay it on top of the work "
+        "(measured at run time for cpu-gloo). Default: an eager forward and backward at width "
+        "16, where the kernels' arithmetic is negligible, took 9.2 (Llama-style decoder) and "
+        "12.7 (Lightning's demo Transformer) CPU us per counted kernel on this project's Xeon "
+        "VM (benchmarks/results/host_overhead_probe.txt, the least of three runs), plus the "
+        "driver's launch, 'cuLaunchKernel (raw CUDA driver) 3.0us' (meta-pytorch/tritonbench "
+        "PR #1017): 11 + 3.",
+    )
+    unit_host_scale: float = Field(
+        1.0,
+        ge=0,
+        description="Times the host seconds FSDP's hooks cost each unit of a step "
+        "(:data:`autoshard.predict.host_bound.FSDP_UNIT_HOST_S`, measured on this project's "
+        "Xeon VM: 1.6-3.0 ms per unit, by engine and sharding); a faster or slower host scales "
+        "them; 0 leaves them out. Not applied to CPU processes (their ``collective_latency_s`` "
+        "is FSDP's cost per unit).",
     )
     overlap_slowdown: float = Field(
         0.189,

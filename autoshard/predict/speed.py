@@ -53,6 +53,7 @@ from autoshard.predict.collectives import Collectives
 from autoshard.predict.factors import DEFAULT_FACTORS, SpeedFactors, default_factors
 from autoshard.predict.flops import FlopProfile
 from autoshard.predict.hardware import dense_flops, speed_for
+from autoshard.predict.host_bound import host_bound_seconds
 from autoshard.predict.recipe import LinearShapes, RecipeStep
 from autoshard.predict.timeline import (
     MicroBatch,
@@ -428,6 +429,13 @@ def _step_time(
     )
     total = compute_s + recompute_s + exposed + contention_s + offload_s + optimizer_s
     total += distributed_s + scale_sync_s
+    # a step is no faster than its host issues it (predict/host_bound.py)
+    host_bound_s = host_bound_seconds(
+        step, profile, recipe.flops(), candidate, hardware, op_s=factors.op_overhead_s,
+        unit_scale=factors.unit_host_scale, device_s=total - offload_s, tail_s=optimizer_s,
+        host_is_device=gpu.id == "cpu-gloo",
+    )  # fmt: skip
+    total += host_bound_s
 
     def busy(work: FlopProfile) -> float:  # compute and recompute seconds of a recipe's work
         step_seconds = _StepSeconds(profile, work, rates, comm, selective=selective)
@@ -442,6 +450,7 @@ def _step_time(
         optimizer_s=optimizer_s,
         distributed_s=distributed_s,
         float8_scale_sync_s=scale_sync_s,
+        host_bound_s=host_bound_s,
         **recipe.breakdown(busy),
     )
 

@@ -385,7 +385,7 @@ def speed_terms(b: SpeedBreakdown, step_time_s: float) -> str:
         "contention_s": "contention", "offload_s": "offload", "optimizer_s": "optimizer",
         "float8_scale_sync_s": "float8 scales", "compile_saving_s": "torch.compile saved",
         "float8_matmul_saving_s": "float8 matmuls saved",
-        "float8_cast_s": "float8 casts (in compute)",
+        "float8_cast_s": "float8 casts (in compute)", "host_bound_s": "host-bound",
     }  # fmt: skip
     terms = [f"{names.get(k, k)} {v:.3f} s" for k, v in b.model_dump().items() if v]
     return f"{step_time_s:.3f} s: " + "; ".join(terms)
