@@ -34,6 +34,7 @@ from autoshard.predict.fakes import (
     fresh_like,
     sample_batch,
     tensors_in,
+    without_dynamo,
 )
 from autoshard.results import ModelProfile
 from autoshard.sharding import compute_dtype, selective_policy
@@ -186,7 +187,9 @@ def profile_activations(
         for precision in dict.fromkeys(wanted):
             try:
                 with fake_forward_support():
-                    profiles.append(_profile_once(model, profile, batch, precision, seq))
+                    profiles.append(
+                        without_dynamo(_profile_once, model, profile, batch, precision, seq)
+                    )
             except Exception as exc:  # one precision failing leaves the others usable
                 failed.append((precision, exc))
         if not profiles:

@@ -27,21 +27,30 @@ count themselves. Three things get in the way on fake tensors and not in a real 
   (``torch._subclasses.fake_tensor``: "failed while attempting to run meta for ...") before the
   exception reaches autoshard, which falls back and says so in one line. Those records are dropped
   while autoshard's fake forwards run.
+
+The profiles run without loading ``torch._dynamo`` (1.2 s of CPU, a third of a 70B estimate, for
+nothing a forward on fake tensors uses): see :func:`without_dynamo`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
+import importlib.machinery
+import importlib.util
 import logging
-from collections.abc import Iterable, Iterator
+import sys
+import types
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+_T = TypeVar("_T")
 # torch loggers that report a failing fake kernel with a traceback (torch 2.13)
 _NOISY_LOGGERS = ("torch._subclasses.fake_tensor",)
 
@@ -53,6 +62,107 @@ def fake_forward_support() -> Iterator[None]:
     (:func:`quiet_fake_kernel_errors`)."""
     with quiet_fake_kernel_errors(), grouped_mm_in_every_float_dtype(), causal_masks_by_shape():
         yield
+
+
+def without_dynamo(run: Callable[..., _T], *args: Any) -> _T:
+    """``run(*args)`` without importing ``torch._dynamo`` where nothing has yet, or, if the run
+    needed more of dynamo than the stand-in gives (:class:`_DynamoStandIn`), ``run(*args)`` again
+    with the real one: the result is the real one's either way.
+
+    Nothing compiles in a profile, yet two things import all of dynamo (1.2 s of CPU, a third of
+    a 70B estimate; torch 2.13): a ``FakeTensorMode`` reads three switches of
+    ``torch._dynamo.config``, and torch's Python meta kernels are wrapped in
+    ``torch._disable_dynamo``, whose first call imports dynamo only to wrap the kernel in
+    ``torch._dynamo.disable``, which changes nothing while no frame is being compiled. A fake
+    forward needs more only where the fake mode converts a real or meta tensor (its converter
+    names tensors with ``torch._dynamo.source``): :func:`fake_model` makes its tensors afresh."""
+    if "torch._dynamo" in sys.modules:
+        return run(*args)
+    stand_in = _DynamoStandIn()
+    outcome: tuple[_T] | None = None
+    try:
+        outcome = (run(*args),)
+    except Exception:
+        if not stand_in.needed:
+            raise
+    finally:
+        stand_in.withdraw()
+    if outcome is not None and not stand_in.needed:
+        return outcome[0]
+    # what ran may have met a missing module (and an error, or another path): again, for real
+    importlib.import_module("torch._dynamo")
+    return run(*args)
+
+
+class _DynamoStandIn(types.ModuleType):
+    """``sys.modules["torch._dynamo"]`` while :func:`without_dynamo` runs: its ``config`` (torch's
+    own module, loaded alone), and a ``disable`` that returns the function itself. Anything else
+    (an attribute, a submodule) sets :attr:`needed`; an attribute is then the real dynamo's.
+
+    On :meth:`withdraw` the functions ``torch._disable_dynamo`` cached undisabled are reset, so
+    that their next call imports the real dynamo and disables them as torch does."""
+
+    def __init__(self) -> None:
+        spec = importlib.util.find_spec("torch._dynamo")
+        assert spec is not None and spec.submodule_search_locations is not None
+        super().__init__(spec.name)
+        self.__spec__ = spec
+        self.__file__ = spec.origin
+        self.__path__: list[str] = []  # submodules are found by find_spec below, or not at all
+        self.config = _dynamo_config(list(spec.submodule_search_locations))
+        self.needed = ""  # what was asked for that the stand-in does not give
+        self._undisabled: list[Any] = []
+        self._withdrawn = False
+        sys.modules[self.__name__] = self
+        sys.meta_path.insert(0, self)  # type: ignore[arg-type]
+
+    def disable(self, fn: Any, recursive: bool = True, wrapping: bool = True) -> Any:
+        """``torch._dynamo.disable`` while dynamo is not loaded: nothing to disable."""
+        self._undisabled.append(fn)
+        return fn
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        """As a finder on ``sys.meta_path``: note a submodule asked for (none is found)."""
+        if name.startswith(f"{self.__name__}.") and not self._withdrawn:
+            self.needed = self.needed or name
+
+    def withdraw(self) -> None:
+        """Take the stand-in out of ``sys.modules`` and ``sys.meta_path``."""
+        if self._withdrawn:
+            return
+        self._withdrawn = True
+        if sys.modules.get(self.__name__) is self:
+            del sys.modules[self.__name__]
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)  # type: ignore[arg-type]
+        for fn in self._undisabled:
+            if getattr(fn, "__dynamo_disable", None) is fn:
+                delattr(fn, "__dynamo_disable")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # the import system's and inspect's probes
+            raise AttributeError(name)
+        self.needed = self.needed or f"{self.__name__}.{name}"
+        self.withdraw()
+        return getattr(importlib.import_module(self.__name__), name)
+
+
+def _dynamo_config(locations: list[str]) -> types.ModuleType:
+    """``torch._dynamo.config``, loaded alone where dynamo is not (it imports nothing of
+    dynamo); the real dynamo takes it from ``sys.modules`` when it loads."""
+    name = "torch._dynamo.config"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.machinery.PathFinder.find_spec(name, locations)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 @contextlib.contextmanager
@@ -183,6 +293,7 @@ class FakeModel:
     repeats: set[int] = field(default_factory=set)  # ids of blocks left on meta
     nested: set[int] = field(default_factory=set)  # ids of blocks that hold blocks
     note: str = ""  # what was changed to run it (experts_for_fake_tensors)
+    held: list[torch.Tensor] = field(default_factory=list)  # the batch's fakes (convert_afresh)
 
     def materialize(self, block: nn.Module) -> bool:
         """Give a repeated block, met with an input no earlier one had, fake parameters; False
@@ -234,8 +345,9 @@ def fake_model(
         for module in model.modules():
             if id(module) not in in_repeats:
                 materialize(module, dtype, recurse=False)
+        held = convert_afresh(mode, batch)
         batch = move_to(batch, torch.device("cpu"))
-    return FakeModel(model, mode, batch, dtype, blocks, signatures, repeats, nested, note)
+    return FakeModel(model, mode, batch, dtype, blocks, signatures, repeats, nested, note, held)
 
 
 def sample_batch(model: nn.Module, batch: Any, seq_len: int | None, who: str) -> Any:
@@ -258,6 +370,8 @@ def materialize(module: nn.Module, dtype: torch.dtype, *, recurse: bool) -> None
 
     def empty(t: torch.Tensor) -> torch.Tensor:
         kind = dtype if t.is_floating_point() else t.dtype
+        if t.is_contiguous():  # what empty_like makes, without converting t (without_dynamo)
+            return torch.empty_strided(t.shape, t.stride(), dtype=kind, device="cpu")
         return torch.empty_like(t, device="cpu", dtype=kind)
 
     module._apply(empty, recurse=recurse)
@@ -297,6 +411,38 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, list | tuple):
         for v in value:
             yield from tensors_in(v)
+
+
+def convert_afresh(mode: FakeTensorMode, batch: Any) -> list[torch.Tensor]:
+    """Give the fake mode its fake tensor for each tensor of ``batch`` (real or meta) that it
+    keeps no value of, made afresh as the mode's converter would make it: the same shape,
+    strides, dtype, device and storage size; the fake tensors, which the caller must hold (the
+    mode remembers them weakly). Call under the mode.
+
+    The batch itself stays as it is, as the mode converts it on first use; only torch's converter
+    is not run, which loads ``torch._dynamo`` (:func:`without_dynamo`). Left to it: a tensor of
+    one element (the mode keeps its value), one that needs a gradient, a subclass, one sharing
+    its storage with another of the batch, or a view into a larger storage."""
+    tensors = list(tensors_in(batch))
+    storages = [t.untyped_storage()._cdata for t in tensors if not isinstance(t, FakeTensor)]
+    converter = mode.fake_tensor_converter
+    made: list[torch.Tensor] = []
+    for t in dict.fromkeys(tensors):  # in order, each object once
+        if (
+            type(t) is not torch.Tensor
+            or t.device.type not in ("cpu", "meta")
+            or t.numel() <= 1
+            or t.requires_grad
+            or storages.count(t.untyped_storage()._cdata) > 1
+            or t.storage_offset() != 0
+            or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+            or not t.is_contiguous()
+        ):
+            continue
+        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        converter.set_tensor_memo(t, fake)
+        made.append(fake)
+    return made
 
 
 def fresh_like(value: Any) -> Any:

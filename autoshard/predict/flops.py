@@ -36,6 +36,7 @@ from autoshard.predict.fakes import (
     fake_model,
     fresh_like,
     sample_batch,
+    without_dynamo,
 )
 from autoshard.predict.flop_counting import OpCounter, OpCounts
 from autoshard.results import ModelProfile
@@ -266,7 +267,7 @@ def profile_flops(
     try:
         batch = sample_batch(model, batch, workload.seq_len, "profile_flops")
         with fake_forward_support():  # fp32 grouped_mm experts; torch's tracebacks kept out
-            return _count(model, profile, batch, workload.seq_len)
+            return without_dynamo(_count, model, profile, batch, workload.seq_len)
     except Exception as exc:  # a forward that cannot run on fake tensors: estimate, say so
         why = f"{type(exc).__name__}: {exc}".splitlines()[0]
         return six_n_t(profile, workload, why)
