@@ -423,11 +423,11 @@ def convert_afresh(mode: FakeTensorMode, batch: Any) -> list[torch.Tensor]:
     is not run, which loads ``torch._dynamo`` (:func:`without_dynamo`). Left to it: a tensor of
     one element (the mode keeps its value), one that needs a gradient, a subclass, one sharing
     its storage with another of the batch, or a view into a larger storage."""
-    tensors = list(tensors_in(batch))
+    tensors = list(dict.fromkeys(tensors_in(batch)))  # in order, each object once
     storages = [t.untyped_storage()._cdata for t in tensors if not isinstance(t, FakeTensor)]
     converter = mode.fake_tensor_converter
     made: list[torch.Tensor] = []
-    for t in dict.fromkeys(tensors):  # in order, each object once
+    for t in tensors:
         if (
             type(t) is not torch.Tensor
             or t.device.type not in ("cpu", "meta")
