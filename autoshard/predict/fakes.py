@@ -114,7 +114,7 @@ class _DynamoStandIn(types.ModuleType):
         self._undisabled: list[Any] = []
         self._withdrawn = False
         sys.modules[self.__name__] = self
-        sys.meta_path.insert(0, self)  # type: ignore[arg-type]
+        sys.meta_path.insert(0, self)
 
     def disable(self, fn: Any, recursive: bool = True, wrapping: bool = True) -> Any:
         """``torch._dynamo.disable`` while dynamo is not loaded: nothing to disable."""
@@ -134,7 +134,7 @@ class _DynamoStandIn(types.ModuleType):
         if sys.modules.get(self.__name__) is self:
             del sys.modules[self.__name__]
         if self in sys.meta_path:
-            sys.meta_path.remove(self)  # type: ignore[arg-type]
+            sys.meta_path.remove(self)
         for fn in self._undisabled:
             if getattr(fn, "__dynamo_disable", None) is fn:
                 delattr(fn, "__dynamo_disable")
@@ -440,6 +440,7 @@ def convert_afresh(mode: FakeTensorMode, batch: Any) -> list[torch.Tensor]:
         ):
             continue
         fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        assert isinstance(fake, FakeTensor), "convert_afresh runs under its fake mode"
         converter.set_tensor_memo(t, fake)
         made.append(fake)
     return made
