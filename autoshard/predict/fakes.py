@@ -78,7 +78,10 @@ def without_dynamo(run: Callable[..., _T], *args: Any) -> _T:
     names tensors with ``torch._dynamo.source``): :func:`fake_model` makes its tensors afresh."""
     if "torch._dynamo" in sys.modules:
         return run(*args)
-    stand_in = _DynamoStandIn()
+    try:
+        stand_in = _DynamoStandIn()
+    except Exception:  # a torch laid out otherwise: the real dynamo, as before
+        return run(*args)
     outcome: tuple[_T] | None = None
     try:
         outcome = (run(*args),)
@@ -104,7 +107,8 @@ class _DynamoStandIn(types.ModuleType):
 
     def __init__(self) -> None:
         spec = importlib.util.find_spec("torch._dynamo")
-        assert spec is not None and spec.submodule_search_locations is not None
+        if spec is None or spec.submodule_search_locations is None:
+            raise ImportError("torch._dynamo is not a package here")
         super().__init__(spec.name)
         self.__spec__ = spec
         self.__file__ = spec.origin
@@ -154,7 +158,8 @@ def _dynamo_config(locations: list[str]) -> types.ModuleType:
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.machinery.PathFinder.find_spec(name, locations)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no {name} in {locations}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:

@@ -100,6 +100,20 @@ def test_a_forward_that_needs_dynamo_is_profiled_again_with_it():
     assert out["compiled"]
 
 
+def test_a_torch_without_dynamo_s_config_file_profiles_with_the_real_one():
+    code = _PROFILES.format(model=_GPT).replace(
+        "supported = compile_supported()",
+        "import autoshard.predict.fakes as fakes\n"
+        "def missing(locations):\n"
+        "    raise ImportError('no config')\n"
+        "fakes._dynamo_config = missing\n"
+        "supported = compile_supported()",
+    )
+    out = _fresh(code)
+    assert out["without"] == out["with"]
+    assert out["without"][0]["measured"] and out["without"][1]["measured"]
+
+
 class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
