@@ -122,7 +122,8 @@ def _stages() -> list[str]:
     precisions = precisions_of(candidates)
     names = ", ".join(p.value for p in precisions)
     acts = timed(
-        f"activation profiles (fake tensors, the first loads torch._dynamo; {names})",
+        f"activation profiles (fake tensors, the first loads sympy and torch.distributed.tensor; "
+        f"{names})",
         lambda: profile_activations(built.model, profile, workload, precisions=precisions),
     )
     estimates = timed(
@@ -135,9 +136,11 @@ def _stages() -> list[str]:
     gpu, _ = speed_for(hardware)
     model = SpeedModel(profile, flops, hardware, workload, gpu, default_factors(gpu))
     estimates = timed(f"step time of {len(estimates)} candidates", lambda: model.attach(estimates))
+    dynamo = "loaded" if "torch._dynamo" in sys.modules else "never loaded"
     return [
         f"{profile.total_params:,} parameters; {sum(e.fits for e in estimates)} of "
-        f"{len(estimates)} candidates fit 80 GiB. In-process stages (CPU seconds, one run):",
+        f"{len(estimates)} candidates fit 80 GiB; torch._dynamo {dynamo}. In-process stages "
+        "(CPU seconds, one run):",
         "",
         "| stage | CPU s |",
         "| --- | ---: |",

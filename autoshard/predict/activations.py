@@ -27,6 +27,7 @@ from autoshard.config import (
     Precision,
     WorkloadSpec,
 )
+from autoshard.predict.dynamo_stand_in import without_dynamo
 from autoshard.predict.fakes import (
     FakeModel,
     call_shapes,
@@ -190,7 +191,9 @@ def profile_activations(
         for precision in dict.fromkeys(wanted):
             try:
                 with fake_forward_support():
-                    profiles.append(_profile_once(model, profile, batch, precision, seq))
+                    profiles.append(
+                        without_dynamo(_profile_once, model, profile, batch, precision, seq)
+                    )
             except Exception as exc:  # one precision failing leaves the others usable
                 failed.append((precision, exc))
         if not profiles:

@@ -36,6 +36,9 @@ count themselves. Four things get in the way on fake tensors and not in a real r
   (``torch._subclasses.fake_tensor``: "failed while attempting to run meta for ...") before the
   exception reaches autoshard, which falls back and says so in one line. Those records are dropped
   while autoshard's fake forwards run.
+
+The profiles run without loading ``torch._dynamo`` (1.2 s of CPU, a third of a 70B estimate, for
+nothing a forward on fake tensors uses): see :mod:`autoshard.predict.dynamo_stand_in`.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 # torch loggers that report a failing fake kernel with a traceback (torch 2.13)
 _NOISY_LOGGERS = ("torch._subclasses.fake_tensor",)
@@ -220,6 +223,7 @@ class FakeModel:
     repeats: set[int] = field(default_factory=set)  # ids of blocks left on meta
     nested: set[int] = field(default_factory=set)  # ids of blocks that hold blocks
     note: str = ""  # what was changed to run it (experts_for_fake_tensors)
+    held: list[torch.Tensor] = field(default_factory=list)  # the batch's fakes (convert_afresh)
 
     def materialize(self, block: nn.Module) -> bool:
         """Give a repeated block, met with an input no earlier one had, fake parameters; False
@@ -271,8 +275,9 @@ def fake_model(
         for module in model.modules():
             if id(module) not in in_repeats:
                 materialize(module, dtype, recurse=False)
+        held = convert_afresh(mode, batch)
         batch = move_to(batch, torch.device("cpu"))
-    return FakeModel(model, mode, batch, dtype, blocks, signatures, repeats, nested, note)
+    return FakeModel(model, mode, batch, dtype, blocks, signatures, repeats, nested, note, held)
 
 
 def sample_batch(model: nn.Module, batch: Any, seq_len: int | None, who: str) -> Any:
@@ -295,6 +300,8 @@ def materialize(module: nn.Module, dtype: torch.dtype, *, recurse: bool) -> None
 
     def empty(t: torch.Tensor) -> torch.Tensor:
         kind = dtype if t.is_floating_point() else t.dtype
+        if t.is_contiguous():  # what empty_like makes, without converting t (without_dynamo)
+            return torch.empty_strided(t.shape, t.stride(), dtype=kind, device="cpu")
         return torch.empty_like(t, device="cpu", dtype=kind)
 
     module._apply(empty, recurse=recurse)
@@ -334,6 +341,39 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, list | tuple):
         for v in value:
             yield from tensors_in(v)
+
+
+def convert_afresh(mode: FakeTensorMode, batch: Any) -> list[torch.Tensor]:
+    """Give the fake mode its fake tensor for each tensor of ``batch`` (real or meta) that it
+    keeps no value of, made afresh as the mode's converter would make it: the same shape,
+    strides, dtype, device and storage size; the fake tensors, which the caller must hold (the
+    mode remembers them weakly). Call under the mode.
+
+    The batch itself stays as it is, as the mode converts it on first use; only torch's converter
+    is not run, which loads ``torch._dynamo`` (:func:`without_dynamo`). Left to it: a tensor of
+    one element (the mode keeps its value), one that needs a gradient, a subclass, one sharing
+    its storage with another of the batch, or a view into a larger storage."""
+    tensors = list(dict.fromkeys(tensors_in(batch)))  # in order, each object once
+    storages = [t.untyped_storage()._cdata for t in tensors if not isinstance(t, FakeTensor)]
+    converter = mode.fake_tensor_converter
+    made: list[torch.Tensor] = []
+    for t in tensors:
+        if (
+            type(t) is not torch.Tensor
+            or t.device.type not in ("cpu", "meta")
+            or t.numel() <= 1
+            or t.requires_grad
+            or storages.count(t.untyped_storage()._cdata) > 1
+            or t.storage_offset() != 0
+            or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+            or not t.is_contiguous()
+        ):
+            continue
+        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        assert isinstance(fake, FakeTensor), "convert_afresh runs under its fake mode"
+        converter.set_tensor_memo(t, fake)
+        made.append(fake)
+    return made
 
 
 def fresh_like(value: Any) -> Any:

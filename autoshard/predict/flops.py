@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoshard.config import WorkloadSpec
+from autoshard.predict.dynamo_stand_in import without_dynamo
 from autoshard.predict.fakes import (
     FakeModel,
     call_shapes,
@@ -267,7 +268,7 @@ def profile_flops(
     try:
         batch = sample_batch(model, batch, workload.seq_len, "profile_flops")
         with fake_forward_support():  # fp32 grouped_mm experts; torch's tracebacks kept out
-            return _count(model, profile, batch, workload.seq_len)
+            return without_dynamo(_count, model, profile, batch, workload.seq_len)
     except Exception as exc:  # a forward that cannot run on fake tensors: estimate, say so
         why = f"{type(exc).__name__}: {exc}".splitlines()[0]
         return six_n_t(profile, workload, why)
