@@ -225,6 +225,45 @@ def test_compile_takes_the_fused_traffic_off_compute(llama: dict[str, Any]) -> N
     assert 0 < COMPILE_TRAFFIC_KEPT < 1
 
 
+def test_compile_takes_the_eager_memory_bound_time_the_traffic_term_does_not_show(
+    llama: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU compile saves EAGER_MEMORY_BOUND_OVER_TRAFFIC times what fusing the counted
+    traffic alone saves, the rest off the matrix products' seconds (where the eager step's
+    compute efficiency carries it), never more than that efficiency leaves of them; the same
+    with float8; CPU workers get the traffic term only."""
+    from autoshard.gpus import CATALOGUE
+    from autoshard.predict import recipe
+
+    def compiled(scale: float, gpu: str = "h100-sxm", **fields: Any) -> Any:
+        monkeypatch.setattr(recipe, "EAGER_MEMORY_BOUND_OVER_TRAFFIC", scale)
+        return speed_of(llama, gpu=gpu, compile=True, **fields).breakdown
+
+    assert recipe.EAGER_MEMORY_BOUND_OVER_TRAFFIC > 1
+    # d 512: the traffic term is large against the products, so a small scale stays uncapped
+    traffic_only, full = compiled(1.0), compiled(1.2)
+    assert full.compile_saving_s == pytest.approx(1.2 * traffic_only.compile_saving_s, rel=0.01)
+    eager = speed_of(llama).breakdown
+    busy = eager.compute_s + eager.recompute_s
+    assert full.compute_s + full.recompute_s == pytest.approx(
+        busy - full.compile_saving_s, rel=1e-6
+    )
+    # float8 takes the same seconds off the products whether compile took some or not
+    f8_traffic_only, f8 = compiled(1.0, float8=True), compiled(1.2, float8=True)
+    assert f8.compile_saving_s == pytest.approx(full.compile_saving_s, rel=1e-6)
+    assert f8.float8_matmul_saving_s == pytest.approx(f8_traffic_only.float8_matmul_saving_s)
+    # a large scale is capped: at most (1 - step_efficiency) of the products' seconds go
+    slack = 1 - CATALOGUE["h100-sxm"].step_efficiency
+    capped = compiled(100.0)
+    beyond_traffic = capped.compile_saving_s - traffic_only.compile_saving_s
+    assert 0 < beyond_traffic <= slack * busy
+    assert capped.compile_saving_s == pytest.approx(compiled(1000.0).compile_saving_s)
+    # CPU trial workers: their memory-bound work has its own rates, no hidden share
+    cpu = compiled(recipe.EAGER_MEMORY_BOUND_OVER_TRAFFIC, gpu="cpu-gloo").compile_saving_s
+    assert cpu == pytest.approx(compiled(1.0, gpu="cpu-gloo").compile_saving_s, rel=1e-9)
+    assert cpu > 0
+
+
 def test_float8_runs_the_block_matmuls_at_the_fp8_rate(llama: dict[str, Any]) -> None:
     from autoshard.predict.recipe import FP8_MATMUL_EFFICIENCY
 

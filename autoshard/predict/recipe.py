@@ -5,7 +5,10 @@ bytes, the float8 scales' sync, and the activations compile no longer saves
 
 - **torch.compile** (inductor) fuses chains of element-wise and normalisation operations into
   one kernel that reads its inputs once and writes its outputs once: the memory-bound traffic
-  and the kernels launched shrink (:data:`COMPILE_TRAFFIC_KEPT`); its partitioner recomputes
+  and the kernels launched shrink (:data:`COMPILE_TRAFFIC_KEPT`), and so does the eager
+  memory-bound time the traffic term does not show, which the eager step's compute efficiency
+  carries (:data:`EAGER_MEMORY_BOUND_OVER_TRAFFIC`, taken off the matrix products' seconds,
+  on GPUs); its partitioner recomputes
   cheap element-wise results in backward instead of saving them (:data:`COMPILE_SAVED_KEPT`).
 - **float8** (torchao ``Float8Linear``, tensorwise dynamic scaling, FSDP2 float8 all-gather):
   the blocks' linear-layer FLOPs at the fp8 tensor-core rate, plus the casts (an amax and a cast
@@ -29,7 +32,9 @@ from autoshard.config import Candidate, Engine
 from autoshard.engine import element_bytes
 from autoshard.gpus import GPUSpec
 from autoshard.predict.activations import ActivationProfile
+from autoshard.predict.factors import DEFAULT_FACTORS
 from autoshard.predict.flops import FlopProfile
+from autoshard.predict.hardware import dense_flops
 from autoshard.results import ModelProfile
 
 # Share of the eager memory-bound traffic (and kernel launches) left after inductor's fusion.
@@ -37,9 +42,26 @@ from autoshard.results import ModelProfile
 # downcast, mul) that each read and write the activation, one fused kernel reads and writes it
 # once (~1/6); SwiGLU's silu and mul move 5 tensor passes eager, 3 fused (3/5); RoPE's ~10
 # eager view/mul/add/cat passes become one (~1/5); a residual add fuses into the next norm.
-# Weighted by bytes, ~0.35-0.45 of the traffic is left: 0.4. Checked (not fitted) against the
-# published compile gains in published_compile_float8.json (1.10-1.27x).
+# Weighted by bytes, ~0.35-0.45 of the traffic is left: 0.4. Not fitted; the published compile
+# gains (1.10-1.27x) also need the eager memory-bound time the traffic term does not show:
+# EAGER_MEMORY_BOUND_OVER_TRAFFIC.
 COMPILE_TRAFFIC_KEPT = 0.4
+# Eager memory-bound seconds per second of the model's traffic term (its counted bytes at
+# ``memory_efficiency`` of HBM, at the compute dtype). compile fuses all of it (to
+# COMPILE_TRAFFIC_KEPT), but the model's eager step carries the rest inside
+# ``compute_efficiency`` (set on eager runs' MFU: bf16-mixed norms, RoPE and the loss run in
+# fp32, small reductions miss the HBM rate), so with the traffic term alone compile saved at
+# most 4-12% of a Llama step, against +16-27% published. Set on the fitting set's torchtitan
+# Llama 3.1 8B pair (8 and 128 H100, FSDP2, selective checkpointing: compile +15.7% and +16.2%
+# published, benchmarks/data/published_fsdp.json): 3.0 gives +16.2% and +16.3%; there the
+# traffic term is ~8% of the eager step, so ~23% of it is memory-bound. Sources it agrees
+# with: eager BERT training spends ~39% of its time in normalisations and element-wise
+# operators for 0.2% of the FLOPs, and fusing them gave a layer 1.30x (Ivanov et al., "Data
+# Movement Is All You Need", MLSys 2021); a Llama training step on one H100, eager 0.3166 s,
+# compiled 0.2596 s: 1.22x (torchao's bench_llama_train.py, gist vkuzo/83656e4a, May 2024);
+# non-GEMM operators 15-48% of latency even after fusion (NonGEMM Bench, arXiv:2404.11788).
+# GPUs only: CPU trials' memory-bound work has its own rates (and compile there is only checked).
+EAGER_MEMORY_BOUND_OVER_TRAFFIC = 3.0
 # Share of a non-checkpointed block's saved activations (beyond its input) kept under compile:
 # AOTAutograd's min-cut partitioner saves the inputs of fused element-wise chains and recomputes
 # their outputs in backward. Published: thunder PR 940 (Llama 2 7B, 8 H100, FSDP2, no
@@ -93,6 +115,21 @@ def _scaled(values: tuple[int, ...], factor: float) -> tuple[int, ...]:
     return tuple(int(v * factor) for v in values)
 
 
+def _pad(values: tuple[int, ...], n: int) -> tuple[int, ...]:
+    return values if len(values) == n else (0,) * n
+
+
+def _flops_per_traffic_byte(candidate: Candidate, gpu: GPUSpec) -> float:
+    """Profile FLOPs the matrix products run in the time the traffic term moves one profile
+    byte (fp32 bytes, moved at the compute dtype), at the GPU's uncalibrated rates (its
+    catalogue ``step_efficiency``, the default ``memory_efficiency``); 0 for CPU processes."""
+    if gpu.id == "cpu-gloo":
+        return 0.0
+    _, cb = element_bytes(candidate.precision)
+    flop_s = dense_flops(gpu, candidate.precision) * gpu.matmul_fraction * gpu.step_efficiency
+    return flop_s / (gpu.hbm_bandwidth * DEFAULT_FACTORS.memory_efficiency * 4 / cb)
+
+
 @dataclass(frozen=True)
 class RecipeStep:
     """One candidate's compile and float8 changes to the step-time model's inputs."""
@@ -102,6 +139,11 @@ class RecipeStep:
     bf16_over_fp8: float  # seconds of an fp8 FLOP in bf16 FLOPs (the profile's unit)
     linears: LinearShapes
     block_params: float
+    # profile FLOPs run in the time of one profile traffic byte (0: no hidden eager time)
+    flops_per_byte: float = 0.0
+    # share of the matrix products' modelled seconds that is not matrix products (1 - the
+    # GPU's step_efficiency): the most of them the hidden eager memory-bound time can be
+    slack: float = 0.0
 
     @classmethod
     def of(
@@ -117,7 +159,10 @@ class RecipeStep:
             side = math.sqrt(block_params) * _ELEMENTS_PER_SQRT_PARAM
             linears = LinearShapes(inputs=side / 2, outputs=side / 2, params=block_params)
         fp8 = gpu.fp8_flops * FP8_MATMUL_EFFICIENCY if gpu.fp8_flops else gpu.bf16_flops
-        return cls(candidate, flops, gpu.bf16_flops / fp8, linears, block_params)
+        return cls(
+            candidate, flops, gpu.bf16_flops / fp8, linears, block_params,
+            _flops_per_traffic_byte(candidate, gpu), 1.0 - gpu.step_efficiency,
+        )  # fmt: skip
 
     @property
     def active(self) -> bool:
@@ -143,25 +188,45 @@ class RecipeStep:
                     update[f"block_{part}_{what}"] = _scaled(getattr(f, f"block_{part}_{what}"), k)
                     if self._compiled_everywhere():
                         update[f"other_{part}_{what}"] = int(getattr(f, f"other_{part}_{what}") * k)
-        if float8 and c.float8:
-            # the blocks' matrix products (what is not fused attention): their linear layers
+        compiled = compile and c.compile
+        if compiled or (float8 and c.float8):
             for part in ("forward", "backward"):
                 total, attention = (
                     getattr(f, f"block_{part}"),
                     getattr(f, f"block_{part}_attention"),
                 )
                 attention = attention if len(attention) == len(total) else (0,) * len(total)
+                traffic = _pad(getattr(f, f"block_{part}_traffic"), len(total))
                 update[f"block_{part}"] = tuple(
-                    int(a + (t - a) * self.bf16_over_fp8)
-                    for t, a in zip(total, attention, strict=True)
+                    int(a + self._matmul(t - a, b, float8=float8, compile=compiled))
+                    for t, a, b in zip(total, attention, traffic, strict=True)
                 )
-            if casts:
+                if compiled and self._compiled_everywhere():
+                    other = getattr(f, f"other_{part}") - getattr(f, f"other_{part}_attention")
+                    hidden = self._hidden_flops(getattr(f, f"other_{part}_traffic"), other)
+                    update[f"other_{part}"] = int(getattr(f, f"other_{part}") - hidden)
+            if casts and float8 and c.float8:
                 fwd, bwd = self.cast_traffic()
                 for part, extra in (("forward", fwd), ("backward", bwd)):
                     key = f"block_{part}_traffic"
                     base = update.get(key, getattr(f, key))
                     update[key] = tuple(int(t + e) for t, e in zip(base, extra, strict=True))  # type: ignore[call-overload]
         return f.model_copy(update=update) if update else f
+
+    def _hidden_flops(self, traffic: int, most: float) -> float:
+        """The eager memory-bound time beyond the traffic term that compile's fusion takes
+        off (:data:`EAGER_MEMORY_BOUND_OVER_TRAFFIC`), in the matrix products' FLOPs (whose
+        ``compute_efficiency`` carries it), no more than the share of ``most`` that
+        efficiency leaves to other work (a model small enough to be mostly memory-bound)."""
+        extra = (EAGER_MEMORY_BOUND_OVER_TRAFFIC - 1) * (1 - COMPILE_TRAFFIC_KEPT)
+        return min(self.slack * most, extra * traffic * self.flops_per_byte)
+
+    def _matmul(self, matmul: int, traffic: int, *, float8: bool, compile: bool) -> float:
+        """A block's matrix-product FLOPs as run: at the fp8 rate (its linear layers) under
+        float8, less the hidden eager memory-bound time under compile (the same seconds
+        with or without float8: fp8 speeds up the products, not the element-wise work)."""
+        run = matmul * self.bf16_over_fp8 if float8 and self.candidate.float8 else float(matmul)
+        return run - self._hidden_flops(traffic, run) if compile else run
 
     def cast_traffic(self) -> tuple[list[float], list[float]]:
         """Per block, the float8 casts' traffic of one sample (fp32 profile bytes, as the
