@@ -428,6 +428,46 @@ def one_gpu_comparisons(rows: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
+def compile_gains(rows: list[dict[str, Any]]) -> list[str]:
+    """Each pair of plannable rows that differ only in torch.compile (same model, GPUs,
+    sharding, checkpointing, micro-batch, float8; any document): compiled over eager tokens/s,
+    published and predicted. The ratio is compile's term, whatever the eager level's error."""
+
+    def key(row: dict[str, Any]) -> str:
+        record = {k: v for k, v in row["record"].items() if k not in _NOT_THE_RUN}
+        record["precision"] = precision_of(row["record"])  # the wording names compile
+        return json.dumps(record, sort_keys=True, default=str)
+
+    lines = [
+        "### torch.compile's gain: pairs that differ only in compile",
+        "",
+        "| set | model | GPUs | ckpt | published compiled / eager | predicted | difference |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: |",
+    ]
+    plannable = [row for row in rows if not row["why_not"]]
+    eager = {key(row): row for row in plannable if not row["record"]["compile"]}
+    for row in plannable:
+        base = eager.get(key(row)) if row["record"]["compile"] else None
+        if base is None:
+            continue
+        published = row["published"] / base["published"]
+        predicted = row["predicted"] / base["predicted"]
+        record = row["record"]
+        lines.append(
+            f"| {row['set']} | {row['label']} | {record['gpus']} ({record['gpu']}) | "
+            f"{record['activation_checkpointing'].split(' (')[0]} | {published:.2f} | "
+            f"{predicted:.2f} | "
+            f"{predicted / published - 1:+.1%} |"
+        )
+    if len(lines) == 4:
+        lines.append("| none in the data | | | | | | |")
+    return [*lines, ""]
+
+
+# what differs between a compiled row and its eager pair beyond compile: ids, results, wording
+_NOT_THE_RUN = ("id", "compile", "throughput", "memory", "inferred", "gpu_as_published")
+
+
 def recipe_table(rows: list[dict[str, Any]]) -> list[str]:
     """torchtitan's Llama 3.1 8B table (FSDP, + compile, + compile + float8), issue 24's check of
     the compile and float8 terms: each within 25% and in order, memory within 10%."""
@@ -577,6 +617,7 @@ def main() -> None:
                 ]
             ),
             *recipe_table(rows),
+            *compile_gains(rows),
             *not_plannable([row for row in rows if row["why_not"]]),
             *one_gpu_comparisons(rows),
             *memory_table(rows),
