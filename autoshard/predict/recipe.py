@@ -55,10 +55,11 @@ COMPILE_TRAFFIC_KEPT = 0.4
 # Llama 3.1 8B pair (8 and 128 H100, FSDP2, selective checkpointing: compile +15.7% and +16.2%
 # published, benchmarks/data/published_fsdp.json): 3.0 gives +16.2% and +16.3%; there the
 # traffic term is ~8% of the eager step, so ~23% of it is memory-bound. Sources it agrees
-# with: eager BERT training spends ~39% of its time in normalisations and element-wise
-# operators for 0.2% of the FLOPs, and fusing them gave a layer 1.30x (Ivanov et al., "Data
-# Movement Is All You Need", MLSys 2021); a Llama training step on one H100, eager 0.3166 s,
-# compiled 0.2596 s: 1.22x (torchao's bench_llama_train.py, gist vkuzo/83656e4a, May 2024);
+# with: data movement, not arithmetic, bounds eager transformer training, and fusing the
+# normalisations and element-wise operators gave a BERT layer 1.30x, the whole BERT 1.19x
+# (Ivanov et al., "Data Movement Is All You Need", MLSys 2021); a Llama training step on one
+# GPU, eager 0.3166 s, compiled 0.2596 s: 1.22x (torchao's bench_llama_train.py, gist
+# vkuzo/83656e4a, May 2024);
 # non-GEMM operators 15-48% of latency even after fusion (NonGEMM Bench, arXiv:2404.11788).
 # GPUs only: CPU trials' memory-bound work has its own rates (and compile there is only checked).
 EAGER_MEMORY_BOUND_OVER_TRAFFIC = 3.0
