@@ -33,6 +33,8 @@ The factors (:class:`SpeedFactors`) say how much of each peak is reached; trials
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from autoshard.config import (
     Candidate,
     Checkpointing,
@@ -103,17 +105,35 @@ class _StepSeconds:
         pieces = piece_seconds(profile.block_count, flops, work, selective)
         self.fwd, self.bwd, self.rec, self.other_fwd, self.other_bwd = pieces
         self.comm = comm
+        self._gathers: dict[float, float] = {}
+        self._reduces: dict[float, float] = {}
 
     def work(self, piece: Work) -> float:
-        per_block = {Pass.BACKWARD: self.bwd, Pass.RECOMPUTE: self.rec}.get(piece.kind, self.fwd)
         if piece.blocks is None:
             return self.other_bwd if piece.kind is Pass.BACKWARD else self.other_fwd
-        return sum(per_block[i] for i in piece.blocks)
+        kind, blocks = piece.kind, piece.blocks
+        per_block = (
+            self.bwd if kind is Pass.BACKWARD else self.rec if kind is Pass.RECOMPUTE else self.fwd
+        )
+        if len(blocks) == 1:  # a block's turn: no sum to start (the same number)
+            return per_block[blocks[0]]
+        return sum(per_block[i] for i in blocks)
 
     def unit(self, turn: Turn) -> Unit:
-        gather = self.comm.all_gather(turn.gathered) if turn.gathered else 0.0
-        reduce = self.comm.reduce(turn.reduced) if turn.reduced else 0.0
+        gather = self._collective(self.comm.all_gather, turn.gathered, self._gathers)
+        reduce = self._collective(self.comm.reduce, turn.reduced, self._reduces)
         return gather, sum((self.work(piece) for piece in turn.work), 0.0), reduce
+
+    @staticmethod
+    def _collective(
+        seconds: Callable[[float], float], elements: float, known: dict[float, float]
+    ) -> float:
+        """Seconds of a collective of ``elements``, each size once (every block's is the same)."""
+        if not elements:
+            return 0.0
+        if elements not in known:
+            known[elements] = seconds(elements)
+        return known[elements]
 
 
 def _overlapped(

@@ -105,7 +105,8 @@ class _Walk:
         """Emit the events ``named`` (name, breakdown or None where the engine holds no such
         event) at ``turn``, beside the gradients carried into the micro-batch and named for
         them."""
-        carried, first = self.carried(), self.gradients is Gradients.NONE
+        first = self.gradients is Gradients.NONE
+        carried = 0 if first else self.carried()
         for name, live in named:
             if live is None:
                 continue
