@@ -94,10 +94,11 @@ def micro_batch(
     sharded = traits(candidate).shards_params and shard_size(candidate, hardware) > 1
     one_unit = candidate.one_unit or blocks == 0
     # what of the candidate the turns depend on, so that candidates alike share one timeline
-    regathers = tuple(
-        sharded and policy.regathers(candidate, root=root, last=last)
-        for root, last in ((True, False), (False, True), (False, False))
+    root, last, other = (
+        sharded and policy.regathers(candidate, root=is_root, last=is_last)
+        for is_root, is_last in ((True, False), (False, True), (False, False))
     )
+    regathers = (root, last, other)  # gathered again in backward
     recomputed = _recomputed(candidate, tuple(range(blocks)))
     shape = _Shape(one_unit, blocks, params, block_params, sharded, regathers, recomputed)
     return _turns(shape, reduces, count)
