@@ -28,8 +28,8 @@ from autoshard.engine import OPTIMIZER_STATES, as_run
 from autoshard.predict.activations import ActivationProfile, rule_of_thumb
 from autoshard.predict.allocator import ReservedPeak, reserved_peak
 from autoshard.predict.recipe import recipe_activations
-from autoshard.predict.step_bytes import step_bytes
-from autoshard.predict.step_memory import MemoryEvent, peak_event, step_events
+from autoshard.predict.step_bytes import StepBytes, step_bytes
+from autoshard.predict.step_memory import MemoryEvent, peak_event, step_events, walk_step
 from autoshard.results import MemoryBreakdown, MemoryEstimate, ModelProfile
 from autoshard.units import format_bytes
 
@@ -198,13 +198,14 @@ def estimate_memory(
     True
     """
     acts = _acts(profile, candidate, workload, activations)
-    events, host = step_events(profile, candidate, hardware, workload, acts)
+    t = step_bytes(profile, candidate, hardware, workload, acts)
+    events, host = walk_step(t, hardware, workload), t.host_bytes
     at = peak_event(events)
     peak_at = at.name
     # Of what the allocator reserves beyond the peak, FSDP2's stream pools (read in torch's code)
     # are planned on; the loss's hole is left to the slack: deduced, unmeasured, and a fused
     # cross-entropy has none (benchmarks/results/published_memory.md).
-    pools = _reserved(profile, candidate, hardware, workload, acts, events).stream_pools
+    pools = _reserved(t, hardware, workload, events, at).stream_pools
     breakdown = at.live.model_copy(update={"allowance": allowance(at.live.total, hardware, pools)})
     peak = breakdown.total
     usable = hardware.usable_gpu_memory
@@ -269,20 +270,19 @@ def estimate_reserved(
     True
     """
     acts = _acts(profile, candidate, workload, activations)
-    events, _ = step_events(profile, candidate, hardware, workload, acts)
-    return _reserved(profile, candidate, hardware, workload, acts, events)
+    t = step_bytes(profile, candidate, hardware, workload, acts)
+    events = walk_step(t, hardware, workload)
+    return _reserved(t, hardware, workload, events, peak_event(events))
 
 
 def _reserved(
-    profile: ModelProfile,
-    candidate: Candidate,
+    t: StepBytes,
     hardware: Hardware,
     workload: WorkloadSpec,
-    acts: ActivationProfile,
     events: list[MemoryEvent],
+    at: MemoryEvent,
 ) -> ReservedPeak:
-    t = step_bytes(profile, candidate, hardware, workload, acts)
-    return reserved_peak(t, hardware, events, peak_event(events), workload.seq_len or 0)
+    return reserved_peak(t, hardware, events, at, workload.seq_len or 0)
 
 
 def estimate_all(

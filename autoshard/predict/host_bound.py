@@ -87,8 +87,10 @@ class _Kernels:
     def of(self, piece: Work) -> float:
         if piece.blocks is None:
             return self.other.get(piece.kind, 0)
-        ops = self.per_block[piece.kind]
-        return sum(ops[i] for i in piece.blocks if i < len(ops))
+        ops, blocks = self.per_block[piece.kind], piece.blocks
+        if len(blocks) == 1:  # a block's turn: no sum to start (the same number)
+            return ops[blocks[0]] if blocks[0] < len(ops) else 0
+        return sum(ops[i] for i in blocks if i < len(ops))
 
 
 def host_seconds(

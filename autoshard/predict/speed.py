@@ -33,6 +33,8 @@ The factors (:class:`SpeedFactors`) say how much of each peak is reached; trials
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from autoshard.config import (
     Candidate,
     Checkpointing,
@@ -64,6 +66,7 @@ from autoshard.predict.timeline import (
     step_timeline,
     two_streams,
 )
+from autoshard.predict.work_seconds import WorkRates, piece_seconds, work_rates
 from autoshard.results import ModelProfile, SpeedBreakdown, SpeedEstimate
 
 # Bytes one optimizer step streams per parameter, per 4-byte element: a fused AdamW reads the
@@ -92,146 +95,56 @@ def optimizer_bytes_per_param(candidate: Candidate) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Work:
-    """Seconds of a piece of one micro-batch's work on the device: its matrix-product FLOPs (per
-    profiled sample) over the matrix rate, its fused-attention FLOPs over the attention rate,
-    its memory traffic over the memory rate, the new tensors it writes over the rate of fresh
-    pages (where memory is not reused: CPU trial processes), and launching its operations. A
-    GPU runs the kernels while the host launches the next ones, so the piece takes the longer
-    of the two (a small model is launch-bound); a CPU does both in turn."""
-
-    def __init__(
-        self, flop_s: float, attention_s: float, byte_s: float, op_s: float, *,
-        host_is_device: bool, fresh_s: float | None = None,
-    ):  # fmt: skip
-        self.flop_s, self.attention_s = flop_s, attention_s
-        self.byte_s, self.op_s, self.fresh_s = byte_s, op_s, fresh_s
-        self.host_is_device = host_is_device
-
-    def seconds(
-        self, flops: float, attention: float, traffic: float, ops: float, fresh: float = 0.0
-    ) -> float:
-        """``attention``: the part of ``flops`` that is fused attention."""
-        device = (
-            (flops - attention) / self.flop_s + attention / self.attention_s + traffic / self.byte_s
-        )
-        if self.fresh_s:
-            device += fresh / self.fresh_s
-        host = ops * self.op_s
-        return device + host if self.host_is_device else max(device, host)
-
-
-def _pad(values: tuple[int, ...], n: int) -> tuple[int, ...]:
-    """A per-block count, or zeros where the profile has none (estimated FLOPs)."""
-    return values if len(values) == n else (0,) * n
-
-
-def _block_seconds(
-    profile: ModelProfile, flops: FlopProfile, work: _Work
-) -> tuple[list[float], list[float]]:
-    """Seconds of each wrapped block's forward and backward in one micro-batch: the profile's
-    per block when it found the same blocks, else the blocks' total spread over the analysed
-    block count."""
-    n = len(flops.block_forward)
-    fwd = [
-        work.seconds(*piece)
-        for piece in zip(
-            flops.block_forward,
-            _pad(flops.block_forward_attention, n),
-            _pad(flops.block_forward_traffic, n),
-            _pad(flops.block_forward_ops, n),
-            _pad(flops.block_forward_fresh, n),
-            strict=True,
-        )
-    ]
-    bwd = [
-        work.seconds(*piece)
-        for piece in zip(
-            flops.block_backward,
-            _pad(flops.block_backward_attention, n),
-            _pad(flops.block_backward_traffic, n),
-            _pad(flops.block_backward_ops, n),
-            _pad(flops.block_backward_fresh, n),
-            strict=True,
-        )
-    ]
-    count = profile.block_count
-    if n == count:
-        return fwd, bwd
-    if count == 0:  # blocks the analysis does not wrap: their work in one piece
-        return ([sum(fwd)], [sum(bwd)]) if fwd else ([], [])
-    return [sum(fwd) / count] * count, [sum(bwd) / count] * count
-
-
-def _rates(candidate: Candidate, gpu: GPUSpec, factors: SpeedFactors, peak: float) -> _Work:
-    """Seconds per profiled FLOP, byte of memory traffic and new tensor byte (fp32, at micro-batch
-    1: FLOPs and traffic are linear in it) at the candidate's micro-batch.
-
-    Matrix products and fused attention each reach their own share of the peak on this GPU
-    (catalogue facts: an H100 runs large products at 80% of its peak but FlashAttention-2 at
-    35%, an A100 at 87% and ~60%), and a training step a share of that (compute_efficiency).
-    The shares were measured in bf16; fp32 and TF32 steps get the same shares of their peaks
-    (no catalogued measurement), which the trials' calibration corrects."""
-    mbs = candidate.micro_batch_size
-    flop_s = peak * gpu.matmul_fraction * factors.compute_efficiency / mbs
-    attention_s = peak * gpu.attention_fraction * factors.compute_efficiency / mbs
-    _, cb = element_bytes(candidate.precision)
-    if gpu.id == "cpu-gloo":
-        # CPU kernels compute bf16 element-wise work in fp32 and convert: no fewer bytes/s
-        cb = 4
-    byte_s = gpu.hbm_bandwidth * factors.memory_efficiency * 4 / cb / mbs
-    # New tensors, written into fresh pages where the process maps them afresh (CPU workers).
-    fresh_s = gpu.fresh_page_bandwidth * 4 / cb / mbs if gpu.fresh_page_bandwidth else None
-    return _Work(
-        flop_s, attention_s, byte_s, factors.op_overhead_s,
-        host_is_device=gpu.id == "cpu-gloo", fresh_s=fresh_s,
-    )  # fmt: skip
-
-
 class _StepSeconds:
     """Seconds of each piece of work of one micro-batch and of each collective."""
 
     def __init__(
-        self, profile: ModelProfile, flops: FlopProfile, work: _Work, comm: Collectives, *,
+        self, profile: ModelProfile, flops: FlopProfile, work: WorkRates, comm: Collectives, *,
         selective: bool = False,
     ):  # fmt: skip
-        self.fwd, self.bwd = _block_seconds(profile, flops, work)
-        # what a checkpointed block runs again: its forward, or the part selective reruns
-        rerun = flops.selective_recompute() if selective else None
-        self.rec = _block_seconds(profile, rerun, work)[0] if rerun else self.fwd
-        f = flops
-        self.other_fwd = work.seconds(
-            f.other_forward, f.other_forward_attention, f.other_forward_traffic,
-            f.other_forward_ops, f.other_forward_fresh,
-        )  # fmt: skip
-        self.other_bwd = work.seconds(
-            f.other_backward, f.other_backward_attention, f.other_backward_traffic,
-            f.other_backward_ops, f.other_backward_fresh,
-        )  # fmt: skip
+        pieces = piece_seconds(profile.block_count, flops, work, selective)
+        self.fwd, self.bwd, self.rec, self.other_fwd, self.other_bwd = pieces
         self.comm = comm
+        self._gathers: dict[float, float] = {}
+        self._reduces: dict[float, float] = {}
 
     def work(self, piece: Work) -> float:
-        per_block = {Pass.BACKWARD: self.bwd, Pass.RECOMPUTE: self.rec}.get(piece.kind, self.fwd)
         if piece.blocks is None:
             return self.other_bwd if piece.kind is Pass.BACKWARD else self.other_fwd
-        return sum(per_block[i] for i in piece.blocks)
+        kind, blocks = piece.kind, piece.blocks
+        per_block = (
+            self.bwd if kind is Pass.BACKWARD else self.rec if kind is Pass.RECOMPUTE else self.fwd
+        )
+        if len(blocks) == 1:  # a block's turn: no sum to start (the same number)
+            return per_block[blocks[0]]
+        return sum(per_block[i] for i in blocks)
 
     def unit(self, turn: Turn) -> Unit:
-        gather = self.comm.all_gather(turn.gathered) if turn.gathered else 0.0
-        reduce = self.comm.reduce(turn.reduced) if turn.reduced else 0.0
+        gather = self._collective(self.comm.all_gather, turn.gathered, self._gathers)
+        reduce = self._collective(self.comm.reduce, turn.reduced, self._reduces)
         return gather, sum((self.work(piece) for piece in turn.work), 0.0), reduce
+
+    @staticmethod
+    def _collective(
+        seconds: Callable[[float], float], elements: float, known: dict[float, float]
+    ) -> float:
+        """Seconds of a collective of ``elements``, each size once (every block's is the same)."""
+        if not elements:
+            return 0.0
+        if elements not in known:
+            known[elements] = seconds(elements)
+        return known[elements]
 
 
 def _overlapped(
-    step: list[MicroBatch], seconds: _StepSeconds, prefetch: bool, slowdown: float
+    step: list[tuple[MicroBatch, list[Unit], list[Unit]]], prefetch: bool, slowdown: float
 ) -> tuple[float, float]:
-    """(elapsed, communication) seconds of the step's micro-batches on two streams."""
+    """(elapsed, communication) seconds of the step's micro-batches (each with its forward and
+    backward units) on two streams."""
     elapsed = comm_seconds = 0.0
-    for mb in step:
-        f_elapsed, f_comm = two_streams([seconds.unit(t) for t in mb.forward], slowdown=slowdown)
-        b_elapsed, b_comm = two_streams(
-            [seconds.unit(t) for t in mb.backward], prefetch=prefetch, slowdown=slowdown
-        )
+    for mb, forward, backward in step:
+        f_elapsed, f_comm = two_streams(forward, slowdown=slowdown)
+        b_elapsed, b_comm = two_streams(backward, prefetch=prefetch, slowdown=slowdown)
         elapsed += mb.count * (f_elapsed + b_elapsed)
         comm_seconds += mb.count * (f_comm + b_comm)
     return elapsed, comm_seconds
@@ -315,14 +228,19 @@ def _exposed_and_contention(
 ) -> tuple[float, float]:
     """(exposed communication, contention) seconds: what the compute does not hide on the
     two-stream timeline, and what hiding costs the compute beside the collectives."""
-    elapsed, comm_s = _overlapped(step, seconds, prefetch, 0.0)
+    # the units' seconds once: the slowed timeline below runs the same units
+    units = [
+        (mb, [seconds.unit(t) for t in mb.forward], [seconds.unit(t) for t in mb.backward])
+        for mb in step
+    ]
+    elapsed, comm_s = _overlapped(units, prefetch, 0.0)
     hidden_exposed = max(0.0, elapsed - busy_s)
     exposed = factors.overlap * hidden_exposed + (1 - factors.overlap) * comm_s
     # What hiding costs: the same timeline with the compute slowed beside the collectives,
     # counted apart so that "exposed" keeps meaning the collectives the compute did not hide.
     contention_s = 0.0
     if factors.overlap > 0 and factors.overlap_slowdown > 0 and comm_s > 0:
-        slowed = _overlapped(step, seconds, prefetch, factors.overlap_slowdown)[0]
+        slowed = _overlapped(units, prefetch, factors.overlap_slowdown)[0]
         contention_s = factors.overlap * max(0.0, slowed - elapsed)
     return exposed, contention_s
 
@@ -375,7 +293,7 @@ def predict_speed(
         candidate, hardware, gpu,
         latency_s=factors.collective_latency_s, efficiency=factors.comm_efficiency,
     )  # fmt: skip
-    rates = _rates(candidate, gpu, factors, peak)
+    rates = work_rates(candidate, gpu, factors, peak)
     # torch.compile and float8: the work the step runs, its gathers' bytes (predict/recipe.py)
     recipe = RecipeStep.of(candidate, flops, gpu, profile, linears)
     comm.gather_bytes *= recipe.gather_scale
@@ -396,8 +314,8 @@ def predict_speed(
 
 def _step_time(
     profile: ModelProfile, recipe: RecipeStep, candidate: Candidate, hardware: Hardware,
-    workload: WorkloadSpec, gpu: GPUSpec, factors: SpeedFactors, comm: Collectives, rates: _Work,
-    skip_sync: bool | None,
+    workload: WorkloadSpec, gpu: GPUSpec, factors: SpeedFactors, comm: Collectives,
+    rates: WorkRates, skip_sync: bool | None,
 ) -> tuple[float, SpeedBreakdown]:  # fmt: skip
     """Seconds of one step of ``candidate`` (as run), and their breakdown by cause: the
     ``recipe``'s work at the ``rates``, the collectives ``comm`` times on the step's two-stream
@@ -405,7 +323,8 @@ def _step_time(
     and float8 saved."""
     accumulate = workload.accumulate
     selective = candidate.checkpointing is Checkpointing.SELECTIVE
-    seconds = _StepSeconds(profile, recipe.flops(), rates, comm, selective=selective)
+    run = recipe.flops()  # the work the candidate runs (a copy of the profile under compile)
+    seconds = _StepSeconds(profile, run, rates, comm, selective=selective)
     blocks = len(seconds.fwd)
     params = float(profile.total_params)
     step = step_timeline(
@@ -431,7 +350,7 @@ def _step_time(
     total += distributed_s + scale_sync_s
     # a step is no faster than its host issues it (predict/host_bound.py)
     host_bound_s = host_bound_seconds(
-        step, profile, recipe.flops(), candidate, hardware, op_s=factors.op_overhead_s,
+        step, profile, run, candidate, hardware, op_s=factors.op_overhead_s,
         unit_scale=factors.unit_host_scale, device_s=total - offload_s, tail_s=optimizer_s,
         host_is_device=gpu.id == "cpu-gloo",
     )  # fmt: skip

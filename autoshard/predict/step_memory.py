@@ -105,7 +105,8 @@ class _Walk:
         """Emit the events ``named`` (name, breakdown or None where the engine holds no such
         event) at ``turn``, beside the gradients carried into the micro-batch and named for
         them."""
-        carried, first = self.carried(), self.gradients is Gradients.NONE
+        first = self.gradients is Gradients.NONE
+        carried = 0 if first else self.carried()
         for name, live in named:
             if live is None:
                 continue
@@ -141,6 +142,8 @@ class _Walk:
             return  # its forward holds what a later micro-batch's forward holds: emitted there
         t = self.t
         index = _block_index(turn)
+        if index is not None and index != self.blocks - 1:
+            return  # a block's forward below the last holds less than the last's
         events: dict[str, MemoryBreakdown] = {}
         if turn.name in ("root", "model"):
             events |= self.forward_rules[0]
@@ -197,13 +200,8 @@ class _Walk:
     def block(self, turn: Turn, index: int, blocks: int) -> None:
         """Block ``index`` of ``blocks``: its backward, walked down from the top, and what its
         reduction holds, by the gradients beside it."""
-        rules = {
-            Gradients.NONE: self._first_block,
-            Gradients.KEPT: self._kept_block,
-            Gradients.SYNCING: self._synchronising_block,
-            Gradients.REDUCED: self._reduced_block,
-        }
-        self.emit(turn, "backward", rules[self.gradients](index, blocks))
+        rule = _BLOCK_RULES[self.gradients]
+        self.emit(turn, "backward", rule(self, index, blocks))
 
     def _first_block(self, index: int, blocks: int) -> list[tuple[str, Live]]:
         """The first micro-batch: the running ledger of the activations still saved, walking
@@ -307,6 +305,15 @@ class _Walk:
         self.emit(None, "step", [("optimizer step", bwd.optimizer_step(self.t))])
 
 
+# the walk's rule for a block's turn, by the gradients beside it (LAST_STEP: no backward)
+_BLOCK_RULES = {
+    Gradients.NONE: _Walk._first_block,
+    Gradients.KEPT: _Walk._kept_block,
+    Gradients.SYNCING: _Walk._synchronising_block,
+    Gradients.REDUCED: _Walk._reduced_block,
+}
+
+
 def _micro_batches(t: StepBytes) -> list[Gradients]:
     """The gradients each micro-batch of the step runs beside that makes its events differ:
     the first none; with accumulation a later one the kept or the reduced ones, and after
@@ -328,6 +335,12 @@ def step_events(
     """The memory events of one training step of ``candidate``, in the order they happen, and
     the host bytes per node (what is offloaded)."""
     t = step_bytes(profile, candidate, hardware, workload, acts)
+    return walk_step(t, hardware, workload), t.host_bytes
+
+
+def walk_step(t: StepBytes, hardware: Hardware, workload: WorkloadSpec) -> list[MemoryEvent]:
+    """The memory events of the step whose bytes are ``t`` (:func:`step_events`)."""
+    profile = t.profile
     blocks = 0 if t.candidate.one_unit else max(profile.block_count, 1)
     step = step_timeline(
         t.candidate, hardware, workload, blocks=blocks,
@@ -343,7 +356,7 @@ def step_events(
     walk.optimizer_step(workload.accumulate - 1)
     if workload.loop == Loop.LIGHTNING:
         walk.micro_batch_turns(turns, Gradients.LAST_STEP, workload.accumulate)
-    return walk.events, t.host_bytes
+    return walk.events
 
 
 def peak_event(events: list[MemoryEvent]) -> MemoryEvent:

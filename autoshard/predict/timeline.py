@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from functools import lru_cache
 
 from autoshard.config import Candidate, Hardware, WorkloadSpec
 from autoshard.engine import policy_of, shard_size, skips_gradient_sync, traits
@@ -91,21 +92,52 @@ def micro_batch(
     gradients or not (``reduces``: the loop skips the sync)."""
     policy = policy_of(candidate)
     sharded = traits(candidate).shards_params and shard_size(candidate, hardware) > 1
+    one_unit = candidate.one_unit or blocks == 0
+    # what of the candidate the turns depend on, so that candidates alike share one timeline
+    root, last, other = (
+        sharded and policy.regathers(candidate, root=is_root, last=is_last)
+        for is_root, is_last in ((True, False), (False, True), (False, False))
+    )
+    regathers = (root, last, other)  # gathered again in backward
+    recomputed = _recomputed(candidate, tuple(range(blocks)))
+    shape = _Shape(one_unit, blocks, params, block_params, sharded, regathers, recomputed)
+    return _turns(shape, reduces, count)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """All :func:`micro_batch` reads of a candidate and its model: the key of its memo."""
+
+    one_unit: bool
+    blocks: int
+    params: float
+    block_params: float
+    sharded: bool
+    regathers: tuple[bool, bool, bool]  # gathered again in backward: the root, last, other
+    recomputed: tuple[int, ...]
+
+
+@lru_cache(maxsize=256)
+def _turns(shape: _Shape, reduces: bool, count: int) -> MicroBatch:
+    """The micro-batch of a candidate of this ``shape`` (its turns are frozen: shared safely)."""
+    blocks, params, block_params = shape.blocks, shape.params, shape.block_params
     every = tuple(range(blocks))
 
     def gather(n: float, *, root: bool = False, last: bool = False, again: bool = False) -> float:
-        if not sharded or (again and not policy.regathers(candidate, root=root, last=last)):
+        if not shape.sharded:
+            return 0.0
+        if again and not shape.regathers[0 if root else 1 if last else 2]:
             return 0.0
         return n
 
     def reduce(n: float) -> float:
         return n if reduces else 0.0
 
-    if candidate.one_unit or blocks == 0:
+    if shape.one_unit:
         whole = (
             Work(Pass.BACKWARD, every),
             Work(Pass.BACKWARD),
-            Work(Pass.RECOMPUTE, _recomputed(candidate, every)),
+            Work(Pass.RECOMPUTE, shape.recomputed),
         )
         return MicroBatch(
             (Turn("model", gather(params), (Work(Pass.FORWARD, every), Work(Pass.FORWARD))),),
@@ -120,8 +152,10 @@ def micro_batch(
         Turn("root work", work=(Work(Pass.FORWARD),)),
     )
     back = [Turn("root", gather(root, root=True, again=True), (Work(Pass.BACKWARD),))]
+    checkpointed = frozenset(shape.recomputed)
     for i in reversed(every):
-        work = (Work(Pass.BACKWARD, (i,)), Work(Pass.RECOMPUTE, _recomputed(candidate, (i,))))
+        rerun = (i,) if i in checkpointed else ()
+        work = (Work(Pass.BACKWARD, (i,)), Work(Pass.RECOMPUTE, rerun))
         gathered = gather(block_params, last=i == blocks - 1, again=True)
         back.append(Turn(f"block {i}", gathered, work, reduce(block_params)))
     back.append(Turn("root gradients", reduced=reduce(root)))

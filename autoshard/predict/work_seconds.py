@@ -1,0 +1,134 @@
+"""Seconds of the pieces of one micro-batch's work at a candidate's rates (FLOPs, fused
+attention, memory traffic, fresh pages, launches): per block and for the rest of the model, the
+step-time model's inputs (:mod:`autoshard.predict.speed`). Candidates of the same FLOPs and
+rates share them, so they are computed once (:func:`piece_seconds`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from autoshard.config import Candidate
+from autoshard.engine import element_bytes
+from autoshard.gpus import GPUSpec
+from autoshard.predict.factors import SpeedFactors
+from autoshard.predict.flops import FlopProfile
+
+
+@dataclass(frozen=True)
+class WorkRates:
+    """Seconds of a piece of one micro-batch's work on the device: its matrix-product FLOPs (per
+    profiled sample) over the matrix rate, its fused-attention FLOPs over the attention rate,
+    its memory traffic over the memory rate, the new tensors it writes over the rate of fresh
+    pages (where memory is not reused: CPU trial processes), and launching its operations. A
+    GPU runs the kernels while the host launches the next ones, so the piece takes the longer
+    of the two (a small model is launch-bound); a CPU does both in turn. Frozen: the key of the
+    seconds candidates at the same rates share (:func:`piece_seconds`)."""
+
+    flop_s: float
+    attention_s: float
+    byte_s: float
+    op_s: float
+    host_is_device: bool
+    fresh_s: float | None = None
+
+    def seconds(
+        self, flops: float, attention: float, traffic: float, ops: float, fresh: float = 0.0
+    ) -> float:
+        """``attention``: the part of ``flops`` that is fused attention."""
+        device = (
+            (flops - attention) / self.flop_s + attention / self.attention_s + traffic / self.byte_s
+        )
+        if self.fresh_s:
+            device += fresh / self.fresh_s
+        host = ops * self.op_s
+        return device + host if self.host_is_device else max(device, host)
+
+
+def _pad(values: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """A per-block count, or zeros where the profile has none (estimated FLOPs)."""
+    return values if len(values) == n else (0,) * n
+
+
+def _block_seconds(
+    count: int, flops: FlopProfile, work: WorkRates
+) -> tuple[list[float], list[float]]:
+    """Seconds of each wrapped block's forward and backward in one micro-batch: the profile's
+    per block when it found the same blocks, else the blocks' total spread over the analysed
+    block count (``count``)."""
+    n = len(flops.block_forward)
+    fwd = [
+        work.seconds(*piece)
+        for piece in zip(
+            flops.block_forward,
+            _pad(flops.block_forward_attention, n),
+            _pad(flops.block_forward_traffic, n),
+            _pad(flops.block_forward_ops, n),
+            _pad(flops.block_forward_fresh, n),
+            strict=True,
+        )
+    ]
+    bwd = [
+        work.seconds(*piece)
+        for piece in zip(
+            flops.block_backward,
+            _pad(flops.block_backward_attention, n),
+            _pad(flops.block_backward_traffic, n),
+            _pad(flops.block_backward_ops, n),
+            _pad(flops.block_backward_fresh, n),
+            strict=True,
+        )
+    ]
+    if n == count:
+        return fwd, bwd
+    if count == 0:  # blocks the analysis does not wrap: their work in one piece
+        return ([sum(fwd)], [sum(bwd)]) if fwd else ([], [])
+    return [sum(fwd) / count] * count, [sum(bwd) / count] * count
+
+
+def work_rates(candidate: Candidate, gpu: GPUSpec, factors: SpeedFactors, peak: float) -> WorkRates:
+    """Seconds per profiled FLOP, byte of memory traffic and new tensor byte (fp32, at micro-batch
+    1: FLOPs and traffic are linear in it) at the candidate's micro-batch.
+
+    Matrix products and fused attention each reach their own share of the peak on this GPU
+    (catalogue facts: an H100 runs large products at 80% of its peak but FlashAttention-2 at
+    35%, an A100 at 87% and ~60%), and a training step a share of that (compute_efficiency).
+    The shares were measured in bf16; fp32 and TF32 steps get the same shares of their peaks
+    (no catalogued measurement), which the trials' calibration corrects."""
+    mbs = candidate.micro_batch_size
+    flop_s = peak * gpu.matmul_fraction * factors.compute_efficiency / mbs
+    attention_s = peak * gpu.attention_fraction * factors.compute_efficiency / mbs
+    _, cb = element_bytes(candidate.precision)
+    if gpu.id == "cpu-gloo":
+        # CPU kernels compute bf16 element-wise work in fp32 and convert: no fewer bytes/s
+        cb = 4
+    byte_s = gpu.hbm_bandwidth * factors.memory_efficiency * 4 / cb / mbs
+    # New tensors, written into fresh pages where the process maps them afresh (CPU workers).
+    fresh_s = gpu.fresh_page_bandwidth * 4 / cb / mbs if gpu.fresh_page_bandwidth else None
+    return WorkRates(
+        flop_s, attention_s, byte_s, factors.op_overhead_s,
+        host_is_device=gpu.id == "cpu-gloo", fresh_s=fresh_s,
+    )  # fmt: skip
+
+
+@lru_cache(maxsize=64)
+def piece_seconds(
+    block_count: int, flops: FlopProfile, work: WorkRates, selective: bool
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], float, float]:
+    """(forward, backward, recompute seconds of each block; forward, backward seconds of the
+    rest) of one micro-batch: the same for every candidate of the same FLOPs and rates, so
+    computed once."""
+    fwd, bwd = _block_seconds(block_count, flops, work)
+    # what a checkpointed block runs again: its forward, or the part selective reruns
+    rerun = flops.selective_recompute() if selective else None
+    rec = _block_seconds(block_count, rerun, work)[0] if rerun else fwd
+    f = flops
+    other_fwd = work.seconds(
+        f.other_forward, f.other_forward_attention, f.other_forward_traffic,
+        f.other_forward_ops, f.other_forward_fresh,
+    )  # fmt: skip
+    other_bwd = work.seconds(
+        f.other_backward, f.other_backward_attention, f.other_backward_traffic,
+        f.other_backward_ops, f.other_backward_fresh,
+    )  # fmt: skip
+    return tuple(fwd), tuple(bwd), tuple(rec), other_fwd, other_bwd
