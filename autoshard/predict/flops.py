@@ -131,6 +131,14 @@ class FlopProfile(BaseModel):
     measured: bool = Field(True, description="False when estimated as 6 x parameters x tokens.")
     note: str = Field("", description="Why the FLOPs were estimated, when they were.")
 
+    def block_parts(self, part: str, what: str) -> tuple[int, ...]:
+        """``block_{part}_{what}`` (``part``: forward or backward; ``what``: attention,
+        traffic, ops or fresh), one per block of ``block_{part}``, or zeros where the profile
+        counted none of them (an estimate without a fake forward)."""
+        n = len(getattr(self, f"block_{part}"))
+        values: tuple[int, ...] = getattr(self, f"block_{part}_{what}")
+        return values if len(values) == n else (0,) * n
+
     @property
     def forward(self) -> int:
         """Forward FLOPs of one sample."""

@@ -116,10 +116,6 @@ def _scaled(values: tuple[int, ...], factor: float) -> tuple[int, ...]:
     return tuple(int(v * factor) for v in values)
 
 
-def _pad(values: tuple[int, ...], n: int) -> tuple[int, ...]:
-    return values if len(values) == n else (0,) * n
-
-
 def _flops_per_traffic_byte(candidate: Candidate, gpu: GPUSpec) -> float:
     """Profile FLOPs the matrix products run in the time the traffic term moves one profile
     byte (fp32 bytes, moved at the compute dtype), at the GPU's uncalibrated rates (its
@@ -192,12 +188,9 @@ class RecipeStep:
         compiled = compile and c.compile
         if compiled or (float8 and c.float8):
             for part in ("forward", "backward"):
-                total, attention = (
-                    getattr(f, f"block_{part}"),
-                    getattr(f, f"block_{part}_attention"),
-                )
-                attention = attention if len(attention) == len(total) else (0,) * len(total)
-                traffic = _pad(getattr(f, f"block_{part}_traffic"), len(total))
+                total = getattr(f, f"block_{part}")
+                attention = f.block_parts(part, "attention")
+                traffic = f.block_parts(part, "traffic")
                 update[f"block_{part}"] = tuple(
                     int(a + self._matmul(t - a, b, float8=float8, compile=compiled))
                     for t, a, b in zip(total, attention, traffic, strict=True)

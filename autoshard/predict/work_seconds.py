@@ -45,9 +45,12 @@ class WorkRates:
         return device + host if self.host_is_device else max(device, host)
 
 
-def _pad(values: tuple[int, ...], n: int) -> tuple[int, ...]:
-    """A per-block count, or zeros where the profile has none (estimated FLOPs)."""
-    return values if len(values) == n else (0,) * n
+def _pass_seconds(flops: FlopProfile, part: str, work: WorkRates) -> list[float]:
+    """Seconds of each profiled block's ``part`` (forward or backward) in one micro-batch."""
+    parts = (flops.block_parts(part, what) for what in ("attention", "traffic", "ops", "fresh"))
+    return [
+        work.seconds(*piece) for piece in zip(getattr(flops, f"block_{part}"), *parts, strict=True)
+    ]
 
 
 def _block_seconds(
@@ -57,28 +60,7 @@ def _block_seconds(
     per block when it found the same blocks, else the blocks' total spread over the analysed
     block count (``count``)."""
     n = len(flops.block_forward)
-    fwd = [
-        work.seconds(*piece)
-        for piece in zip(
-            flops.block_forward,
-            _pad(flops.block_forward_attention, n),
-            _pad(flops.block_forward_traffic, n),
-            _pad(flops.block_forward_ops, n),
-            _pad(flops.block_forward_fresh, n),
-            strict=True,
-        )
-    ]
-    bwd = [
-        work.seconds(*piece)
-        for piece in zip(
-            flops.block_backward,
-            _pad(flops.block_backward_attention, n),
-            _pad(flops.block_backward_traffic, n),
-            _pad(flops.block_backward_ops, n),
-            _pad(flops.block_backward_fresh, n),
-            strict=True,
-        )
-    ]
+    fwd, bwd = _pass_seconds(flops, "forward", work), _pass_seconds(flops, "backward", work)
     if n == count:
         return fwd, bwd
     if count == 0:  # blocks the analysis does not wrap: their work in one piece

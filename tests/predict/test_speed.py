@@ -352,6 +352,20 @@ def test_a_small_model_is_bound_by_launching_its_operations(net) -> None:
     )
 
 
+def test_an_estimate_without_per_block_parts_is_timed_on_its_flops_alone(net) -> None:
+    """A FLOP profile with per-block FLOPs but none of their parts (an estimate made without a
+    fake forward) reads as no attention, traffic, launches or new tensors: its blocks take
+    their FLOPs over the matrix rate, nothing more."""
+    profile, flops = net
+    bare = FlopProfile(block_forward=flops.block_forward, block_backward=flops.block_backward)
+    assert bare.block_parts("forward", "ops") == (0,) * BLOCKS
+    slow_host = EXACT.model_copy(update={"op_overhead_s": 1e-3})
+    candidate = Candidate(wrap_classes=WRAP, micro_batch_size=1)
+    speed = predict_speed(profile, bare, candidate, ONE_NODE, WorkloadSpec(), slow_host, gpu=GPU)
+    peak = dense_flops(GPU, candidate.precision)
+    assert speed.breakdown.compute_s == pytest.approx(bare.total / peak, rel=1e-9)
+
+
 def test_new_tensors_are_counted_per_block(net) -> None:
     _, flops = net
     # per sample, fp32: a block's forward returns the Linear's output and the ReLU's; its
