@@ -31,7 +31,7 @@ from autoshard.config import Engine, Hardware
 from autoshard.predict.step_bytes import StepBytes
 from autoshard.predict.step_memory import MemoryEvent
 
-__all__ = ["ReservedPeak", "reserved_peak"]
+__all__ = ["ReservedPeak", "reserved_peak", "stream_pools"]
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,12 @@ class ReservedPeak:
         return self.allocated + self.stream_pools + self.loss_hole
 
 
-def _stream_pools(t: StepBytes, at: MemoryEvent) -> int:
-    """FSDP2's all-gather and reduce-scatter streams' pools that the peak event does not
-    already count as live (its gradients, its communication buffers)."""
+def stream_pools(t: StepBytes, hardware: Hardware, at: MemoryEvent) -> int:
+    """FSDP2's all-gather and reduce-scatter streams' pools that the peak event ``at`` does not
+    already count as live (its gradients, its communication buffers): what the plan's GPU
+    allowance counts of the reserved peak; nothing for CPU processes (gloo)."""
+    if hardware.backend == "gloo":
+        return 0  # no caching allocator
     if t.candidate.engine is not Engine.FSDP2:
         return 0  # FSDP1's streams are not modelled
     cb = t.compute_dtype_bytes
@@ -84,4 +87,5 @@ def reserved_peak(
     allocated = at.live.total
     if hardware.backend == "gloo":
         return ReservedPeak(allocated, 0, 0)
-    return ReservedPeak(allocated, _stream_pools(t, at), _loss_hole(t, events, at, seq_len))
+    pools = stream_pools(t, hardware, at)
+    return ReservedPeak(allocated, pools, _loss_hole(t, events, at, seq_len))

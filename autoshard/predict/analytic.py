@@ -26,10 +26,10 @@ from collections.abc import Sequence
 from autoshard.config import Candidate, Engine, Hardware, Loop, WorkloadSpec
 from autoshard.engine import OPTIMIZER_STATES, as_run
 from autoshard.predict.activations import ActivationProfile, rule_of_thumb
-from autoshard.predict.allocator import ReservedPeak, reserved_peak
+from autoshard.predict.allocator import ReservedPeak, reserved_peak, stream_pools
 from autoshard.predict.recipe import recipe_activations
-from autoshard.predict.step_bytes import StepBytes, step_bytes
-from autoshard.predict.step_memory import MemoryEvent, peak_event, step_events, walk_step
+from autoshard.predict.step_bytes import step_bytes
+from autoshard.predict.step_memory import peak_event, step_events, walk_step
 from autoshard.results import MemoryBreakdown, MemoryEstimate, ModelProfile
 from autoshard.units import format_bytes
 
@@ -205,7 +205,7 @@ def estimate_memory(
     # Of what the allocator reserves beyond the peak, FSDP2's stream pools (read in torch's code)
     # are planned on; the loss's hole is left to the slack: deduced, unmeasured, and a fused
     # cross-entropy has none (benchmarks/results/published_memory.md).
-    pools = _reserved(t, hardware, workload, events, at).stream_pools
+    pools = stream_pools(t, hardware, at)
     breakdown = at.live.model_copy(update={"allowance": allowance(at.live.total, hardware, pools)})
     peak = breakdown.total
     usable = hardware.usable_gpu_memory
@@ -272,17 +272,7 @@ def estimate_reserved(
     acts = _acts(profile, candidate, workload, activations)
     t = step_bytes(profile, candidate, hardware, workload, acts)
     events = walk_step(t, hardware, workload)
-    return _reserved(t, hardware, workload, events, peak_event(events))
-
-
-def _reserved(
-    t: StepBytes,
-    hardware: Hardware,
-    workload: WorkloadSpec,
-    events: list[MemoryEvent],
-    at: MemoryEvent,
-) -> ReservedPeak:
-    return reserved_peak(t, hardware, events, at, workload.seq_len or 0)
+    return reserved_peak(t, hardware, events, peak_event(events), workload.seq_len or 0)
 
 
 def estimate_all(
