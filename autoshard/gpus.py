@@ -140,6 +140,12 @@ class GPUSpec(Frozen):
         ..., min_length=1, description="Datasheets and documents the numbers come from."
     )
 
+    @property
+    def host_is_device(self) -> bool:
+        """The CPU worker processes' entry (``cpu-gloo``): the host runs the kernels itself, so
+        issuing an operation adds to its work instead of hiding under a GPU's."""
+        return self.id == "cpu-gloo"
+
 
 # --------------------------------------------------------------------------------------------
 # Shared facts (one place each, cited where they are used)

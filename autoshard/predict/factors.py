@@ -156,7 +156,7 @@ def default_factors(gpu: GPUSpec) -> SpeedFactors:
     (gloo), where FSDP waits for each collective on the calling thread (no side stream), so
     nothing overlaps, and issuing an operation costs what was measured here. The trials
     calibrate the rest."""
-    if gpu.id != "cpu-gloo":
+    if not gpu.host_is_device:
         # the GPU's own share of its achievable rate (catalogue: A100 0.75, H100/H200 0.6)
         if gpu.step_efficiency == DEFAULT_FACTORS.compute_efficiency:
             return DEFAULT_FACTORS

@@ -120,7 +120,7 @@ def _flops_per_traffic_byte(candidate: Candidate, gpu: GPUSpec) -> float:
     """Profile FLOPs the matrix products run in the time the traffic term moves one profile
     byte (fp32 bytes, moved at the compute dtype), at the GPU's uncalibrated rates (its
     catalogue ``step_efficiency``, the default ``memory_efficiency``); 0 for CPU processes."""
-    if gpu.id == "cpu-gloo":
+    if gpu.host_is_device:
         return 0.0
     _, cb = element_bytes(candidate.precision)
     flop_s = dense_flops(gpu, candidate.precision) * gpu.matmul_fraction * gpu.step_efficiency

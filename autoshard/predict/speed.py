@@ -199,7 +199,7 @@ def _optimizer_and_offload(
     gathers = accumulate * (1 + (1 if regather else 0))
     copied = shard_params * stored * (gathers + 1)
     offload_s = copied / (gpu.host_link_bandwidth * factors.host_efficiency)
-    if gpu.id == "cpu-gloo":  # the host is the device: each rank's share of its memory
+    if gpu.host_is_device:  # the host is the device: each rank's share of its memory
         offload_s += step_bytes / (gpu.hbm_bandwidth * factors.memory_efficiency)
     else:
         # each rank's share of the node's memory bandwidth, at most what its one thread streams
@@ -352,7 +352,7 @@ def _step_time(
     host_bound_s = host_bound_seconds(
         step, profile, run, candidate, hardware, op_s=factors.op_overhead_s,
         unit_scale=factors.unit_host_scale, device_s=total - offload_s, tail_s=optimizer_s,
-        host_is_device=gpu.id == "cpu-gloo",
+        host_is_device=gpu.host_is_device,
     )  # fmt: skip
     total += host_bound_s
 

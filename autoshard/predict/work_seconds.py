@@ -81,7 +81,7 @@ def work_rates(candidate: Candidate, gpu: GPUSpec, factors: SpeedFactors, peak: 
     flop_s = peak * gpu.matmul_fraction * factors.compute_efficiency / mbs
     attention_s = peak * gpu.attention_fraction * factors.compute_efficiency / mbs
     _, cb = element_bytes(candidate.precision)
-    if gpu.id == "cpu-gloo":
+    if gpu.host_is_device:
         # CPU kernels compute bf16 element-wise work in fp32 and convert: no fewer bytes/s
         cb = 4
     byte_s = gpu.hbm_bandwidth * factors.memory_efficiency * 4 / cb / mbs
@@ -89,7 +89,7 @@ def work_rates(candidate: Candidate, gpu: GPUSpec, factors: SpeedFactors, peak: 
     fresh_s = gpu.fresh_page_bandwidth * 4 / cb / mbs if gpu.fresh_page_bandwidth else None
     return WorkRates(
         flop_s, attention_s, byte_s, factors.op_overhead_s,
-        host_is_device=gpu.id == "cpu-gloo", fresh_s=fresh_s,
+        host_is_device=gpu.host_is_device, fresh_s=fresh_s,
     )  # fmt: skip
 
 
