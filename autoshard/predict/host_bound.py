@@ -27,6 +27,7 @@ from autoshard.config import Candidate, Checkpointing, Engine, Hardware
 from autoshard.engine import traits
 from autoshard.predict.flops import FlopProfile
 from autoshard.predict.timeline import MicroBatch, Pass, Turn, Work
+from autoshard.predict.work_seconds import per_analysed_block
 from autoshard.results import ModelProfile
 
 # Host seconds FSDP adds to one step per unit (hooks, parameter views, the collectives' calls),
@@ -64,21 +65,15 @@ class _Kernels:
     """Kernels of each piece of one micro-batch's work, per block or outside the blocks."""
 
     def __init__(self, profile: ModelProfile, flops: FlopProfile, *, selective: bool) -> None:
-        n = len(flops.block_forward_ops)
         rerun = flops.selective_recompute() if selective else None
         recompute = rerun.block_forward_ops if rerun else flops.block_forward_ops
         count = profile.block_count
-        per_block: dict[Pass, tuple[float, ...]] = {
-            Pass.FORWARD: flops.block_forward_ops,
-            Pass.BACKWARD: flops.block_backward_ops,
-            Pass.RECOMPUTE: recompute,
+        # the analysed blocks' kernels by the rule that gives them their seconds
+        self.per_block = {
+            Pass.FORWARD: per_analysed_block(flops.block_forward_ops, count),
+            Pass.BACKWARD: per_analysed_block(flops.block_backward_ops, count),
+            Pass.RECOMPUTE: per_analysed_block(recompute, count),
         }
-        if n != count:  # the blocks' total spread over the analysed blocks (as speed.py does)
-            per_block = {
-                kind: (sum(ops) / count,) * count if count else (float(sum(ops)),)
-                for kind, ops in per_block.items()
-            }
-        self.per_block = per_block
         self.other = {
             Pass.FORWARD: flops.other_forward_ops,
             Pass.BACKWARD: flops.other_backward_ops,

@@ -5,6 +5,7 @@ rates share them, so they are computed once (:func:`piece_seconds`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -53,19 +54,26 @@ def _pass_seconds(flops: FlopProfile, part: str, work: WorkRates) -> list[float]
     ]
 
 
+def per_analysed_block(profiled: Sequence[float], count: int) -> tuple[float, ...]:
+    """Each of the ``count`` analysed (wrapped) blocks' share of ``profiled``, what the FLOP
+    profile counted per block it ran: its own value where the profile found the same blocks,
+    else the blocks' total spread evenly over ``count``, or one piece where the analysis wraps
+    no block. The one rule for seconds (:func:`piece_seconds`) and kernels
+    (:mod:`autoshard.predict.host_bound`), so the two never split the blocks differently."""
+    if len(profiled) == count:
+        return tuple(profiled)
+    if count == 0:  # blocks the analysis does not wrap: their work in one piece
+        return (sum(profiled),)
+    return (sum(profiled) / count,) * count
+
+
 def _block_seconds(
     count: int, flops: FlopProfile, work: WorkRates
-) -> tuple[list[float], list[float]]:
-    """Seconds of each wrapped block's forward and backward in one micro-batch: the profile's
-    per block when it found the same blocks, else the blocks' total spread over the analysed
-    block count (``count``)."""
-    n = len(flops.block_forward)
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Seconds of each wrapped block's forward and backward in one micro-batch
+    (:func:`per_analysed_block` of the profile's per block)."""
     fwd, bwd = _pass_seconds(flops, "forward", work), _pass_seconds(flops, "backward", work)
-    if n == count:
-        return fwd, bwd
-    if count == 0:  # blocks the analysis does not wrap: their work in one piece
-        return ([sum(fwd)], [sum(bwd)]) if fwd else ([], [])
-    return [sum(fwd) / count] * count, [sum(bwd) / count] * count
+    return per_analysed_block(fwd, count), per_analysed_block(bwd, count)
 
 
 def work_rates(candidate: Candidate, gpu: GPUSpec, factors: SpeedFactors, peak: float) -> WorkRates:
@@ -113,4 +121,4 @@ def piece_seconds(
         f.other_backward, f.other_backward_attention, f.other_backward_traffic,
         f.other_backward_ops, f.other_backward_fresh,
     )  # fmt: skip
-    return tuple(fwd), tuple(bwd), tuple(rec), other_fwd, other_bwd
+    return fwd, bwd, rec, other_fwd, other_bwd
