@@ -12,7 +12,7 @@ fake tensors (:mod:`autoshard.predict.simulate`).
 from __future__ import annotations
 
 from autoshard.config import Engine, Reshard
-from autoshard.engine import policy_of, resharded_sharding, traits
+from autoshard.engine import resharded_sharding, traits
 from autoshard.predict.step_bytes import (
     StepBytes,
     after_blocks_bytes,
@@ -40,11 +40,8 @@ def head_backward(t: StepBytes) -> MemoryBreakdown:
     logits' gradient alive, the root gathered again with the working set. FSDP2 gathers the
     last block into its all-gather buffer meanwhile (prefetched), and copies it out only when
     the block's backward starts (simulated)."""
-    if t.engine is Engine.FSDP2 and t.reshards_blocks:
-        kept = policy_of(t.candidate).keeps_after_forward(t.candidate, 0, t.block_params)
-        unsharded = (t.root_params + kept) * t.compute_dtype_bytes
-    else:
-        unsharded = t.gathered_bytes
+    prefetches = t.engine is Engine.FSDP2 and t.reshards_blocks
+    unsharded = t.backward_start_unsharded_bytes if prefetches else t.gathered_bytes
     return MemoryBreakdown(
         sharded_params=t.param_shard_bytes,
         unsharded_params=unsharded,

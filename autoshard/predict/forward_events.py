@@ -25,7 +25,7 @@ snapshot at every module's forward):
 from __future__ import annotations
 
 from autoshard.config import Engine
-from autoshard.engine import policy_of, resharded_sharding, traits
+from autoshard.engine import resharded_sharding, traits
 from autoshard.predict.step_bytes import StepBytes, last_block_all_activations
 from autoshard.results import MemoryBreakdown
 
@@ -37,15 +37,7 @@ def loss(t: StepBytes) -> MemoryBreakdown:
     itself: the root is gathered and the last block prefetched before the loss's backward,
     beside its temporaries (simulated)."""
     early = t.acts.loss_in_forward and t.reshards_blocks
-    if early:
-        last = (
-            t.block_params
-            if t.engine is Engine.FSDP1
-            else policy_of(t.candidate).keeps_after_forward(t.candidate, 0, t.block_params)
-        )
-        unsharded = (t.root_params + last) * t.compute_dtype_bytes
-    else:
-        unsharded = t.kept_after_forward_bytes
+    unsharded = t.backward_start_unsharded_bytes if early else t.kept_after_forward_bytes
     return MemoryBreakdown(
         sharded_params=t.param_shard_bytes,
         unsharded_params=unsharded,

@@ -151,6 +151,9 @@ class StepBytes:
     optimizer_bytes: int  # ... of the optimizer states
     gathered_bytes: int  # unsharded parameters through forward and backward
     kept_after_forward_bytes: int  # unsharded parameters at the loss
+    # the root and the last block gathered as backward starts (a loss computed in forward, the
+    # head's backward): FSDP1 prefetches the block whole, FSDP2 holds what it kept after forward
+    backward_start_unsharded_bytes: int
     gather_buffer_bytes: int  # the next unit's all-gather output (FSDP2)
     comm_bytes: int  # one unit's reduce-scatter input and the next unit's all-gather buffer
     saved_bytes: int  # activations saved by the whole forward, the loss's included
@@ -272,6 +275,8 @@ def step_bytes(
     one_state = policy_of(candidate).state_bytes(profile, candidate, shard)  # of one rank
     optimizer = OPTIMIZER_STATES[candidate.optimizer] * one_state
     unsharded, after_forward = _gathered_bytes(candidate, acts, params=params, root=root, unit=unit)
+    fsdp1 = candidate.engine is Engine.FSDP1
+    last = unit if fsdp1 else policy_of(candidate).keeps_after_forward(candidate, 0, unit)
     reduce = reduce_bytes(candidate)
     gather = _gather_buffer_bytes(candidate, shard, params, unit)
     saved, recompute = activation_bytes(candidate, acts)
@@ -302,6 +307,7 @@ def step_bytes(
         trained_block_params=trained_unit, head_params=head_params(profile),
         param_shard_bytes=sharded, grad_shard_bytes=grads, optimizer_bytes=optimizer,
         gathered_bytes=unsharded, kept_after_forward_bytes=after_forward,
+        backward_start_unsharded_bytes=(root + last) * cb,
         gather_buffer_bytes=gather, comm_bytes=trained_unit * reduce + gather,
         saved_bytes=saved, loss_saved_bytes=candidate.micro_batch_size * at.loss_bytes,
         acts_scale=at.scale(candidate),

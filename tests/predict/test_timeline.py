@@ -317,3 +317,39 @@ def test_the_one_unit_runs_its_pass_in_one_turn(six_blocks) -> None:
     assert first.index("top block backward") < first.index("root backward")
     later = [e.name for e in events if e.micro_batch == 1]
     assert "accumulating root backward" in later and "accumulating block backward" not in later
+
+
+@pytest.mark.parametrize(
+    ("engine", "reshard", "last_kept"),
+    [
+        ("fsdp1", Reshard.ALL, True),  # FSDP1 prefetches the last block whole
+        ("fsdp2", Reshard.ALL, False),
+        ("fsdp2", Reshard.KEEP_ROOT, False),
+        ("fsdp2", Reshard.KEEP_ROOT_AND_LAST, True),
+    ],
+)
+def test_a_loss_in_forward_and_the_heads_backward_hold_the_root_and_the_last_block_as_kept(
+    six_blocks, engine: str, reshard: Reshard, last_kept: bool
+) -> None:
+    """A loss computed in forward (a Hugging Face model given labels) runs beside the root's
+    backward hooks: the root gathered again and the last block as backward starts on it, what
+    FSDP2's head backward holds too (one StepBytes field); FSDP1's head backward holds the
+    root, the block computing and the one prefetched."""
+    profile, acts = six_blocks
+    in_forward = acts.model_copy(update={"loss_in_forward": True})
+    candidate = Candidate(
+        engine=engine, reshard=reshard, wrap_classes=profile.wrap_policy, precision="32-true"
+    )
+    workload = WorkloadSpec(seq_len=128, loop="plain")
+    events = {e.name: e.live for e in step_events(profile, candidate, TWO, workload, in_forward)[0]}
+    root, block = profile.root_unit_params * 4, profile.block_params * 4
+    assert events["loss"].unsharded_params == root + (block if last_kept else 0)
+    held = root + (block if last_kept else 0) if engine == "fsdp2" else root + 2 * block
+    assert events["head backward"].unsharded_params == held
+    # a loss outside the model: what the engine keeps gathered after forward, the root too
+    # where FSDP1 and FSDP2's default keep it
+    outside = {e.name: e.live for e in step_events(profile, candidate, TWO, workload, acts)[0]}
+    kept = 0 if reshard is Reshard.ALL and engine == "fsdp2" else root
+    assert outside["loss"].unsharded_params == kept + (
+        block if last_kept and engine == "fsdp2" else 0
+    )
