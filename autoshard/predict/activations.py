@@ -27,6 +27,7 @@ from autoshard.config import (
     Precision,
     WorkloadSpec,
 )
+from autoshard.engine import element_bytes
 from autoshard.predict.dynamo_stand_in import without_dynamo
 from autoshard.predict.fakes import (
     FakeModel,
@@ -116,8 +117,8 @@ class ActivationProfile(BaseModel):
         compute element size to the profile's."""
         return (
             candidate.micro_batch_size
-            * precision_bytes(candidate.precision)[1]
-            / precision_bytes(self.precision)[1]
+            * element_bytes(candidate.precision)[1]
+            / element_bytes(self.precision)[1]
         )
 
 
@@ -225,7 +226,7 @@ def _profile_once(
     precision: Precision,
     seq: int | None,
 ) -> ActivationProfile:
-    dtype = torch.float32 if precision is Precision.FP32 else compute_dtype(precision)
+    dtype = compute_dtype(precision)
     fakes = fake_model(meta_model, profile.checkpoint_policy, batch, dtype)
     model, blocks = fakes.model, fakes.blocks
     params = {p.untyped_storage()._cdata for p in model.parameters() if not p.is_meta}
@@ -439,9 +440,3 @@ def rule_of_thumb(profile: ModelProfile, workload: WorkloadSpec, why: str) -> Ac
         measured=False,
         note=f"the forward did not run on fake tensors ({why}); activations estimated",
     )
-
-
-def precision_bytes(precision: Precision) -> tuple[int, int]:
-    """(bytes of stored parameters, bytes of the compute dtype)."""
-    stored = 2 if precision is Precision.BF16_TRUE else 4
-    return stored, compute_dtype(precision).itemsize
