@@ -41,6 +41,8 @@ MODULES: dict[str, list[str]] = {
     "emit": ["tests/test_emit.py", "tests/test_handover.py"],
     "predict/speed": ["tests/predict/test_speed.py", "tests/test_calibrate.py"],
     "predict/analytic": ["tests/predict/test_analytic.py", "tests/test_estimate.py"],
+    "predict/step_memory": ["tests/predict/test_timeline.py", "tests/predict/test_analytic.py"],
+    "predict/timeline": ["tests/predict/test_timeline.py"],
 }
 # Where a module's job for this purpose is only part of it: trials/worker's result accounting
 # (what a rank counts and how the ranks' reports become the trial's result, its status and its

@@ -31,7 +31,6 @@ from autoshard.predict.speed import (
     predict_speed,
     under_pressure,
 )
-from autoshard.predict.timeline import two_streams
 from autoshard.results import MemoryBreakdown, MemoryEstimate, SpeedEstimate
 from autoshard.space import rank_candidates
 
@@ -220,35 +219,6 @@ def test_one_rank_moves_nothing(net) -> None:
 # --------------------------------------------------------------------------------------------
 # Overlap
 # --------------------------------------------------------------------------------------------
-
-
-def test_timeline_hides_a_prefetched_gather_behind_the_previous_compute() -> None:
-    # gather 1 | compute 2 of unit 0 while unit 1's gather (1) runs | compute 2
-    assert two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)]) == (5.0, 2.0)
-    # a gather longer than the compute it hides behind shows by the difference
-    assert two_streams([(1.0, 2.0, 0.0), (3.0, 2.0, 0.0)]) == (6.0, 4.0)
-    # without prefetch the second gather waits for the first compute to end
-    assert two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], prefetch=False) == (6.0, 2.0)
-    # a reduction runs behind the next unit's compute; the last one is exposed
-    assert two_streams([(0.0, 2.0, 1.0), (0.0, 2.0, 1.0)]) == (5.0, 2.0)
-
-
-def test_compute_beside_a_collective_runs_slower_by_the_slowdown() -> None:
-    # gather 1 | unit 0's compute (2 s of work) shares its first second with unit 1's gather
-    # and does 1/1.5 s of work in it; the other 4/3 s of work run alone | unit 1 alone: 2
-    elapsed, comm = two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], slowdown=0.5)
-    assert elapsed == pytest.approx(1 + 1 + 4 / 3 + 2) and comm == 2.0
-    # a reduction slows the next unit's compute the same way, prefetching or not
-    for prefetch in (True, False):
-        reduced = two_streams([(0.0, 2.0, 1.0), (0.0, 2.0, 1.0)], prefetch=prefetch, slowdown=0.5)
-        assert reduced[0] == pytest.approx(2 + 1 + 4 / 3 + 1)
-    # compute wholly beside a longer gather is slowed but waited for anyway: no cost
-    assert two_streams([(1.0, 2.0, 0.0), (5.0, 2.0, 0.0)], slowdown=0.5)[0] == pytest.approx(8.0)
-    # nothing beside the compute (no prefetch): nothing slowed
-    assert two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], prefetch=False, slowdown=0.5) == (
-        6.0,
-        2.0,
-    )
 
 
 def test_hiding_communication_costs_the_slowdown_of_the_compute_beside_it(net) -> None:

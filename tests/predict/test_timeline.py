@@ -16,7 +16,7 @@ from autoshard.predict.activations import ActivationProfile, profile_activations
 from autoshard.predict.backward_events import block_event_names
 from autoshard.predict.step_bytes import block_saved_bytes, step_bytes
 from autoshard.predict.step_memory import MemoryEvent, peak_event, step_events
-from autoshard.predict.timeline import Pass, Work, micro_batch, step_timeline
+from autoshard.predict.timeline import Pass, Work, micro_batch, step_timeline, two_streams
 from autoshard.results import MemoryBreakdown, ModelProfile
 from autoshard.target.resolve import TargetSpec
 
@@ -97,8 +97,10 @@ def test_checkpointing_decides_which_blocks_recompute_in_backward() -> None:
 
 
 def test_accumulation_reduces_every_micro_batch_or_only_the_last_by_engine_and_loop() -> None:
-    def shape(engine: Engine, loop: Loop, **kw: object) -> list[tuple[int, bool]]:
-        workload = WorkloadSpec(loop=loop, accumulate=4)
+    def shape(
+        engine: Engine, loop: Loop, accumulate: int = 4, **kw: object
+    ) -> list[tuple[int, bool]]:
+        workload = WorkloadSpec(loop=loop, accumulate=accumulate)
         step = step_timeline(blocks(engine=engine), EIGHT, workload, **SHAPE, **kw)  # type: ignore[arg-type]
         return [(mb.count, mb.reduces) for mb in step]
 
@@ -108,11 +110,51 @@ def test_accumulation_reduces_every_micro_batch_or_only_the_last_by_engine_and_l
     assert shape(Engine.FSDP1, Loop.PLAIN, skip_sync=False) == [(4, True)]  # Composer's way
     skipped = step_timeline(blocks(), EIGHT, WorkloadSpec(accumulate=4), **SHAPE)[1]
     assert all(t.reduced == 0 for t in skipped.backward)
+    # two micro-batches: the first skips its sync too
+    assert shape(Engine.FSDP1, Loop.LIGHTNING, accumulate=2) == [(1, True), (1, False)]
 
 
 def test_the_examples_in_the_docstrings_run() -> None:
     result = doctest.testmod(timeline_module, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 5 and result.failed == 0
+
+
+def test_timeline_hides_a_prefetched_gather_behind_the_previous_compute() -> None:
+    # gather 1 | compute 2 of unit 0 while unit 1's gather (1) runs | compute 2
+    assert two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)]) == (5.0, 2.0)
+    # a gather longer than the compute it hides behind shows by the difference
+    assert two_streams([(1.0, 2.0, 0.0), (3.0, 2.0, 0.0)]) == (6.0, 4.0)
+    # without prefetch the second gather waits for the first compute to end
+    assert two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], prefetch=False) == (6.0, 2.0)
+    # a reduction runs behind the next unit's compute; the last one is exposed
+    assert two_streams([(0.0, 2.0, 1.0), (0.0, 2.0, 1.0)]) == (5.0, 2.0)
+
+
+def test_compute_beside_a_collective_runs_slower_by_the_slowdown() -> None:
+    # gather 1 | unit 0's compute (2 s of work) shares its first second with unit 1's gather
+    # and does 1/1.5 s of work in it; the other 4/3 s of work run alone | unit 1 alone: 2
+    elapsed, comm = two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], slowdown=0.5)
+    assert elapsed == pytest.approx(1 + 1 + 4 / 3 + 2) and comm == 2.0
+    # a reduction slows the next unit's compute the same way, prefetching or not
+    for prefetch in (True, False):
+        reduced = two_streams([(0.0, 2.0, 1.0), (0.0, 2.0, 1.0)], prefetch=prefetch, slowdown=0.5)
+        assert reduced[0] == pytest.approx(2 + 1 + 4 / 3 + 1)
+    # compute wholly beside a longer gather is slowed but waited for anyway: no cost, as long as
+    # the slowed compute (2 x 1.5 = 3 s) still ends inside the gather's 3.5
+    assert two_streams([(1.0, 2.0, 0.0), (3.5, 2.0, 0.0)], slowdown=0.5)[0] == 1 + 3.5 + 2
+    assert two_streams([(1.0, 2.0, 0.0), (5.0, 2.0, 0.0)], slowdown=0.5)[0] == pytest.approx(8.0)
+    # nothing beside the compute (no prefetch): nothing slowed
+    assert two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], prefetch=False, slowdown=0.5) == (
+        6.0,
+        2.0,
+    )
+
+
+def test_compute_wholly_beside_a_collective_takes_its_work_times_the_slowdown() -> None:
+    assert timeline_module._slowed(2.0, 4.0, 0.5) == 3.0  # 3 s, all of it beside the collective
+    assert timeline_module._slowed(2.0, 3.0, 0.5) == 3.0  # ends as the collective does
+    assert timeline_module._slowed(2.0, 1.5, 3.0) == pytest.approx(1.5 + 2 - 1.5 / 4)
+    assert timeline_module._slowed(2.0, 4.0, 0.0) == timeline_module._slowed(2.0, 0.0, 0.5) == 2.0
 
 
 # The memory side: the step's events in the order they run, the peak the largest of them.
@@ -353,3 +395,43 @@ def test_a_loss_in_forward_and_the_heads_backward_hold_the_root_and_the_last_blo
     assert outside["loss"].unsharded_params == kept + (
         block if last_kept and engine == "fsdp2" else 0
     )
+
+
+GLOO_TWO = Hardware(gpus_per_node=2, gpu_memory=80 * GIB, backend="gloo")
+
+
+def test_later_micro_batches_emit_their_own_events_at_their_turns(six_blocks) -> None:
+    """Accumulating 3 micro-batches on 2 gloo ranks, FSDP1 (syncs skipped before the last) and
+    FSDP2 under Lightning (every micro-batch reduces): each later micro-batch's events, named
+    for the gradients beside it, at the turn they happen in, once each."""
+    profile, acts = six_blocks
+    workload = {"seq_len": 128, "accumulate": 3}
+
+    def later(engine: str, loop: str) -> list[tuple[str, int, str | None]]:
+        candidate = Candidate(
+            engine=engine, wrap_classes=profile.wrap_policy, precision="32-true",
+            micro_batch_size=4,
+        )  # fmt: skip
+        events = step_events(
+            profile, candidate, GLOO_TWO, WorkloadSpec(loop=loop, **workload), acts
+        )[0]
+        return [
+            (e.name, e.micro_batch, e.turn.name if e.turn else None)
+            for e in events
+            if 0 < e.micro_batch < 3 and e.stage == "backward"
+        ]
+
+    assert later("fsdp1", "plain") == [
+        ("accumulating head backward", 1, "root"),
+        ("accumulating block backward", 1, "block 0"),
+        ("accumulating root backward", 1, "root gradients"),
+        ("synchronising top block backward", 2, "block 5"),
+        ("synchronising block reduce-scatter", 2, "block 0"),
+        ("synchronising block backward", 2, "block 0"),
+    ]
+    reduced = later("fsdp2", "lightning")
+    assert reduced[-2:] == [
+        ("accumulating root backward", 1, "root gradients"),
+        ("accumulating root reduce-scatter", 1, "root gradients"),
+    ]
+    assert ("accumulating block reduce-scatter", 1, "block 0") in reduced
