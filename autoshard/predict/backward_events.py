@@ -11,8 +11,8 @@ fake tensors (:mod:`autoshard.predict.simulate`).
 
 from __future__ import annotations
 
-from autoshard.config import Engine, Reshard
-from autoshard.engine import resharded_sharding, traits
+from autoshard.config import Engine
+from autoshard.engine import policy_of, traits
 from autoshard.predict.step_bytes import (
     StepBytes,
     after_blocks_bytes,
@@ -59,12 +59,8 @@ def backward_start(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown | Non
     all-gather buffer beside its copy, before the head's backward (measured on fake tensors).
     ``head`` is the head's backward event of the same micro-batch; None where the root is not
     re-gathered."""
-    if not (
-        t.engine is Engine.FSDP2
-        and resharded_sharding(t.candidate)
-        and t.shard > 1
-        and t.candidate.reshard is Reshard.ALL
-    ):
+    # the timeline's rule for the root's backward turn (FSDP1 never reshards the root)
+    if not (t.shard > 1 and policy_of(t.candidate).regathers(t.candidate, root=True)):
         return None
     root = t.root_params * t.compute_dtype_bytes
     return head.model_copy(
