@@ -67,6 +67,14 @@ def _unit_bytes(t: StepBytes) -> tuple[int, int, int]:
     return t.params * cb, t.root_params * cb, unit
 
 
+def _last_gather_buffer(t: StepBytes) -> int:
+    """FSDP2's all-gather buffer of the last unit its forward gathered (the last block's, or the
+    one unit's), alive from the last block's forward until the root's forward ends; none on one
+    rank."""
+    _, root, unit = _unit_bytes(t)
+    return 0 if t.shard == 1 else (unit or root)
+
+
 def forward_start(t: StepBytes) -> dict[str, MemoryBreakdown]:
     """FSDP2, at the root's forward turn: every unit was resharded after the last backward;
     the root is gathered (its all-gather buffer beside its copy) as the first block is
@@ -92,7 +100,7 @@ def last_block_forward(t: StepBytes) -> dict[str, MemoryBreakdown]:
     if t.engine is Engine.FSDP2:
         keeps_all = traits(t.candidate).keeps_gathered
         gathered = everything if keeps_all or t.candidate.one_unit else root + unit
-        buffer = 0 if t.shard == 1 else (unit or root)
+        buffer = _last_gather_buffer(t)
         last = last_block_all_activations(t.candidate, t.acts)
         return {
             "last block all-gather": base.model_copy(
@@ -123,11 +131,11 @@ def last_block_forward(t: StepBytes) -> dict[str, MemoryBreakdown]:
 def forward_end(t: StepBytes) -> dict[str, MemoryBreakdown]:
     """At the root's work after the blocks: the end of the root's forward, the end of forward
     inside the loss, and the loss (:func:`loss`)."""
-    everything, root, unit = _unit_bytes(t)
+    everything, root, _ = _unit_bytes(t)
     base = _resident(t)
     keeps_all = traits(t.candidate).keeps_gathered
     if t.engine is Engine.FSDP2:
-        buffer = 0 if t.shard == 1 else (unit or root)
+        buffer = _last_gather_buffer(t)
         update = {
             "unsharded_params": everything if keeps_all else root,
             "activations": base.activations,
