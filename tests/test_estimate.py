@@ -490,3 +490,17 @@ def test_an_offload_short_of_host_memory_says_how_much_it_needs(stack) -> None:
                            WorkloadSpec(seq_len=64))  # fmt: skip
     gpu, host = both.reason.split("; ")
     assert gpu.endswith("GiB usable") and host.endswith("of host memory per node, 1 KiB given")
+
+
+def test_precisions_given_by_name_are_profiled_as_the_enums_are() -> None:
+    """``precisions=("16-mixed", "32-true")`` from a Python caller: profiled on fake tensors as
+    the enums are (a plain string used to fail inside and fall back to the rule of thumb)."""
+    built = build_target(TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny"}))
+    profile, w = analyze_model(built.model), WorkloadSpec(seq_len=64)
+    by_name = profile_activations(built.model, profile, w, precisions=("16-mixed", "32-true"))
+    by_enum = profile_activations(
+        built.model, profile, w, precisions=(Precision.FP16_MIXED, Precision.FP32)
+    )
+    assert by_name.measured and not by_name.note
+    assert by_name.precision is Precision.BF16_MIXED  # 16-mixed saves what bf16-mixed does
+    assert by_name == by_enum

@@ -163,7 +163,7 @@ def profile_activations(
     workload: WorkloadSpec,
     batch: Any | None = None,
     *,
-    precisions: Sequence[Precision] = (Precision.FP32,),
+    precisions: Sequence[Precision | str] = (Precision.FP32,),
 ) -> ActivationProfile:
     """Count what one forward at micro-batch 1 saves for backward, on fake tensors, at each of
     ``precisions`` (the first is returned, the others in its ``others``).
@@ -187,7 +187,10 @@ def profile_activations(
     try:
         batch = sample_batch(model, batch, seq, "profile_activations")
         # 16-mixed saves what bf16-mixed does (2-byte compute, the same autocast lists)
-        wanted = [Precision.BF16_MIXED if p is Precision.FP16_MIXED else p for p in precisions]
+        # Precision(p): a caller's "32-true" is the enum (a plain string profiled nothing and
+        # fell back to the rule of thumb without a word)
+        wanted = [Precision.BF16_MIXED if p is Precision.FP16_MIXED else p
+                  for p in map(Precision, precisions)]  # fmt: skip
         profiles, failed = [], []
         for precision in dict.fromkeys(wanted):
             try:
