@@ -302,10 +302,10 @@ def module_copy(model: nn.Module) -> nn.Module:
 
 def _copied(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     if id(module) in memo:
-        return memo[id(module)]  # type: ignore[no-any-return]
+        return memo[id(module)]
     cls = type(module)
     if any(getattr(cls, n, None) is not getattr(nn.Module, n, None) for n in _MODULE_COPYING):
-        return copy.deepcopy(module, memo)  # type: ignore[no-any-return]
+        return copy.deepcopy(module, memo)
     new = memo[id(module)] = cls.__new__(cls)
     state = module.__getstate__()
     for key, value in state.items():
