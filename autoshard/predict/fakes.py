@@ -47,6 +47,7 @@ import contextlib
 import copy
 import logging
 import sys
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,7 +253,7 @@ def fake_model(
     from autoshard.target.step import move_to
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = copy.deepcopy(meta_model)
+    model = module_copy(meta_model)
     note = experts_for_fake_tensors(model)
     block_types = tuple(wrap_classes_of(model, block_classes))
     blocks = [m for m in model.modules() if block_types and isinstance(m, block_types)]
@@ -278,6 +279,47 @@ def fake_model(
         held = convert_afresh(mode, batch)
         batch = move_to(batch, torch.device("cpu"))
     return FakeModel(model, mode, batch, dtype, blocks, signatures, repeats, nested, note, held)
+
+
+# What a module's state holds that copy.deepcopy returns as it is, and the empty containers it
+# makes anew: most of a module's state (its flags and eleven empty hook dicts).
+_ATOMIC = (type(None), bool, int, float, str)
+_EMPTY = (dict, OrderedDict, set, list)
+_MODULE_COPYING = ("__deepcopy__", "__copy__", "__reduce_ex__", "__reduce__", "__getstate__",
+                   "__setstate__")  # fmt: skip
+
+
+def module_copy(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``, a quarter of its time on a module tree: what deepcopy makes of
+    each module (a new module, its state copied, shared objects shared once), the modules walked
+    here and their flags and empty hook dicts taken without deepcopy's dispatch (a 70B model's
+    805 modules: 12 ms instead of 44, three times an estimate). Every parameter and buffer is a
+    new tensor, as deepcopy's: materialising may swap the copy's parameter objects in place
+    (``torch.__future__``'s swap on conversion), which must not reach ``model``. A module class
+    that copies or pickles itself its own way is deep-copied as it asks."""
+    return _copied(model, {})
+
+
+def _copied(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    if id(module) in memo:
+        return memo[id(module)]
+    cls = type(module)
+    if any(getattr(cls, n, None) is not getattr(nn.Module, n, None) for n in _MODULE_COPYING):
+        return copy.deepcopy(module, memo)
+    new = memo[id(module)] = cls.__new__(cls)
+    state = module.__getstate__()
+    for key, value in state.items():
+        kind = type(value)
+        if kind in _ATOMIC:
+            continue
+        if kind in _EMPTY and not value:
+            state[key] = memo.setdefault(id(value), kind())  # shared once, as deepcopy does
+        elif key == "_modules":
+            state[key] = {k: None if m is None else _copied(m, memo) for k, m in value.items()}
+        else:
+            state[key] = copy.deepcopy(value, memo)
+    new.__setstate__(state)
+    return new
 
 
 def sample_batch(model: nn.Module, batch: Any, seq_len: int | None, who: str) -> Any:

@@ -127,6 +127,11 @@ def _flops_per_traffic_byte(candidate: Candidate, gpu: GPUSpec) -> float:
     return flop_s / (gpu.hbm_bandwidth * DEFAULT_FACTORS.memory_efficiency * 4 / cb)
 
 
+# RecipeStep.flops's results by what they depend on, shared by the candidates of one estimate
+_RUNS: dict[tuple[object, ...], FlopProfile] = {}
+_RUNS_KEPT = 256
+
+
 @dataclass(frozen=True)
 class RecipeStep:
     """One candidate's compile and float8 changes to the step-time model's inputs."""
@@ -176,6 +181,25 @@ class RecipeStep:
         """The FLOP profile the candidate runs, in the eager profile's units (bf16-rate FLOPs,
         fp32 traffic bytes); ``compile``/``float8``/``casts`` False leave that change out (what
         the breakdown attributes)."""
+        c = self.candidate
+        compiled, fp8 = compile and c.compile, float8 and c.float8
+        if not (compiled or fp8):
+            return self.eager
+        # what the result depends on, the same for many candidates (batch sizes, shardings),
+        # the module's constants included (read when called, as the computation reads them)
+        key = (
+            self.eager, compiled, fp8, casts and fp8, self._compiled_everywhere(),
+            self.bf16_over_fp8, self.linears, self.flops_per_byte, self.slack,
+            COMPILE_TRAFFIC_KEPT, EAGER_MEMORY_BOUND_OVER_TRAFFIC, CAST_PASSES,
+        )  # fmt: skip
+        run = _RUNS.get(key)
+        if run is None:
+            if len(_RUNS) >= _RUNS_KEPT:
+                _RUNS.clear()
+            run = _RUNS[key] = self._run_flops(compile=compile, float8=float8, casts=casts)
+        return run
+
+    def _run_flops(self, *, compile: bool, float8: bool, casts: bool) -> FlopProfile:
         f, c = self.eager, self.candidate
         update: dict[str, object] = {}
         if compile and c.compile:

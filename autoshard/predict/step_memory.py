@@ -21,6 +21,7 @@ later micro-batch holds something else than the first) and adds the carried grad
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -81,7 +82,12 @@ class MemoryEvent:
 
 def _block_index(turn: Turn) -> int | None:
     """The index of a block's turn, None for the root's or the one unit's."""
-    return int(turn.name.split()[1]) if turn.name.startswith("block ") else None
+    return _index_in(turn.name)
+
+
+@functools.cache  # the same few hundred names, every candidate's every micro-batch
+def _index_in(name: str) -> int | None:
+    return int(name.split()[1]) if name.startswith("block ") else None
 
 
 @dataclass
