@@ -14,7 +14,7 @@ step-time model's fastest for the planned GPUs wins among those.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -31,8 +31,16 @@ from autoshard.measure import (
     trials_checked_line,
 )
 from autoshard.plan import Plan, fits_elsewhere
+from autoshard.predict.step_profile import step_profile
 from autoshard.recommendation import Recommendation
-from autoshard.results import MemoryEstimate, ModelProfile, Scored, TrialResult, TrialStatus
+from autoshard.results import (
+    MemoryEstimate,
+    ModelProfile,
+    Scored,
+    StepTimeline,
+    TrialResult,
+    TrialStatus,
+)
 from autoshard.space import (
     PREDICTED_TIE,
     predicted_rate,
@@ -63,8 +71,10 @@ def build_recommendation(
     basis: str,
     reasons: Sequence[str],
     notes: Sequence[str] = (),
+    timeline: StepTimeline | None = None,
 ) -> Recommendation:
-    """The only place a :class:`Recommendation` is made (``notes``: what the plan assumed)."""
+    """The only place a :class:`Recommendation` is made (``notes``: what the plan assumed;
+    ``timeline``: the chosen configuration's step as memory over time)."""
     return Recommendation(
         profile=profile,
         hardware=hardware,
@@ -77,6 +87,7 @@ def build_recommendation(
         basis=basis,
         reasons=(*reasons, *host_memory_reason(chosen, hardware), *notes),
         versions=versions(),
+        timeline=timeline,
     )
 
 
@@ -113,7 +124,16 @@ def decide(plan: Plan) -> Recommendation:
         basis="estimate",
         reasons=explain_estimate(best, plan),
         notes=plan.notes,
+        timeline=timeline_of(plan, best),
     )
+
+
+def timeline_of(plan: Plan, chosen: MemoryEstimate | None) -> StepTimeline | None:
+    """The ``chosen`` candidate's step as memory over time, on the plan's uncalibrated speed
+    model (only the shown candidate's: the seconds of every candidate's events are not needed)."""
+    if chosen is None:
+        return None
+    return step_profile(plan.speed, chosen, plan.activations)
 
 
 def nothing_fits(plan: Plan) -> str:
@@ -164,8 +184,9 @@ def decide_from_trials(
     tried_with = tried_with or {}
     estimates = [tried_with.get(e.candidate.label(), e) for e in plan.estimates]
     return choose_from_trials(
-        plan.profile, plan.hardware, plan.workload, estimates, results, notes=plan.notes
-    )
+        plan.profile, plan.hardware, plan.workload, estimates, results, notes=plan.notes,
+        timeline=lambda chosen: timeline_of(plan, chosen),
+    )  # fmt: skip
 
 
 def choose_from_trials(
@@ -176,9 +197,10 @@ def choose_from_trials(
     results: Sequence[TrialResult],
     *,
     notes: Sequence[str] = (),
+    timeline: Callable[[MemoryEstimate | None], StepTimeline | None] | None = None,
 ) -> Recommendation:
     """:func:`decide_from_trials` from the plan's parts (what a test or a reader of old results
-    has)."""
+    has; ``timeline``: the chosen estimate's step as memory over time, :func:`timeline_of`)."""
     if not any(r.status is TrialStatus.OK for r in results):
         raise TrialsFailedError(nothing_ran(results))
     by_label = {e.candidate.label(): e for e in estimates}
@@ -204,6 +226,7 @@ def choose_from_trials(
         basis="trials",
         reasons=why,
         notes=notes,
+        timeline=timeline(by_label.get(ok[0].candidate.label())) if timeline else None,
     )
 
 
