@@ -157,3 +157,26 @@ def test_the_recommendation_carries_the_chosen_candidates_timeline() -> None:
     assert rec.timeline.step_time_s == chosen.speed.step_time_s
     back = type(rec).model_validate_json(rec.model_dump_json())
     assert back.timeline == rec.timeline
+
+
+def test_a_decision_from_trials_carries_the_timeline_of_the_candidate_that_won() -> None:
+    import warnings
+
+    import autoshard
+    from autoshard.api import estimates_for
+    from autoshard.decide import decide_from_trials
+    from autoshard.plan import PlanOptions, options_from
+    from autoshard.results import TrialResult, TrialStatus
+
+    warnings.simplefilter("ignore", autoshard.PlanWarning)
+    options = options_from(PlanOptions, {"gpus": 8, "gpu_memory": "24GiB", "seq_len": 128})
+    plan = estimates_for(f"{EXAMPLES}/gpt.py:build", options, kwargs={"size": "tiny"}).plan
+    assert plan is not None
+    ran = plan.ranked()[1]  # not the estimate's first choice: the only trial that ran
+    trial = TrialResult(candidate=ran.candidate, status=TrialStatus.OK, device="cpu",
+                        world_size=2, step_time=0.1, step_time_spread=0.01, samples_per_s=10.0,
+                        peak_allocated=(2**20, 2**20))  # fmt: skip
+    rec = decide_from_trials(plan, [trial])
+    assert rec.chosen.candidate == ran.candidate and rec.timeline is not None
+    assert rec.timeline.candidate == ran.candidate.label()
+    assert rec.timeline.peak_event.name == ran.peak_at
