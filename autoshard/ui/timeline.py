@@ -89,8 +89,9 @@ def timeline_chart(rec: Decision) -> str:
     out = [
         f'<svg id="chart-timeline" xmlns="http://www.w3.org/2000/svg" width="{x0 + w + 160}" '
         f'height="{bottom + 86}" role="img" aria-label="memory over the step">',
-        f'<text x="{x0}" y="16" class="t">Live GPU memory over one step of '
-        f"{_esc(timeline.candidate)} (predicted, before the allowance)</text>",
+        f'<text x="{x0}" y="16" class="t">Live GPU memory over one step (predicted, before '
+        "the allowance)</text>",
+        f'<text x="{x0}" y="32" class="s dim">{_esc(timeline.candidate)}</text>',
     ]
     out += _axes(x0, w, head, bottom, top, span, scale, unit, y)
     out += _micro_batch_marks(events, x, head, bottom)
