@@ -31,6 +31,7 @@ from autoshard.measure import (
     trials_checked_line,
 )
 from autoshard.plan import Plan, fits_elsewhere
+from autoshard.predict.factors import SpeedFactors
 from autoshard.predict.step_profile import step_profile
 from autoshard.recommendation import Recommendation
 from autoshard.results import (
@@ -128,12 +129,20 @@ def decide(plan: Plan) -> Recommendation:
     )
 
 
-def timeline_of(plan: Plan, chosen: MemoryEstimate | None) -> StepTimeline | None:
-    """The ``chosen`` candidate's step as memory over time, on the plan's uncalibrated speed
-    model (only the shown candidate's: the seconds of every candidate's events are not needed)."""
+def timeline_of(
+    plan: Plan, chosen: MemoryEstimate | None, factors: SpeedFactors | None = None
+) -> StepTimeline | None:
+    """The ``chosen`` candidate's step as memory over time, on the speed model its prediction
+    came from: the plan's, with the ``factors`` a calibration predicted it with (the prior
+    where None), so that the timeline's step time is the chosen one's predicted step time (only
+    the shown candidate's: the seconds of every candidate's events are not needed). A
+    calibrated prediction without its factors has none: it would be a second step time."""
     if chosen is None:
         return None
-    return step_profile(plan.speed, chosen, plan.activations)
+    calibrated = chosen.speed is not None and chosen.speed.calibrated
+    if calibrated and factors is None:
+        return None
+    return step_profile(plan.speed, chosen, plan.activations, factors, calibrated=calibrated)
 
 
 def nothing_fits(plan: Plan) -> str:
@@ -175,17 +184,24 @@ def decide_from_trials(
     plan: Plan,
     results: Sequence[TrialResult],
     tried_with: Mapping[str, MemoryEstimate] | None = None,
+    factors: Mapping[str, SpeedFactors] | None = None,
 ) -> Recommendation:
     """The best configuration that ran; every other trial as a runner-up or ruled out.
 
     ``tried_with``: by candidate label, the estimate each trial was launched with, whose speed
     the calibrated model predicted just before it ran; it replaces the plan's (uncalibrated)
-    estimate, so that the report puts each trial against its own prediction."""
-    tried_with = tried_with or {}
+    estimate, so that the report puts each trial against its own prediction. ``factors``: by
+    label, the calibrated factors of those predictions, which the chosen one's timeline is
+    timed with (:func:`timeline_of`)."""
+    tried_with, factors = tried_with or {}, factors or {}
     estimates = [tried_with.get(e.candidate.label(), e) for e in plan.estimates]
+
+    def timeline(chosen: MemoryEstimate | None) -> StepTimeline | None:
+        return timeline_of(plan, chosen, factors.get(chosen.candidate.label()) if chosen else None)
+
     return choose_from_trials(
         plan.profile, plan.hardware, plan.workload, estimates, results, notes=plan.notes,
-        timeline=lambda chosen: timeline_of(plan, chosen),
+        timeline=timeline,
     )  # fmt: skip
 
 

@@ -154,22 +154,28 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
         _open_study(store, plan, opts)
         cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
 
-        # The latest (calibrated) prediction of each candidate: the one a trial is tried with,
-        # which the report puts against its measurement.
-        predicted: dict[str, MemoryEstimate] = {}
+        # The latest (calibrated) prediction of each candidate and the factors it was made
+        # with: the one a trial is tried with, which the report puts against its measurement
+        # (and whose factors time the chosen one's timeline: one step time).
+        predicted: dict[str, tuple[MemoryEstimate, SpeedFactors | None]] = {}
         tried_with: dict[str, MemoryEstimate] = {}
+        tried_factors: dict[str, SpeedFactors] = {}
 
         def run(candidate: Candidate) -> TrialResult:
             label = candidate.label()
             if label in predicted:
-                tried_with[label] = predicted[label]
+                tried_with[label], factors = predicted[label]
+                if factors is not None:
+                    tried_factors[label] = factors
             return group.run(
                 candidate, workload, warmup=opts.warmup, steps=opts.steps, memory_cap=cap,
                 target_spread=opts.target_spread, max_steps=opts.max_steps,
                 max_seconds=opts.max_seconds,
             )  # fmt: skip
 
-        fitted: dict[tuple[object, ...], list[MemoryEstimate]] = {}
+        fitted: dict[
+            tuple[object, ...], tuple[list[MemoryEstimate], Calibration[SpeedFactors] | None]
+        ] = {}
 
         def reorder(
             untried: Sequence[MemoryEstimate], done: Sequence[TrialResult]
@@ -181,9 +187,11 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
                 *sorted((r.candidate.label(), r.step_time) for r in done if r.step_time),
             )
             if key not in fitted:
-                fitted[key] = reorder_remaining(untried, done, plan)[0]
-            order = fitted[key]
-            predicted.update((e.candidate.label(), e) for e in order)
+                fitted[key] = reorder_remaining(untried, done, plan)
+            order, calibration = fitted[key]
+            for e in order:
+                made_with = None if calibration is None else calibration.factors_for(e.candidate)
+                predicted[e.candidate.label()] = (e, made_with)
             return order
 
         with _worker_files(out_dir), group:
@@ -197,7 +205,7 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
                 reorder=reorder,
                 cannot_run=None if torch.cuda.is_available() else cpu_workers_cannot_run,
             )
-        rec = decide_from_trials(plan, results, tried_with)
+        rec = decide_from_trials(plan, results, tried_with, tried_factors)
         rec = rec.model_copy(update={"study": store.name})
         store.mark_recommended(rec)  # what optuna-dashboard shows beside its best trial
         write_outputs(rec, out_dir, results)

@@ -260,7 +260,7 @@ def test_each_trial_is_reported_against_the_prediction_it_was_tried_with(
     from autoshard.decide import decide_from_trials
 
     # a plan of estimates alone (no speed model, no activations): no timeline to draw
-    monkeypatch.setattr(decide, "timeline_of", lambda plan, chosen: None)
+    monkeypatch.setattr(decide, "timeline_of", lambda plan, chosen, factors=None: None)
 
     first, second = run(0.100, spread=0.01), run(0.130, sharding=Sharding.SHARD_GRAD_OP)
     plan_estimates = [with_speed(estimate(t.candidate), 100.0) for t in (first, second)]

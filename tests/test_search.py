@@ -64,6 +64,10 @@ def test_study_prunes_by_estimate_and_picks_the_fastest_measured(tmp_path, examp
     assert rec.chosen.estimate is not None and rec.chosen.estimate.fits
     assert {s.candidate.label() for s in rec.ruled_out} >= {json_label(t) for t in pruned}
     assert json.loads((tmp_path / "recommendation.json").read_text())["basis"] == "trials"
+    # one step time for the chosen configuration, calibrated by the trials before it or not
+    predicted = rec.chosen.estimate.speed
+    assert rec.timeline is not None and rec.timeline.calibrated == predicted.calibrated
+    assert rec.timeline.step_time_s == pytest.approx(predicted.step_time_s, rel=1e-9)
     # Pruned candidates were never launched: one worker group for the whole study.
     assert len(list((tmp_path / "workers").glob("group-*.log"))) == 1
 
@@ -198,3 +202,65 @@ def test_tune_cli_without_gpu_says_which_gpu_it_plans_for(cli, tmp_path) -> None
         pytest.skip("a GPU is visible: its memory is the default")
     code, _, err = cli("tune", f"{EXAMPLES}/gpt.py:build", "--gpus", "0")
     assert code == 1 and "--gpus 0" in err and "Traceback" not in err
+
+
+class _MeasuredGroup:
+    """The worker group with its measurements given (trial i's step time ``STEPS[i]``): the
+    study's loop, calibration, decision and outputs run as in a real study, in process."""
+
+    STEPS = (1.0, 0.25, 0.5)  # the second trial, the first tried with calibrated factors, wins
+
+    def __init__(self, *_: object, **__: object) -> None:
+        self.ran = 0
+
+    def __enter__(self) -> _MeasuredGroup:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        return None
+
+    def run(self, candidate, workload, **_: object) -> TrialResult:
+        step = self.STEPS[self.ran % len(self.STEPS)]
+        self.ran += 1
+        samples = 2 * candidate.micro_batch_size / step
+        return TrialResult(
+            candidate=candidate, status=TrialStatus.OK, device="cpu", world_size=2,
+            step_time=step, step_time_spread=0.01, samples_per_s=samples,
+            tokens_per_s=samples * workload.seq_len, peak_allocated=(2**20, 2**20),
+        )  # fmt: skip
+
+
+def test_a_tuned_decision_times_its_timeline_with_the_calibrated_model(
+    tmp_path, examples_gpt_tiny, monkeypatch
+) -> None:
+    """The chosen candidate was predicted by the model calibrated on the trial before it: its
+    timeline is timed with those factors, so its step time is the chosen one's predicted step
+    time (one answer), through the returned decision, recommendation.json and the report; a
+    resumed study's decision is timed as its own prediction."""
+    from autoshard import search
+    from autoshard.results import Decision
+
+    monkeypatch.setattr(search, "WorkerGroup", _MeasuredGroup)
+    options = dict(
+        gpus=2, gpu="cpu-gloo", gpu_memory=4 * GIB, precision="32-true", seq_len=32,
+        batch_size=1, trials=3, out_dir=tmp_path, progress=False,
+    )  # fmt: skip
+    rec = tune(examples_gpt_tiny, **options)
+    predicted = rec.chosen.estimate.speed
+    assert rec.chosen.trial.step_time == 0.25 and predicted.calibrated
+    timeline = rec.timeline
+    assert timeline is not None and timeline.calibrated
+    assert timeline.step_time_s == pytest.approx(predicted.step_time_s, rel=1e-9)
+    # the events' span plus what is off the turns is that step time too
+    span = max(e.end_s for e in timeline.events) + sum(timeline.untimed.values())
+    assert span == pytest.approx(predicted.step_time_s, rel=1e-6)
+    saved = Decision.model_validate_json((tmp_path / "recommendation.json").read_text())
+    assert saved.timeline == timeline
+    report = (tmp_path / "report.html").read_text()
+    assert "on the calibrated speed model" in report and "uncalibrated speed model" not in report
+
+    again = tune(examples_gpt_tiny, **options)  # resumed: every trial is done
+    assert again.chosen.candidate == rec.chosen.candidate and again.timeline is not None
+    own = again.chosen.estimate.speed
+    assert again.timeline.step_time_s == pytest.approx(own.step_time_s, rel=1e-9)
+    assert again.timeline.calibrated == own.calibrated
