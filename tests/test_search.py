@@ -230,8 +230,9 @@ class _MeasuredGroup:
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("door", ["autoshard.tune", "autoshard tune --json"])
 def test_a_tuned_decision_times_its_timeline_with_the_calibrated_model(
-    tmp_path, examples_gpt_tiny, monkeypatch
+    tmp_path, examples_gpt_tiny, monkeypatch, cli, door
 ) -> None:
     """The chosen candidate was predicted by the model calibrated on the trial before it: its
     timeline is timed with those factors, so its step time is the chosen one's predicted step
@@ -241,11 +242,23 @@ def test_a_tuned_decision_times_its_timeline_with_the_calibrated_model(
     from autoshard.results import Decision
 
     monkeypatch.setattr(search, "WorkerGroup", _MeasuredGroup)
-    options = dict(
-        gpus=2, gpu="cpu-gloo", gpu_memory=4 * GIB, precision="32-true", seq_len=32,
-        batch_size=1, trials=3, out_dir=tmp_path, progress=False,
-    )  # fmt: skip
-    rec = tune(examples_gpt_tiny, **options)
+
+    def tuned() -> Decision:
+        if door == "autoshard.tune":
+            return tune(
+                examples_gpt_tiny, gpus=2, gpu="cpu-gloo", gpu_memory=4 * GIB,
+                precision="32-true", seq_len=32, batch_size=1, trials=3, out_dir=tmp_path,
+                progress=False,
+            )  # fmt: skip
+        code, out, err = cli(
+            "tune", f"{EXAMPLES}/gpt.py:build", "--arg", "size=tiny", "--gpus", "2", "--gpu",
+            "cpu-gloo", "--gpu-memory", "4GiB", "--precision", "32-true", "--seq-len", "32",
+            "--batch-size", "1", "--trials", "3", "--out", str(tmp_path), "--json",
+        )  # fmt: skip
+        assert code == 0, err
+        return Decision.model_validate_json(out)
+
+    rec = tuned()
     predicted = rec.chosen.estimate.speed
     assert rec.chosen.trial.step_time == 0.25 and predicted.calibrated
     timeline = rec.timeline
@@ -259,7 +272,7 @@ def test_a_tuned_decision_times_its_timeline_with_the_calibrated_model(
     report = (tmp_path / "report.html").read_text()
     assert "on the calibrated speed model" in report and "uncalibrated speed model" not in report
 
-    again = tune(examples_gpt_tiny, **options)  # resumed: every trial is done
+    again = tuned()  # resumed: every trial is done, none runs again
     assert again.chosen.candidate == rec.chosen.candidate and again.timeline is not None
     own = again.chosen.estimate.speed
     assert again.timeline.step_time_s == pytest.approx(own.step_time_s, rel=1e-9)
