@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -17,9 +19,10 @@ from autoshard.config import Engine, Hardware, Precision, WorkloadSpec
 from autoshard.measure import rank_trials
 from autoshard.predict.activations import profile_activations
 from autoshard.predict.analytic import estimate_all
-from autoshard.results import TrialResult, TrialStatus
+from autoshard.results import Decision, TrialResult, TrialStatus
 from autoshard.search import dominated_by
 from autoshard.space import enumerate_candidates
+from autoshard.ui.files import DATABASE_FILE
 
 from .conftest import EXAMPLES, ROOT
 
@@ -272,8 +275,51 @@ def test_a_tuned_decision_times_its_timeline_with_the_calibrated_model(
     report = (tmp_path / "report.html").read_text()
     assert "on the calibrated speed model" in report and "uncalibrated speed model" not in report
 
-    again = tuned()  # resumed: every trial is done, none runs again
-    assert again.chosen.candidate == rec.chosen.candidate and again.timeline is not None
+    # Resumed: every trial is done, none runs again, and each is judged against the prediction
+    # it was tried with, read back from the study: the same decision, step time and timeline.
+    again = tuned()
+    assert again.chosen.candidate == rec.chosen.candidate
+    assert again.chosen.estimate == rec.chosen.estimate and again.timeline == timeline
+    # calibrated on trials of 1.0, 0.25, 0.5 s (0.73 s, or 1.0 s where the fit takes another
+    # factor on this CPU's measured rates); the uncalibrated prior's is about 0.05 s
+    assert predicted.calibrated and predicted.step_time_s > 0.2
+    assert [r.estimate for r in again.runners_up] == [r.estimate for r in rec.runners_up]
+    resumed = (tmp_path / "report.html").read_text()
+    assert "on the calibrated speed model" in resumed and "uncalibrated" not in resumed
+
+
+def test_a_study_recorded_without_its_predictions_resumes_on_the_plans(
+    tmp_path, examples_gpt_tiny, monkeypatch
+) -> None:
+    """A study whose trials carry no record of what they were tried with (an older autoshard)
+    resumes as before: each trial against the plan's uncalibrated prediction, said in one line."""
+    from autoshard import search
+    from autoshard.errors import StudyNotice
+
+    monkeypatch.setattr(search, "WorkerGroup", _MeasuredGroup)
+
+    def tuned() -> Decision:
+        return tune(
+            examples_gpt_tiny, gpus=2, gpu="cpu-gloo", gpu_memory=4 * GIB,
+            precision="32-true", seq_len=32, batch_size=1, trials=3, out_dir=tmp_path,
+            progress=False,
+        )  # fmt: skip
+
+    with warnings.catch_warnings(record=True) as first:
+        warnings.simplefilter("always")
+        rec = tuned()
+    assert not [w for w in first if issubclass(w.category, StudyNotice)]
+    db = sqlite3.connect(tmp_path / DATABASE_FILE)  # as an older autoshard wrote it
+    with db:
+        dropped = db.execute(
+            "DELETE FROM trial_user_attributes WHERE key = 'autoshard_factors'"
+        ).rowcount
+    db.close()
+    assert dropped == 3
+    with pytest.warns(StudyNotice, match="3 trials of study .* recorded without the prediction"):
+        again = tuned()
+    assert again.chosen.candidate == rec.chosen.candidate
     own = again.chosen.estimate.speed
+    assert not own.calibrated and own.step_time_s < 0.2  # the plan's (0.054 s), not 0.728 s
+    assert again.timeline is not None and not again.timeline.calibrated
     assert again.timeline.step_time_s == pytest.approx(own.step_time_s, rel=1e-9)
-    assert again.timeline.calibrated == own.calibrated
