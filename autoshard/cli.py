@@ -371,6 +371,14 @@ def estimate(
             metavar="",
         ),
     ] = False,
+    timeline: Annotated[
+        bool,
+        typer.Option(
+            "--timeline",
+            help="Also list the recommended configuration's step as memory over time: each "
+            "memory event's micro-batch, FSDP unit, start and duration, and live bytes.",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
     *,
@@ -411,6 +419,11 @@ def estimate(
             limit=None if show_all else ROWS, recommendation=estimates.recommendation,
             nothing_fits=estimates.nothing_fits,
         )  # fmt: skip
+        if timeline:
+            from autoshard.ui.timeline import print_timeline
+
+            console.print()
+            print_timeline(estimates.recommendation, console)
 
     _run(work, debug)
 

@@ -14,7 +14,7 @@ step-time model's fastest for the planned GPUs wins among those.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -31,8 +31,17 @@ from autoshard.measure import (
     trials_checked_line,
 )
 from autoshard.plan import Plan, fits_elsewhere
+from autoshard.predict.factors import SpeedFactors
+from autoshard.predict.step_profile import step_profile
 from autoshard.recommendation import Recommendation
-from autoshard.results import MemoryEstimate, ModelProfile, Scored, TrialResult, TrialStatus
+from autoshard.results import (
+    MemoryEstimate,
+    ModelProfile,
+    Scored,
+    StepTimeline,
+    TrialResult,
+    TrialStatus,
+)
 from autoshard.space import (
     PREDICTED_TIE,
     predicted_rate,
@@ -63,8 +72,10 @@ def build_recommendation(
     basis: str,
     reasons: Sequence[str],
     notes: Sequence[str] = (),
+    timeline: StepTimeline | None = None,
 ) -> Recommendation:
-    """The only place a :class:`Recommendation` is made (``notes``: what the plan assumed)."""
+    """The only place a :class:`Recommendation` is made (``notes``: what the plan assumed;
+    ``timeline``: the chosen configuration's step as memory over time)."""
     return Recommendation(
         profile=profile,
         hardware=hardware,
@@ -77,6 +88,7 @@ def build_recommendation(
         basis=basis,
         reasons=(*reasons, *host_memory_reason(chosen, hardware), *notes),
         versions=versions(),
+        timeline=timeline,
     )
 
 
@@ -113,7 +125,24 @@ def decide(plan: Plan) -> Recommendation:
         basis="estimate",
         reasons=explain_estimate(best, plan),
         notes=plan.notes,
+        timeline=timeline_of(plan, best),
     )
+
+
+def timeline_of(
+    plan: Plan, chosen: MemoryEstimate | None, factors: SpeedFactors | None = None
+) -> StepTimeline | None:
+    """The ``chosen`` candidate's step as memory over time, on the speed model its prediction
+    came from: the plan's, with the ``factors`` a calibration predicted it with (the prior
+    where None), so that the timeline's step time is the chosen one's predicted step time (only
+    the shown candidate's: the seconds of every candidate's events are not needed). A
+    calibrated prediction without its factors has none: it would be a second step time."""
+    if chosen is None:
+        return None
+    calibrated = chosen.speed is not None and chosen.speed.calibrated
+    if calibrated and factors is None:
+        return None
+    return step_profile(plan.speed, chosen, plan.activations, factors, calibrated=calibrated)
 
 
 def nothing_fits(plan: Plan) -> str:
@@ -155,17 +184,25 @@ def decide_from_trials(
     plan: Plan,
     results: Sequence[TrialResult],
     tried_with: Mapping[str, MemoryEstimate] | None = None,
+    factors: Mapping[str, SpeedFactors] | None = None,
 ) -> Recommendation:
     """The best configuration that ran; every other trial as a runner-up or ruled out.
 
     ``tried_with``: by candidate label, the estimate each trial was launched with, whose speed
     the calibrated model predicted just before it ran; it replaces the plan's (uncalibrated)
-    estimate, so that the report puts each trial against its own prediction."""
-    tried_with = tried_with or {}
+    estimate, so that the report puts each trial against its own prediction. ``factors``: by
+    label, the calibrated factors of those predictions, which the chosen one's timeline is
+    timed with (:func:`timeline_of`)."""
+    tried_with, factors = tried_with or {}, factors or {}
     estimates = [tried_with.get(e.candidate.label(), e) for e in plan.estimates]
+
+    def timeline(chosen: MemoryEstimate | None) -> StepTimeline | None:
+        return timeline_of(plan, chosen, factors.get(chosen.candidate.label()) if chosen else None)
+
     return choose_from_trials(
-        plan.profile, plan.hardware, plan.workload, estimates, results, notes=plan.notes
-    )
+        plan.profile, plan.hardware, plan.workload, estimates, results, notes=plan.notes,
+        timeline=timeline,
+    )  # fmt: skip
 
 
 def choose_from_trials(
@@ -176,9 +213,10 @@ def choose_from_trials(
     results: Sequence[TrialResult],
     *,
     notes: Sequence[str] = (),
+    timeline: Callable[[MemoryEstimate | None], StepTimeline | None] | None = None,
 ) -> Recommendation:
     """:func:`decide_from_trials` from the plan's parts (what a test or a reader of old results
-    has)."""
+    has; ``timeline``: the chosen estimate's step as memory over time, :func:`timeline_of`)."""
     if not any(r.status is TrialStatus.OK for r in results):
         raise TrialsFailedError(nothing_ran(results))
     by_label = {e.candidate.label(): e for e in estimates}
@@ -204,6 +242,7 @@ def choose_from_trials(
         basis="trials",
         reasons=why,
         notes=notes,
+        timeline=timeline(by_label.get(ok[0].candidate.label())) if timeline else None,
     )
 
 

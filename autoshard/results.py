@@ -222,6 +222,42 @@ class SpeedEstimate(Frozen):
     calibrated: bool = Field(False, description="Whether measured trials calibrated the model.")
 
 
+class TimedEvent(Frozen):
+    """A memory event of one training step placed on the step's time: the moment ``name`` in
+    micro-batch ``micro_batch``'s ``stage``, during FSDP unit ``turn``'s compute (None: the
+    optimizer step) from ``start_s`` to ``end_s`` seconds into the step, with ``live`` the bytes
+    allocated then (no allowance)."""
+
+    name: str
+    stage: Literal["forward", "backward", "step"]
+    micro_batch: int
+    turn: str | None
+    start_s: float
+    end_s: float
+    live: MemoryBreakdown
+
+
+class StepTimeline(Frozen):
+    """One candidate's step as memory over time (:mod:`autoshard.predict.step_profile`): its
+    memory events in time order, which of them is the memory estimate's peak, and the seconds
+    of the speed model's step that fall outside the events' span, by cause."""
+
+    candidate: str = Field(..., description="The candidate's label.")
+    events: tuple[TimedEvent, ...]
+    peak: int = Field(..., description="Index in ``events`` of the estimate's peak.")
+    step_time_s: float = Field(..., description="The speed model's seconds per step.")
+    untimed: dict[str, float] = Field(
+        default_factory=dict,
+        description="Seconds of the step not on the events' span: FSDP's copies, float8's "
+        "scale sync, the host-bound floor, memory pressure.",
+    )
+    calibrated: bool = Field(False, description="Whether the seconds are calibrated by trials.")
+
+    @property
+    def peak_event(self) -> TimedEvent:
+        return self.events[self.peak]
+
+
 class MemoryEstimate(Frozen):
     """Predicted per-rank memory of one candidate on one hardware target.
 
@@ -383,6 +419,11 @@ class Decision(Frozen):
         None,
         description="Name of the study the trials came from (a fingerprint of the settings): "
         "the records of trials.jsonl that belong to this recommendation.",
+    )
+    timeline: StepTimeline | None = Field(
+        None,
+        description="The chosen configuration's step as memory over time (the analytic "
+        "estimate's events on the speed model's seconds); None where not predicted.",
     )
 
     # Notebook- and terminal-friendly: a few lines, not the 150,000 characters of every field.

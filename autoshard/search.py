@@ -16,10 +16,12 @@ Errors and timeouts rule out the candidates that share the failing setting
 (:mod:`autoshard.study.lessons`).
 
 Resuming: every finished trial is appended to ``trials.jsonl`` (fsync'd) and then stored in the
-study. Running the same command again skips finished candidates; a trial left running by a
-killed process is tried again. Changed settings (batch sizes, precisions, hardware, ...), or a
-changed model (its structure: :func:`autoshard.study.settings.model_fingerprint`), name a new
-study, with one line saying what changed: nothing measured under other settings is reused.
+study. Running the same command again skips finished candidates; a trial left running by a killed
+process is tried again. Each trial is judged against the prediction it was tried with, recorded with
+it in the study, whichever run or driver tried it. Changed settings (batch sizes, precisions,
+hardware, ...), or a changed model (its structure:
+:func:`autoshard.study.settings.model_fingerprint`), name a new study, with one line saying what
+changed: nothing measured under other settings is reused.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from pydantic import ValidationError
 
 from autoshard.config import Candidate, Checkpointing, TuneOptions
 from autoshard.decide import decide_from_trials
@@ -154,22 +157,25 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
         _open_study(store, plan, opts)
         cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
 
-        # The latest (calibrated) prediction of each candidate: the one a trial is tried with,
-        # which the report puts against its measurement.
-        predicted: dict[str, MemoryEstimate] = {}
-        tried_with: dict[str, MemoryEstimate] = {}
+        # The factors of each candidate's latest (calibrated) prediction: the one a trial is
+        # tried with, recorded with it (the report puts it against its measurement; its
+        # factors time the chosen one's timeline: one step time, resumed or not).
+        predicted: dict[str, SpeedFactors | None] = {}
+
+        def factors_of(candidate: Candidate) -> dict[str, float] | None:
+            made_with = predicted.get(candidate.label())
+            return None if made_with is None else made_with.model_dump()
 
         def run(candidate: Candidate) -> TrialResult:
-            label = candidate.label()
-            if label in predicted:
-                tried_with[label] = predicted[label]
             return group.run(
                 candidate, workload, warmup=opts.warmup, steps=opts.steps, memory_cap=cap,
                 target_spread=opts.target_spread, max_steps=opts.max_steps,
                 max_seconds=opts.max_seconds,
             )  # fmt: skip
 
-        fitted: dict[tuple[object, ...], list[MemoryEstimate]] = {}
+        fitted: dict[
+            tuple[object, ...], tuple[list[MemoryEstimate], Calibration[SpeedFactors] | None]
+        ] = {}
 
         def reorder(
             untried: Sequence[MemoryEstimate], done: Sequence[TrialResult]
@@ -181,9 +187,11 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
                 *sorted((r.candidate.label(), r.step_time) for r in done if r.step_time),
             )
             if key not in fitted:
-                fitted[key] = reorder_remaining(untried, done, plan)[0]
-            order = fitted[key]
-            predicted.update((e.candidate.label(), e) for e in order)
+                fitted[key] = reorder_remaining(untried, done, plan)
+            order, calibration = fitted[key]
+            for e in order:
+                made_with = None if calibration is None else calibration.factors_for(e.candidate)
+                predicted[e.candidate.label()] = made_with
             return order
 
         with _worker_files(out_dir), group:
@@ -196,12 +204,46 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
                 emit=opts.on_event,
                 reorder=reorder,
                 cannot_run=None if torch.cuda.is_available() else cpu_workers_cannot_run,
+                factors_of=factors_of,
             )
-        rec = decide_from_trials(plan, results, tried_with)
+        tried_with, tried_factors = _tried_with(store, results, notice)
+        rec = decide_from_trials(plan, results, tried_with, tried_factors)
         rec = rec.model_copy(update={"study": store.name})
         store.mark_recommended(rec)  # what optuna-dashboard shows beside its best trial
         write_outputs(rec, out_dir, results)
     return rec
+
+
+def _tried_with(
+    store: StudyStore, results: Sequence[TrialResult], notice: Callable[[str], None]
+) -> tuple[dict[str, MemoryEstimate], dict[str, SpeedFactors]]:
+    """By label, the estimate each launched trial of ``results`` was tried with and the
+    calibrated factors it was predicted with, as the study recorded them: this run's trials,
+    earlier runs' (resumed) and other drivers' alike. Trials recorded without them (an older
+    autoshard; restored from the journal) keep the plan's estimate, said in one line."""
+    estimates: dict[str, MemoryEstimate] = {}
+    factors: dict[str, SpeedFactors] = {}
+    unknown = 0
+    for label, tried in store.tried_with(results).items():
+        try:
+            estimate = None if tried is None else MemoryEstimate.model_validate_json(tried[0])
+            made_with = None if not tried or tried[1] is None else SpeedFactors(**tried[1])
+        except ValidationError:  # written by another version of autoshard
+            estimate = None
+        if estimate is None:
+            unknown += 1
+            continue
+        estimates[label] = estimate
+        if made_with is not None:
+            factors[label] = made_with
+    if unknown:
+        notice(
+            f"{unknown} trials of study {store.name} were recorded without the prediction they "
+            "were tried with (an older autoshard, or restored from trials.jsonl): they are put "
+            "against the uncalibrated model's prediction, which may differ from the one they "
+            "were tried with"
+        )
+    return estimates, factors
 
 
 def _open_study(store: StudyStore, plan: Plan, opts: TuneOptions) -> None:

@@ -180,3 +180,37 @@ def test_an_exports_versions_name_each_package_installed(monkeypatch) -> None:
 
     monkeypatch.setattr(decide_module, "version", version)
     assert set(versions()) == {"torch", "autoshard", "lightning"}
+
+
+def test_a_calibrated_prediction_is_timed_with_its_own_factors_or_not_at_all() -> None:
+    """decide_from_trials times the chosen one's timeline with the factors its (calibrated)
+    prediction was made with: one step time; without them, no timeline rather than the
+    prior's second step time."""
+    from autoshard.decide import decide_from_trials
+    from autoshard.predict.calibrate import repredict
+    from autoshard.results import TrialResult, TrialStatus
+
+    options = PlanOptions(gpus=2, gpu="cpu-gloo", gpu_memory="4GiB", batch_size="1",
+                          precision="32-true", seq_len=32)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = make_plan(make_request("examples/gpt.py:build", options, kwargs={"size": "tiny"}))
+    first = next(e for e in plan.estimates if e.fits)
+    slower = plan.speed.prior.model_copy(
+        update={"compute_efficiency": plan.speed.prior.compute_efficiency / 10}
+    )
+    calibrated = repredict([first], plan.speed.predict, lambda _: slower, calibrated=True)[0]
+    label = first.candidate.label()
+    ran = TrialResult(candidate=first.candidate, status=TrialStatus.OK, device="cpu",
+                      world_size=2, step_time=0.1, samples_per_s=20.0)  # fmt: skip
+
+    rec = decide_from_trials(plan, [ran], {label: calibrated}, {label: slower})
+    assert rec.timeline is not None and rec.timeline.calibrated
+    predicted = calibrated.speed.step_time_s
+    assert rec.timeline.step_time_s == pytest.approx(predicted, rel=1e-9)
+    assert predicted > 1.1 * first.speed.step_time_s  # the prior's would be another answer
+    assert decide_from_trials(plan, [ran], {label: calibrated}).timeline is None
+    # uncalibrated: the plan's prediction, timed with the prior
+    plain = decide_from_trials(plan, [ran]).timeline
+    assert plain is not None and not plain.calibrated
+    assert plain.step_time_s == pytest.approx(first.speed.step_time_s, rel=1e-9)

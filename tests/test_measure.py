@@ -249,12 +249,18 @@ def test_the_module_examples_run() -> None:
     assert result.attempted >= 8 and result.failed == 0
 
 
-def test_each_trial_is_reported_against_the_prediction_it_was_tried_with() -> None:
+def test_each_trial_is_reported_against_the_prediction_it_was_tried_with(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The study re-predicts untried candidates after each trial (calibrated): the
     recommendation carries those predictions, not the plan's first ones."""
     from types import SimpleNamespace
 
+    from autoshard import decide
     from autoshard.decide import decide_from_trials
+
+    # a plan of estimates alone (no speed model, no activations): no timeline to draw
+    monkeypatch.setattr(decide, "timeline_of", lambda plan, chosen, factors=None: None)
 
     first, second = run(0.100, spread=0.01), run(0.130, sharding=Sharding.SHARD_GRAD_OP)
     plan_estimates = [with_speed(estimate(t.candidate), 100.0) for t in (first, second)]

@@ -29,7 +29,7 @@ from autoshard.predict.activations import ActivationProfile, rule_of_thumb
 from autoshard.predict.allocator import ReservedPeak, reserved_peak, stream_pools
 from autoshard.predict.recipe import recipe_activations
 from autoshard.predict.step_bytes import step_bytes
-from autoshard.predict.step_memory import peak_event, step_events, walk_step
+from autoshard.predict.step_memory import MemoryEvent, peak_event, step_events, walk_step
 from autoshard.results import MemoryBreakdown, MemoryEstimate, ModelProfile
 from autoshard.units import format_bytes
 
@@ -42,6 +42,7 @@ __all__ = [
     "estimate_all",
     "estimate_memory",
     "estimate_reserved",
+    "memory_events",
     "needs_simulation",
     "peak_moments",
     "stream_pools_of",
@@ -238,6 +239,21 @@ def _acts(
 ) -> ActivationProfile:
     acts = activations or rule_of_thumb(profile, workload, "no activation profile given")
     return recipe_activations(candidate, acts)  # what torch.compile no longer saves
+
+
+def memory_events(
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    *,
+    activations: ActivationProfile | None = None,
+) -> list[MemoryEvent]:
+    """The events of ``candidate``'s step, in the walk's order, of which :func:`estimate_memory`
+    reports the peak (:func:`~autoshard.predict.step_memory.peak_event`)."""
+    acts = _acts(profile, candidate, workload, activations)
+    t = step_bytes(profile, candidate, hardware, workload, acts)
+    return walk_step(t, hardware, workload)
 
 
 def estimate_reserved(

@@ -34,6 +34,7 @@ The factors (:class:`SpeedFactors`) say how much of each peak is reached; trials
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from autoshard.config import (
     Candidate,
@@ -60,9 +61,11 @@ from autoshard.predict.recipe import LinearShapes, RecipeStep
 from autoshard.predict.timeline import (
     MicroBatch,
     Pass,
+    PassSeconds,
     Turn,
     Unit,
     Work,
+    pass_seconds,
     step_timeline,
     two_streams,
 )
@@ -245,6 +248,52 @@ def _exposed_and_contention(
     return exposed, contention_s
 
 
+class _Set(NamedTuple):
+    """What a prediction of one candidate reads: the resolved GPU and factors, the candidate as
+    run, its collectives, its work's rates and recipe, and the GPU's dense peak."""
+
+    gpu: GPUSpec
+    factors: SpeedFactors
+    candidate: Candidate
+    comm: Collectives
+    rates: WorkRates
+    recipe: RecipeStep
+    peak: float
+
+    @classmethod
+    def up(
+        cls, profile: ModelProfile, flops: FlopProfile, candidate: Candidate, hardware: Hardware,
+        factors: SpeedFactors | None, gpu: GPUSpec | None, tf32: bool,
+        linears: LinearShapes | None,
+    ) -> _Set:  # fmt: skip
+        if gpu is None:
+            gpu = speed_for(hardware)[0]
+        factors = factors or default_factors(gpu)
+        candidate = as_run(candidate, hardware)
+        peak = dense_flops(gpu, candidate.precision, tf32=tf32)
+        comm = Collectives(
+            candidate, hardware, gpu,
+            latency_s=factors.collective_latency_s, efficiency=factors.comm_efficiency,
+        )  # fmt: skip
+        rates = work_rates(candidate, gpu, factors, peak)
+        # torch.compile and float8: the work the step runs, its gathers' bytes (predict/recipe.py)
+        recipe = RecipeStep.of(candidate, flops, gpu, profile, linears)
+        comm.gather_bytes *= recipe.gather_scale
+        return cls(gpu, factors, candidate, comm, rates, recipe, peak)
+
+
+def _turns_of(
+    profile: ModelProfile, candidate: Candidate, hardware: Hardware, workload: WorkloadSpec,
+    blocks: int, skip_sync: bool | None,
+) -> tuple[list[MicroBatch], bool]:  # fmt: skip
+    """The step's micro-batches over ``blocks`` timed blocks, and whether backward prefetches."""
+    step = step_timeline(
+        candidate, hardware, workload, blocks=blocks, params=float(profile.total_params),
+        block_params=float(profile.block_params) if blocks else 0.0, skip_sync=skip_sync,
+    )  # fmt: skip
+    return step, policy_of(candidate).prefetches_backward(candidate)
+
+
 def predict_speed(
     profile: ModelProfile,
     flops: FlopProfile,
@@ -283,20 +332,9 @@ def predict_speed(
     >>> 0.2 < full.mfu < 0.55
     True
     """
-    if gpu is None:
-        gpu = speed_for(hardware)[0]
-    factors = factors or default_factors(gpu)
-    candidate = as_run(candidate, hardware)
+    s = _Set.up(profile, flops, candidate, hardware, factors, gpu, tf32, linears)
+    gpu, factors, candidate, comm, rates, recipe, peak = s
     mbs, accumulate = candidate.micro_batch_size, workload.accumulate
-    peak = dense_flops(gpu, candidate.precision, tf32=tf32)
-    comm = Collectives(
-        candidate, hardware, gpu,
-        latency_s=factors.collective_latency_s, efficiency=factors.comm_efficiency,
-    )  # fmt: skip
-    rates = work_rates(candidate, gpu, factors, peak)
-    # torch.compile and float8: the work the step runs, its gathers' bytes (predict/recipe.py)
-    recipe = RecipeStep.of(candidate, flops, gpu, profile, linears)
-    comm.gather_bytes *= recipe.gather_scale
     total, breakdown = _step_time(
         profile, recipe, candidate, hardware, workload, gpu, factors, comm, rates, skip_sync
     )
@@ -327,11 +365,7 @@ def _step_time(
     seconds = _StepSeconds(profile, run, rates, comm, selective=selective)
     blocks = len(seconds.fwd)
     params = float(profile.total_params)
-    step = step_timeline(
-        candidate, hardware, workload, blocks=blocks, params=params,
-        block_params=float(profile.block_params) if blocks else 0.0, skip_sync=skip_sync,
-    )  # fmt: skip
-    prefetch = policy_of(candidate).prefetches_backward(candidate)
+    step, prefetch = _turns_of(profile, candidate, hardware, workload, blocks, skip_sync)
     compute_s, recompute_s = _busy_seconds(seconds, candidate, accumulate)
     exposed, contention_s = _exposed_and_contention(
         step, seconds, prefetch, factors, compute_s + recompute_s
@@ -411,3 +445,40 @@ def under_pressure(
             "breakdown": speed.breakdown.model_copy(update={"pressure_s": extra}),
         }
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The turns' seconds (the step's timeline as a user reads it: autoshard.predict.step_profile)
+# ---------------------------------------------------------------------------------------------
+
+
+def turn_seconds(
+    profile: ModelProfile,
+    flops: FlopProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    factors: SpeedFactors | None = None,
+    *,
+    gpu: GPUSpec | None = None,
+    tf32: bool = False,
+    linears: LinearShapes | None = None,
+    skip_sync: bool | None = None,
+) -> list[tuple[MicroBatch, PassSeconds, PassSeconds]]:
+    """Each micro-batch of :func:`predict_speed`'s step with its forward's and backward's turns
+    timed, one run of it: their elapsed seconds times each micro-batch's count add up to the
+    step's compute, recompute, exposed communication and contention (the rest of the step,
+    the optimizer and offload, FSDP's copies, float8's scale sync and the host-bound floor, is
+    timed whole in the breakdown). The same inputs as :func:`predict_speed`."""
+    s = _Set.up(profile, flops, candidate, hardware, factors, gpu, tf32, linears)
+    selective = s.candidate.checkpointing is Checkpointing.SELECTIVE
+    seconds = _StepSeconds(profile, s.recipe.flops(), s.rates, s.comm, selective=selective)
+    step, prefetch = _turns_of(
+        profile, s.candidate, hardware, workload, len(seconds.fwd), skip_sync
+    )
+    slowdown, overlap = s.factors.overlap_slowdown, s.factors.overlap
+
+    def timed(turns: tuple[Turn, ...], prefetches: bool) -> PassSeconds:
+        return pass_seconds([seconds.unit(t) for t in turns], prefetches, slowdown, overlap)
+
+    return [(mb, timed(mb.forward, True), timed(mb.backward, prefetch)) for mb in step]

@@ -204,7 +204,11 @@ def _slowed(compute: float, busy: float, slowdown: float) -> float:
 
 
 def two_streams(
-    units: Sequence[Unit], *, prefetch: bool = True, slowdown: float = 0.0
+    units: Sequence[Unit],
+    *,
+    prefetch: bool = True,
+    slowdown: float = 0.0,
+    windows: list[tuple[float, float]] | None = None,
 ) -> tuple[float, float]:
     """(elapsed seconds, communication seconds) of ``units`` run in order on two streams: one
     computes, one communicates (collectives in the order they are issued). A unit computes
@@ -212,7 +216,8 @@ def two_streams(
     unit before it starts computing (``prefetch``: FSDP's forward and backward prefetch) or
     when it is reached; its reduction is issued when its compute is done. While collectives
     run beside a unit's compute, that compute runs ``1 + slowdown`` times slower (the
-    collectives are not slowed: their kernels are small and bandwidth-bound).
+    collectives are not slowed: their kernels are small and bandwidth-bound). ``windows``, when
+    given, receives each unit's (start, end) seconds on the compute stream.
 
     >>> from autoshard.predict.timeline import two_streams
     >>> two_streams([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)])  # the second gather hides
@@ -239,7 +244,53 @@ def two_streams(
             comm_free = max(comm_free, start + duration) + following
             gathered = comm_free
         compute_free = start + duration
+        if windows is not None:
+            windows.append((start, compute_free))
         if reduce:
             comm_free = max(comm_free, compute_free) + reduce
     comm = sum(g + r for g, _, r in units)
     return max(compute_free, comm_free), comm
+
+
+Window = tuple[float, float]  # (start, end) seconds of a turn's compute, from its pass's start
+
+
+@dataclass(frozen=True)
+class PassSeconds:
+    """One micro-batch's forward or backward on the compute stream: each turn's window, and
+    when the pass is done (its last reduction included)."""
+
+    windows: tuple[Window, ...]
+    elapsed: float
+
+
+def pass_seconds(
+    units: Sequence[Unit], prefetch: bool, slowdown: float, overlap: float
+) -> PassSeconds:
+    """The windows of ``units`` on the schedule whose elapsed seconds the speed model's step
+    counts (its compute, recompute, exposed communication and contention): the two-stream
+    timeline with the compute ``slowdown`` slower beside the collectives, weighted by
+    ``overlap`` (the share of communication that may hide) against the serial one (each unit's
+    gather, compute and reduction in turn: what blocking collectives run).
+
+    >>> from autoshard.predict.timeline import pass_seconds
+    >>> pass_seconds([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], True, 0.0, 1.0)  # as two_streams
+    PassSeconds(windows=((1.0, 3.0), (3.0, 5.0)), elapsed=5.0)
+    >>> pass_seconds([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], True, 0.0, 0.0).windows[1]  # serial
+    (4.0, 6.0)
+    """
+    overlapped: list[Window] = []
+    slowed = two_streams(units, prefetch=prefetch, slowdown=slowdown, windows=overlapped)[0]
+    share = overlap
+    clock = 0.0  # the serial schedule's
+    windows = []
+    for (gather, compute, reduce), (start, end) in zip(units, overlapped, strict=True):
+        serial_start = clock + gather
+        clock = serial_start + compute + reduce
+        windows.append(
+            (
+                share * start + (1 - share) * serial_start,
+                share * end + (1 - share) * (serial_start + compute),
+            )
+        )
+    return PassSeconds(tuple(windows), share * slowed + (1 - share) * clock)

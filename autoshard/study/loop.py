@@ -33,6 +33,7 @@ from autoshard.study.view import ClaimLost, StudyView, Ticket, identity
 Emit = Callable[[ProgressEvent, Scored], None]
 Dominated = Callable[[Candidate, Sequence[TrialResult]], TrialResult | None]
 Reorder = Callable[[Sequence[MemoryEstimate], Sequence[TrialResult]], list[MemoryEstimate]]
+FactorsOf = Callable[[Candidate], dict[str, float] | None]
 WAIT_S = 2.0  # how often a driver with nothing to claim looks again while others run trials
 
 
@@ -45,7 +46,9 @@ class Store(Protocol):
 
     def record(self, result: TrialResult, estimate: str | None = None) -> None: ...
 
-    def start(self, label: str, estimate: str | None = None) -> Ticket: ...
+    def start(
+        self, label: str, estimate: str | None = None, factors: dict[str, float] | None = None
+    ) -> Ticket: ...
 
     def finish(self, ticket: Ticket, result: TrialResult) -> None: ...
 
@@ -63,10 +66,13 @@ def run_trials(
     wait_s: float = WAIT_S,
     reorder: Reorder | None = None,
     cannot_run: Callable[[Candidate], str | None] | None = None,
+    factors_of: FactorsOf | None = None,
 ) -> list[TrialResult]:
     """Run the study (see the module docstring); returns the result that settles each
     candidate, every driver's, in the order the storage recorded them. ``cannot_run`` says why
-    the workers cannot run a candidate (recorded as skipped with that reason, never launched)."""
+    the workers cannot run a candidate (recorded as skipped with that reason, never launched);
+    ``factors_of``, the calibrated factors a candidate's estimate (``reorder``'s) was predicted
+    with, recorded with its trial beside that estimate (None: the uncalibrated model's)."""
     tell = emit or (lambda kind, scored: None)
     by_label = {e.candidate.label(): e for e in ranked}
     candidates = [e.candidate for e in ranked]
@@ -83,7 +89,7 @@ def run_trials(
         try:
             choice, ticket, done = _turn(
                 store, ranked, by_label, candidates, first, announce, n_trials, dominated,
-                reorder, cannot_run,
+                reorder, cannot_run, factors_of,
             )  # fmt: skip
         except ClaimLost:
             continue  # stopped while it held the claim, which another driver took: look again
@@ -116,6 +122,7 @@ def _turn(
     dominated: Dominated | None,
     reorder: Reorder | None,
     cannot_run: Callable[[Candidate], str | None] | None,
+    factors_of: FactorsOf | None,
 ) -> tuple[MemoryEstimate | None, Ticket | None, bool]:
     """One turn under the claim lock: (the candidate claimed, its ticket, whether the study is
     over)."""
@@ -144,7 +151,9 @@ def _turn(
         order = reorder(ranked, list(settled.values())) if reorder else ranked
         choice = _pick(view, order, candidates, lessons, n_trials, dominated)
         if choice is not None:
-            return choice, store.start(choice.candidate.label(), choice.model_dump_json()), False
+            factors = factors_of(choice.candidate) if factors_of else None
+            label, estimate = choice.candidate.label(), choice.model_dump_json()
+            return choice, store.start(label, estimate, factors), False
         return None, None, not view.running
 
 

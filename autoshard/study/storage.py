@@ -4,10 +4,12 @@ A study is an optuna study named by its settings (:mod:`autoshard.study.settings
 per candidate: one categorical parameter per knob (engine, sharding, wrap, checkpointing, offload,
 precision, micro_batch, reshard, compile, float8), so that optuna-dashboard's importance and slice
 plots speak of them; the candidate's label and its full :class:`~autoshard.results.TrialResult` as
-user attributes. The objective is named (``set_metric_names``) and is the one the decision ranks by;
-the recommended trial is named in the study's user attribute ``recommended``. The storage is SQLite
-in the output folder by default, or any ``--storage`` URL: an RDB server (PostgreSQL, MySQL) lets
-several drivers on several machines run the trials of one study at once.
+user attributes, with what it was tried with: the estimate (``estimate``) and the calibrated speed
+factors that predicted it (``autoshard_factors``), which a resumed study judges it against. The
+objective is named (``set_metric_names``) and is the one the decision ranks by; the recommended
+trial is named in the study's user attribute ``recommended``. The storage is SQLite in the output
+folder by default, or any ``--storage`` URL: an RDB server (PostgreSQL, MySQL) lets several drivers
+on several machines run the trials of one study at once.
 
 Several drivers, one study (optuna's own distributed optimisation, on its RDB storage):
 - a driver *claims* its next candidate by creating a RUNNING trial for it; the look at the
@@ -79,6 +81,9 @@ OBJECTIVE_ATTR = "objective"
 RECOMMENDED_ATTR = "recommended"
 RESULT_ATTR = "autoshard_result"
 ESTIMATE_ATTR = "estimate"
+# The calibrated speed factors the estimate was predicted with (null: the uncalibrated model's);
+# absent on trials of an older autoshard and on trials restored from the journal.
+FACTORS_ATTR = "autoshard_factors"
 OWNER_ATTR = "autoshard_driver"
 SETTINGS_ATTR = "autoshard_settings"
 HEARTBEAT_S = 5
@@ -477,8 +482,12 @@ class StudyStore:
         with _db_errors(self.shown):
             self.again(lambda: self._add_finished(result, estimate))
 
-    def start(self, label: str, estimate: str | None = None) -> Ticket:
-        """Claim ``label``: a RUNNING trial naming this driver, its heartbeat started."""
+    def start(
+        self, label: str, estimate: str | None = None, factors: dict[str, float] | None = None
+    ) -> Ticket:
+        """Claim ``label``: a RUNNING trial naming this driver, its heartbeat started.
+        ``estimate`` (JSON) and ``factors`` (the calibrated speed factors it was predicted with;
+        None: uncalibrated) are recorded with its result: what it was tried with."""
         assert self.distribution is not None
         template = FrozenTrial(
             number=-1,
@@ -502,7 +511,7 @@ class StudyStore:
         with _db_errors(self.shown):
             trial_id = self.again(create)
         self._beat = _Heartbeat(self.storage, trial_id)
-        self._running = Ticket(trial_id, label, estimate)
+        self._running = Ticket(trial_id, label, estimate, factors)
         return self._running
 
     def finish(self, ticket: Ticket, result: TrialResult) -> None:
@@ -515,7 +524,7 @@ class StudyStore:
 
     def _store_finished(self, ticket: Ticket, result: TrialResult) -> None:
         try:
-            for key, value in self._attrs(result, ticket.estimate).items():
+            for key, value in self._attrs(result, ticket.estimate, ticket).items():
                 self.storage.set_trial_user_attr(ticket.trial_id, key, value)
             ok = result.status is TrialStatus.OK
             self.storage.set_trial_state_values(
@@ -526,7 +535,7 @@ class StudyStore:
         except optuna.exceptions.UpdateFinishedTrialError:
             # Another driver took this one for stale (no heartbeat within the grace period)
             # and failed it: the result is kept all the same, as a trial of its own.
-            self._add_finished(result, ticket.estimate)
+            self._add_finished(result, ticket.estimate, ticket)
 
     def abandon(self, ticket: Ticket) -> None:
         """The trial will not finish (Ctrl-C, an error): failed without a result, so that its
@@ -586,16 +595,22 @@ class StudyStore:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(self.study)
 
-    def _attrs(self, result: TrialResult, estimate: str | None) -> dict[str, Any]:
+    def _attrs(
+        self, result: TrialResult, estimate: str | None, tried: Ticket | None = None
+    ) -> dict[str, Any]:
         attrs: dict[str, Any] = {
             LABEL_ATTR: result.candidate.label(),
             RESULT_ATTR: result.model_dump_json(),
         }
         if estimate is not None:
             attrs[ESTIMATE_ATTR] = estimate
+        if tried is not None and tried.estimate is not None:
+            attrs[FACTORS_ATTR] = tried.factors  # None too: tried with the uncalibrated model
         return attrs
 
-    def _add_finished(self, result: TrialResult, estimate: str | None = None) -> None:
+    def _add_finished(
+        self, result: TrialResult, estimate: str | None = None, tried: Ticket | None = None
+    ) -> None:
         assert self.study is not None and self.distribution is not None
         label = result.candidate.label()
         if label not in self.distribution.choices:
@@ -610,9 +625,36 @@ class StudyStore:
                 state=state,
                 value=value,
                 **self._params(label),
-                user_attrs=self._attrs(result, estimate),
+                user_attrs=self._attrs(result, estimate, tried),
             )
         )
+
+    def tried_with(
+        self, results: Sequence[TrialResult]
+    ) -> dict[str, tuple[str, dict[str, float] | None] | None]:
+        """By label, what each launched trial of ``results`` was tried with, as recorded beside
+        its result: (its estimate's JSON, the calibrated factors it was predicted with or None
+        for the uncalibrated model); None where its record has neither (a trial of an older
+        autoshard, or one restored from the journal)."""
+        wanted = {identity(r) for r in results if r.status.launched}
+        with _db_errors(self.shown):
+            trials = self.again(lambda: self.storage.get_all_trials(self.study_id, deepcopy=False))
+        out: dict[str, tuple[str, dict[str, float] | None] | None] = {}
+        for t in trials:
+            raw = t.user_attrs.get(RESULT_ATTR)
+            if not raw or not t.state.is_finished():
+                continue
+            try:
+                result = TrialResult.model_validate_json(raw)
+            except ValidationError:
+                continue
+            if identity(result) not in wanted:
+                continue
+            estimate = t.user_attrs.get(ESTIMATE_ATTR)
+            recorded = isinstance(estimate, str) and FACTORS_ATTR in t.user_attrs
+            label = result.candidate.label()
+            out[label] = (str(estimate), t.user_attrs[FACTORS_ATTR]) if recorded else None
+        return out
 
     def _params(self, label: str) -> dict[str, Any]:
         """A trial's parameters: one per knob, or (no candidates given) the label."""

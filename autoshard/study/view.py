@@ -73,7 +73,8 @@ class Ticket:
 
     trial_id: int
     label: str
-    estimate: str | None = None
+    estimate: str | None = None  # the estimate's JSON: the prediction it is tried with
+    factors: dict[str, float] | None = None  # the calibrated factors of that prediction
 
 
 def identity(result: TrialResult) -> tuple[str, str]:

@@ -5,7 +5,6 @@ the memory of every candidate and the throughput of every trial.
 from __future__ import annotations
 
 import html
-import math
 from collections.abc import Sequence
 
 from autoshard.config import Candidate, Hardware
@@ -32,6 +31,8 @@ from autoshard.ui.report import (
     trials_of,
     why_ruled_out,
 )
+from autoshard.ui.ticks import byte_ticks, nice_ticks
+from autoshard.ui.timeline import timeline_chart
 from autoshard.units import format_bytes, format_share
 
 # ---------------------------------------------------------------------------------------------
@@ -59,26 +60,6 @@ def _memory_rows(
 
 # How the memory chart and the table say what became of a candidate that was not chosen.
 NOT_RUN = {SKIPPED: "skipped, never launched", RULED_OUT: "predicted not to fit, never launched"}
-
-
-def nice_ticks(top: float, count: int = 5) -> list[float]:
-    """Round tick values from 0 to about ``top``: steps of 1, 2 or 5 times a power of ten.
-
-    >>> nice_ticks(97.0)
-    [0, 20, 40, 60, 80]
-    """
-    if top <= 0:
-        return [0.0]
-    raw = top / count
-    power = 10 ** math.floor(math.log10(raw))
-    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
-    return [i * step for i in range(int(top / step) + 1)]
-
-
-def _byte_ticks(top: float) -> list[float]:
-    """Tick values in bytes at round numbers of the unit format_bytes will print them in."""
-    unit = next((u for u in (2**40, 2**30, 2**20, 2**10) if top >= u), 1)
-    return [v * unit for v in nice_ticks(top / unit)]
 
 
 class _Axis:
@@ -176,7 +157,7 @@ def memory_chart(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
 def _byte_grid(axis: _Axis, x0: float, head: float, bottom: float, top: float) -> list[str]:
     """Grid lines and byte ticks of the to-scale part of ``axis``, and the axis line."""
     out = []
-    for tick in _byte_ticks(axis.cut):
+    for tick in byte_ticks(axis.cut):
         tx = axis.x(tick)
         out.append(
             f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{head - 6}" y2="{bottom}" stroke="#eee"/>'
@@ -600,6 +581,19 @@ svg .s{font-size:11px} svg .dim{fill:#666} ul{margin:4px 0}
 """
 
 
+def _timeline_section(rec: Decision) -> str:
+    """The chosen configuration's memory over its step, where the decision carries it."""
+    chart = timeline_chart(rec)
+    if not chart:
+        return ""
+    seconds = "calibrated" if rec.timeline and rec.timeline.calibrated else "uncalibrated"
+    return (
+        "<h2>Memory over the chosen configuration's step</h2>\n"
+        f'<p class="dim">Memory events of the analytic estimate on the {seconds} speed '
+        "model's seconds (<code>autoshard estimate --timeline</code> lists them)</p>\n" + chart
+    )
+
+
 def render_html(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     """One self-contained HTML page: no scripts, no network, charts as inline SVG."""
     from autoshard.emit.runtime import choose_state_dict_type
@@ -627,6 +621,7 @@ def render_html(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
 <h2>Why it won</h2><ul>{reasons}</ul>
 <h2>Memory per candidate</h2>
 {memory_chart(rec, all_trials)}
+{_timeline_section(rec)}
 <h2>Predicted and measured throughput</h2>
 {f'<p class="note">{_esc(note)}</p>' if note else ""}
 {speed_chart(rec, all_trials)}
