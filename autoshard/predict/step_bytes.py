@@ -237,8 +237,11 @@ def _block_backward_bytes(
 ) -> int:
     """One block's backward temporaries (``recomputes``: it is checkpointed). It turns its
     saved activations into gradients as it goes: the moment holds the larger of the two, not
-    both. A checkpointed block first recomputes them, and the peak comes about halfway through
-    its backward (fitted to the simulation; provenance: benchmarks/results/memory_moments.md)."""
+    both. A checkpointed block's is measured on fake tensors (its recompute, the gradient from
+    above and its gradients as they are made: :mod:`autoshard.predict.backward_peak`), with its
+    parameters' gradients for FSDP1, whose events count them nowhere else (FSDP2's are the
+    unit's unsharded gradients, counted as its reduce buffers); where it was not measured,
+    the recompute and half the block's fp32 activations (fitted at 64-128 tokens)."""
     # Activation gradients are made in the compute dtype, also where the forward saved an fp32
     # upcast: sized from the fp32 profile when there is one.
     uniform = acts.at(Precision.FP32)
@@ -246,6 +249,12 @@ def _block_backward_bytes(
     if not recomputes:
         at = acts.at(candidate.precision)
         return max(0, block_grad - int(max(at.block_bytes, default=0) * at.scale(candidate)))
+    at = acts.at(candidate.precision)
+    selective = candidate.checkpointing is Checkpointing.SELECTIVE
+    total, activations_only = at.selective_backward if selective else at.checkpointed_backward
+    measured = total if candidate.engine is Engine.FSDP1 else activations_only
+    if measured:
+        return int(measured * at.scale(candidate))
     return recompute + block_grad // 2
 
 
