@@ -38,8 +38,10 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+        # a view or an in-place result shares an input's storage: nothing is made
+        given = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            if t.untyped_storage()._cdata not in given:
                 self._follow(t.untyped_storage())
         return out
 
@@ -71,6 +73,10 @@ class LiveBytes(TorchDispatchMode):
                 live += nbytes
                 top = max(top, live)
         return top
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
 @dataclass(frozen=True)
