@@ -37,7 +37,6 @@ sys.path.insert(0, str(ROOT))
 
 from autoshard import TargetSpec, WorkloadSpec, analyze_target, profile_activations  # noqa: E402
 from autoshard.predict.backward_peak import (  # noqa: E402
-    block_backward_peak,
     checkpointed_backward_peaks,
     first_calls,
 )

@@ -112,10 +112,13 @@ def test_checkpointed_block_backward_is_the_measured_peak_per_micro_batch(
         t = step_bytes(profile, candidate, HARDWARE, workload, acts)
         fields = acts.selective_backward if checkpointing is Checkpointing.SELECTIVE else None
         total, activations_only = fields or acts.checkpointed_backward
-        if engine is Engine.FSDP1:  # its events count the parameters' gradients nowhere else
-            assert t.recomputed_backward_bytes == 2 * real == 2 * total
-        else:  # FSDP2 counts them as the unit's unsharded gradients
-            assert t.recomputed_backward_bytes == 2 * activations_only < 2 * real
+        assert t.recomputed_backward_bytes == 2 * real == 2 * total
+        # the block below the top: its parameters' gradients are counted nowhere else
+        assert t.block_backward(0) == 2 * real
+        if engine is Engine.FSDP1:
+            assert t.block_backward(-1) == 2 * real
+        else:  # FSDP2's top block: they are the unit's unsharded gradients, counted beside
+            assert t.block_backward(-1) == 2 * activations_only < 2 * real
 
 
 def test_live_bytes_counts_what_operations_make_until_it_is_freed() -> None:
