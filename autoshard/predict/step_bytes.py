@@ -260,8 +260,10 @@ def _block_backward_bytes(
     selective = candidate.checkpointing is Checkpointing.SELECTIVE
     total, activations_only = at.selective_backward if selective else at.checkpointed_backward
     if total:
+        # activations grow with the micro-batch, the parameters' gradients do not
         scale = at.scale(candidate)
-        return int(total * scale), int(total * scale) - int(activations_only * scale)
+        grads = int((total - activations_only) * scale / candidate.micro_batch_size)
+        return int(activations_only * scale) + grads, grads
     return recompute + block_grad // 2, 0
 
 
