@@ -124,7 +124,7 @@ def block_backward_peak(
     x = args[first].requires_grad_()
     args = (*args[:first], x, *args[first + 1 :])
     params = [p for p in block.parameters() if p.requires_grad]
-    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    extra: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
     live = LiveBytes()
     with live:
         out = checkpoint(block, *args, use_reentrant=False, **extra, **kwargs)
@@ -181,11 +181,11 @@ def checkpointed_backward_peaks(
     kwargs |= {"use_cache": False} if "use_cache" in kwargs else {}
     counting = block.__dict__.get("forward")
     if counting is not None and hasattr(counting, "__wrapped__"):
-        block.forward = counting.__wrapped__  # type: ignore[method-assign]
+        block.forward = counting.__wrapped__
     try:
         whole = block_backward_peak(block, args, kwargs)
         selective = block_backward_peak(block, args, kwargs, context_fn=selective_context)
     finally:
         if counting is not None:
-            block.forward = counting  # type: ignore[method-assign]
+            block.forward = counting
     return whole, selective
