@@ -89,11 +89,11 @@ class ActivationProfile(BaseModel):
     )
     checkpointed_backward: tuple[int, int] = Field(
         (0, 0),
-        description="A checkpointed block's backward, per sample: the most bytes it holds at "
+        description="A checkpointed block's backward at one sample: the most bytes it holds at "
         "once beyond its input (its recompute, the gradient arriving from above and the "
         "activations' gradients as they are made and freed), with and without its parameters' "
-        "gradients; the block that saves the most, run on fake tensors (autoshard.predict."
-        "backward_peak). (0, 0): not measured.",
+        "gradients made by then (which do not grow with the micro-batch); the block that saves "
+        "the most, run on fake tensors (autoshard.predict.backward_peak). (0, 0): not measured.",
     )
     selective_backward: tuple[int, int] = Field(
         (0, 0),
