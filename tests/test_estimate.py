@@ -368,20 +368,25 @@ def test_fsdp2_block_backward_holds_the_heads_gradient_not_the_heads_activations
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("ranks", "precision", "moment"),
+    ("engine", "ranks", "precision", "moment"),
     [
-        (64, "bf16-mixed", "second block backward"),
-        (8, "32-true", "block above the bottom backward"),
+        ("fsdp2", 64, "bf16-mixed", "second block backward"),
+        ("fsdp2", 8, "32-true", "block above the bottom backward"),
+        ("fsdp1", 64, "32-true", "top block backward"),
     ],
 )
-def test_fsdp2_checkpointed_7b_block_moments_agree_with_the_simulation(
-    ranks, precision, moment
+def test_checkpointed_7b_block_moments_agree_with_the_simulation(
+    engine, ranks, precision, moment
 ) -> None:
-    """Rows of benchmarks/results/analytic_vs_simulated.md. At 64 ranks the peak is the second
-    block's backward, +4.1% while the head's activations were counted beside its gradient (+0.7%
-    without). At 8 ranks a block's gradient shard (97 MiB in fp32) outweighs a checkpointed
-    block's input (64 MiB): each block down the backward holds more, and the worst is the one
-    above the bottom, with the bottom block's all-gather buffer (-3.2% without that moment)."""
+    """Rows of benchmarks/results/analytic_vs_simulated.md. At 64 ranks FSDP2's peak is the
+    second block's backward, +4.1% while the head's activations were counted beside its gradient
+    (+0.7% without, then -0.0% with the block's backward measured instead of fitted). At 8 ranks
+    a block's gradient shard (97 MiB in fp32) outweighs a checkpointed block's input (64 MiB):
+    each block down the backward holds more, and the worst is the one above the bottom, with the
+    bottom block's all-gather buffer (-3.2% without that moment; +0.8% fitted, -0.0% measured).
+    FSDP1's is the top block's, with the head's gradient held in autograd's buffer for the root
+    (-2.0% with the fitted block backward, -3.8% measured while the after-block activations
+    stood in for the gradient, -0.0% with it)."""
     from autoshard.analyze import analyze_target
     from autoshard.predict.simulate import simulate_memory
 
@@ -393,7 +398,7 @@ def test_fsdp2_checkpointed_7b_block_moments_agree_with_the_simulation(
     )
     hw = Hardware(gpus_per_node=8, nodes=ranks // 8, gpu_memory=80 * GIB)
     c = Candidate(
-        engine="fsdp2",
+        engine=engine,
         wrap_classes=profile.wrap_policy,
         checkpoint_classes=profile.checkpoint_policy,
         checkpointing="all",
@@ -403,7 +408,7 @@ def test_fsdp2_checkpointed_7b_block_moments_agree_with_the_simulation(
     simulated = simulate_memory(target, c, hw, w, block_classes=profile.block_classes)
     assert analytic.peak_at == moment
     assert analytic.gpu_peak - analytic.breakdown.allowance == pytest.approx(
-        simulated.gpu_peak - simulated.breakdown.allowance, rel=0.02
+        simulated.gpu_peak - simulated.breakdown.allowance, rel=0.005
     )
 
 

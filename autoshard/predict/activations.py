@@ -28,6 +28,7 @@ from autoshard.config import (
     WorkloadSpec,
 )
 from autoshard.engine import element_bytes
+from autoshard.predict.backward_peak import BackwardPeak, checkpointed_backward_peaks, first_calls
 from autoshard.predict.dynamo_stand_in import without_dynamo
 from autoshard.predict.fakes import (
     FakeModel,
@@ -86,6 +87,19 @@ class ActivationProfile(BaseModel):
         "policy kept that the recompute replays from the cache (all made before the forward's "
         "last save). Its input, not rebuilt, is counted: it stands for the gradient arriving "
         "from the block above, as under full checkpointing (block_bytes).",
+    )
+    checkpointed_backward: tuple[int, int] = Field(
+        (0, 0),
+        description="A checkpointed block's backward at one sample: the most bytes it holds at "
+        "once beyond its input (its recompute, the gradient arriving from above and the "
+        "activations' gradients as they are made and freed), with and without its parameters' "
+        "gradients made by then (which do not grow with the micro-batch); the block that saves "
+        "the most, run on fake tensors (autoshard.predict.backward_peak). (0, 0): not measured.",
+    )
+    selective_backward: tuple[int, int] = Field(
+        (0, 0),
+        description="checkpointed_backward under selective (op-level) checkpointing: beyond "
+        "what the block keeps (selective_saved_bytes).",
     )
     loss_bytes: int = Field(
         0, description="The loss's fp32 log-probabilities, per sample (fp32 at every precision)."
@@ -268,7 +282,7 @@ def _profile_once(
     for index, block in enumerate(blocks):
         block.forward = _counting(index, block, fakes, counted, per_block, keeps, seen, params)
     hooks = _block_hooks(model, blocks, stack, finished, keeps.enter)
-    with fakes.mode, hooks as inputs, autocast:
+    with fakes.mode, hooks as inputs, autocast, first_calls(blocks) as calls:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keeps:
             out = forward(model, fakes.batch)
         loss, in_forward = _loss_bytes(out)
@@ -277,10 +291,12 @@ def _profile_once(
             # the loss saved is counted outside the blocks already; it is the loss's.
             other = max(0, other - loss)
             after = max(0, after - loss)
+    with fakes.mode, autocast:  # one block's backward, run again with its first call's input
+        peaks = checkpointed_backward_peaks(blocks, calls, per_block)
     return _profile_of(
         seq, precision, per_block, inputs[: len(blocks)], keeps, other, after, loss, in_forward,
         fakes.note,
-    )  # fmt: skip
+    ).model_copy(update=_backward_fields(peaks))  # fmt: skip
 
 
 def _counting(
@@ -324,7 +340,20 @@ def _counting(
         counted.setdefault(key, (own, kept, keeps.overlap[index] - overlap_before, output))
         return output
 
+    forward.__wrapped__ = original  # type: ignore[attr-defined]  # the block's own, to run it again
     return forward
+
+
+def _backward_fields(peaks: tuple[BackwardPeak, BackwardPeak] | None) -> dict[str, Any]:
+    """The profile's fields of a checkpointed block's measured backward peaks (none: not
+    measured)."""
+    if peaks is None:
+        return {}
+    whole, selective = peaks
+    return {
+        "checkpointed_backward": (whole.total, whole.activations_only),
+        "selective_backward": (selective.total, selective.activations_only),
+    }
 
 
 def _loss_bytes(out: Any) -> tuple[int, bool]:

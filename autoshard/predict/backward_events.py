@@ -118,18 +118,15 @@ def top_block_backward(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown:
         )
     else:  # NO_SHARD: nothing is gathered or freed
         top = head.model_copy(update={"temporaries": t.block_backward(-1)})
-    # It reduces its gradients; the head's gradient waits in the root (FSDP2), and what the
-    # forward saved after the last block is freed: the head's backward has used it. FSDP1 keeps
-    # counting those activations: it too holds the head's gradient through the blocks' backward
-    # (in autograd's input buffer for the root's flat parameter, until the embedding's gradient
-    # completes it), which its events do not count: the activations stand in for it
-    # (provenance: benchmarks/results/memory_moments.md).
-    freed = after_blocks_bytes(t.candidate, t.acts) if t.engine is Engine.FSDP2 else 0
+    # It reduces its gradients; the head's gradient waits in the root (FSDP2: in its unsharded
+    # gradient; FSDP1: in autograd's input buffer for the root's flat parameter, until the
+    # embedding's gradient completes it), and what the forward saved after the last block is
+    # freed: the head's backward has used it (provenance: benchmarks/results/memory_moments.md).
     top = top.model_copy(
         update={
             "comm_buffers": t.comm_bytes,
-            "gradients": top.gradients + t.head_grad_bytes,
-            "activations": top.activations - freed,
+            "gradients": top.gradients + t.head_grad_bytes + fsdp1_head_gradient(t),
+            "activations": top.activations - after_blocks_bytes(t.candidate, t.acts),
         }
     )
     if t.engine is Engine.FSDP1 and t.reshards_blocks:
@@ -141,6 +138,16 @@ def top_block_backward(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown:
         # the first prefetched (simulated).
         top = top.model_copy(update={"unsharded_params": t.gathered_bytes, "comm_buffers": 0})
     return top
+
+
+def fsdp1_head_gradient(t: StepBytes) -> int:
+    """FSDP1 with block units: the head's gradient in autograd's input buffer for the root's
+    flat parameter (one gradient per view, gathered when the embedding's completes them), from
+    the head's backward through every block's (simulated: 0.49 GiB in fp32 on a 7B shape);
+    0 for FSDP2 (:attr:`StepBytes.head_grad_bytes`), one unit or a frozen root."""
+    if t.engine is not Engine.FSDP1 or not t.wrapped:
+        return 0
+    return min(t.head_params, t.trained_root_params) * t.compute_dtype_bytes
 
 
 def block_backward(
@@ -196,6 +203,7 @@ def fsdp1_flat_gradient(
     if top:
         everything = t.params * t.compute_dtype_bytes
         saved = t.saved_bytes - t.loss_saved_bytes - last_block_bytes(t.candidate, t.acts)
+        saved -= after_blocks_bytes(t.candidate, t.acts)  # the head's backward freed them
         update |= {
             "unsharded_params": t.gathered_bytes if t.reshards_blocks else everything,
             "activations": saved,

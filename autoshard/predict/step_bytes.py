@@ -161,6 +161,7 @@ class StepBytes:
     acts_scale: float  # the activation profile's scale to the candidate's micro-batch
     block_backward_bytes: int  # the one unit's backward temporaries (or any block's)
     recomputed_backward_bytes: int  # a checkpointed block's backward temporaries
+    recomputed_grads_bytes: int  # of those, its parameters' gradients at the peak
     plain_backward_bytes: int  # a block's that is not checkpointed
     logits_grad_bytes: int  # the logits' gradient in fp32
     foreach_bytes: int  # the foreach optimizer's transient copy of one state
@@ -189,12 +190,18 @@ class StepBytes:
 
     def block_backward(self, index: int) -> int:
         """Block ``index``'s backward temporaries, by whether it is checkpointed (``index``
-        counts from the end when negative; the one unit's without blocks)."""
+        counts from the end when negative; the one unit's without blocks). A checkpointed
+        block's include its parameters' gradients made by its peak, but FSDP2's top block's:
+        its events count them as the unit's reduce buffer (the blocks below hold the reduce
+        buffer of the block above instead: 7B shape at 64 and 512 ranks, simulated)."""
         blocks = self.profile.block_count
         if not self.wrapped or not blocks or not -blocks <= index < blocks:
             return self.block_backward_bytes
-        recomputes = self.candidate.checkpoints(index % blocks)
-        return self.recomputed_backward_bytes if recomputes else self.plain_backward_bytes
+        if not self.candidate.checkpoints(index % blocks):
+            return self.plain_backward_bytes
+        top = index % blocks == blocks - 1
+        counted = self.recomputed_grads_bytes if top and self.engine is Engine.FSDP2 else 0
+        return self.recomputed_backward_bytes - counted
 
 
 def _gathered_bytes(
@@ -237,19 +244,30 @@ def _gather_buffer_bytes(candidate: Candidate, shard: int, params: int, unit: in
 
 def _block_backward_bytes(
     candidate: Candidate, acts: ActivationProfile, recompute: int, *, recomputes: bool
-) -> int:
-    """One block's backward temporaries (``recomputes``: it is checkpointed). It turns its
-    saved activations into gradients as it goes: the moment holds the larger of the two, not
-    both. A checkpointed block first recomputes them, and the peak comes about halfway through
-    its backward (fitted to the simulation; provenance: benchmarks/results/memory_moments.md)."""
+) -> tuple[int, int]:
+    """(one block's backward temporaries, of those its parameters' gradients) (``recomputes``:
+    it is checkpointed). It turns its saved activations into gradients as it goes: the moment
+    holds the larger of the two, not both. A checkpointed block's is measured on fake tensors
+    (its recompute, the gradient from above, the activations' gradients as they are made and
+    its parameters' gradients made by then: :mod:`autoshard.predict.backward_peak`); where it
+    was not measured, the recompute and half the block's fp32 activations (fitted at 64-128
+    tokens), parameters' gradients not told apart."""
     # Activation gradients are made in the compute dtype, also where the forward saved an fp32
     # upcast: sized from the fp32 profile when there is one.
     uniform = acts.at(Precision.FP32)
     block_grad = int(max(uniform.block_bytes, default=0) * uniform.scale(candidate))
     if not recomputes:
         at = acts.at(candidate.precision)
-        return max(0, block_grad - int(max(at.block_bytes, default=0) * at.scale(candidate)))
-    return recompute + block_grad // 2
+        return max(0, block_grad - int(max(at.block_bytes, default=0) * at.scale(candidate))), 0
+    at = acts.at(candidate.precision)
+    selective = candidate.checkpointing is Checkpointing.SELECTIVE
+    total, activations_only = at.selective_backward if selective else at.checkpointed_backward
+    if total:
+        # activations grow with the micro-batch, the parameters' gradients do not
+        scale = at.scale(candidate)
+        grads = int((total - activations_only) * scale / candidate.micro_batch_size)
+        return int(activations_only * scale) + grads, grads
+    return recompute + block_grad // 2, 0
 
 
 def step_bytes(
@@ -292,7 +310,11 @@ def step_bytes(
     frozen_root = candidate.engine is Engine.FSDP1 and wrapped and shard > 1 and not trained_root
 
     def backward(recomputes: bool) -> int:
-        return _block_backward_bytes(candidate, acts, recompute, recomputes=recomputes)
+        return _block_backward_bytes(candidate, acts, recompute, recomputes=recomputes)[0]
+
+    # FSDP2 counts the one unit's (or the top block's) parameters' gradients as its reduce buffer
+    recomputed_grads = _block_backward_bytes(candidate, acts, recompute, recomputes=True)[1]
+    fsdp2_grads = recomputed_grads if candidate.engine is Engine.FSDP2 else 0
 
     host = 0
     if candidate.cpu_offload:  # the GPU keeps the working set only
@@ -311,8 +333,9 @@ def step_bytes(
         gather_buffer_bytes=gather, comm_bytes=trained_unit * reduce + gather,
         saved_bytes=saved, loss_saved_bytes=candidate.micro_batch_size * at.loss_bytes,
         acts_scale=at.scale(candidate),
-        block_backward_bytes=backward(candidate.checkpointing is not Checkpointing.NONE),
-        recomputed_backward_bytes=backward(True),
+        block_backward_bytes=backward(candidate.checkpointing is not Checkpointing.NONE)
+        - (fsdp2_grads if candidate.checkpointing is not Checkpointing.NONE else 0),
+        recomputed_backward_bytes=backward(True), recomputed_grads_bytes=recomputed_grads,
         plain_backward_bytes=backward(False),
         logits_grad_bytes=logits, foreach_bytes=one_state if foreach else 0,
         block_grad_shard_bytes=block_grads, frozen_root_bytes=root * cb if frozen_root else 0,
