@@ -291,11 +291,18 @@ def _profile_once(
             # the loss saved is counted outside the blocks already; it is the loss's.
             other = max(0, other - loss)
             after = max(0, after - loss)
-    with fakes.mode, autocast:  # one block's backward, run again with its first call's input
-        peaks = checkpointed_backward_peaks(blocks, calls, per_block)
+    note = fakes.note
+    try:
+        with fakes.mode, autocast:  # one block's backward, run again with its first call's input
+            peaks = checkpointed_backward_peaks(blocks, calls, per_block)
+    except Exception as exc:  # the forward's counts stand; the backward's peak is estimated
+        peaks = None
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        note = "; ".join([*[note] * bool(note), f"a checkpointed block's backward did not run "
+                          f"on fake tensors ({why}): its peak is estimated"])  # fmt: skip
     return _profile_of(
         seq, precision, per_block, inputs[: len(blocks)], keeps, other, after, loss, in_forward,
-        fakes.note,
+        note,
     ).model_copy(update=_backward_fields(peaks))  # fmt: skip
 
 

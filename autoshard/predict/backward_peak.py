@@ -13,6 +13,7 @@ followed until its last reference goes (:class:`LiveBytes`).
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -166,8 +167,28 @@ def first_calls(blocks: list[nn.Module]) -> Iterator[dict[int, tuple[Any, dict[s
             handle.remove()
 
 
-# A Hugging Face block's key/value cache: checkpointing runs without it (sharding._without_kv_cache)
-_CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")
+# A Hugging Face block's key/value cache: checkpointing runs without it
+# (sharding._without_kv_cache). Its argument's name changes between releases ("cache" from
+# transformers 5.24), so a cache object is also known by its class.
+_CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")
+
+
+def without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A block's keyword arguments with its key/value cache taken out and turned off.
+
+    >>> without_cache({"past_key_values": object(), "use_cache": True, "mask": 1})
+    {'past_key_values': None, 'use_cache': False, 'mask': 1}
+    """
+    kwargs = {k: None if k in _CACHE_KWARGS or _is_cache(v) else v for k, v in kwargs.items()}
+    return kwargs | ({"use_cache": False} if "use_cache" in kwargs else {})
+
+
+def _is_cache(value: Any) -> bool:
+    """Whether ``value`` is a Hugging Face cache object (``transformers.cache_utils.Cache``): it
+    holds the profile's keys and values, made in a forward whose graph is gone."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache = getattr(cache_utils, "Cache", None)
+    return cache is not None and isinstance(value, cache)
 
 
 def checkpointed_backward_peaks(
@@ -185,8 +206,7 @@ def checkpointed_backward_peaks(
         return None
     index = max(runnable, key=lambda i: saved[i])
     block, (args, kwargs) = blocks[index], calls[index]
-    kwargs = {k: None if k in _CACHE_KWARGS else v for k, v in kwargs.items()}
-    kwargs |= {"use_cache": False} if "use_cache" in kwargs else {}
+    kwargs = without_cache(kwargs)
     counting = block.__dict__.get("forward")
     if counting is not None and hasattr(counting, "__wrapped__"):
         block.forward = counting.__wrapped__

@@ -140,3 +140,39 @@ def test_live_bytes_counts_what_operations_make_until_it_is_freed() -> None:
     assert live.peak(0, ignore=live.keys([a])) == 4000
     del a, c
     assert live.log[-1][1] < 0  # freed after the mode too
+
+
+def test_a_hugging_face_cache_is_taken_out_whatever_its_argument_is_called() -> None:
+    """transformers 5.24 passes the key/value cache as ``cache=`` (5.23: ``past_key_values=``):
+    the cache object, holding the profile's keys and values, is known by its class (left in, the
+    block's backward ran through the profile's freed graph and the whole profile fell back)."""
+    from transformers.cache_utils import DynamicCache
+
+    from autoshard.predict.backward_peak import without_cache
+
+    given = {"cache": DynamicCache(), "kv": DynamicCache(), "use_cache": True, "mask": None}
+    assert without_cache(given) == {"cache": None, "kv": None, "use_cache": False, "mask": None}
+    assert without_cache({"x": 1}) == {"x": 1}
+
+
+def test_a_block_backward_that_fails_on_fake_tensors_leaves_the_forward_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The backward peak is one number of the profile: where it cannot be measured, the
+    forward's counts stand (measured), the peak is the estimated rule's, and the note says so."""
+    from autoshard.predict import activations
+
+    profile, built = analyze_target(
+        TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny"})
+    )
+    workload = WorkloadSpec(seq_len=64)
+    measured = profile_activations(built.model, profile, workload)
+
+    def fails(*_args: Any) -> None:
+        raise RuntimeError("Trying to backward through the graph a second time")
+
+    monkeypatch.setattr(activations, "checkpointed_backward_peaks", fails)
+    acts = profile_activations(built.model, profile, workload)
+    assert acts.measured and acts.block_bytes == measured.block_bytes
+    assert acts.checkpointed_backward == (0, 0) != measured.checkpointed_backward
+    assert "a checkpointed block's backward did not run on fake tensors" in acts.note
