@@ -24,6 +24,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autoshard.predict.fakes import tensors_in
+
 
 class LiveBytes(TorchDispatchMode):
     """Every storage an operation makes while the mode is on, with its bytes, from when it is
@@ -40,8 +42,8 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         # a view or an in-place result shares an input's storage: nothing is made
-        given = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
-        for t in _tensors(out):
+        given = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
+        for t in tensors_in(out):
             if t.untyped_storage()._cdata not in given:
                 self._follow(t.untyped_storage())
         return out
@@ -74,18 +76,6 @@ class LiveBytes(TorchDispatchMode):
                 live += nbytes
                 top = max(top, live)
         return top
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in an operation's arguments or outputs (tuples, lists, dicts of them), by a
-    walk of its own: pytree's flatten, at every operation, is slower."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
 
 
 @dataclass(frozen=True)

@@ -281,7 +281,6 @@ def pass_seconds(
     """
     overlapped: list[Window] = []
     slowed = two_streams(units, prefetch=prefetch, slowdown=slowdown, windows=overlapped)[0]
-    share = overlap
     clock = 0.0  # the serial schedule's
     windows = []
     for (gather, compute, reduce), (start, end) in zip(units, overlapped, strict=True):
@@ -289,8 +288,8 @@ def pass_seconds(
         clock = serial_start + compute + reduce
         windows.append(
             (
-                share * start + (1 - share) * serial_start,
-                share * end + (1 - share) * (serial_start + compute),
+                overlap * start + (1 - overlap) * serial_start,
+                overlap * end + (1 - overlap) * (serial_start + compute),
             )
         )
-    return PassSeconds(tuple(windows), share * slowed + (1 - share) * clock)
+    return PassSeconds(tuple(windows), overlap * slowed + (1 - overlap) * clock)
