@@ -225,12 +225,13 @@ def _tried_with(
     factors: dict[str, SpeedFactors] = {}
     unknown = 0
     for label, tried in store.tried_with(results).items():
+        if tried is None:
+            unknown += 1
+            continue
         try:
-            estimate = None if tried is None else MemoryEstimate.model_validate_json(tried[0])
-            made_with = None if not tried or tried[1] is None else SpeedFactors(**tried[1])
+            estimate = MemoryEstimate.model_validate_json(tried[0])
+            made_with = None if tried[1] is None else SpeedFactors(**tried[1])
         except ValidationError:  # written by another version of autoshard
-            estimate = None
-        if estimate is None:
             unknown += 1
             continue
         estimates[label] = estimate
