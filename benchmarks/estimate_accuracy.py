@@ -236,22 +236,20 @@ def worker(points_path: Path, out_path: Path, device_kind: str) -> None:
     else:
         device = torch.device("cpu")
     points = json.loads(points_path.read_text())
-    profiles = {shape: analyze_target(target_of(shape))[0] for shape in SHAPES}
+    shapes = dict.fromkeys(point["shape"] for point in points)  # only the shapes measured
+    profiles = {shape: analyze_target(target_of(shape))[0] for shape in shapes}
     results = []
     for point in points:
         candidate = candidate_of(point, profiles[point["shape"]])
         record: dict[str, Any] = {"point": point}
         try:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
+            baseline = cuda_baseline(device) if device.type == "cuda" else None
             kinds = measure_training_peak(
                 target_of_point(point), candidate, workload_of(point), device
             )
             record["tracked"] = kinds["Total"]
-            if device.type == "cuda":
-                record["allocated"] = torch.cuda.max_memory_allocated(device)
-                record["reserved"] = torch.cuda.max_memory_reserved(device)
+            if baseline is not None:
+                record.update(cuda_peaks(device, baseline))
         except Exception as exc:  # a failed point is a result, not the end of the benchmark
             record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         gc.collect()
@@ -272,6 +270,33 @@ def worker(points_path: Path, out_path: Path, device_kind: str) -> None:
     exit_worker()
 
 
+def cuda_baseline(device: Any) -> dict[str, int]:
+    """What the CUDA allocator holds before a point (the earlier points' leftovers, the
+    profiles), its peaks then reset to it: a point's peak is what it adds to this."""
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return {
+        "allocated": torch.cuda.memory_allocated(device),
+        "reserved": torch.cuda.memory_reserved(device),
+    }
+
+
+def cuda_peaks(device: Any, baseline: dict[str, int]) -> dict[str, int]:
+    """A point's allocated and reserved peaks above its baseline, and the baseline itself (a
+    baseline that grows from point to point is a leak between points)."""
+    import torch
+
+    return {
+        "allocated": torch.cuda.max_memory_allocated(device) - baseline["allocated"],
+        "reserved": torch.cuda.max_memory_reserved(device) - baseline["reserved"],
+        "baseline_allocated": baseline["allocated"],
+        "baseline_reserved": baseline["reserved"],
+    }
+
+
 def _key(point: dict[str, Any]) -> str:
     return json.dumps(point, sort_keys=True)  # tuples and lists alike
 
@@ -286,9 +311,12 @@ def _larger(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
             for k in new}  # fmt: skip
 
 
-def world_size(device_kind: str) -> int:
+def world_size(device_kind: str, given: int | None = None) -> int:
     """2 gloo processes on CPU; on CUDA one process per GPU, at most 2 (NCCL refuses two ranks
-    on one GPU, so a one-GPU machine measures at world size 1, and the estimates plan for 1)."""
+    on one GPU, so a one-GPU machine measures at world size 1, and the estimates plan for 1).
+    ``given`` (--world): the world of saved measurements estimated elsewhere (no GPU needed)."""
+    if given is not None:
+        return given
     if device_kind == "cpu":
         return 2
     import torch
@@ -298,17 +326,24 @@ def world_size(device_kind: str) -> int:
     return min(2, torch.cuda.device_count())
 
 
-def measure(points: list[dict[str, Any]], device_kind: str, nproc: int) -> list[dict[str, Any]]:
+def measure(
+    points: list[dict[str, Any]], device_kind: str, nproc: int, out_path: Path
+) -> list[dict[str, Any]]:
+    """Measure ``points`` in one group; the worker rewrites ``out_path`` after every point, so a
+    run stopped midway (gpu.sh's time box) keeps what it measured."""
+    from autoshard.child_env import child_env
+
     with tempfile.TemporaryDirectory() as tmp:
-        points_path, out_path = Path(tmp, "points.json"), Path(tmp, "measured.json")
+        points_path = Path(tmp, "points.json")
         points_path.write_text(json.dumps(points))
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.unlink(missing_ok=True)  # an earlier run's
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", __file__, "--worker", str(points_path), str(out_path),
             "--device", device_kind,
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}/examples:{ROOT}"}
-        subprocess.run(command, check=True, cwd=ROOT, env=env)
+        subprocess.run(command, check=True, cwd=ROOT, env=child_env(ROOT / "examples", ROOT))
         return list(json.loads(out_path.read_text()))
 
 
@@ -390,9 +425,10 @@ def report(
         es = 100 * (sim - real) / real
         errors.setdefault((group, "simulated"), []).append(abs(es))
         simulated = f"{sim / mib:.1f} | {es:+.1f}%"
-        lines.append(
-            f"| {label(point)} | {real / mib:.1f} | {ana / mib:.1f} | {ea:+.1f}% | {simulated} |"
-        )
+        shown = f"{real / mib:.1f}"
+        if "baseline_allocated" in m:  # CUDA: the tracker's count beside the allocator's
+            shown += f" (tracked {m['tracked'] / mib:.1f})"
+        lines.append(f"| {label(point)} | {shown} | {ana / mib:.1f} | {ea:+.1f}% | {simulated} |")
     lines += ["", "| points | estimator | points | median abs error | max abs error | "
               "within target |", "| --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for group in ("plain loop", "the user's loop"):
@@ -407,7 +443,7 @@ def report(
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="A smaller grid (a fast check).")
     parser.add_argument("--write", type=Path, help="Write the table as markdown here.")
@@ -444,27 +480,36 @@ def main() -> None:
         help="Only the points whose label has all these words (e.g. 'ckpt-op 32-true'); the "
         "saved measurements of the others are kept. Repeatable: a point matching any.",
     )
+    parser.add_argument(
+        "--measure-only",
+        action="store_true",
+        help="Save the measurements and stop (a GPU lease: estimate them later, elsewhere, with "
+        "--reuse --world N and the same --results-dir).",
+    )
+    parser.add_argument(
+        "--world",
+        type=int,
+        help="The world size of the saved measurements (with --reuse: no GPU needed to estimate "
+        "CUDA measurements); by default what runs here.",
+    )
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker[0], args.worker[1], args.device)
-        return
-    import torch
+    return parser.parse_args()
 
-    world = world_size(args.device)
-    points = [p for p in grid(args.quick, world) if not args.only or _labelled(p, args.only)]
-    # Measurements are kept (and committed beside the table): a failure in the estimates, or a
-    # rerun with a changed estimator, does not cost the measuring again.
-    suffix = ("_quick" if args.quick else "") + ("" if world == 2 else f"_world{world}")
-    saved = args.results_dir / f"estimate_accuracy_measured_{args.device}{suffix}.json"
+
+def measured_points(
+    args: argparse.Namespace, points: list[dict[str, Any]], world: int, saved: Path
+) -> tuple[list[dict[str, Any]], str]:
+    """Every point's measurement (saved ones reused where asked), saved again; and a sentence
+    saying how. While measuring, the worker writes ``<saved>.partial.json`` point by point."""
     start = time.perf_counter()
     previous = json.loads(saved.read_text()) if args.reuse and saved.exists() else []
     # Reused point by point: a grid that grew measures only its new points.
     by_point = {_key(m["point"]): m for m in previous if "error" not in m}
     remeasured = [p for p in points if _key(p) in by_point and _labelled(p, args.remeasure)]
     missing = [p for p in points if _key(p) not in by_point] + remeasured
+    partial = saved.with_suffix(".partial.json")
     for _ in range(args.repeat if missing else 0):
-        for m in measure(missing, args.device, world):
+        for m in measure(missing, args.device, world, partial):
             by_point[_key(m["point"])] = _larger(by_point.get(_key(m["point"])), m)
     measured = [by_point[_key(p)] for p in points]
     if missing:
@@ -475,6 +520,7 @@ def main() -> None:
             everything.update({_key(m["point"]): m for m in measured})
             records = list(everything.values())
         saved.write_text(json.dumps(records, indent=1) + "\n")
+        partial.unlink(missing_ok=True)
     shown = saved.relative_to(ROOT) if saved.is_relative_to(ROOT) else saved
     parts = []
     if len(missing) < len(points) or remeasured:
@@ -486,7 +532,27 @@ def main() -> None:
         parts.append(
             f"{len(missing)} measured{again}{times} in {time.perf_counter() - start:.0f} s"
         )
-    how = ", ".join(parts)
+    return measured, ", ".join(parts)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args.worker[0], args.worker[1], args.device)
+        return
+    import torch
+
+    world = world_size(args.device, args.world)
+    points = [p for p in grid(args.quick, world) if not args.only or _labelled(p, args.only)]
+    # Measurements are kept (and committed beside the table): a failure in the estimates, or a
+    # rerun with a changed estimator, does not cost the measuring again.
+    suffix = ("_quick" if args.quick else "") + ("" if world == 2 else f"_world{world}")
+    saved = args.results_dir / f"estimate_accuracy_measured_{args.device}{suffix}.json"
+    measured, how = measured_points(args, points, world, saved)
+    if args.measure_only:
+        failed = sum("error" in m for m in measured)
+        print(f"{len(points)} points: {how}; {failed} failed; saved in {saved}")
+        return
     start = time.perf_counter()
     estimates = estimate(points, args.device, world)
     estimated_s = time.perf_counter() - start

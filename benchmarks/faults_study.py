@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from autoshard.child_env import child_env  # noqa: E402
 from autoshard.study.journal import read_records  # noqa: E402
 
 GPT = ["examples/gpt.py:build", "--arg", "size=tiny", "--seq-len", "32"]
@@ -51,16 +52,20 @@ class Row:
     lines: str
 
 
-def tune(*args: str, env: dict[str, str] | None = None, target: list[str] = GPT) -> Run:
-    return Run([sys.executable, "-m", "autoshard", "tune", *target, *args], env)
+def tune(
+    *args: str, env: dict[str, str] | None = None, target: list[str] = GPT, front: tuple = ()
+) -> Run:
+    return Run([sys.executable, "-m", "autoshard", "tune", *target, *args], env, front)
 
 
 class Run:
     """A command, started now."""
 
-    def __init__(self, command: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, command: list[str], env: dict[str, str] | None = None, front: tuple = ()
+    ) -> None:
         self.started = time.monotonic()
-        full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        full_env = child_env(*front, ROOT, **(env or {}))  # front: folders before the project
         self.proc = subprocess.Popen(
             command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True,
@@ -164,13 +169,13 @@ def case_two_runs(work: Path) -> Row:
     )  # fmt: skip
 
 
-def _one_line_case(case: str, what: str, args: list[str], env=None) -> Callable[[Path], Row]:
+def _one_line_case(case: str, what: str, args: list[str], front=()) -> Callable[[Path], Row]:
     def run_case(work: Path) -> Row:
         out = work / f"case-{abs(hash(what))}"
         real = [str(out) if a == "OUT" else a for a in args]
         if "--out" not in real:
             real += ["--out", str(out)]
-        run = tune(*QUICK, *real, env=env).wait()
+        run = tune(*QUICK, *real, front=front).wait()
         return Row(case, what, run.seconds, 0, left(out), str(run.code), describe(run.shown()))
 
     return run_case
@@ -258,16 +263,16 @@ def case_storage_urls(work: Path) -> list[Row]:
     shim.mkdir(exist_ok=True)
     for name in ("psycopg", "psycopg2"):
         (shim / f"{name}.py").write_text("raise ImportError('not installed')\n")
-    no_driver = {"PYTHONPATH": f"{shim}{os.pathsep}{ROOT}"}
+    no_driver = (shim,)  # before the installed drivers on the children's PYTHONPATH
     rows = []
-    for url, env in [
-        ("notaurl", None),
-        ("sqlite:////nonexistent/x.db", None),
+    for url, front in [
+        ("notaurl", ()),
+        ("sqlite:////nonexistent/x.db", ()),
         ("postgresql://u@h/db", no_driver),
-        ("postgresql://u@127.0.0.1:9/db", None),
+        ("postgresql://u@127.0.0.1:9/db", ()),
     ]:
-        what = f"--storage {url}" + (" (no PostgreSQL driver)" if env else "")
-        rows.append(_one_line_case("5", what, ["--storage", url], env)(work))
+        what = f"--storage {url}" + (" (no PostgreSQL driver)" if front else "")
+        rows.append(_one_line_case("5", what, ["--storage", url], front)(work))
     return rows
 
 
@@ -472,7 +477,7 @@ def case_postgres_faults(work: Path) -> list[Row]:
         # A driver stopped by SIGSTOP while it holds the claim.
         holder = subprocess.Popen(
             [sys.executable, "-c", HOLDER, check_storage(server.url)], cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.PIPE,
+            env=child_env(ROOT), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:

@@ -176,7 +176,9 @@ def configure(work: Path, module: str, own_only: bool, deselect: list[str]) -> N
 
 def mutmut(work: Path, args: list[str], timeout: float | None = None, log: bool = True) -> int:
     """Run mutmut in ``work`` (its output in ``work/mutmut.log``); 124 when out of time."""
-    env = dict(os.environ, PYTHONPATH=str(work / "mutants"))
+    from autoshard.child_env import child_env  # torch's import: not for --help
+
+    env = child_env(work / "mutants")
     # python -m, not the venv's mutmut script: a venv moved or shared keeps a stale shebang
     command = [sys.executable, "-m", "mutmut", *args]
     if not log:

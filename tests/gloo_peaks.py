@@ -7,11 +7,12 @@ steps under torch's memory tracker (:func:`measure_peaks`, what
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from autoshard.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,8 +61,7 @@ def launch(script: str, tmp_path: Path) -> list[int]:
     """Run ``script`` (a test file whose ``main`` calls :func:`measure_peaks`) on 2 gloo
     processes, one thread each; the measured peaks."""
     result = tmp_path / "peaks.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT)])}
-    env["OMP_NUM_THREADS"] = "1"
+    env = child_env(ROOT / "examples", ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
          "--standalone", script, str(result)],

@@ -6,13 +6,14 @@ This file is also the worker script: the test runs it under ``torch.distributed.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from autoshard.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,8 +111,7 @@ def test_fsdp1_kwargs_and_fsdp2_plan_train_on_two_gloo_processes(tmp_path: Path)
         paths.append(str(tmp_path / f"{name}.json"))
         Path(paths[-1]).write_text(rec.to_yaml("json"))
     result = tmp_path / "result.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT)])}
-    env["OMP_NUM_THREADS"] = "1"
+    env = child_env(ROOT / "examples", ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
          "--standalone", __file__, str(result), *paths],
@@ -154,8 +154,7 @@ def test_fsdp2_plans_of_every_reshard_policy_train_on_two_gloo_processes(tmp_pat
 
 def _run_two_ranks(tmp_path: Path, paths: list[str]) -> dict[str, Any]:
     result = tmp_path / "result.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT)])}
-    env["OMP_NUM_THREADS"] = "1"
+    env = child_env(ROOT / "examples", ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
          "--standalone", __file__, str(result), *paths],

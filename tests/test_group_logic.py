@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from autoshard.child_env import child_env
 from autoshard.config import Candidate, WorkloadSpec
 from autoshard.results import TrialResult, TrialStatus
 from autoshard.target.resolve import TargetSpec
@@ -342,7 +343,7 @@ def test_a_child_started_with_the_parent_death_signal_dies_with_its_parent(tmp_p
         "print(child.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = child_env(*sys.path)
     parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, env=env)
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
@@ -374,7 +375,7 @@ def test_the_watchdog_ends_a_worker_whose_driver_is_gone() -> None:
         "print('watching', flush=True)\n"
         "time.sleep(600)\n"  # the main thread is busy: the watchdog does not need it
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = child_env(*sys.path)
     worker = subprocess.Popen(
         [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from autoshard.child_env import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 STEPS = 3
@@ -391,8 +393,7 @@ def main() -> None:
 def run_two_ranks(tmp_path: Path, jobs: dict[str, list[str]], nproc: int = 2) -> dict[str, Any]:
     spec, result = tmp_path / "jobs.json", tmp_path / "result.json"
     spec.write_text(json.dumps(jobs))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(ROOT)])}
-    env["OMP_NUM_THREADS"] = "1"
+    env = child_env(EXAMPLES, ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
          "--standalone", __file__, str(result), str(spec)],

@@ -5,7 +5,6 @@ never appears."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from pathlib import Path
 import pytest
 from rich.cells import cell_len
 
+from autoshard.child_env import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["examples/gpt.py:build", "--arg", "size=tiny"]
 # Box drawing and the bullet separate words as spaces do.
@@ -21,7 +22,7 @@ SEPARATORS = re.compile(r"[\s\u2500-\u257f\u2022]+")
 
 
 def _run(args: list[str], columns: int) -> str:
-    env = {**os.environ, "COLUMNS": str(columns), "PYTHONPATH": str(ROOT)}
+    env = child_env(ROOT, COLUMNS=str(columns))
     env.pop("FORCE_COLOR", None)
     done = subprocess.run(
         [sys.executable, "-m", "autoshard", *args],

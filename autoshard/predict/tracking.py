@@ -122,12 +122,13 @@ def track_training_phases(
         tracker = _fsdp1_tracker()
         tracker.track_external(model, optimizer, batch)
     _global_peak_only(tracker)
-    autocast = autocast_for(candidate, next(model.parameters()).device)
+    device = training_device(model, batch)
+    autocast = autocast_for(candidate, device)
     phases: dict[str, dict[str, int]] = {}
 
     def close(phase: str) -> None:
         # the phase's peak, then a fresh peak from the current bytes for the next phase
-        (snapshot,) = tracker.get_tracker_snapshot("peak").values()
+        snapshot = device_snapshot(tracker.get_tracker_snapshot("peak"), device)
         kinds = {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
         if kinds.get("Total", 0) > phases.get(phase, {}).get("Total", -1):
             phases[phase] = kinds
@@ -159,6 +160,34 @@ def track_training_phases(
     if candidate.engine is Engine.FSDP1:
         phases = {phase: _split_fsdp1_params(kinds, sharded) for phase, kinds in phases.items()}
     return phases
+
+
+def training_device(model: nn.Module, batch: Any) -> torch.device:
+    """The device a step computes on: the batch's (its first tensor), else the parameters'."""
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return next(model.parameters()).device
+
+
+def device_snapshot(snapshots: dict[Any, dict[Any, int]], device: torch.device) -> dict[Any, int]:
+    """The trackers' per-kind bytes of ``device`` among their per-device snapshots. On a GPU
+    they book a second device: the optimizer's step counters stay on the CPU (torch's Adam and
+    AdamW, not capturable), and the CPU's bytes are not the GPU's peak. A device given without
+    an index (``cuda``) is the one of its type the tracker saw."""
+    device = torch.device(device)
+    same = [
+        snap
+        for dev, snap in snapshots.items()
+        if torch.device(dev).type == device.type
+        and (device.index is None or torch.device(dev).index in (None, device.index))
+    ]
+    if len(same) != 1:
+        seen = ", ".join(str(dev) for dev in snapshots) or "none"
+        raise RuntimeError(f"memory tracker: no single snapshot of {device} (devices: {seen})")
+    return same[0]
 
 
 def _global_peak_only(tracker: Any) -> None:

@@ -43,6 +43,7 @@ from types import TracebackType
 
 from pydantic import ValidationError
 
+from autoshard.child_env import child_env
 from autoshard.config import (
     DEFAULT_MAX_SECONDS,
     DEFAULT_MAX_STEPS,
@@ -205,9 +206,8 @@ class WorkerGroup:
                 agree_timeout=self.agree_timeout,
             ),
         )
-        env = {**os.environ, **self.env}
         # Workers import the target's files from the caller's folder, as the caller did.
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+        env = child_env(os.getcwd(), base={**os.environ, **self.env})
         env.setdefault("OMP_NUM_THREADS", "1" if self.device == "cpu" else "4")
         if self.device == "cpu":
             # A CPU trial's peak is read from the resident set. glibc raises its mmap threshold

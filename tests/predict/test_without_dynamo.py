@@ -6,7 +6,6 @@ Dynamo is loaded once per process, so each case runs in a fresh interpreter."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from autoshard import WorkloadSpec, analyze_model, profile_activations
+from autoshard.child_env import child_env
 from autoshard.predict import fakes
 from autoshard.predict.flops import profile_flops
 from tests.conftest import ROOT
@@ -21,7 +21,7 @@ from tests.conftest import ROOT
 
 def _fresh(code: str) -> dict:
     """Run ``code`` in a fresh interpreter; the JSON it prints last."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env(ROOT)
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env
     )
