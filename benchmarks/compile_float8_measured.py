@@ -22,10 +22,10 @@ import argparse
 import importlib.util
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from results_file import write_results  # benchmarks/, the script's own folder
+from trial_runs import TrialLog, run_trials
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -48,12 +48,33 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--mbs", type=int, default=2, help="micro-batch size per GPU")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per trial")
+    parser.add_argument(
+        "--max-seconds", type=float, help="Most seconds of timed steps per trial (tune's budget)."
+    )
+    parser.add_argument(
+        "--variants",
+        default="eager,compile,float8,both",
+        help="Which to measure, of eager, compile, float8, both (float8 only where it can run).",
+    )
+    parser.add_argument(
+        "--fresh-group",
+        action="store_true",
+        help="Each variant in a fresh worker group (no earlier variant's leftovers in its peak "
+        "or step time); by default one group.",
+    )
+    parser.add_argument("--json", type=Path, help="Each trial, rewritten after every trial.")
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="Run on 2 gloo CPU processes where there is no GPU (benchmarks/gpu.sh --dry-run: "
+        "the script's own path, not a measurement worth reporting).",
+    )
     parser.add_argument("--write", type=Path)
     args = parser.parse_args()
 
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.cpu:
         sys.exit("compile_float8_measured.py: no CUDA GPU here (run it with benchmarks/gpu.sh)")
 
     from autoshard.analyze import analyze_target
@@ -65,14 +86,18 @@ def main() -> None:
     from autoshard.predict.speed import predict_speed
     from autoshard.results import TrialStatus
     from autoshard.target.resolve import TargetSpec
-    from autoshard.trials.group import WorkerGroup, default_nproc
+    from autoshard.trials.group import default_nproc
 
-    nproc, _ = default_nproc()
+    nproc, device = default_nproc()
     target = TargetSpec(spec=f"{ROOT}/examples/gpt.py:build", kwargs={"size": args.size})
     workload = WorkloadSpec(seq_len=args.seq_len, micro_batch_size=args.mbs)
-    memory = torch.cuda.get_device_properties(0).total_memory
-    gpu_id = detected_gpu()
-    hardware = Hardware(gpus_per_node=nproc, gpu_memory=memory, gpu=gpu_id)
+    if device == "cuda":
+        memory = torch.cuda.get_device_properties(0).total_memory
+        gpu_id = detected_gpu()
+        hardware = Hardware(gpus_per_node=nproc, gpu_memory=memory, gpu=gpu_id)
+    else:
+        gpu_id = None
+        hardware = Hardware(gpus_per_node=nproc, gpu_memory=8 * 2**30, backend="gloo")
     gpu, note = speed_for(hardware)
     profile, built = analyze_target(target)
     flops = profile_flops(built.model, profile, workload)
@@ -84,14 +109,16 @@ def main() -> None:
         checkpoint_classes=profile.checkpoint_policy,
         micro_batch_size=args.mbs,
     )
-    variants = [eager, eager.model_copy(update={"compile": True})]
+    wanted = set(args.variants.split(","))
+    switches = {"eager": {}, "compile": {"compile": True}, "float8": {"float8": True},
+                "both": {"compile": True, "float8": True}}  # fmt: skip
     has_fp8 = gpu_id is not None and gpu_spec(gpu_id).fp8_flops is not None
     has_torchao = importlib.util.find_spec("torchao") is not None
-    if has_fp8 and has_torchao:
-        variants += [
-            eager.model_copy(update={"float8": True}),
-            eager.model_copy(update={"compile": True, "float8": True}),
-        ]
+    variants = [
+        eager.model_copy(update=update)
+        for name, update in switches.items()
+        if name in wanted and (not update.get("float8") or (has_fp8 and has_torchao))
+    ]
     skipped = (
         ""
         if has_fp8 and has_torchao
@@ -99,17 +126,26 @@ def main() -> None:
         + ("torchao is not installed" if has_fp8 else f"{gpu.name} has no fp8 tensor cores")
     )
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, WorkerGroup(target, log_dir=Path(tmp)) as group:
-        for candidate in variants:
-            trial = group.run(candidate, workload, warmup=3, steps=args.steps)
-            if trial.status is not TrialStatus.OK or not trial.step_time:
-                print(f"{candidate.label()}: {trial.status.value} {trial.error or ''}")
-                continue
+    log = TrialLog(args.json, {"size": args.size, "seq_len": args.seq_len, "mbs": args.mbs,
+                               "device": device, "gpu": gpu.id, "torch": torch.__version__,
+                               "fresh_group": args.fresh_group})  # fmt: skip
+    runs = run_trials(target, variants, workload, fresh=args.fresh_group, warmup=3,
+                      steps=args.steps, max_seconds=args.max_seconds)  # fmt: skip
+    for candidate, trial, wall in runs:
+        try:  # a prediction that fails is a finding, not the end of the measurements
             speed = predict_speed(
                 profile, flops, candidate, hardware, workload, gpu=gpu, linears=linears
             )
-            peak = (trial.max_allocated or 0) / 2**30
-            rows.append((candidate, trial.step_time, speed.step_time_s, peak))
+            predicted = speed.step_time_s
+        except Exception as exc:
+            print(f"{candidate.label()}: prediction failed: {type(exc).__name__}: {exc}")
+            predicted = float("nan")
+        log.add(trial, wall, predicted_step=predicted)
+        if trial.status is not TrialStatus.OK or not trial.step_time:
+            print(f"{candidate.label()}: {trial.status.value} {trial.error or ''}")
+            continue
+        peak = (trial.max_allocated or 0) / 2**30
+        rows.append((candidate, trial.step_time, predicted, peak))
     base = {(c.compile, c.float8): m for c, m, _, _ in rows}
     published = published_ratios()
 
@@ -124,7 +160,8 @@ def main() -> None:
 
     lines = [
         f"examples/gpt.py size={args.size}, seq {args.seq_len}, micro-batch {args.mbs}; {nproc} "
-        f"GPU ranks; predicted for {gpu.id} ({gpu.name}) with the default factors"
+        f"{device} ranks{', each variant in a fresh worker group' if args.fresh_group else ''}; "
+        f"predicted for {gpu.id} ({gpu.name}) with the default factors"
         + (f"; {note}" if note else "")
         + (f"; {skipped}" if skipped else ""),
         "",

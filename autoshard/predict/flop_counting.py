@@ -40,6 +40,7 @@ def _cpu_flash_forward(
     query: Any, key: Any, value: Any, dropout_p: float = 0.0, is_causal: bool = False,
     *args: Any, out_shape: Any = None, **kwargs: Any,
 ) -> int:  # fmt: skip
+    key, value = _query_heads(query, key), _query_heads(query, value)
     flops = sdpa_flop_count(query, key, value)
     return flops // 2 if is_causal else flops
 
@@ -49,8 +50,19 @@ def _cpu_flash_backward(
     dropout_p: float = 0.0, is_causal: bool = False, *args: Any, out_shape: Any = None,
     **kwargs: Any,
 ) -> int:  # fmt: skip
+    key, value = _query_heads(query, key), _query_heads(query, value)
     flops = sdpa_backward_flop_count(grad_out, query, key, value)
     return flops // 2 if is_causal else flops
+
+
+def _query_heads(query: Any, kv: Any) -> Any:
+    """A key or value shape with the query's heads. Grouped-query attention (fewer key/value
+    heads) computes per query head, as if each key/value head were repeated: torch 2.13's
+    formulas count it so; torch 2.11's refuse the shapes ("query/key/value shapes are
+    incompatible"), and the whole FLOP profile fell back to 6 x parameters x tokens."""
+    b, h_q, *_ = query
+    _, h_kv, s, d = kv
+    return (b, h_q, s, d) if h_kv != h_q and h_kv and h_q % h_kv == 0 else kv
 
 
 _CPU_ATTENTION = {
