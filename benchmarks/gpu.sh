@@ -72,6 +72,8 @@ pack() {
 }
 
 if [ "$dry" = 1 ]; then
+  # The GPU's time boxes are for a GPU: on 2 loaded cores each part may take 300 s.
+  DEADLINE_S=${AUTOSHARD_GPU_SECONDS:-3600} DRY_PART_S=300
   export CUDA_VISIBLE_DEVICES=""  # CPU processes, gloo, whatever the machine has
   # Every Python process that sees this folder on PYTHONPATH logs its command line: a child
   # of the launchers that lost the parent's PYTHONPATH is missing from children.log.
@@ -119,10 +121,11 @@ if [ "$dry" = 0 ]; then
 fi
 # Every module the parts import, in one line each that fails (a missing wheel costs seconds
 # here, not a part). The dry run checks it as on the machine: only its packages and the pins.
-wheels_check=--check
-[ "$dry" = 1 ] && wheels_check=--as-device
-python3 scripts/device_wheels.py "$wheels_check" > "$R/wheels.txt" 2>&1
-say "wheels check: $(tail -1 "$R/wheels.txt")"
+# (The dry run, on 2 cores: the two that failed on the first GPU run.)
+wheels_check=(--check)
+[ "$dry" = 1 ] && wheels_check=(--as-device --need autoshard --need "LightningCLI (jsonargparse[signatures])")
+python3 scripts/device_wheels.py "${wheels_check[@]}" > "$R/wheels.txt" 2> "$R/wheels.err"
+say "wheels check: $(cat "$R/wheels.txt")"
 echo "$BUDGET" > "$R/budget.txt"
 echo "part seconds_allowed seconds_used exit" > "$R/parts.txt"
 pack
@@ -168,6 +171,7 @@ while read -r name seconds _; do
   [ -z "$name" ] && continue
   [ "$part" != all ] && [ "$part" != "$name" ] && continue
   [ "$part" = all ] && grep -q "^$name " <<<"$EXTRA" && continue
+  [ "$dry" = 1 ] && seconds=$DRY_PART_S
   left=$((DEADLINE_S - ($(date +%s) - start) - 10))  # 10 s kept for the packing
   allowed=$((seconds + slack < left ? seconds + slack : left))
   if [ "$allowed" -le 5 ]; then

@@ -4,9 +4,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
+# The oldest torch of pyproject's range (scripts/torch_tier.sh), in CI (or AUTOSHARD_TORCH_TIER=1):
+# installed in the background while the suite runs (it mostly downloads), tested after it.
+tier=""
+if [ "${CI:-}" = true ] || [ "${AUTOSHARD_TORCH_TIER:-}" = 1 ]; then
+  tier_log=$(mktemp)
+  (nice -n 10 bash scripts/torch_tier.sh install > "$tier_log" 2>&1) &
+  tier=$!
+fi
 python -m pytest --durations=15 "$@"
 ruff check .
 ruff format --check .
 mypy
+if [ -n "$tier" ]; then
+  wait "$tier" || { cat "$tier_log"; echo "check: the torch tier did not install"; exit 1; }
+  tail -2 "$tier_log"
+  bash scripts/torch_tier.sh test
+else
+  echo "check: the torch 2.11 tier runs in CI (CI=true) or with AUTOSHARD_TORCH_TIER=1"
+fi
 # mutation testing is not part of CI (too slow); its script is, as a smoke test
 bash scripts/mutation.sh --help > /dev/null

@@ -189,15 +189,18 @@ def main() -> None:
     what.add_argument("--check", action="store_true", help="Import what gpu.sh's parts import.")
     what.add_argument("--as-device", action="store_true", help="--check as on the GPU machine.")
     parser.add_argument("--leave-out", action="append", default=[], help="With --as-device.")
+    parser.add_argument(
+        "--need", action="append", default=[], choices=list(NEEDS), help="Only these needs."
+    )
     args = parser.parse_args()
     if args.pins:
         print("\n".join(pins(args.python)))
     elif args.check:
-        failed = check()
+        failed = check(args.need)
         print("\n".join(failed) if failed else "device_wheels: every need imports")
         sys.exit(1 if failed else 0)
     else:
-        done = as_device(args.leave_out, args.python)
+        done = as_device(args.leave_out, args.python, args.need)
         print((done.stdout + done.stderr).strip())
         sys.exit(done.returncode)
 

@@ -4,8 +4,8 @@
 # torch: an unpinned `pip install torch` pulls a multi-GB CUDA build, so this script uses the
 # torch that is already installed when there is one (a venv with --system-site-packages sees
 # it), and otherwise installs ${AUTOSHARD_TORCH:-torch==2.13.0} first (on this project's machines
-# that is the CPU build lying on disk). autoshard's own requirement (torch>=2.4) is then already
-# met and pip installs no other torch.
+# that is the CPU build lying on disk). autoshard's own requirement is then already
+# met (pyproject: torch>=2.11,<2.14, the range CI tests) and pip installs no other torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}

@@ -437,17 +437,17 @@ def test_cpu_workers_skip_float8_with_the_reason() -> None:
     assert cpu_workers_cannot_run(Candidate(engine=Engine.FSDP2, compile=True)) is None
 
 
-def test_cpu_workers_skip_compile_where_inductor_has_no_compiler(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_cpu_workers_skip_compile_where_inductor_has_no_compiler() -> None:
     import torch._inductor.config as inductor
 
     from autoshard import sharding
 
-    monkeypatch.setattr(inductor.cpp, "cxx", ("autoshard-no-such-compiler",))
-    sharding.cpu_compiler_missing.cache_clear()
+    # torch's own patch: torch 2.11's config breaks every later compile after a monkeypatch
+    # of cpp.cxx is undone ("torch._inductor.config.cpp.cxx does not exist")
     try:
-        why = cpu_workers_cannot_run(Candidate(engine=Engine.FSDP2, compile=True))
+        with inductor.patch({"cpp.cxx": ("autoshard-no-such-compiler",)}):
+            sharding.cpu_compiler_missing.cache_clear()
+            why = cpu_workers_cannot_run(Candidate(engine=Engine.FSDP2, compile=True))
     finally:
         sharding.cpu_compiler_missing.cache_clear()
     assert why is not None and why.startswith("torch.compile on CPU processes needs a C++")
