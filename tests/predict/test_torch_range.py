@@ -167,3 +167,23 @@ def test_predictions_on_the_oldest_torch_match_this_ones() -> None:
         # compile and float8 change the step on both (not eager's, as on 2.11 before)
         steps = old[size]["steps"]
         assert steps["compile"] < steps["eager"] and steps["float8"] != steps["eager"], size
+
+
+def test_pyprojects_torch_range_is_the_range_ci_tests() -> None:
+    """pyproject's lower bound is the torch the tier tests (scripts/torch_tier.sh), its upper
+    bound excludes the minor after the one setup.sh installs for the suite."""
+    import re
+
+    import tomllib
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_req,) = [Requirement(d) for d in deps if Requirement(d).name == "torch"]
+    tier = re.search(r"^TORCH=torch==([\d.]+)$", (ROOT / "scripts/torch_tier.sh").read_text(), re.M)
+    suite = re.search(r"torch==([\d.]+)\}", (ROOT / "scripts/setup.sh").read_text())
+    assert tier and suite
+    oldest, newest = Version(tier.group(1)), Version(suite.group(1))
+    assert oldest in torch_req.specifier and newest in torch_req.specifier
+    assert Version(f"{oldest.major}.{oldest.minor - 1}.99") not in torch_req.specifier
+    assert Version(f"{newest.major}.{newest.minor + 1}.0") not in torch_req.specifier
