@@ -121,9 +121,9 @@ if [ "$dry" = 0 ]; then
 fi
 # Every module the parts import, in one line each that fails (a missing wheel costs seconds
 # here, not a part). The dry run checks it as on the machine: only its packages and the pins.
-# (The dry run, on 2 cores: the two that failed on the first GPU run.)
+# (The dry run, on 2 cores, autoshard's alone: tests/test_device_wheels.py checks the others.)
 wheels_check=(--check)
-[ "$dry" = 1 ] && wheels_check=(--as-device --need autoshard --need "LightningCLI (jsonargparse[signatures])")
+[ "$dry" = 1 ] && wheels_check=(--as-device --need autoshard)
 python3 scripts/device_wheels.py "${wheels_check[@]}" > "$R/wheels.txt" 2> "$R/wheels.err"
 say "wheels check: $(cat "$R/wheels.txt")"
 echo "$BUDGET" > "$R/budget.txt"
@@ -134,12 +134,14 @@ pack
 if [ "$dry" = 1 ]; then
   TUNE=(--arg size=tiny --seq-len 64 --batch-size 1,2 --trials 2 --gpu-memory 2GiB
         --trial-timeout 120 --max-seconds 1)
-  GRID=(--size tiny --seq-len 64 --max 2 --steps 2 --warmup 1 --max-seconds 1)
+  GPU_TESTS=(tests/test_group.py)
+  GRID=(--size tiny --seq-len 64 --max 1 --steps 2 --warmup 1 --max-seconds 1)
   ACC=(--device cpu --only "gpt-tiny fsdp2 FULL_SHARD 32-true mbs1 reshard=keep_root")
   CF8=(--size tiny --seq-len 64 --mbs 1 --variants eager --cpu --steps 2 --max-seconds 1)
 else
   TUNE=(--arg size=7b --seq-len 2048 --batch-size 1,2,4 --trials 5 --trial-timeout 90
         --max-seconds 8)
+  GPU_TESTS=(tests/ --ignore=tests/test_handover.py)
   GRID=(--size 1b --seq-len 2048 --max 6 --steps 3 --warmup 2 --max-seconds 5)
   ACC=(--device cuda --only "gpt-deep FULL_SHARD" --only mixtral-tiny --only ckpt-op)
   CF8=(--size 1b --seq-len 2048 --mbs 2 --max-seconds 5)
@@ -149,8 +151,7 @@ run_part() {
   case "$name" in
     tune7b) (mkdir -p "$R/tune" && cd "$R/tune" && python3 -m autoshard tune \
               "$ROOT/examples/gpt.py:build" "${TUNE[@]}" --no-compile --no-float8 --out "$R/tune") ;;
-    gpu-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/ \
-                 --ignore=tests/test_handover.py ;;
+    gpu-tests) python3 -m pytest -q -p no:cacheprovider -m gpu "${GPU_TESTS[@]}" ;;
     memory-grid) python3 benchmarks/step_time_measured.py "${GRID[@]}" \
                    --json "$R/grid_one_group.json" --write "$R/step_time_one_group.md" ;;
     accuracy) python3 benchmarks/estimate_accuracy.py "${ACC[@]}" --measure-only \
@@ -179,7 +180,7 @@ while read -r name seconds _; do
   fi
   say "$name: up to ${allowed} s"
   t0=$(date +%s)
-  timeout -k 10 "$allowed" bash -c "$(declare -p ROOT R TUNE GRID ACC CF8); $(declare -f run_part); run_part $name" \
+  timeout -k 10 "$allowed" bash -c "$(declare -p ROOT R TUNE GPU_TESTS GRID ACC CF8); $(declare -f run_part); run_part $name" \
     > "$R/$name.log" 2>&1
   rc=$?
   used=$(($(date +%s) - t0))
