@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--mbs", type=int, default=2, help="micro-batch size per GPU")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per trial")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compiling)")
     parser.add_argument(
         "--max-seconds", type=float, help="Most seconds of timed steps per trial (tune's budget)."
     )
@@ -129,7 +130,7 @@ def main() -> None:
     log = TrialLog(args.json, {"size": args.size, "seq_len": args.seq_len, "mbs": args.mbs,
                                "device": device, "gpu": gpu.id, "torch": torch.__version__,
                                "fresh_group": args.fresh_group})  # fmt: skip
-    runs = run_trials(target, variants, workload, fresh=args.fresh_group, warmup=3,
+    runs = run_trials(target, variants, workload, fresh=args.fresh_group, warmup=args.warmup,
                       steps=args.steps, max_seconds=args.max_seconds)  # fmt: skip
     for candidate, trial, wall in runs:
         try:  # a prediction that fails is a finding, not the end of the measurements

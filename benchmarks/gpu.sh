@@ -137,7 +137,8 @@ if [ "$dry" = 1 ]; then
   GPU_TESTS=(tests/test_group.py)
   GRID=(--size tiny --seq-len 64 --max 1 --steps 2 --warmup 1 --max-seconds 1)
   ACC=(--device cpu --only "gpt-tiny fsdp2 FULL_SHARD 32-true mbs1 reshard=keep_root")
-  CF8=(--size tiny --seq-len 64 --mbs 1 --variants eager --cpu --steps 2 --max-seconds 1)
+  CF8=(--size tiny --seq-len 64 --mbs 1 --variants eager --cpu --steps 2 --warmup 1
+       --max-seconds 1)
 else
   TUNE=(--arg size=7b --seq-len 2048 --batch-size 1,2,4 --trials 5 --trial-timeout 90
         --max-seconds 8)

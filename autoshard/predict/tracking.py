@@ -67,7 +67,9 @@ def _fsdp2_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
                 self._entry_fake_mode = active_fake_mode()
             return super().__enter__()
 
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
             nested = active_fake_mode() is not self._entry_fake_mode
             if nested and func is not wait and not any(t is DTensor for t in types):
                 return func(*args, **(kwargs or {}))
