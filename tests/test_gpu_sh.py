@@ -63,7 +63,7 @@ def test_a_wrong_call_says_what_is_wrong_in_one_line(args: list[str], says: str)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # ~1.5 min alone on 2 cores; 11 min here at load 17-19
+@pytest.mark.timeout(1200)  # 671 s (195 s of CPU) at load 17-19 on 2 cores
 def test_the_dry_run_runs_every_part_and_packs_one_archive(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(
