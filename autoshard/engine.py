@@ -21,6 +21,8 @@ the policy of the candidate's engine (:func:`policy_of`) instead of re-deriving 
 
 from __future__ import annotations
 
+from enum import Enum
+
 from autoshard.config import (
     SHARDING_TRAITS,
     BackwardPrefetch,
@@ -40,6 +42,15 @@ from autoshard.errors import ConfigError
 from autoshard.results import ModelProfile
 
 OPTIMIZER_STATES = {Optimizer.ADAMW: 2, Optimizer.ADAM: 2, Optimizer.SGD: 1}
+
+
+class OffloadCopies(Enum):
+    """Which device copies of its offloaded host shards an engine keeps through a step
+    (:meth:`EnginePolicy.offload_device_copies`)."""
+
+    NONE = "none"  # freed as soon as they are gathered or cast
+    COMPUTING = "computing"  # the root's through forward and backward, and the unit computing
+    ALL = "all"  # every unit's, through forward and backward
 
 
 def element_bytes(precision: Precision) -> tuple[int, int]:
@@ -159,6 +170,24 @@ class EnginePolicy:
         trained, _, _ = self.gradient_params(profile, candidate)
         return trained * self.reduce_bytes(candidate)
 
+    def offload_device_copies(self, candidate: Candidate) -> OffloadCopies:
+        """Under CPU offload, the device copies of the host shards that the engine keeps
+        through a step (:class:`OffloadCopies`). FSDP2 gathers from its pinned shards and keeps
+        none."""
+        return OffloadCopies.NONE
+
+    def offload_keeps_gradients(self, candidate: Candidate) -> bool:
+        """Under CPU offload, whether the reduced gradients stay on the device from each unit's
+        backward until the backward ends (then only the host's are left). FSDP2 copies each
+        unit's to the host as it reduces it."""
+        return False
+
+    def host_pinned_bytes(self, profile: ModelProfile, candidate: Candidate, shard: int) -> int:
+        """Under CPU offload, the pinned host bytes one rank holds beyond the optimizer's
+        states (its shards and their host gradients); 0 where the estimate counts them as
+        plain host bytes (FSDP2)."""
+        return 0
+
 
 class FSDP1Policy(EnginePolicy):
     engine = Engine.FSDP1
@@ -225,6 +254,45 @@ class FSDP1Policy(EnginePolicy):
         )
         block = largest(profile.block_params, profile.block_params - profile.block_frozen_params)
         return (root + (profile.block_count - profile.frozen_blocks) * block) * stored
+
+
+    def offload_device_copies(self, candidate: Candidate) -> OffloadCopies:
+        """``FlatParamHandle.pre_unshard`` copies an offloaded unit's host shard to the device
+        (``flat_param_to``) before each forward and backward of the unit, unless parameter
+        mixed precision casts it instead (``_use_low_precision_shard``: the copy is freed at
+        once). What keeps the copy (torch 2.11 and 2.13, ``_flat_param.py``): NO_SHARD's
+        ``_use_sharded_views`` never clears the handle's saved views (``_tensors``), which
+        point into it, so each unit's copy lives until its next unshard replaces it (the device
+        holds a whole copy of the model, as without offload); SHARD_GRAD_OP skips the sharded
+        views after forward, so the original parameters point into it until the unit's
+        post-backward reshard (every shard from forward into backward); FULL_SHARD points the
+        original parameters back at the host shard on every reshard (the root's copy lives
+        through the whole forward and backward, a block's through its own)."""
+        if candidate.precision.mixed:
+            return OffloadCopies.NONE
+        if not traits(candidate).reshards:
+            return OffloadCopies.ALL
+        return OffloadCopies.COMPUTING
+
+    def offload_keeps_gradients(self, candidate: Candidate) -> bool:
+        """A unit's reduced gradient, cast to the parameters' dtype, is copied to its host
+        gradient (``_offload_grad``) and stays on the device (NO_SHARD: ``flat_param.grad``;
+        sharded: ``_saved_grad_shard``) until the root's post-backward callback points the
+        gradient at the host's (``prepare_gradient_for_optim``)."""
+        return True
+
+    def host_pinned_bytes(self, profile: ModelProfile, candidate: Candidate, shard: int) -> int:
+        """Each unit's host shard and its host gradient (``_cpu_grad``, every unit's, trained or
+        not) are pinned; the CUDA caching host allocator rounds each pinned block up to a power
+        of two (``CachingHostAllocatorImpl::allocate``: ``PowerOf2Ceil``)."""
+        stored, _ = element_bytes(candidate.precision)
+        if candidate.one_unit or not profile.block_count:
+            units = [profile.total_params]
+        else:
+            blocks = [profile.block_params] * profile.block_count
+            units = [profile.root_unit_params, *blocks]
+        shards = [-(-size // shard) * stored for size in units if size]
+        return 2 * sum(1 << (size - 1).bit_length() for size in shards)
 
 
 class FSDP2Policy(EnginePolicy):
