@@ -22,6 +22,7 @@ the policy of the candidate's engine (:func:`policy_of`) instead of re-deriving 
 from __future__ import annotations
 
 from enum import Enum
+from typing import NamedTuple
 
 from autoshard.config import (
     SHARDING_TRAITS,
@@ -42,6 +43,15 @@ from autoshard.errors import ConfigError
 from autoshard.results import ModelProfile
 
 OPTIMIZER_STATES = {Optimizer.ADAMW: 2, Optimizer.ADAM: 2, Optimizer.SGD: 1}
+
+
+class OffloadTransfers(NamedTuple):
+    """The host-link copies of one rank's parameter shard in a step under CPU offload
+    (:meth:`EnginePolicy.offload_transfers`), besides the gradient's one copy back."""
+
+    to_device: int  # copies of the shard to the device
+    hidden: bool  # copies run on their own stream beside the compute
+    blocking_grads: bool  # the gradient's copy back blocks the host (and so the compute)
 
 
 class OffloadCopies(Enum):
@@ -188,6 +198,16 @@ class EnginePolicy:
         plain host bytes (FSDP2)."""
         return 0
 
+    def offload_transfers(
+        self, candidate: Candidate, shard: int, accumulate: int
+    ) -> OffloadTransfers:
+        """Under CPU offload, the copies of this rank's shard over the host link in one step
+        (:class:`OffloadTransfers`). FSDP2: each gather copies the shard to the device (a
+        second time in backward where units reshard), counted one after another with the
+        gradient's copy back and nothing hidden."""
+        regather = shard > 1 and traits(candidate).shards_params and resharded_sharding(candidate)
+        return OffloadTransfers(accumulate * (1 + regather), hidden=False, blocking_grads=False)
+
 
 class FSDP1Policy(EnginePolicy):
     engine = Engine.FSDP1
@@ -255,7 +275,6 @@ class FSDP1Policy(EnginePolicy):
         block = largest(profile.block_params, profile.block_params - profile.block_frozen_params)
         return (root + (profile.block_count - profile.frozen_blocks) * block) * stored
 
-
     def offload_device_copies(self, candidate: Candidate) -> OffloadCopies:
         """``FlatParamHandle.pre_unshard`` copies an offloaded unit's host shard to the device
         (``flat_param_to``) before each forward and backward of the unit, unless parameter
@@ -293,6 +312,20 @@ class FSDP1Policy(EnginePolicy):
             units = [profile.root_unit_params, *blocks]
         shards = [-(-size // shard) * stored for size in units if size]
         return 2 * sum(1 << (size - 1).bit_length() for size in shards)
+
+    def offload_transfers(
+        self, candidate: Candidate, shard: int, accumulate: int
+    ) -> OffloadTransfers:
+        """Every micro-batch's forward and backward copy the unit's host shard to the device
+        (``pre_unshard`` before each unshard, whatever the sharding), issued on the pre-unshard
+        stream ahead of the compute that waits for them: hidden behind it. The gradient's
+        copy back (``_offload_grad``) is asynchronous on the post-backward stream for sharded
+        strategies and blocks the host under NO_SHARD ("Investigate why `NO_SHARD` breaks
+        correctness when using `non_blocking=True` here", torch 2.11 and 2.13): there each
+        unit's backward waits for the copy of the one before it."""
+        return OffloadTransfers(
+            2 * accumulate, hidden=True, blocking_grads=not traits(candidate).shards_params
+        )
 
 
 class FSDP2Policy(EnginePolicy):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -110,7 +110,9 @@ class DeviceBytes(TorchDispatchMode):
         if alive > self.peak:
             self.peak, self.peak_at = alive, f"{self.phase}: {func}"
             self.at_peak = [
-                (s.nbytes(), self.made[k]) for k, r in self.storages.items() if (s := r()) is not None
+                (st.nbytes(), self.made[key])
+                for key, ref in self.storages.items()
+                if (st := ref()) is not None
             ]
         return out
 
@@ -155,14 +157,24 @@ def fsdp1_state(model: nn.Module) -> list[torch.Tensor]:
     return [t for t in held if isinstance(t, torch.Tensor)]
 
 
+class OffloadPeak(NamedTuple):
+    """The device's peak of an emulated offload run: its bytes, the step and operation it was
+    reached at, and each storage alive then (bytes, the step and operation that made it;
+    "resident": held from before the counted steps)."""
+
+    bytes: int
+    at: str
+    alive: list[tuple[int, str]]
+
+
 def measure_offload_peak(
     target: TargetSpec, candidate: Candidate, workload: WorkloadSpec, *, steps: int = 3
-) -> tuple[int, str]:
-    """The device's peak bytes of an offloading FSDP1 ``candidate``'s training steps on this
-    rank of an initialised gloo process group, built and stepped as a trial does, and the step
-    and operation it peaked at. The first step (not counted) makes every unit's host gradient
-    and the optimizer's states; the ``steps - 1`` counted after it start from what the steps
-    before them left on the device (FSDP1's state is taken stock of first)."""
+) -> OffloadPeak:
+    """The device's peak of an offloading FSDP1 ``candidate``'s training steps on this rank of
+    an initialised gloo process group, built and stepped as a trial does. The first step (not
+    counted) makes every unit's host gradient and the optimizer's states; the ``steps - 1``
+    counted after it start from what the steps before them left on the device (FSDP1's state
+    is taken stock of first)."""
     from autoshard.loop import autocast_for, optimizer_step
     from autoshard.trials.worker import build_for_training
 
@@ -172,15 +184,16 @@ def measure_offload_peak(
             target, candidate, device, workload.seq_len
         )
         autocast = autocast_for(candidate, device)
-        optimizer_step(model, optimizer, batch, workload, autocast=autocast, loss_fn=loss_fn)
-        host = host_storages(model, optimizer)
-        resident = fsdp1_state(model) + [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
-        ledger = DeviceBytes(host, resident)
-        del resident  # a reference kept here would keep the copies it names alive
+
+        def step() -> None:
+            optimizer_step(model, optimizer, batch, workload, autocast=autocast, loss_fn=loss_fn)
+
+        step()
+        inputs = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+        ledger = DeviceBytes(host_storages(model, optimizer), fsdp1_state(model) + inputs)
+        del inputs  # a reference kept here would keep what it names alive
         with ledger:
-            for step in range(1, steps):
-                ledger.phase = f"step {step}"
-                optimizer_step(model, optimizer, batch, workload, autocast=autocast, loss_fn=loss_fn)
-        global LAST
-        LAST = ledger
-        return ledger.peak, ledger.peak_at
+            for n in range(1, steps):
+                ledger.phase = f"step {n}"
+                step()
+        return OffloadPeak(ledger.peak, ledger.peak_at, ledger.at_peak)
