@@ -27,8 +27,13 @@ EVERY2 = {"checkpointing": "every_k", "checkpoint_every": 2}
 # One rank (NO_SHARD as run): every unit's copy kept; the peak is the root's gradient
 # concatenation (every block checkpointed but one) or the head's backward (none checkpointed).
 ONE_RANK = [{"precision": "32-true", **EVERY2}, {"precision": "32-true"}]
-# Two ranks, FULL_SHARD: the root's copy through its backward, the reduced gradients on the device
-TWO_RANKS = [{"precision": "32-true", **EVERY2}]
+# Two ranks: FULL_SHARD (the root's copy through its backward, the reduced gradients on the
+# device until the backward ends) and SHARD_GRAD_OP (every unit's shard copied from its forward
+# into its backward)
+TWO_RANKS = [
+    {"precision": "32-true", **EVERY2},
+    {"precision": "32-true", "sharding": "SHARD_GRAD_OP"},
+]
 
 
 def _candidates(points: list[dict]) -> list[Candidate]:
@@ -136,7 +141,9 @@ def test_offload_estimate_matches_fsdp1_offload_run_on_two_ranks(tmp_path) -> No
     for point, real, est in zip(
         TWO_RANKS, measured["peaks"], _estimates(TWO_RANKS, 2), strict=True
     ):
-        assert abs(est - real) <= 0.05 * real, (point, est, real)
+        # gloo's worker thread can hold a collective's tensors a moment longer (a race:
+        # 15.95 and 16.73 MiB measured for the same point under load): the 10% of the gloo tests
+        assert abs(est - real) <= 0.10 * real, (point, est, real)
 
 
 # -- the rules, quick ------------------------------------------------------------------------
@@ -189,6 +196,25 @@ def test_one_rank_fp32_offload_holds_a_model_copy_and_its_gradients(tiny) -> Non
     units = [profile.root_unit_params] + [profile.block_params] * profile.block_count
     pinned = 2 * sum(1 << (size * 4 - 1).bit_length() for size in units)
     assert host == pinned + 2 * profile.trainable_params * 4  # AdamW's states, not pinned
+
+
+def test_two_ranks_full_shard_offload_holds_the_roots_copy_through_its_backward(tiny) -> None:
+    from autoshard.predict.analytic import peak_moments
+
+    profile, workload, acts = tiny
+    (candidate,) = _candidates([{"precision": "32-true", **EVERY2}])
+    two = Hardware(gpus_per_node=2, gpu_memory=80 * 2**30)
+    moments, _ = peak_moments(profile, candidate, two, workload, acts)
+    root, block = profile.root_unit_params * 4, profile.block_params * 4
+    # the root gathered, and the copy of its host shard its pre-backward made
+    assert moments["root backward"].unsharded_params == root + root // 2
+    # at the loss the root's forward is over: its copy is gone, nothing resident
+    assert moments["loss"].unsharded_params == root and moments["loss"].sharded_params == 0
+    # the blocks' reduced gradient shards are on the device at the root's backward, in fp32
+    trained_blocks = profile.trainable_params - profile.root_unit_params
+    assert moments["root backward"].gradients == trained_blocks * 4 // 2 + root
+    assert moments["optimizer step"].gradients == 0
+    assert block < root
 
 
 def test_offload_copies_hide_behind_the_compute_but_a_no_shard_gradient_copy() -> None:
