@@ -5,7 +5,9 @@ the policy of the candidate's engine (:func:`policy_of`) instead of re-deriving 
 - FSDP1 (``FullyShardedDataParallel``): one flat parameter per unit, gathered straight into it;
   its sharding strategy alone decides what reshards after forward, and the root never does;
   gradients reduce in the compute dtype (Lightning's ``MixedPrecision``); ``no_sync`` skips the
-  sync under any loop's accumulation; a world of one rank runs NO_SHARD.
+  sync under any loop's accumulation; a world of one rank runs NO_SHARD; under CPU offload it
+  keeps device copies of its host shards (every unit's under NO_SHARD and SHARD_GRAD_OP without
+  parameter mixed precision) and every unit's reduced gradient until the backward ends.
 - FSDP2 (``fully_shard``): per-parameter sharding, gathered into a buffer and copied out; the
   reshard policy decides per unit; gradients reduce in fp32 under mixed precision
   (``reduce_dtype_fp32``); frozen parameters carry no gradient; Lightning's Trainer reduces

@@ -251,6 +251,13 @@ def test_offload_copies_hide_behind_the_compute_but_a_no_shard_gradient_copy() -
     # sharded: every copy beside the compute; with no compute to hide behind, all three exposed
     assert offload("FULL_SHARD", 1, compute_s=10.0) == pytest.approx(host)
     assert offload("FULL_SHARD", 1, compute_s=0.0) == pytest.approx(host + 3 * copy)
+    # every micro-batch's forward and backward copy the shard (accumulation: 4 x 2 copies)
+    candidate = Candidate(sharding="FULL_SHARD", precision="32-true", cpu_offload=True)
+    accumulated, _ = _optimizer_and_offload(
+        candidate, Hardware(gpus_per_node=1, gpu_memory=80 * 2**30), gpu, factors,
+        params=params, shard=1, accumulate=4, compute_s=0.0,
+    )  # fmt: skip
+    assert accumulated == pytest.approx(host + (4 * 2 + 1) * copy)
     # FSDP2's copies: one after another, nothing hidden (one gather at one shard, one back)
     assert offload("NO_SHARD", 1, compute_s=10.0, engine="fsdp2") == pytest.approx(host + 2 * copy)
 

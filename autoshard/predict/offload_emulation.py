@@ -63,7 +63,7 @@ def offload_on_cpu() -> Iterator[None]:
         return bool(ran)
 
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
-    FlatParamHandle.pre_unshard = moved_to_device  # type: ignore[method-assign]
+    FlatParamHandle.pre_unshard = moved_to_device  # type: ignore[method-assign, assignment]
     if not had_sync:
         torch.cpu.Stream.synchronize = lambda self: None  # type: ignore[attr-defined]
     try:
@@ -128,7 +128,7 @@ def host_storages(model: nn.Module, optimizer: torch.optim.Optimizer) -> set[int
     the optimizer's states."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    kept: list[torch.Tensor] = []
+    kept: list[Any] = []
     for module in FullyShardedDataParallel.fsdp_modules(model):
         handle = getattr(module, "_handle", None)
         if handle is None:
