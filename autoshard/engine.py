@@ -5,7 +5,9 @@ the policy of the candidate's engine (:func:`policy_of`) instead of re-deriving 
 - FSDP1 (``FullyShardedDataParallel``): one flat parameter per unit, gathered straight into it;
   its sharding strategy alone decides what reshards after forward, and the root never does;
   gradients reduce in the compute dtype (Lightning's ``MixedPrecision``); ``no_sync`` skips the
-  sync under any loop's accumulation; a world of one rank runs NO_SHARD.
+  sync under any loop's accumulation; a world of one rank runs NO_SHARD; under CPU offload it
+  keeps device copies of its host shards (every unit's under NO_SHARD and SHARD_GRAD_OP without
+  parameter mixed precision) and every unit's reduced gradient until the backward ends.
 - FSDP2 (``fully_shard``): per-parameter sharding, gathered into a buffer and copied out; the
   reshard policy decides per unit; gradients reduce in fp32 under mixed precision
   (``reduce_dtype_fp32``); frozen parameters carry no gradient; Lightning's Trainer reduces
@@ -20,6 +22,9 @@ the policy of the candidate's engine (:func:`policy_of`) instead of re-deriving 
 """
 
 from __future__ import annotations
+
+from enum import Enum
+from typing import NamedTuple
 
 from autoshard.config import (
     SHARDING_TRAITS,
@@ -40,6 +45,24 @@ from autoshard.errors import ConfigError
 from autoshard.results import ModelProfile
 
 OPTIMIZER_STATES = {Optimizer.ADAMW: 2, Optimizer.ADAM: 2, Optimizer.SGD: 1}
+
+
+class OffloadTransfers(NamedTuple):
+    """The host-link copies of one rank's parameter shard in a step under CPU offload
+    (:meth:`EnginePolicy.offload_transfers`), besides the gradient's one copy back."""
+
+    to_device: int  # copies of the shard to the device
+    hidden: bool  # copies run on their own stream beside the compute
+    blocking_grads: bool  # the gradient's copy back blocks the host (and so the compute)
+
+
+class OffloadCopies(Enum):
+    """Which device copies of its offloaded host shards an engine keeps through a step
+    (:meth:`EnginePolicy.offload_device_copies`)."""
+
+    NONE = "none"  # freed as soon as they are gathered or cast
+    COMPUTING = "computing"  # the root's through forward and backward, and the unit computing
+    ALL = "all"  # every unit's, through forward and backward
 
 
 def element_bytes(precision: Precision) -> tuple[int, int]:
@@ -159,6 +182,34 @@ class EnginePolicy:
         trained, _, _ = self.gradient_params(profile, candidate)
         return trained * self.reduce_bytes(candidate)
 
+    def offload_device_copies(self, candidate: Candidate) -> OffloadCopies:
+        """Under CPU offload, the device copies of the host shards that the engine keeps
+        through a step (:class:`OffloadCopies`). FSDP2 gathers from its pinned shards and keeps
+        none."""
+        return OffloadCopies.NONE
+
+    def offload_keeps_gradients(self, candidate: Candidate) -> bool:
+        """Under CPU offload, whether the reduced gradients stay on the device from each unit's
+        backward until the backward ends (then only the host's are left). FSDP2 copies each
+        unit's to the host as it reduces it."""
+        return False
+
+    def host_pinned_bytes(self, profile: ModelProfile, candidate: Candidate, shard: int) -> int:
+        """Under CPU offload, the pinned host bytes one rank holds beyond the optimizer's
+        states (its shards and their host gradients); 0 where the estimate counts them as
+        plain host bytes (FSDP2)."""
+        return 0
+
+    def offload_transfers(
+        self, candidate: Candidate, shard: int, accumulate: int
+    ) -> OffloadTransfers:
+        """Under CPU offload, the copies of this rank's shard over the host link in one step
+        (:class:`OffloadTransfers`). FSDP2: each gather copies the shard to the device (a
+        second time in backward where units reshard), counted one after another with the
+        gradient's copy back and nothing hidden."""
+        regather = shard > 1 and traits(candidate).shards_params and resharded_sharding(candidate)
+        return OffloadTransfers(accumulate * (1 + regather), hidden=False, blocking_grads=False)
+
 
 class FSDP1Policy(EnginePolicy):
     engine = Engine.FSDP1
@@ -225,6 +276,58 @@ class FSDP1Policy(EnginePolicy):
         )
         block = largest(profile.block_params, profile.block_params - profile.block_frozen_params)
         return (root + (profile.block_count - profile.frozen_blocks) * block) * stored
+
+    def offload_device_copies(self, candidate: Candidate) -> OffloadCopies:
+        """``FlatParamHandle.pre_unshard`` copies an offloaded unit's host shard to the device
+        (``flat_param_to``) before each forward and backward of the unit, unless parameter
+        mixed precision casts it instead (``_use_low_precision_shard``: the copy is freed at
+        once). What keeps the copy (torch 2.11 and 2.13, ``_flat_param.py``): NO_SHARD's
+        ``_use_sharded_views`` never clears the handle's saved views (``_tensors``), which
+        point into it, so each unit's copy lives until its next unshard replaces it (the device
+        holds a whole copy of the model, as without offload); SHARD_GRAD_OP skips the sharded
+        views after forward, so the original parameters point into it until the unit's
+        post-backward reshard (every shard from forward into backward); FULL_SHARD points the
+        original parameters back at the host shard on every reshard (the root's copy lives
+        through the whole forward and backward, a block's through its own)."""
+        if candidate.precision.mixed:
+            return OffloadCopies.NONE
+        if not traits(candidate).reshards:
+            return OffloadCopies.ALL
+        return OffloadCopies.COMPUTING
+
+    def offload_keeps_gradients(self, candidate: Candidate) -> bool:
+        """A unit's reduced gradient, cast to the parameters' dtype, is copied to its host
+        gradient (``_offload_grad``) and stays on the device (NO_SHARD: ``flat_param.grad``;
+        sharded: ``_saved_grad_shard``) until the root's post-backward callback points the
+        gradient at the host's (``prepare_gradient_for_optim``)."""
+        return True
+
+    def host_pinned_bytes(self, profile: ModelProfile, candidate: Candidate, shard: int) -> int:
+        """Each unit's host shard and its host gradient (``_cpu_grad``, every unit's, trained or
+        not) are pinned; the CUDA caching host allocator rounds each pinned block up to a power
+        of two (``CachingHostAllocatorImpl::allocate``: ``PowerOf2Ceil``)."""
+        stored, _ = element_bytes(candidate.precision)
+        if candidate.one_unit or not profile.block_count:
+            units = [profile.total_params]
+        else:
+            blocks = [profile.block_params] * profile.block_count
+            units = [profile.root_unit_params, *blocks]
+        shards = [-(-size // shard) * stored for size in units if size]
+        return 2 * sum(1 << (size - 1).bit_length() for size in shards)
+
+    def offload_transfers(
+        self, candidate: Candidate, shard: int, accumulate: int
+    ) -> OffloadTransfers:
+        """Every micro-batch's forward and backward copy the unit's host shard to the device
+        (``pre_unshard`` before each unshard, whatever the sharding), issued on the pre-unshard
+        stream ahead of the compute that waits for them: hidden behind it. The gradient's
+        copy back (``_offload_grad``) is asynchronous on the post-backward stream for sharded
+        strategies and blocks the host under NO_SHARD ("Investigate why `NO_SHARD` breaks
+        correctness when using `non_blocking=True` here", torch 2.11 and 2.13): there each
+        unit's backward waits for the copy of the one before it."""
+        return OffloadTransfers(
+            2 * accumulate, hidden=True, blocking_grads=not traits(candidate).shards_params
+        )
 
 
 class FSDP2Policy(EnginePolicy):

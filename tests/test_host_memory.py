@@ -1,6 +1,6 @@
 """Host memory: CPU offload's need is shown, checked where known, and never assumed silently.
 
-70B on 8 x 80 GiB fits only with CPU offload, which needs about 1 TiB of host memory per node.
+70B on 8 x 80 GiB fits only with CPU offload, which needs about 1.1 TiB of host memory per node.
 """
 
 from __future__ import annotations
@@ -41,11 +41,12 @@ def test_offload_without_host_memory_warns_with_the_need(big_estimates):
     estimates, said = big_estimates
     first = estimates[0]
     assert first.fits and first.candidate.cpu_offload  # nothing else fits 8 x 80 GiB
-    # AdamW's fp32 params, grads and two states of 70B, a node's eight shards: about 1 TiB
-    assert 0.9 * TIB < first.host_peak < 1.1 * TIB
+    # AdamW's fp32 params, grads and two states of 70B, a node's eight shards: about 1 TiB, the
+    # pinned shards and host gradients each rounded up to a power of two (CUDA's host allocator)
+    assert 1.1 * TIB < first.host_peak < 1.2 * TIB
     host = [w for w in said if w.startswith("offload needs")]
     assert host == [
-        f"offload needs 1 TiB of host memory per node ({first.candidate.label()}), assumed to be "
+        f"offload needs 1.13 TiB of host memory per node ({first.candidate.label()}), assumed to be "
         "there (no host memory given); give --host-memory / host_memory= for yours"
     ]
     # every offload candidate carries its need; the others need none
@@ -54,7 +55,7 @@ def test_offload_without_host_memory_warns_with_the_need(big_estimates):
     rec = estimates.recommendation
     assert rec is not None and rec.chosen.candidate.cpu_offload
     assert any(
-        r.startswith("CPU offload needs 1 TiB of host memory per node") and "not checked" in r
+        r.startswith("CPU offload needs 1.13 TiB of host memory per node") and "not checked" in r
         for r in rec.reasons
     )
 
@@ -63,8 +64,8 @@ def test_recommend_says_the_host_need():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rec = autoshard.recommend(GPT, **BIG)
-    assert any(w.startswith("offload needs 1 TiB") for w in _plan_warnings(caught))
-    assert any(r.startswith("CPU offload needs 1 TiB") for r in rec.reasons)
+    assert any(w.startswith("offload needs 1.13 TiB") for w in _plan_warnings(caught))
+    assert any(r.startswith("CPU offload needs 1.13 TiB") for r in rec.reasons)
 
 
 def test_no_warning_when_the_answer_does_not_offload():
@@ -79,11 +80,11 @@ def test_no_warning_when_the_answer_does_not_offload():
 def test_cli_estimate_shows_the_need(cli):
     code, out, err = cli("estimate", *CLI_BIG)
     assert code == 0
-    assert "warning: offload needs 1 TiB of host memory per node" in err
-    assert "host / node" in out and "1 TiB" in out
+    assert "warning: offload needs 1.13 TiB of host memory per node" in err
+    assert "host / node" in out and "1.13 TiB" in out
     code, out, err = cli("estimate", *CLI_BIG, "--json")
     data = json.loads(out)
-    assert any(n.startswith("offload needs 1 TiB") for n in data["notes"])
+    assert any(n.startswith("offload needs 1.13 TiB") for n in data["notes"])
     assert data["estimates"][0]["host_peak"] > 0.9 * TIB
     assert any(r.startswith("CPU offload needs") for r in data["recommendation"]["reasons"])
     assert data["nothing_fits"] is None
@@ -95,10 +96,10 @@ def test_host_memory_short_is_one_line_naming_what_would_fit(cli):
     line = str(raised.value)
     assert "\n" not in line
     assert line.startswith("no configuration fits 1 x 8 GPUs of 80 GiB with 512 GiB of host")
-    # a node's share of the offloaded state halves with 2 nodes (514 GiB: still over) and
-    # fits on 3; or 1 TiB of host memory on one node
+    # a node's share of the offloaded state halves with 2 nodes (still over 512 GiB) and
+    # fits on 3; or 1.13 TiB of host memory on one node
     assert "it would fit on 3 nodes of 8 GPUs" in line
-    assert "or with 1 TiB of host memory per node" in line
+    assert "or with 1.13 TiB of host memory per node" in line
     code, out, _ = cli("estimate", *CLI_BIG, "--host-memory", "512GiB")
     assert code == 0 and line in out.replace("\n", "")  # the table, then the same line
     code, out, _ = cli("estimate", *CLI_BIG, "--host-memory", "512GiB", "--json")

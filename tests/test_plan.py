@@ -321,8 +321,9 @@ def test_a_plan_is_labelled_as_the_user_named_the_model() -> None:
 
 
 def test_an_offloading_answer_without_host_memory_says_what_it_assumes() -> None:
-    # 1 GPU of 1.15 GiB: only CPU offload fits this 8-layer model, first in the order
-    options = PlanOptions(gpus=1, gpu_memory="1250MiB", batch_size="1", precision="32-true")
+    # 1 GPU of 2000 MiB: only CPU offload fits this 8-layer model (FSDP1 at one rank keeps a
+    # copy of the parameters and their gradients on the GPU, not AdamW's states), first
+    options = PlanOptions(gpus=1, gpu_memory="2000MiB", batch_size="1", precision="32-true")
     kwargs = {"size": "tiny", "n_layer": 8, "d_model": 768, "vocab_size": 8192}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -350,12 +351,13 @@ def test_no_gpu_warning_is_a_plan_warning() -> None:
 
 
 def test_the_fewest_nodes_on_which_something_fits(monkeypatch) -> None:
-    # an 8-layer model on 2 GPUs of 1300 MiB with 400 MiB of host memory per node: only CPU
-    # offload fits the GPUs, and its 1 GiB of host memory per node needs 3 nodes to spread it
+    # an 8-layer model on 2 GPUs of 1350 MiB with 520 MiB of host memory per node: only CPU
+    # offload fits the GPUs from 3 nodes on, and its 1.14 GiB of host memory per node (pinned
+    # blocks rounded to powers of two) needs 3 nodes to spread it
     kwargs = {"size": "tiny", "n_layer": 8, "d_model": 768, "vocab_size": 8192}
 
     def planned(nodes: int) -> plan_module.Plan:
-        options = PlanOptions(gpus=2, nodes=nodes, gpu_memory="1300MiB", host_memory="400MiB",
+        options = PlanOptions(gpus=2, nodes=nodes, gpu_memory="1350MiB", host_memory="520MiB",
                               batch_size="1", precision="32-true")  # fmt: skip
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

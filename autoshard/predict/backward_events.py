@@ -42,7 +42,12 @@ def head_backward(t: StepBytes) -> MemoryBreakdown:
     the block's backward starts (simulated)."""
     prefetches = t.engine is Engine.FSDP2 and t.reshards_blocks
     unsharded = t.backward_start_unsharded_bytes if prefetches else t.gathered_bytes
+    # FSDP1 offloading: the head's weight gradient is made while the logits' gradient is alive
+    # (emulated, op by op; the trackers the other events are calibrated with snapshot at module
+    # boundaries, between the two)
+    offloaded = t.engine is Engine.FSDP1 and t.candidate.cpu_offload
     return MemoryBreakdown(
+        gradients=fsdp1_head_gradient(t) if offloaded else 0,
         sharded_params=t.param_shard_bytes,
         unsharded_params=unsharded,
         optimizer=t.optimizer_bytes,
@@ -118,6 +123,8 @@ def top_block_backward(t: StepBytes, head: MemoryBreakdown) -> MemoryBreakdown:
         )
     else:  # NO_SHARD: nothing is gathered or freed
         top = head.model_copy(update={"temporaries": t.block_backward(-1)})
+        if t.block_copies_bytes:  # offloaded: the root's second copy freed by the head's backward
+            top = top.model_copy(update={"unsharded_params": t.block_copies_bytes})
     # It reduces its gradients; the head's gradient waits in the root (FSDP2: in its unsharded
     # gradient; FSDP1: in autograd's input buffer for the root's flat parameter, until the
     # embedding's gradient completes it), and what the forward saved after the last block is
@@ -246,9 +253,10 @@ def root_backward(t: StepBytes) -> MemoryBreakdown:
     FSDP2 too, even when no cast is needed); NO_SHARD all-reduces in place unless it casts."""
     gathered = root_gathered_at_backward(t) or (t.mixed and t.shard == 1)
     copies = t.shard > 1 or t.reduce_dtype_bytes != t.compute_dtype_bytes
+    root = t.root_params * t.compute_dtype_bytes if gathered else 0
     return MemoryBreakdown(
         sharded_params=t.param_shard_bytes,
-        unsharded_params=t.root_params * t.compute_dtype_bytes if gathered else 0,
+        unsharded_params=root + t.root_copy_bytes,
         gradients=t.block_grad_shard_bytes + t.trained_root_params * t.compute_dtype_bytes,
         optimizer=t.optimizer_bytes,
         comm_buffers=t.trained_root_params * t.reduce_dtype_bytes if copies else 0,
@@ -280,6 +288,19 @@ def fsdp1_unsharded_flat_gradient(t: StepBytes, root: MemoryBreakdown) -> Memory
         return None
     flat = t.trained_block_params * t.compute_dtype_bytes
     return root.model_copy(update={"gradients": root.gradients + flat})
+
+
+def fsdp1_offloaded_root_gradient(t: StepBytes, root: MemoryBreakdown) -> MemoryBreakdown | None:
+    """FSDP1 offloading: the root's backward ends with autograd concatenating its parameters'
+    gradients (one per view: the head's, the embedding's) into the root's flat gradient, both
+    alive, beside every block's gradient still on the device (emulated: FSDP1's offload on CPU
+    processes, :mod:`autoshard.predict.offload_emulation`). Without offload the same moment
+    holds less than the optimizer step's states and foreach copy, and is not counted; None
+    where nothing is offloaded or the root is sharded."""
+    if not (t.engine is Engine.FSDP1 and t.candidate.cpu_offload and t.wrapped and t.shard == 1):
+        return None  # sharded, the root's reduce-scatter input is counted as that copy
+    pieces = t.trained_root_params * t.compute_dtype_bytes
+    return root.model_copy(update={"gradients": root.gradients + pieces})
 
 
 def optimizer_step(t: StepBytes) -> MemoryBreakdown:

@@ -48,8 +48,6 @@ from autoshard.engine import (
     as_run,
     element_bytes,
     policy_of,
-    resharded_sharding,
-    traits,
 )
 from autoshard.gpus import GPUSpec
 from autoshard.predict.collectives import Collectives
@@ -178,6 +176,12 @@ def _distributed_seconds(
     return 2 * copied / (gpu.hbm_bandwidth * factors.memory_efficiency)  # read and write
 
 
+# The host threads of each rank's CPU optimizer step: what trials run with on GPUs
+# (autoshard/trials/group.py sets OMP_NUM_THREADS=4 unless the caller did); torchrun gives each of
+# several processes 1, Lightning's launchers the cores over the processes.
+HOST_OPTIMIZER_THREADS = 4
+
+
 def _optimizer_and_offload(
     candidate: Candidate,
     hardware: Hardware,
@@ -187,27 +191,35 @@ def _optimizer_and_offload(
     params: float,
     shard: int,
     accumulate: int,
+    compute_s: float,
 ) -> tuple[float, float]:
     """(offload seconds, optimizer seconds) of one step: the optimizer on the GPU, bound by its
-    memory bandwidth; or, with CPU offload, every gather copying the parameter shard to the GPU
-    first, the gradient shard coming back once per step, and each rank's optimizer stepping its
-    shard in host memory, all ranks of a node at once."""
+    memory bandwidth; or, with CPU offload, the copies of the parameter shard to the GPU and of
+    the gradient shard back that the ``compute_s`` does not hide (the engine's rules:
+    :meth:`~autoshard.engine.EnginePolicy.offload_transfers`), and each rank's optimizer
+    stepping its shard in host memory after the backward, all ranks of a node at once, each on
+    :data:`HOST_OPTIMIZER_THREADS` threads."""
     stored, _ = element_bytes(candidate.precision)
     shard_params = params / max(shard, 1)
     step_bytes = shard_params * optimizer_bytes_per_param(candidate)
     if not candidate.cpu_offload:
         return 0.0, step_bytes / (gpu.hbm_bandwidth * factors.memory_efficiency)
-    regather = shard > 1 and traits(candidate).shards_params
-    regather = regather and resharded_sharding(candidate)
-    gathers = accumulate * (1 + (1 if regather else 0))
-    copied = shard_params * stored * (gathers + 1)
-    offload_s = copied / (gpu.host_link_bandwidth * factors.host_efficiency)
+    transfers = policy_of(candidate).offload_transfers(candidate, shard, accumulate)
+    link = gpu.host_link_bandwidth * factors.host_efficiency
+    to_device_s = shard_params * stored * transfers.to_device / link
+    to_host_s = shard_params * stored / link  # the gradient, once per step
+    if transfers.hidden:
+        beside = to_device_s + (0.0 if transfers.blocking_grads else to_host_s)
+        offload_s = max(0.0, beside - compute_s) + (to_host_s if transfers.blocking_grads else 0)
+    else:
+        offload_s = to_device_s + to_host_s
     if gpu.host_is_device:  # the host is the device: each rank's share of its memory
         offload_s += step_bytes / (gpu.hbm_bandwidth * factors.memory_efficiency)
     else:
-        # each rank's share of the node's memory bandwidth, at most what its one thread streams
+        # each rank's share of the node's memory bandwidth, at most what its threads stream
         share = factors.host_memory_bandwidth / hardware.gpus_per_node
-        offload_s += step_bytes / min(share, factors.host_thread_bandwidth)
+        threads = HOST_OPTIMIZER_THREADS * factors.host_thread_bandwidth
+        offload_s += step_bytes / min(share, threads)
     return offload_s, 0.0
 
 
@@ -371,8 +383,9 @@ def _step_time(
         step, seconds, prefetch, factors, compute_s + recompute_s
     )
     offload_s, optimizer_s = _optimizer_and_offload(
-        candidate, hardware, gpu, factors, params=params, shard=comm.shard, accumulate=accumulate
-    )
+        candidate, hardware, gpu, factors, params=params, shard=comm.shard,
+        accumulate=accumulate, compute_s=compute_s + recompute_s,
+    )  # fmt: skip
     distributed_s = _distributed_seconds(step, comm, gpu, factors)
     scale_sync_s = recipe.scale_sync_s(
         blocks,

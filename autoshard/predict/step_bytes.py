@@ -8,6 +8,7 @@ named ``*_params``, byte counts ``*_bytes``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from autoshard.config import (
     Candidate,
@@ -21,6 +22,7 @@ from autoshard.config import (
 )
 from autoshard.engine import (
     OPTIMIZER_STATES,
+    OffloadCopies,
     as_run,
     element_bytes,
     gradient_params,
@@ -170,6 +172,10 @@ class StepBytes:
     head_grad_bytes: int  # the head's unsharded gradient waiting in the root (FSDP2)
     kept_grad_bytes: int  # unsharded gradients kept between micro-batches when the sync is skipped
     host_bytes: int  # per node, offloaded
+    root_copy_bytes: int  # offloaded: the root's copy of its host shard, through its backward
+    # offloaded, a copy of each unit kept, one shard: the unit copies beside the top block's
+    # backward, its own forward copy (not checkpointed) and the next block's, prefetched
+    block_copies_bytes: int
 
     @property
     def gathers(self) -> bool:
@@ -270,6 +276,61 @@ def _block_backward_bytes(
     return recompute + block_grad // 2, 0
 
 
+class Offloaded(NamedTuple):
+    """What an offloading candidate holds on the device instead of its resident state, and
+    on the host (:func:`offloaded`)."""
+
+    device_copies: int  # copies of the host shards held through the step (sharded_params)
+    unsharded: int  # unsharded parameters through forward and backward (gathered_bytes)
+    block_grads: int  # the blocks' reduced gradients, on the device until the backward ends
+    root_copy: int  # the root's copy of its host shard through its backward
+    block_copies: int  # one shard: the unit copies beside the top block's backward
+    host: int  # per node
+
+
+def offloaded(
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    resident: tuple[int, int, int],
+    unsharded: int,
+    block_grads: int,
+) -> Offloaded:
+    """Under CPU offload, from the engine's rules (the policy's ``offload_*``) and what is
+    ``resident`` without offload (this rank's parameters, gradients and optimizer states).
+    Checked against FSDP1's offload run on CPU processes
+    (:mod:`autoshard.predict.offload_emulation`): FSDP1 without parameter mixed precision keeps
+    a copy of every unit's shard (NO_SHARD, SHARD_GRAD_OP) or of the root's and the computing
+    unit's (FULL_SHARD); at one shard a unit's backward runs beside the copy its forward made
+    (what its backward saved points into it, where the unit is not checkpointed), the root's
+    through the head's backward, and the next unit's is prefetched beside its forward copy.
+    Its gradients stay on the device until the backward ends: none at the optimizer step or
+    in the next forward."""
+    policy = policy_of(candidate)
+    stored, _ = element_bytes(candidate.precision)
+    shard = shard_size(candidate, hardware)
+    params, grads, optimizer = resident
+    pinned = policy.host_pinned_bytes(profile, candidate, shard)
+    host = (pinned + optimizer if pinned else params + grads + optimizer) * hardware.gpus_per_node
+    wrapped = not candidate.one_unit and profile.block_count > 0
+    root = profile.root_unit_params if wrapped else profile.total_params
+    unit = profile.block_params if wrapped else 0
+    device = root_copy = block_copies = 0
+    match policy.offload_device_copies(candidate):
+        case OffloadCopies.ALL if shard == 1:
+            device = params
+            unsharded = (root + unit) * stored  # the root's and the last block's next copies
+            top_saves = wrapped and not candidate.checkpoints(profile.block_count - 1)
+            block_copies = (1 + top_saves) * unit * stored
+        case OffloadCopies.ALL:
+            device = params
+        case OffloadCopies.COMPUTING:  # none left at the loss: the root's forward is done
+            root_copy = root * stored // shard
+            unsharded += root_copy + unit * stored // shard
+    kept = block_grads if policy.offload_keeps_gradients(candidate) else 0
+    return Offloaded(device, unsharded, kept, root_copy, block_copies, host)
+
+
 def step_bytes(
     profile: ModelProfile,
     candidate: Candidate,
@@ -316,10 +377,13 @@ def step_bytes(
     recomputed_grads = _block_backward_bytes(candidate, acts, recompute, recomputes=True)[1]
     fsdp2_grads = recomputed_grads if candidate.engine is Engine.FSDP2 else 0
 
-    host = 0
-    if candidate.cpu_offload:  # the GPU keeps the working set only
-        host = (sharded + grads + optimizer) * hardware.gpus_per_node
-        sharded = grads = optimizer = one_state = block_grads = 0
+    held = Offloaded(0, unsharded, block_grads, 0, 0, 0)
+    if candidate.cpu_offload:
+        held = offloaded(
+            profile, candidate, hardware, (sharded, grads, optimizer), unsharded, block_grads
+        )
+        sharded, unsharded, block_grads = held.device_copies, held.unsharded, held.block_grads
+        grads = optimizer = one_state = 0
     return StepBytes(
         candidate=candidate, profile=profile, hardware=hardware, workload=workload, acts=at,
         stored_dtype_bytes=stored, compute_dtype_bytes=cb, reduce_dtype_bytes=reduce,
@@ -341,5 +405,6 @@ def step_bytes(
         block_grad_shard_bytes=block_grads, frozen_root_bytes=root * cb if frozen_root else 0,
         head_grad_bytes=fsdp2_head_gradient(profile, candidate),
         kept_grad_bytes=policy_of(candidate).accumulated_gradient_bytes(profile, candidate),
-        host_bytes=host,
+        host_bytes=held.host, root_copy_bytes=held.root_copy,
+        block_copies_bytes=held.block_copies,
     )  # fmt: skip

@@ -279,6 +279,7 @@ class _Walk:
                 ("root backward", root),
                 ("root reduce-scatter", bwd.gloo_root_reduce_scatter(t, root)),
                 ("bottom block's flat gradient", bwd.fsdp1_unsharded_flat_gradient(t, root)),
+                ("root gradient concatenated", bwd.fsdp1_offloaded_root_gradient(t, root)),
             ]
         elif self.gradients is Gradients.KEPT:
             named.append(("root backward", acc.kept_root_backward(t, self.first["head backward"])))

@@ -26,6 +26,7 @@ from autoshard.predict.calibrate import SpeedModel
 from autoshard.predict.flops import FlopProfile, profile_flops
 from autoshard.predict.hardware import dense_flops, speed_for
 from autoshard.predict.speed import (
+    HOST_OPTIMIZER_THREADS,
     SpeedFactors,
     default_factors,
     predict_speed,
@@ -401,15 +402,20 @@ def test_recompute_is_the_checkpointed_blocks_forward(net, checkpointing, every,
 def test_offload_copies_shards_and_steps_on_the_host(net) -> None:
     # FULL_SHARD over 8: a rank's shard is P / 8 fp32 parameters. Copied to the GPU for the
     # forward gather and the backward regather, the gradient shard back: 3 copies over the host
-    # link. The 8 ranks' AdamW steps (foreach: 20 passes of 4 bytes per parameter) stream
-    # through the node's host memory together.
+    # link, counted one after another for FSDP2. The 8 ranks' AdamW steps (foreach: 20 passes of
+    # 4 bytes per parameter) stream through the node's host memory together.
     profile, flops = net
-    offload = Candidate(wrap_classes=WRAP, cpu_offload=True)
+    offload = Candidate(wrap_classes=WRAP, cpu_offload=True, engine="fsdp2")
     speed = predict_speed(profile, flops, offload, ONE_NODE, WorkloadSpec(), EXACT, gpu=GPU)
     shard = P / 8
-    hand = 3 * shard * 4 / 10e9 + 8 * shard * 80 / 50e9
-    assert speed.breakdown.offload_s == pytest.approx(hand, rel=1e-9)
+    copies, host = 3 * shard * 4 / 10e9, 8 * shard * 80 / 50e9
+    assert speed.breakdown.offload_s == pytest.approx(copies + host, rel=1e-9)
     assert speed.breakdown.optimizer_s == 0.0
+    # FSDP1 issues them on their own streams beside the compute (engine.FSDP1Policy)
+    fsdp1 = offload.model_copy(update={"engine": "fsdp1"})
+    parts = predict_speed(profile, flops, fsdp1, ONE_NODE, WorkloadSpec(), EXACT, gpu=GPU).breakdown
+    hidden = max(0.0, copies - parts.compute_s - parts.recompute_s)
+    assert parts.offload_s == pytest.approx(hidden + host, rel=1e-9)
     on_gpu = predict_speed(
         profile, flops, offload.model_copy(update={"cpu_offload": False}), ONE_NODE,
         WorkloadSpec(), EXACT, gpu=GPU,
@@ -658,7 +664,7 @@ def test_offload_copies_the_shard_for_every_micro_batch_under_accumulation(net) 
     # each copying the parameter shard to the GPU first (4 x 2 copies); the gradient shard comes
     # back once per step. Counted once per step, offload with accumulation looks too fast.
     profile, flops = net
-    offload = Candidate(wrap_classes=WRAP, cpu_offload=True)
+    offload = Candidate(wrap_classes=WRAP, cpu_offload=True, engine="fsdp2")  # nothing hidden
     shard = P / 8
     optimizer = 8 * shard * 80 / 50e9  # as in the test above: once per step
     for accumulate in (1, 4):
@@ -672,11 +678,12 @@ def test_offload_on_two_ranks_regathers_too(net) -> None:
     # (mutation survivor of predict/speed: the regather rule at the smallest sharded world)
     # two ranks shard the parameters as eight do: backward regathers, copying the shard again
     profile, flops = net
-    offload = Candidate(wrap_classes=WRAP, cpu_offload=True)
+    offload = Candidate(wrap_classes=WRAP, cpu_offload=True, engine="fsdp2")  # nothing hidden
     two = ONE_NODE.model_copy(update={"gpus_per_node": 2})
     shard = P / 2
-    # the node's 2 ranks step their shards in host memory, each at most one thread's bandwidth
-    optimizer = shard * 80 / min(50e9 / 2, EXACT.host_thread_bandwidth)
+    # the node's 2 ranks step their shards in host memory, each at most its threads' bandwidth
+    threads = HOST_OPTIMIZER_THREADS * EXACT.host_thread_bandwidth
+    optimizer = shard * 80 / min(50e9 / 2, threads)
     speed = predict_speed(profile, flops, offload, two, WorkloadSpec(), EXACT, gpu=GPU)
     assert speed.breakdown.offload_s == pytest.approx(3 * shard * 4 / 10e9 + optimizer, rel=1e-9)
 
@@ -785,16 +792,18 @@ def test_the_plan_warns_when_its_first_candidate_is_at_the_memory_limit() -> Non
         )
 
 
-def test_offload_optimizer_of_few_ranks_is_bound_by_one_thread_each(net) -> None:
+def test_offload_optimizer_of_few_ranks_is_bound_by_its_threads(net) -> None:
     # 2 ranks on a node whose memory streams 50 GB/s: each could have 25 GB/s, but its CPU
-    # AdamW runs on one thread (13 GB/s by default): the shard's 80 bytes per parameter at 13.
+    # AdamW runs on the trials' 4 threads (5 GB/s each here): the shard's 80 bytes per
+    # parameter at 20 GB/s. FSDP2: its copies counted one after another.
     profile, flops = net
-    offload = Candidate(wrap_classes=WRAP, cpu_offload=True)
+    offload = Candidate(wrap_classes=WRAP, cpu_offload=True, engine="fsdp2")
     two = Hardware(gpus_per_node=2, gpu_memory=80 * 2**30)
-    factors = EXACT.model_copy(update={"host_thread_bandwidth": 13e9})
+    factors = EXACT.model_copy(update={"host_thread_bandwidth": 5e9})
     speed = predict_speed(profile, flops, offload, two, WorkloadSpec(), factors, gpu=GPU)
     shard = P / 2
-    assert speed.breakdown.offload_s == pytest.approx(3 * shard * 4 / 10e9 + shard * 80 / 13e9)
+    assert HOST_OPTIMIZER_THREADS == 4
+    assert speed.breakdown.offload_s == pytest.approx(3 * shard * 4 / 10e9 + shard * 80 / 20e9)
 
 
 def test_each_gpu_generation_gets_its_own_step_efficiency() -> None:
