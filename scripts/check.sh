@@ -4,10 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
-# The oldest torch of pyproject's range (scripts/torch_tier.sh), in CI (or AUTOSHARD_TORCH_TIER=1):
-# installed in the background while the suite runs (it mostly downloads), tested after it.
+# The oldest torch of pyproject's range (scripts/torch_tier.sh), always unless
+# AUTOSHARD_TORCH_TIER=0 (a quick local run): CI's machine sets no variable of its own, and an
+# untested end of the range is how 2.11 broke on the GPU. Installed in the background while the
+# suite runs (it mostly downloads), tested after it.
 tier=""
-if [ "${CI:-}" = true ] || [ "${AUTOSHARD_TORCH_TIER:-}" = 1 ]; then
+if [ "${AUTOSHARD_TORCH_TIER:-1}" != 0 ]; then
   tier_log=$(mktemp)
   (nice -n 10 bash scripts/torch_tier.sh install > "$tier_log" 2>&1) &
   tier=$!
@@ -21,7 +23,7 @@ if [ -n "$tier" ]; then
   tail -2 "$tier_log"
   bash scripts/torch_tier.sh test
 else
-  echo "check: the torch 2.11 tier runs in CI (CI=true) or with AUTOSHARD_TORCH_TIER=1"
+  echo "check: the torch 2.11 tier was left out (AUTOSHARD_TORCH_TIER=0): CI runs it"
 fi
 # mutation testing is not part of CI (too slow); its script is, as a smoke test
 bash scripts/mutation.sh --help > /dev/null
