@@ -128,3 +128,20 @@ def test_the_math_kernel_saves_the_probabilities_on_the_cpu_too() -> None:
         with sdpa_kernel(SDPBackend.MATH):
             F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
     assert (1, 4, 64, 64) in saved and (1, 4, 64, 64) not in fused
+
+
+@pytest.mark.parametrize(("gpu", "math"), [("h100-sxm", True), ("cpu-gloo", False)])
+def test_a_plan_profiles_attention_as_its_device_runs_it(gpu: str, math: bool) -> None:
+    """make_plan takes the profile for the planned device: a GPU's plan counts fp32 GQA's math
+    kernel, a plan for CPU worker processes (whose trials measure the CPU's kernel) does not."""
+    import warnings
+
+    from autoshard.plan import PlanOptions, make_plan, make_request
+
+    options = PlanOptions(gpus=1, gpu=gpu, gpu_memory="4GiB", batch_size="1",
+                          precision="32-true", seq_len=64, engine="fsdp2")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = make_plan(make_request("examples/gpt.py:build", options,
+                                      kwargs={"size": "tiny", "n_kv_head": 2, "n_layer": 2}))  # fmt: skip
+    assert plan.activations.math_attention is math
