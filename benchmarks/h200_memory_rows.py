@@ -27,14 +27,14 @@ RUN = ROOT.parent / "shared" / "gpu-runs" / "2026-11-28-h200"
 GIB = 2**30
 
 
-def _estimates(labels: set[str]) -> dict[str, tuple[int, str, bool]]:
-    """label -> (allocated peak without the allowance, its moment, math attention) for the
-    probe's candidates of those labels."""
+def _estimates(labels: set[str]) -> dict[str, tuple[int, str, bool, int, int]]:
+    """label -> (allocated peak without the allowance, its moment, math attention, ``gpu_peak``
+    with the allowance, the reserved peak) for the probe's candidates of those labels."""
     from autoshard.analyze import analyze_target
     from autoshard.config import Engine, Hardware, Precision, WorkloadSpec
     from autoshard.gpus import CATALOGUE
     from autoshard.predict.activations import precisions_of, profile_activations
-    from autoshard.predict.analytic import estimate_memory
+    from autoshard.predict.analytic import estimate_memory, estimate_reserved
     from autoshard.predict.attention_kernels import attention_device
     from autoshard.space import enumerate_candidates
     from autoshard.target.resolve import TargetSpec
@@ -61,7 +61,9 @@ def _estimates(labels: set[str]) -> dict[str, tuple[int, str, bool]]:
     for c in candidates:
         est = estimate_memory(profile, c, hardware, workload, activations=acts)
         peak = est.gpu_peak - est.breakdown.allowance
-        out[c.label()] = (peak, est.peak_at, acts.at(c.precision).math_attention)
+        reserved = estimate_reserved(profile, c, hardware, workload, activations=acts).reserved
+        math = acts.at(c.precision).math_attention
+        out[c.label()] = (peak, est.peak_at, math, est.gpu_peak, reserved)
     return out
 
 
@@ -79,15 +81,23 @@ def main() -> None:
         "",
         "## A fresh worker group per trial (clean)",
         "",
-        "| candidate | measured | estimate | error | moment | math attention |",
-        "| --- | ---: | ---: | ---: | --- | --- |",
+        "`gpu_peak` is what a plan holds against the GPU's memory (the allocated peak and its",
+        "allowance): a candidate that fits by it must not run out of memory, so it must be at",
+        "least the measured allocated peak. The reserved peak is informational (the caching",
+        "allocator frees its cache and retries before it raises an out-of-memory error).",
+        "",
+        "| candidate | measured | estimate | error | moment | math attention | `gpu_peak` "
+        "| covers measured? | reserved: measured | estimated |",
+        "| --- | ---: | ---: | ---: | --- | --- | ---: | --- | ---: | ---: |",
     ]
     for r in fresh:
-        peak, at, math = estimates[r["label"]]
+        peak, at, math, gpu_peak, reserved = estimates[r["label"]]
         measured = max(r["alloc"])
         lines.append(
             f"| {r['label']} | {measured / GIB:.2f} GiB | {peak / GIB:.2f} GiB | "
-            f"{peak / measured - 1:+.1%} | {at} | {'yes' if math else 'no'} |"
+            f"{peak / measured - 1:+.1%} | {at} | {'yes' if math else 'no'} | "
+            f"{gpu_peak / GIB:.2f} GiB | {'yes' if gpu_peak >= measured else 'NO'} | "
+            f"{max(r['reserved']) / GIB:.2f} GiB | {reserved / GIB:.2f} GiB |"
         )
     # the leftover of earlier trials, read off the FSDP2 bf16-mixed rows (fused attention)
     left = [
@@ -109,7 +119,7 @@ def main() -> None:
     for r in shared:
         if not r["label"].startswith("fsdp2"):
             continue
-        peak, at, _ = estimates[r["label"]]
+        peak, at, *_ = estimates[r["label"]]
         measured = max(r["alloc"])
         clean = measured - leftover
         lines.append(
