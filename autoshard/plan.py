@@ -40,6 +40,7 @@ from autoshard.config import (
 from autoshard.errors import ConfigError
 from autoshard.predict.activations import ActivationProfile, precisions_of, profile_activations
 from autoshard.predict.analytic import estimate_all
+from autoshard.predict.attention_kernels import attention_device
 from autoshard.predict.calibrate import SpeedModel
 from autoshard.results import MemoryEstimate, ModelProfile
 from autoshard.space import (
@@ -481,8 +482,9 @@ def make_plan(request: PlanRequest) -> Plan:
     )
     notes.extend(unmodelled_notes(candidates))
     activations = profile_activations(
-        built.model, profile, workload, batch=built.batch, precisions=precisions_of(candidates)
-    )
+        built.model, profile, workload, batch=built.batch, precisions=precisions_of(candidates),
+        attention_on=attention_device(request.hardware),
+    )  # fmt: skip
     if activations.note:
         notes.append(activations.note)
     speed = SpeedModel.build(profile, built.model, request.hardware, workload, batch=built.batch)

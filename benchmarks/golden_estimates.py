@@ -63,6 +63,7 @@ def collect() -> dict[str, Any]:
     from autoshard.gpus import CATALOGUE
     from autoshard.predict.activations import profile_activations
     from autoshard.predict.analytic import estimate_memory, peak_moments
+    from autoshard.predict.attention_kernels import attention_device
     from autoshard.predict.flops import profile_flops
     from autoshard.predict.speed import SpeedFactors, predict_speed
     from autoshard.space import enumerate_candidates
@@ -76,13 +77,18 @@ def collect() -> dict[str, Any]:
     for model, (spec, kwargs) in MODELS.items():
         profile, built = analyze_target(TargetSpec(spec=spec, kwargs=kwargs))
         base = WorkloadSpec(seq_len=SEQ_LEN)
-        acts = profile_activations(built.model, profile, base, batch=built.batch)
+        # attention as the planned device runs it (nccl: a CUDA GPU's kernels; gloo: the CPU's)
+        acts_on = {
+            on: profile_activations(built.model, profile, base, batch=built.batch, attention_on=on)
+            for on in ("cuda", "cpu")
+        }
         flops = profile_flops(built.model, profile, base, batch=built.batch)
         for gpn, nodes in WORLDS:
             for backend in ("nccl", "gloo"):
                 hardware = Hardware(
                     gpus_per_node=gpn, nodes=nodes, gpu_memory=80 * 2**30, backend=backend
                 )
+                acts = acts_on[attention_device(hardware)]
                 cands = []
                 for engine in (Engine.FSDP1, Engine.FSDP2):
                     cands += enumerate_candidates(

@@ -44,6 +44,7 @@ MODULES: dict[str, list[str]] = {
     "predict/step_memory": ["tests/predict/test_timeline.py", "tests/predict/test_analytic.py"],
     "predict/timeline": ["tests/predict/test_timeline.py"],
     "child_env": ["tests/test_child_env.py"],
+    "predict/attention_kernels": ["tests/test_attention_kernels.py"],
 }
 # Where a module's job for this purpose is only part of it: trials/worker's result accounting
 # (what a rank counts and how the ranks' reports become the trial's result, its status and its

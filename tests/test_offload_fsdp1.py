@@ -264,3 +264,23 @@ def test_offload_copies_hide_behind_the_compute_but_a_no_shard_gradient_copy() -
 
 if __name__ == "__main__":
     main()
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(),
+    reason="the refusal is what a machine without CUDA gets",
+)
+def test_the_gpu_check_refuses_in_one_line_without_cuda_and_names_the_dry_run(tmp_path) -> None:
+    """benchmarks/offload_gpu_check.py (the GPU run's offload check) on a machine without CUDA:
+    one line on stderr that says why and what to do, exit 1, nothing recorded; its dry run is
+    the same code at tiny shapes (minutes on CPU: run by hand, not here)."""
+    script = ROOT / "benchmarks" / "offload_gpu_check.py"
+    env = {**os.environ, "OUT": str(tmp_path)}
+    run = subprocess.run(
+        [sys.executable, str(script), "all"], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 1, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("offload_gpu_check")]
+    assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "--dry-run" in lines[0] and "CUDA" in lines[0], lines[0]
+    assert not (tmp_path / "results.jsonl").exists()

@@ -13,14 +13,11 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from autoshard.config import (
     Candidate,
@@ -28,6 +25,7 @@ from autoshard.config import (
     WorkloadSpec,
 )
 from autoshard.engine import element_bytes
+from autoshard.predict.attention_kernels import AttentionAsOnCuda
 from autoshard.predict.backward_peak import BackwardPeak, checkpointed_backward_peaks, first_calls
 from autoshard.predict.dynamo_stand_in import without_dynamo
 from autoshard.predict.fakes import (
@@ -39,8 +37,9 @@ from autoshard.predict.fakes import (
     sample_batch,
     tensors_in,
 )
+from autoshard.predict.selective_keeps import SelectiveKeeps
 from autoshard.results import ModelProfile
-from autoshard.sharding import compute_dtype, selective_policy
+from autoshard.sharding import compute_dtype
 from autoshard.target.step import forward
 
 
@@ -109,6 +108,13 @@ class ActivationProfile(BaseModel):
         description="The model computes its loss in forward (a Hugging Face model given "
         "labels): the loss's saved tensors are counted in loss_bytes, not other_bytes.",
     )
+    math_attention: bool = Field(
+        False,
+        description="Attention ran as torch's math kernel, as a CUDA GPU runs a call no fused "
+        "kernel takes (fp32 with grouped-query heads: autoshard.predict.attention_kernels): it "
+        "saved the softmax's probabilities, heads x queries x keys per sample. The same "
+        "precision with fused attention is then among ``others`` (:meth:`fused_at`).",
+    )
     measured: bool = Field(True, description="False when the fake forward failed (estimated).")
     note: str = ""
     others: tuple[ActivationProfile, ...] = Field(
@@ -116,15 +122,25 @@ class ActivationProfile(BaseModel):
     )
 
     def at(self, precision: Precision | str) -> ActivationProfile:
-        """The profile taken at ``precision`` (16-mixed saves what bf16-mixed does), or this one:
-        :meth:`scale` then converts by element size only, which misses what a model keeps in
-        fp32 under low precision (an RMSNorm's upcast: -10% on a 7B Llama shape, simulated)."""
+        """The profile taken at ``precision`` (16-mixed saves what bf16-mixed does), or this one
+        (with fused attention: another precision's attention runs no math kernel): :meth:`scale`
+        then converts by element size only, which misses what a model keeps in fp32 under low
+        precision (an RMSNorm's upcast: -10% on a 7B Llama shape, simulated)."""
         precision = Precision(precision)  # "bf16-mixed" finds the bf16 profile too
         wanted = Precision.BF16_MIXED if precision is Precision.FP16_MIXED else precision
         for acts in (self, *self.others):
             if acts.precision is wanted:
                 return acts
-        return self
+        return next((a for a in (self, *self.others) if not a.math_attention), self)
+
+    def fused_at(self, precision: Precision | str) -> ActivationProfile:
+        """The profile at ``precision`` with fused attention: :meth:`at`'s, or where that ran
+        the math kernel (``math_attention``), its fused twin. The fp32 one sizes activation
+        gradients in every precision, and a 16-bit candidate's attention runs a fused kernel on
+        the GPU: only an fp32 candidate's own profile carries the math kernel's probabilities."""
+        at = self.at(precision)
+        twins = (a for a in (self, *self.others) if a.precision is at.precision)
+        return next((a for a in twins if not a.math_attention), at)
 
     def scale(self, candidate: Candidate) -> float:
         """Bytes per profiled byte for ``candidate``: its micro-batch times the ratio of its
@@ -178,9 +194,16 @@ def profile_activations(
     batch: Any | None = None,
     *,
     precisions: Sequence[Precision | str] = (Precision.FP32,),
+    attention_on: Literal["cpu", "cuda"] = "cpu",
 ) -> ActivationProfile:
     """Count what one forward at micro-batch 1 saves for backward, on fake tensors, at each of
     ``precisions`` (the first is returned, the others in its ``others``).
+
+    ``attention_on``: the device whose attention kernels the step runs. ``"cuda"`` runs each
+    attention as a CUDA GPU's kernel choice would (:mod:`autoshard.predict.attention_kernels`:
+    fp32 with grouped-query heads runs the math kernel and saves its probabilities; the fp32
+    profile with fused attention is kept too, see :meth:`ActivationProfile.fused_at`);
+    ``"cpu"`` (CPU worker processes) as the CPU runs it.
 
     Precision changes more than the element size: under autocast, norms and softmax save fp32,
     and a model that upcasts (``x.float()`` in an RMSNorm) saves an fp32 copy beside its bf16
@@ -210,12 +233,16 @@ def profile_activations(
             try:
                 with fake_forward_support():
                     profiles.append(
-                        without_dynamo(_profile_once, model, profile, batch, precision, seq)
-                    )
+                        without_dynamo(
+                            _profile_once, model, profile, batch, precision, seq,
+                            attention_on == "cuda",
+                        )
+                    )  # fmt: skip
             except Exception as exc:  # one precision failing leaves the others usable
                 failed.append((precision, exc))
         if not profiles:
             raise failed[0][1]
+        profiles += _fused_twins(model, profile, batch, seq, profiles)
         first, *others = profiles
         note = "; ".join(
             [first.note] * bool(first.note)
@@ -230,6 +257,21 @@ def profile_activations(
         return rule_of_thumb(profile, workload, f"{type(exc).__name__}: {exc}".splitlines()[0])
 
 
+def _fused_twins(
+    model: nn.Module,
+    profile: ModelProfile,
+    batch: Any,
+    seq: int | None,
+    profiles: list[ActivationProfile],
+) -> list[ActivationProfile]:
+    """The fp32 profile with fused attention where fp32 ran the math kernel: what sizes the
+    activation gradients of the other precisions (:meth:`ActivationProfile.fused_at`)."""
+    if not any(a.math_attention and a.precision is Precision.FP32 for a in profiles):
+        return []
+    with fake_forward_support():
+        return [without_dynamo(_profile_once, model, profile, batch, Precision.FP32, seq)]
+
+
 def precisions_of(candidates: Sequence[Candidate]) -> tuple[Precision, ...]:
     """The precisions to profile for ``candidates``: theirs, and always fp32, which sizes the
     gradients of activations in every precision (see :func:`peak_moments`)."""
@@ -242,6 +284,7 @@ def _profile_once(
     batch: Any,
     precision: Precision,
     seq: int | None,
+    on_cuda: bool = False,
 ) -> ActivationProfile:
     dtype = compute_dtype(precision)
     fakes = fake_model(meta_model, profile.checkpoint_policy, batch, dtype)
@@ -252,7 +295,7 @@ def _profile_once(
     per_block = [0] * len(blocks)
     finished: set[int] = set()
     other = after = 0
-    keeps = _SelectiveKeeps(stack, len(blocks))
+    keeps = SelectiveKeeps(stack, len(blocks))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal other, after
@@ -282,7 +325,10 @@ def _profile_once(
     for index, block in enumerate(blocks):
         block.forward = _counting(index, block, fakes, counted, per_block, keeps, seen, params)
     hooks = _block_hooks(model, blocks, stack, finished, keeps.enter)
-    with fakes.mode, hooks as inputs, autocast, first_calls(blocks) as calls:
+    # attention as the GPU runs it, through the forward and the measured block backwards
+    kernels = AttentionAsOnCuda() if on_cuda else None
+    as_run = kernels or contextlib.nullcontext()
+    with fakes.mode, hooks as inputs, autocast, as_run, first_calls(blocks) as calls:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keeps:
             out = forward(model, fakes.batch)
         loss, in_forward = _loss_bytes(out)
@@ -292,18 +338,19 @@ def _profile_once(
             other = max(0, other - loss)
             after = max(0, after - loss)
     note = fakes.note
-    try:
-        with fakes.mode, autocast:  # one block's backward, run again with its first call's input
+    try:  # one block's backward, run again with its first call's input
+        with fakes.mode, autocast, kernels.replayed() if kernels else contextlib.nullcontext():
             peaks = checkpointed_backward_peaks(blocks, calls, per_block)
     except Exception as exc:  # the forward's counts stand; the backward's peak is estimated
         peaks = None
         why = f"{type(exc).__name__}: {exc}".splitlines()[0]
         note = "; ".join([*[note] * bool(note), f"a checkpointed block's backward did not run "
                           f"on fake tensors ({why}): its peak is estimated"])  # fmt: skip
+    ran_math = kernels is not None and kernels.math_calls > 0
     return _profile_of(
         seq, precision, per_block, inputs[: len(blocks)], keeps, other, after, loss, in_forward,
         note,
-    ).model_copy(update=_backward_fields(peaks))  # fmt: skip
+    ).model_copy(update={**_backward_fields(peaks), "math_attention": ran_math})  # fmt: skip
 
 
 def _counting(
@@ -312,7 +359,7 @@ def _counting(
     fakes: FakeModel,
     counted: dict[Any, tuple[int, int, int, Any]],
     per_block: list[int],
-    keeps: _SelectiveKeeps,
+    keeps: SelectiveKeeps,
     seen: dict[int, int],
     params: set[int],
 ) -> Callable[..., Any]:
@@ -377,7 +424,7 @@ def _profile_of(
     precision: Precision,
     per_block: list[int],
     inputs: list[int],
-    keeps: _SelectiveKeeps,
+    keeps: SelectiveKeeps,
     other: int,
     after: int,
     loss: int,
@@ -404,64 +451,6 @@ def _profile_of(
         loss_in_forward=in_forward,
         note=note,
     )
-
-
-class _SelectiveKeeps(TorchDispatchMode):
-    """What selective checkpointing would keep of each block's forward: the outputs of the
-    operations :func:`~autoshard.sharding.selective_policy` saves, one fresh policy per block
-    call (as ``context_fn`` makes one per checkpointed call), counted once per storage; and of
-    those, what the block's recompute in backward does not add (:meth:`saving`)."""
-
-    def __init__(self, stack: list[int], blocks: int) -> None:
-        super().__init__()
-        self.stack = stack
-        self.kept = [0] * blocks  # bytes kept, per block
-        # of those, what the recompute does not rebuild: every kept output it replays (below)
-        self.overlap = [0] * blocks
-        self.storages: set[int] = set()
-        # kept outputs the recompute has not replayed yet (in :meth:`saving`): (block, bytes)
-        self.unreplayed: list[tuple[int, int]] = []
-        # kept alive until the profile ends: a freed storage's address, reused by a later
-        # output, would read as already counted
-        self.held: list[Any] = []
-        self.policy = selective_policy()
-        self.ctx = SelectiveCheckpointContext(is_recompute=False)
-
-    def enter(self) -> None:
-        self.policy = selective_policy()
-        self.unreplayed = []  # the previous block's: never replayed (its last save was before)
-
-    def saving(self) -> None:
-        """Autograd saves a tensor (any, a parameter or one already saved included): the
-        block's recompute runs up to its forward's last save (torch's early stop) and replays
-        every kept output made before it from the cache, which lets it go. One autograd saves
-        too is held by what it was saved for; one it does not is freed once used (a projection
-        before a residual add: 0.25 MiB per block of the fp32 GPT at 512 tokens, simulated).
-        Either way the recompute does not add it: only kept outputs made after the block's last
-        save stay in the cache beside what the recompute rebuilds."""
-        if not self.stack or not self.unreplayed:
-            return
-        block = self.stack[-1]
-        for owner, nbytes in self.unreplayed:
-            if owner == block:
-                self.overlap[owner] += nbytes
-        self.unreplayed = [(o, n) for o, n in self.unreplayed if o != block]
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not self.stack:
-            return out
-        decision = self.policy(self.ctx, func, *args, **kwargs)
-        if decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.storages:
-                    self.storages.add(t.untyped_storage()._cdata)
-                    self.held.append(t.untyped_storage())
-                    nbytes = t.untyped_storage().nbytes()
-                    self.kept[self.stack[-1]] += nbytes
-                    self.unreplayed.append((self.stack[-1], nbytes))
-        return out
 
 
 def rule_of_thumb(profile: ModelProfile, workload: WorkloadSpec, why: str) -> ActivationProfile:

@@ -259,8 +259,8 @@ def _block_backward_bytes(
     was not measured, the recompute and half the block's fp32 activations (fitted at 64-128
     tokens), parameters' gradients not told apart."""
     # Activation gradients are made in the compute dtype, also where the forward saved an fp32
-    # upcast: sized from the fp32 profile when there is one.
-    uniform = acts.at(Precision.FP32)
+    # upcast: sized from the fp32 profile when there is one (with fused attention).
+    uniform = acts.fused_at(Precision.FP32)
     block_grad = int(max(uniform.block_bytes, default=0) * uniform.scale(candidate))
     if not recomputes:
         at = acts.at(candidate.precision)
