@@ -114,8 +114,8 @@ class Recommendation(Decision):
         return emit.fsdp2_plan(self)
 
     def to_yaml(self, fmt: str = "lightning") -> str:
-        """The recommendation as Lightning CLI YAML, accelerate YAML, Hugging Face Trainer
-        arguments ("hf-trainer", JSON) or JSON ("json")."""
+        """The recommendation in ``fmt``, a format of :data:`autoshard.emit.FORMATS` (one row
+        each: "lightning" is Lightning CLI YAML; ``autoshard export --help`` lists them)."""
         from autoshard import emit
 
         return emit.render(self, fmt)

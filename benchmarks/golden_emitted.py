@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import itertools
 import json
+import re
 import sys
 import time
 import warnings
@@ -117,8 +118,9 @@ def _decision(profile: Any, candidate: Any, basis: str, accumulate: int) -> Any:
         profile=profile,
         hardware=Hardware(gpus_per_node=4, nodes=2, gpu_memory=80 * GiB),
         workload=WorkloadSpec(micro_batch_size=2, seq_len=128, accumulate=accumulate),
-        chosen=Scored(candidate=candidate, estimate=estimate,
-                      trial=trial if basis == "trials" else None),  # fmt: skip
+        chosen=Scored(
+            candidate=candidate, estimate=estimate, trial=trial if basis == "trials" else None
+        ),  # fmt: skip
         basis=basis,
         reasons=("fastest of 4 measured configurations",),
         created_at=WHEN,
@@ -139,7 +141,8 @@ def _outputs(rec: Any) -> dict[str, str]:
             except AutoshardError as exc:
                 text = f"error {type(exc).__name__}: {exc}"
         notices = [f"{w.category.__name__}: {w.message}" for w in caught]
-        shown = text if isinstance(text, str) else repr(text)
+        # an object's repr names its address, which differs from run to run
+        shown = text if isinstance(text, str) else re.sub(r" at 0x[0-9a-f]+", "", repr(text))
         return shown + "".join(f"\n{n}" for n in notices)
 
     out = {fmt: run(lambda fmt=fmt: emit.render(rec, fmt))
@@ -184,7 +187,9 @@ def main() -> None:
     if args.write:
         args.write.write_text(text)
         return
-    want = json.loads(args.check.read_text())
+    want = {
+        k: re.sub(r" at 0x[0-9a-f]+", "", v) for k, v in json.loads(args.check.read_text()).items()
+    }
     moved = sorted(k for k in want if want[k] != got.get(k))
     for key in moved[:10]:
         print("MOVED", key[:200])
