@@ -120,7 +120,7 @@ def _decision(profile: Any, candidate: Any, basis: str, accumulate: int) -> Any:
         workload=WorkloadSpec(micro_batch_size=2, seq_len=128, accumulate=accumulate),
         chosen=Scored(
             candidate=candidate, estimate=estimate, trial=trial if basis == "trials" else None
-        ),  # fmt: skip
+        ),
         basis=basis,
         reasons=("fastest of 4 measured configurations",),
         created_at=WHEN,
@@ -145,8 +145,7 @@ def _outputs(rec: Any) -> dict[str, str]:
         shown = text if isinstance(text, str) else re.sub(r" at 0x[0-9a-f]+", "", repr(text))
         return shown + "".join(f"\n{n}" for n in notices)
 
-    out = {fmt: run(lambda fmt=fmt: emit.render(rec, fmt))
-           for fmt in ("lightning", "accelerate", "hf-trainer", "json")}  # fmt: skip
+    out = {fmt.value: run(lambda fmt=fmt: emit.render(rec, fmt)) for fmt in emit.FORMATS}
     out["hf-notes"] = run(lambda: emit.hf_trainer_config(rec)[1])
     out["trainer_arguments"] = run(lambda: emit.trainer_arguments(rec))
     out["trainer_kwargs"] = run(lambda: emit.trainer_kwargs(rec))

@@ -7,7 +7,7 @@ format is its row here and its renderer.
 >>> FORMATS[ExportFormat.ACCELERATE].file_name
 'accelerate.yaml'
 >>> [f.value for f, row in FORMATS.items() if row.file_name]
-['lightning', 'accelerate']
+['lightning', 'accelerate', 'torchtitan']
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from enum import Enum
 
 from autoshard.emit.prose import Stack
 from autoshard.emit.text import accelerate_yaml, hf_trainer_json, lightning_cli_yaml, to_json
+from autoshard.emit.torchtitan import torchtitan_toml
 from autoshard.errors import ConfigError
 from autoshard.results import Decision
 
@@ -29,6 +30,7 @@ class ExportFormat(str, Enum):
     LIGHTNING = "lightning"
     ACCELERATE = "accelerate"
     HF_TRAINER = "hf-trainer"
+    TORCHTITAN = "torchtitan"
     JSON = "json"
 
 
@@ -51,6 +53,9 @@ FORMATS: dict[ExportFormat, OutputFormat] = {
     ),
     ExportFormat.HF_TRAINER: OutputFormat(
         hf_trainer_json, Stack.HF_TRAINER, None, "TrainingArguments keyword arguments, JSON"
+    ),
+    ExportFormat.TORCHTITAN: OutputFormat(
+        torchtitan_toml, Stack.TORCHTITAN, "torchtitan.toml", "torchtitan job config TOML"
     ),
     ExportFormat.JSON: OutputFormat(
         to_json, None, None, "the decision, as autoshard.load reads it"
