@@ -93,6 +93,7 @@ def analyze_model(
     params_of = _unique_params_per_module(model)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    vectors, factors = _shape_split(model)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
 
@@ -120,6 +121,8 @@ def analyze_model(
         total_params=total,
         trainable_params=trainable,
         frozen_params=total - trainable,
+        vector_params=vectors,
+        matrix_factor_params=factors,
         root_frozen_params=frozen.root,
         block_frozen_params=frozen.block,
         frozen_blocks=frozen.blocks,
@@ -148,6 +151,22 @@ def analyze_model(
         warnings=tuple(warnings),
         seconds=time.perf_counter() - start,
     )
+
+
+def _shape_split(model: nn.Module) -> tuple[int, int]:
+    """(trainable elements in tensors of fewer than two dimensions, elements of a row and a
+    column vector of each other trainable tensor): an (..., m, n) tensor's rows are its
+    ...*m vector, its columns its ...*n one, as torch's Adafactor keeps them."""
+    vectors = factors = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() < 2:
+            vectors += p.numel()
+        else:
+            batch = p.shape[:-2].numel()
+            factors += batch * (p.shape[-2] + p.shape[-1])
+    return vectors, factors
 
 
 def _param_dtype(model: nn.Module) -> str:

@@ -10,7 +10,16 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal
 
-from autoshard.config import Candidate, Checkpointing, Engine, Precision, Reshard
+from autoshard.config import (
+    OPTIMIZER_TRAITS,
+    Candidate,
+    Checkpointing,
+    Engine,
+    Optimizer,
+    OptimizerImpl,
+    Precision,
+    Reshard,
+)
 from autoshard.engine import traits
 from autoshard.errors import ConfigError
 from autoshard.results import Decision
@@ -36,6 +45,15 @@ class Stack(Enum):
         """Its output applies autoshard's FSDP2 plan (``rec.fsdp2_plan()`` in Lightning's
         ``configure_model``), and with it the plan's torch.compile and float8."""
         return self is Stack.LIGHTNING
+
+    @property
+    def optimizer_home(self) -> str:
+        """Where its training script builds the optimizer, its config having no key for it
+        ("" where it has one)."""
+        return {
+            Stack.LIGHTNING: "configure_optimizers (or LightningCLI's optimizer: class_path)",
+            Stack.ACCELERATE: "the script, before accelerator.prepare",
+        }.get(self, "")
 
     @property
     def compiles_by_key(self) -> bool:
@@ -234,3 +252,25 @@ def fsdp1_hybrid_notes(rec: Decision, stack: Stack) -> list[str]:
         f"chose groups of {c.hybrid_mesh[1]} (mesh {c.hybrid_mesh[0]} x {c.hybrid_mesh[1]}), which "
         f"{stack.value} has no setting for: rec.apply(model) applies it"
     ]
+
+
+def describe_optimizer(c: Candidate) -> str:
+    """The optimizer the trials built, as the call that builds it.
+
+    >>> describe_optimizer(Candidate(optimizer="sgd"))
+    'torch.optim.SGD(momentum=0.9, foreach=True)'
+    """
+    row = OPTIMIZER_TRAITS[c.optimizer]
+    arguments = ", ".join(f"{k}={v!r}" for k, v in row.arguments(c.optimizer_impl).items())
+    return f"{row.class_path}({arguments})"
+
+
+def optimizer_note(c: Candidate, stack: Stack) -> str | None:
+    """The optimizer to build where ``stack``'s config has no key for it; None where the trials
+    ran torch.optim.AdamW as it builds by default (foreach)."""
+    if (c.optimizer, c.optimizer_impl) == (Optimizer.ADAMW, OptimizerImpl.FOREACH):
+        return None
+    return (
+        f"optimizer: {describe_optimizer(c)}, as the trials built it; {stack.optimizer_home} "
+        "builds it"
+    )

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from autoshard.config import (
+    OPTIMIZER_TRAITS,
     BackwardPrefetch,
     Candidate,
     Checkpointing,
@@ -28,9 +29,11 @@ from autoshard.emit.prose import (
     compile_float8_notes,
     describe_evidence,
     describe_fsdp2_precision,
+    describe_optimizer,
     describe_reshard,
     fsdp1_hybrid_notes,
     kv_cache_note,
+    optimizer_note,
     selective_note,
 )
 from autoshard.engine import reshard_after_forward, traits
@@ -132,6 +135,7 @@ def lightning_cli_yaml(rec: Decision) -> str:
         lines.append('  rec.fsdp2_plan()(self.model, self.device_mesh["data_parallel"])')
         lines.append(f"  which applies the {describe_reshard(rec.chosen.candidate)}")
     lines.extend(compile_float8_notes(rec.chosen.candidate, Stack.LIGHTNING))
+    lines.extend(filter(None, [optimizer_note(rec.chosen.candidate, Stack.LIGHTNING)]))
     note = selective_note(rec.chosen.candidate, Stack.LIGHTNING)
     if note and rec.chosen.candidate.engine is Engine.FSDP1:  # FSDP2's plan applies it
         lines.append(note)
@@ -204,6 +208,7 @@ def accelerate_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
     notes.extend(_accelerate_notes(c, Stack.ACCELERATE))
     notes.extend(filter(None, [kv_cache_note(rec, Stack.ACCELERATE)]))
     notes.extend(compile_float8_notes(c, Stack.ACCELERATE))
+    notes.extend(filter(None, [optimizer_note(c, Stack.ACCELERATE)]))
     if not c.limit_all_gathers:
         notes.append("set fsdp_plugin.limit_all_gathers = False in code (no config key)")
     return config, notes
@@ -320,6 +325,7 @@ def hf_trainer_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
     notes.extend(_accelerate_notes(c, Stack.HF_TRAINER))
     notes.extend(filter(None, [kv_cache_note(rec, Stack.HF_TRAINER)]))
     notes.extend(compile_float8_notes(c, Stack.HF_TRAINER))
+    optimizer = _hf_optimizer(c, notes)
     # Read by nobody but people: the Trainer stores unknown fsdp_config keys and ignores them.
     fsdp["autoshard"] = {"chosen": describe_evidence(rec), "notes": notes}
     args: dict[str, Any] = {"fsdp": True, "fsdp_config": fsdp}
@@ -329,10 +335,29 @@ def hf_trainer_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
         args["fp16"] = True
     if c.compile:
         args["torch_compile"] = True
+    args.update(optimizer)
     args["per_device_train_batch_size"] = c.micro_batch_size
     if rec.workload.accumulate > 1:
         args["gradient_accumulation_steps"] = rec.workload.accumulate
     return args, notes
+
+
+def _hf_optimizer(c: Candidate, notes: list[str]) -> dict[str, Any]:
+    """``TrainingArguments``' ``optim`` (and ``optim_args``) for the optimizer the trials built,
+    or a note saying how to hand it to the Trainer where it has no name for it."""
+    row = OPTIMIZER_TRAITS[c.optimizer]
+    name = row.hf_trainer_names.get(c.optimizer_impl)
+    if name is None:
+        arguments = row.arguments(c.optimizer_impl)
+        notes.append(
+            f"the Trainer has no optim name for {describe_optimizer(c)}: pass "
+            f"Trainer(optimizer_cls_and_kwargs=({row.class_path}, {arguments!r}))"
+        )
+        return {}
+    optim: dict[str, Any] = {"optim": name}
+    if row.options:  # read by the Trainer as comma-separated key=value
+        optim["optim_args"] = ",".join(f"{k}={v}" for k, v in row.options.items())
+    return optim
 
 
 def trainer_arguments(rec: Decision) -> dict[str, Any]:

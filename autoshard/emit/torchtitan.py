@@ -13,7 +13,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from autoshard.config import Checkpointing, Engine, OptimizerImpl, Precision, Reshard
+from autoshard.config import (
+    OPTIMIZER_TRAITS,
+    Checkpointing,
+    Engine,
+    OptimizerImpl,
+    Precision,
+    Reshard,
+)
 from autoshard.emit.prose import comment, describe_evidence, describe_reshard
 from autoshard.engine import shard_group, traits
 from autoshard.errors import ConfigError
@@ -25,8 +32,6 @@ _IMPLEMENTATION = {
     OptimizerImpl.FUSED: "fused",
     OptimizerImpl.FOR_LOOP: "for-loop",
 }
-# the optimizers torchtitan 0.2 builds (components/optimizer.py build_optimizers)
-_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam"}
 
 
 def torchtitan_config(rec: Decision) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -42,10 +47,12 @@ def torchtitan_config(rec: Decision) -> tuple[dict[str, dict[str, Any]], list[st
             "torchtitan trains in bf16 or fp32, not 16-mixed: plan with --precision bf16-mixed "
             "(or 32-true) for a torchtitan config"
         )
-    if c.optimizer.value not in _OPTIMIZERS:
+    optimizer = OPTIMIZER_TRAITS[c.optimizer].torchtitan_name
+    if optimizer is None:
+        names = [o.value for o, row in OPTIMIZER_TRAITS.items() if row.torchtitan_name]
         raise ConfigError(
-            f"torchtitan builds {' or '.join(_OPTIMIZERS.values())} only, not "
-            f"{c.optimizer.value}: plan with --optimizer adamw for a torchtitan config"
+            f"torchtitan builds {' or '.join(names)} only, not {c.optimizer.value}: plan with "
+            "--optimizer adamw for a torchtitan config"
         )
     notes: list[str] = []
     shard, replicas = shard_group(c, rec.hardware)
@@ -60,7 +67,7 @@ def torchtitan_config(rec: Decision) -> tuple[dict[str, dict[str, Any]], list[st
         # the blocks compiled, not the loss (torchtitan's components: model, loss)
         "compile": {"enable": True, "components": ["model"]} if c.compile else {"enable": False},
         "optimizer": {
-            "name": _OPTIMIZERS[c.optimizer.value],
+            "name": optimizer,
             "implementation": _IMPLEMENTATION[c.optimizer_impl],
         },
     }

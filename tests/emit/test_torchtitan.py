@@ -245,7 +245,7 @@ def test_what_torchtitan_cannot_express_is_said_or_refused() -> None:
     for c, words in (
         (candidate(), "torchtitan runs FSDP2 (fully_shard) only"),
         (candidate(engine=Engine.FSDP2, precision=Precision.FP16_MIXED), "not 16-mixed"),
-        (candidate(engine=Engine.FSDP2, optimizer="sgd"), "builds AdamW or Adam only, not sgd"),
+        (candidate(engine=Engine.FSDP2, optimizer="sgd"), "builds adamw or adam only, not sgd"),
     ):
         with pytest.raises(ConfigError, match=re.escape(words)):
             emit.render(make_rec(c), "torchtitan")
