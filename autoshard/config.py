@@ -215,6 +215,9 @@ class OptimizerTraits:
     # (Adafactor), a 1-D one whole; FSDP1's sharded flat parameters reach it as 1-D views
     factors_matrices: bool = False
     engines: tuple[Engine, ...] = tuple(Engine)  # the FSDP engines whose parameters it steps
+    # its step runs on fake tensors (the simulation, autoshard.predict.simulate); one that reads
+    # values (Adafactor's .item() per tensor) gets the analytic estimate only
+    fake_steps: bool = True
     # TrainingArguments(optim=...) of each implementation the Hugging Face Trainer builds
     hf_trainer_names: dict[OptimizerImpl, str] = dataclasses.field(default_factory=dict)
     torchtitan_name: str | None = None  # [optimizer] name (None: torchtitan builds no such)
@@ -257,6 +260,7 @@ OPTIMIZER_TRAITS: dict[Optimizer, OptimizerTraits] = {
     Optimizer.ADAFACTOR: OptimizerTraits(
         "torch.optim.Adafactor", states=1, passes=(19, 19),
         impls=(OptimizerImpl.FOREACH, OptimizerImpl.FOR_LOOP), factors_matrices=True,
+        fake_steps=False,
         # torch 2.13's Adafactor takes a norm over the sharded dimension of FSDP2's DTensor
         # gradients and squares it in place, which DTensor refuses (a partial placement)
         engines=(Engine.FSDP1,),

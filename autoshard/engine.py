@@ -237,8 +237,8 @@ class FSDP1Policy(EnginePolicy):
     def flat_views(self, candidate: Candidate, shard: int) -> bool:
         """With ``use_orig_params=True`` the parameters of a sharded flat parameter are 1-D
         views into this rank's shard; unsharded (NO_SHARD, one rank) views of their own shapes
-        (torch's Adafactor keeps 1.0 and 0.012 of the parameter bytes as state on 2 gloo ranks,
-        tests/test_optimizers.py)."""
+        (torch's Adafactor on the tiny GPT over 2 gloo ranks keeps 1.0 and 0.012 of the
+        parameter bytes as state: benchmarks/results/optimizer_memory_cpu.md)."""
         return shard > 1
 
 
