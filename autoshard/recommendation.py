@@ -66,6 +66,13 @@ class Recommendation(Decision):
 
         return emit.apply(self, model)  # type: ignore[arg-type]
 
+    def optimizer(self, params: object, lr: float) -> object:
+        """The optimizer the trials built (class, arguments, foreach / fused / for-loop) over
+        ``params``, the parameters of the model ``rec.apply`` returned, with your ``lr``."""
+        from autoshard import emit
+
+        return emit.optimizer(self, params, lr=lr)  # type: ignore[arg-type]
+
     def autocast(self) -> object:
         """The ``torch.autocast`` context the trials ran each forward and loss under."""
         from autoshard import emit

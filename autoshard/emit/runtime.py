@@ -12,7 +12,7 @@ functions that need it.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
@@ -129,7 +129,8 @@ def apply(rec: Decision, model: nn.Module) -> nn.Module:
     float8 conversion, checkpointing, torch.compile of each block, then ``fully_shard`` of each
     block and the root with the reshard policy, on the chosen mesh (HYBRID_SHARD's (replicate,
     shard) mesh included); FSDP1's torch.compile is of the wrapped model. Returns the model to
-    train; build the optimizer on its parameters afterwards.
+    train; build the optimizer on its parameters afterwards (:func:`optimizer` builds the one
+    the trials ran).
 
     The process group is yours (``torch.distributed.init_process_group()``, e.g. under
     ``torchrun``); the device is this rank's CUDA device with NCCL, or the CPU with gloo, and one
@@ -204,6 +205,14 @@ def _apply_notice(rec: Decision, device: Any, world: int) -> str:
             "from the plan"
         )
     return line
+
+
+def optimizer(rec: Decision, params: Iterable[nn.Parameter], *, lr: float) -> Any:
+    """The optimizer the trials built over ``params`` (the parameters of the model
+    :func:`apply` returned): its class, arguments and foreach / fused / for-loop choice
+    (:func:`autoshard.sharding.make_optimizer`, whose row of
+    :data:`~autoshard.config.OPTIMIZER_TRAITS` the estimates counted), with your ``lr``."""
+    return sharding.make_optimizer(params, rec.chosen.candidate, lr=lr)
 
 
 def autocast(rec: Decision) -> Any:
