@@ -184,8 +184,8 @@ class PlanOptions(Frozen):
     )
     optimizer: Optimizer = Field(
         Optimizer.ADAMW,
-        description="The optimizer the training step runs: adamw, adam, sgd (momentum 0.9) or "
-        "adafactor (torch's; FSDP1); its states are planned with it.",
+        description="The optimizer the training step runs, every candidate with it: its states "
+        "and passes over memory are planned (autoshard.config.OPTIMIZER_TRAITS says each one's).",
     )
     precision: tuple[Precision, ...] | None = Field(
         None,
