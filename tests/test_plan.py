@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import autoshard.plan as plan_module
-from autoshard.config import Engine, Hardware, Precision, TuneOptions
+from autoshard.config import Engine, Hardware, Optimizer, Precision, TuneOptions
 from autoshard.errors import ConfigError
 from autoshard.plan import (
     DEFAULT_MICRO_BATCH_SIZES,
@@ -69,7 +69,7 @@ def _message(model: type, values: dict, *, cli: bool = True) -> str:
         (PlanOptions, {"host_memory": "0GiB"}, False,
          "host_memory= 0GiB: size must be positive, got '0GiB'"),
         (PlanOptions, {"optimizer": "lion"}, True,
-         "--optimizer lion: choose one of adamw, adam, sgd, adafactor"),
+         "--optimizer lion: choose one of " + ", ".join(o.value for o in Optimizer)),
         (PlanOptions, {"engine": "fsdp2", "optimizer": "adafactor"}, True,
          "--optimizer adafactor: adafactor steps the parameters of engine fsdp1 only: give "
          "--engine fsdp1 (engine= in code)"),
