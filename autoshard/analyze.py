@@ -93,7 +93,6 @@ def analyze_model(
     params_of = _unique_params_per_module(model)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    vectors, factors = _shape_split(model)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
 
@@ -121,8 +120,7 @@ def analyze_model(
         total_params=total,
         trainable_params=trainable,
         frozen_params=total - trainable,
-        vector_params=vectors,
-        matrix_factor_params=factors,
+        **_shape_split(model),
         root_frozen_params=frozen.root,
         block_frozen_params=frozen.block,
         frozen_blocks=frozen.blocks,
@@ -153,10 +151,11 @@ def analyze_model(
     )
 
 
-def _shape_split(model: nn.Module) -> tuple[int, int]:
-    """(trainable elements in tensors of fewer than two dimensions, elements of a row and a
-    column vector of each other trainable tensor): an (..., m, n) tensor's rows are its
-    ...*m vector, its columns its ...*n one, as torch's Adafactor keeps them."""
+def _shape_split(model: nn.Module) -> dict[str, int]:
+    """The profile's ``vector_params`` (trainable elements in tensors of fewer than two
+    dimensions) and ``matrix_factor_params`` (elements of a row and a column vector of each
+    other trainable tensor: an (..., m, n) tensor's rows are its ...*m vector, its columns its
+    ...*n one, as torch's Adafactor keeps them)."""
     vectors = factors = 0
     for p in model.parameters():
         if not p.requires_grad:
@@ -166,7 +165,7 @@ def _shape_split(model: nn.Module) -> tuple[int, int]:
         else:
             batch = p.shape[:-2].numel()
             factors += batch * (p.shape[-2] + p.shape[-1])
-    return vectors, factors
+    return {"vector_params": vectors, "matrix_factor_params": factors}
 
 
 def _param_dtype(model: nn.Module) -> str:
