@@ -52,3 +52,15 @@ def test_lightning_and_accelerate_say_an_optimizer_other_than_adamw() -> None:
     assert line + "the script, before accelerator.prepare builds it" in sgd.to_yaml("accelerate")
     # torch.optim.AdamW's own default (foreach): nothing to say
     assert "# optimizer:" not in make_rec(candidate()).to_yaml("lightning")
+
+
+def test_accelerate_keys_and_notes_word_for_word() -> None:
+    from autoshard.emit.prose import describe_evidence
+    from autoshard.emit.text import accelerate_config
+
+    config, notes = accelerate_config(make_rec(candidate(limit_all_gathers=False)))
+    assert config["fsdp_config"]["fsdp_use_orig_params"] is True  # the key accelerate reads
+    assert notes[-1] == "set fsdp_plugin.limit_all_gathers = False in code (no config key)"
+    # a decision that names no autoshard version says so by leaving it out
+    unversioned = make_rec(candidate()).model_copy(update={"versions": {}})
+    assert describe_evidence(unversioned)[0] == f"autoshard : {candidate().label()}"
