@@ -239,7 +239,7 @@ class OptimizerTraits:
 # Passes (torch/optim/adam.py, sgd.py, _adafactor.py): a fused AdamW reads the parameter, its
 # gradient and two states and writes three (7); foreach and for-loop AdamW run one kernel per
 # operation (weight decay, lerp, mul, addcmul, sqrt, div, add, addcdiv: 20; measured on one CPU
-# thread: benchmarks/results/optimizers.md). SGD with momentum: 5 fused, 8 separate.
+# thread: benchmarks/results/optimizer_memory_cpu.md). SGD with momentum: 5 fused, 8 separate.
 # Adafactor (no fused kernel): two gradient norms, the row x column estimate written, divided,
 # clamped and rsqrt'ed, times the gradient, its norm, scaled and added, and the parameter's norm
 # (19, a 1-D tensor's 22 counted as a matrix's).

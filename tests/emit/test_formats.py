@@ -76,3 +76,13 @@ def test_export_writes_the_torchtitan_toml(cli: Any, tmp_path: Path) -> None:
     (tmp_path / "recommendation.json").write_text(make_rec().to_yaml("json"))
     code, _, err = cli("export", tmp_path, "-f", "torchtitan")
     assert code == 1 and "torchtitan runs FSDP2 (fully_shard) only" in err
+
+
+def test_the_readme_names_every_format_and_every_file_a_study_writes() -> None:
+    # the README is the one list the registry cannot write: a new row that it does not name fails
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    heading = "### `autoshard export RESULT --format "
+    listed = readme.split(heading, 1)[1].split(" ", 1)[0].split("|")
+    assert listed == [f.value for f in ExportFormat]
+    for name in REPORT_FILES:
+        assert f"| `{name}` |" in readme, f"README.md's table of output files lacks {name}"
