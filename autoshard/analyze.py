@@ -120,6 +120,7 @@ def analyze_model(
         total_params=total,
         trainable_params=trainable,
         frozen_params=total - trainable,
+        **_shape_split(model),
         root_frozen_params=frozen.root,
         block_frozen_params=frozen.block,
         frozen_blocks=frozen.blocks,
@@ -148,6 +149,23 @@ def analyze_model(
         warnings=tuple(warnings),
         seconds=time.perf_counter() - start,
     )
+
+
+def _shape_split(model: nn.Module) -> dict[str, int]:
+    """The profile's ``vector_params`` (trainable elements in tensors of fewer than two
+    dimensions) and ``matrix_factor_params`` (elements of a row and a column vector of each
+    other trainable tensor: an (..., m, n) tensor's rows are its ...*m vector, its columns its
+    ...*n one, as torch's Adafactor keeps them)."""
+    vectors = factors = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() < 2:
+            vectors += p.numel()
+        else:
+            batch = p.shape[:-2].numel()
+            factors += batch * (p.shape[-2] + p.shape[-1])
+    return {"vector_params": vectors, "matrix_factor_params": factors}
 
 
 def _param_dtype(model: nn.Module) -> str:

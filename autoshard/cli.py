@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from autoshard.config import RankOrder, TuneOptions
+from autoshard.emit.formats import format_help
 from autoshard.errors import AutoshardError, ConfigError
 from autoshard.plan import PlanOptions
 
@@ -499,19 +500,14 @@ def export(
     ],
     fmt: Annotated[
         str,
-        typer.Option(
-            "--format",
-            "-f",
-            help="lightning, accelerate, hf-trainer (TrainingArguments keyword arguments) or json.",
-        ),
+        typer.Option("--format", "-f", help=format_help()),
     ] = "lightning",
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")
     ] = None,
     debug: DebugOpt = False,
 ) -> None:
-    """Write the recommendation as Lightning CLI YAML, accelerate YAML, Hugging Face Trainer
-    arguments (JSON) or JSON."""
+    """Write the recommendation in a training stack's format (--format), or as JSON."""
 
     def work() -> None:
         from autoshard.emit import render

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -166,17 +167,105 @@ class Checkpointing(str, Enum):
 
 
 class Optimizer(str, Enum):
+    """The optimizer the training step runs; what it keeps, moves and is called is its row of
+    :data:`OPTIMIZER_TRAITS`."""
+
     ADAMW = "adamw"
     ADAM = "adam"
     SGD = "sgd"
+    ADAFACTOR = "adafactor"
 
 
 class OptimizerImpl(str, Enum):
-    """torch optimizer implementation; foreach adds a transient the size of the shard x4."""
+    """torch optimizer implementation: one kernel per operation over all tensors at once
+    (foreach: a transient copy of the shard), one fused kernel, or a loop over the tensors."""
 
     FOREACH = "foreach"
     FUSED = "fused"
     FOR_LOOP = "for_loop"
+
+
+@dataclass(frozen=True)
+class OptimizerTraits:
+    """Everything autoshard knows about one optimizer, in one row of :data:`OPTIMIZER_TRAITS`:
+    the memory estimators read its states, the step-time model its passes over memory, the
+    trials and ``rec.apply``'s users its class and arguments, the emitters what each stack calls
+    it; so a new optimizer is a new enum member and its row.
+
+    >>> OPTIMIZER_TRAITS[Optimizer.ADAMW].states, OPTIMIZER_TRAITS[Optimizer.SGD].states
+    (2, 1)
+    >>> OPTIMIZER_TRAITS[Optimizer.ADAFACTOR].impls
+    (<OptimizerImpl.FOREACH: 'foreach'>, <OptimizerImpl.FOR_LOOP: 'for_loop'>)
+    """
+
+    class_path: str  # what the trials build, and what a LightningCLI ``optimizer:`` names
+    # state tensors the size of each parameter it keeps (AdamW: exp_avg, exp_avg_sq; SGD with
+    # momentum: its buffer); a factoring optimizer keeps one per tensor it does not factor
+    states: int
+    # passes over tensors of the parameter's dtype per element of one step: (one fused kernel,
+    # a kernel per operation); speed.optimizer_bytes_per_param turns them into bytes
+    passes: tuple[int, int]
+    # the arguments the trials pass besides the parameters, lr and the implementation
+    options: dict[str, object] = dataclasses.field(default_factory=dict)
+    impls: tuple[OptimizerImpl, ...] = tuple(OptimizerImpl)  # the implementations it has
+    # transient copies of the trainable shard one foreach step holds at once (AdamW: of a state)
+    foreach_copies: int = 1
+    state_bytes: int | None = None  # bytes of one state element (None: the parameter's dtype)
+    # a tensor of two or more dimensions keeps its second moment as a row and a column vector
+    # (Adafactor), a 1-D one whole; FSDP1's sharded flat parameters reach it as 1-D views
+    factors_matrices: bool = False
+    engines: tuple[Engine, ...] = tuple(Engine)  # the FSDP engines whose parameters it steps
+    # its step runs on fake tensors (the simulation, autoshard.predict.simulate); one that reads
+    # values (Adafactor's .item() per tensor) gets the analytic estimate only
+    fake_steps: bool = True
+    # TrainingArguments(optim=...) of each implementation the Hugging Face Trainer builds
+    hf_trainer_names: dict[OptimizerImpl, str] = dataclasses.field(default_factory=dict)
+    torchtitan_name: str | None = None  # [optimizer] name (None: torchtitan builds no such)
+
+    def step_bytes_per_param(self, impl: OptimizerImpl, param_bytes: int) -> int:
+        """Bytes of memory traffic per parameter of one step under ``impl``."""
+        return param_bytes * self.passes[0 if impl is OptimizerImpl.FUSED else 1]
+
+    def arguments(self, impl: OptimizerImpl) -> dict[str, object]:
+        """Its arguments besides the parameters and lr under ``impl``."""
+        chosen = {
+            OptimizerImpl.FOREACH: {"foreach": True},
+            OptimizerImpl.FUSED: {"fused": True},
+            OptimizerImpl.FOR_LOOP: {"foreach": False},
+        }[impl]
+        return {**self.options, **chosen}
+
+
+# Passes (torch/optim/adam.py, sgd.py, _adafactor.py): a fused AdamW reads the parameter, its
+# gradient and two states and writes three (7); foreach and for-loop AdamW run one kernel per
+# operation (weight decay, lerp, mul, addcmul, sqrt, div, add, addcdiv: 20; measured on one CPU
+# thread: benchmarks/results/optimizer_memory_cpu.md). SGD with momentum: 5 fused, 8 separate.
+# Adafactor (no fused kernel): two gradient norms, the row x column estimate written, divided,
+# clamped and rsqrt'ed, times the gradient, its norm, scaled and added, and the parameter's norm
+# (19, a 1-D tensor's 22 counted as a matrix's).
+OPTIMIZER_TRAITS: dict[Optimizer, OptimizerTraits] = {
+    Optimizer.ADAMW: OptimizerTraits(
+        "torch.optim.AdamW", states=2, passes=(7, 20), torchtitan_name="AdamW",
+        # the Trainer's "adamw_torch" passes no foreach: torch's default on CUDA, foreach
+        hf_trainer_names={OptimizerImpl.FOREACH: "adamw_torch",
+                          OptimizerImpl.FUSED: "adamw_torch_fused"},
+    ),
+    Optimizer.ADAM: OptimizerTraits(
+        "torch.optim.Adam", states=2, passes=(7, 20), torchtitan_name="Adam"
+    ),
+    Optimizer.SGD: OptimizerTraits(
+        "torch.optim.SGD", states=1, passes=(5, 8), options={"momentum": 0.9},
+        foreach_copies=0, hf_trainer_names={OptimizerImpl.FOREACH: "sgd"},
+    ),
+    Optimizer.ADAFACTOR: OptimizerTraits(
+        "torch.optim.Adafactor", states=1, passes=(19, 19),
+        impls=(OptimizerImpl.FOREACH, OptimizerImpl.FOR_LOOP), factors_matrices=True,
+        fake_steps=False,
+        # torch 2.13's Adafactor takes a norm over the sharded dimension of FSDP2's DTensor
+        # gradients and squares it in place, which DTensor refuses (a partial placement)
+        engines=(Engine.FSDP1,),
+    ),
+}  # fmt: skip
 
 
 class Reshard(str, Enum):
@@ -288,6 +377,16 @@ class Candidate(Frozen):
             raise ValueError(
                 f"float8 needs bf16 compute (bf16-mixed or bf16-true), not {self.precision.value}"
             )
+        optimizer = OPTIMIZER_TRAITS[self.optimizer]
+        if self.optimizer_impl not in optimizer.impls:
+            impls = " or ".join(i.value for i in optimizer.impls)
+            raise ValueError(
+                f"{self.optimizer.value} has no {self.optimizer_impl.value} implementation "
+                f"({impls})"
+            )
+        if self.engine not in optimizer.engines:
+            engines = " or ".join(e.value for e in optimizer.engines)
+            raise ValueError(f"{self.optimizer.value} runs with engine {engines} only")
         return self
 
     @property

@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from autoshard.config import Candidate, Checkpointing, Engine, Hardware, WorkloadSpec
+from autoshard.config import Candidate, Checkpointing, Engine, Hardware, Optimizer, WorkloadSpec
 from autoshard.errors import ConfigError, TrialsFailedError
 from autoshard.measure import (
     compare,
@@ -332,20 +332,26 @@ def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
         if name == "checkpointing" and c.checkpoint_classes:
             chosen += f" of {{{', '.join(c.checkpoint_classes)}}}"
         lines.append(f"{name} {chosen}: {why}")
+    # the optimizer is the user's (--optimizer); AdamW unless given, and then one of the defaults
+    default = c.optimizer is Optimizer.ADAMW
+    optimizer = f"{c.optimizer.value} ({c.optimizer_impl.value})"
     if c.engine is Engine.FSDP2:  # fully_shard has no limit_all_gathers or backward_prefetch
         lines.append(
-            f"fully_shard's own prefetching (the next unit's all-gather issued ahead on its own "
-            f"stream, forward and backward), {c.optimizer.value} ({c.optimizer_impl.value}): "
+            "fully_shard's own prefetching (the next unit's all-gather issued ahead on its own "
+            "stream, forward and backward)" + (f", {optimizer}" if default else "") + ": "
             "the defaults; the optimizer's implementation changes speed a little; measure it "
             "with trials"
         )
     else:
         lines.append(
             f"limit_all_gathers={c.limit_all_gathers}, forward_prefetch={c.forward_prefetch}, "
-            f"backward_prefetch={c.backward_prefetch.value}, {c.optimizer.value} "
-            f"({c.optimizer_impl.value}): Lightning's defaults; they change speed a little, "
-            "memory by at most one unit; measure them with trials"
+            f"backward_prefetch={c.backward_prefetch.value}"
+            + (f", {optimizer}" if default else "")
+            + ": Lightning's defaults; they change speed a little, memory by at most one unit; "
+            "measure them with trials"
         )
+    if not default:
+        lines.append(f"{optimizer}: the optimizer given (--optimizer / optimizer=), planned as is")
     lines.append(
         "basis: estimates only (no trial ran); run with trials to measure the leading candidates"
     )

@@ -27,13 +27,14 @@ from enum import Enum
 from typing import NamedTuple
 
 from autoshard.config import (
+    OPTIMIZER_TRAITS,
     SHARDING_TRAITS,
     BackwardPrefetch,
     Candidate,
     Engine,
     Hardware,
     Loop,
-    Optimizer,
+    OptimizerImpl,
     Precision,
     Reshard,
     ShardGroup,
@@ -43,8 +44,6 @@ from autoshard.config import (
 )
 from autoshard.errors import ConfigError
 from autoshard.results import ModelProfile
-
-OPTIMIZER_STATES = {Optimizer.ADAMW: 2, Optimizer.ADAM: 2, Optimizer.SGD: 1}
 
 
 class OffloadTransfers(NamedTuple):
@@ -172,8 +171,16 @@ class EnginePolicy:
         """The parameters that carry a gradient: (all, the root unit's, the largest block's)."""
         raise NotImplementedError
 
-    def state_bytes(self, profile: ModelProfile, candidate: Candidate, shard: int) -> int:
-        """Bytes of one optimizer state (AdamW keeps two) on the rank that holds the most."""
+    def state_bytes(
+        self, profile: ModelProfile, candidate: Candidate, shard: int, element: int
+    ) -> int:
+        """Bytes of one parameter-sized optimizer state of ``element`` bytes per element (its
+        own dtype's) on the rank that holds the most (:func:`optimizer_bytes`)."""
+        raise NotImplementedError
+
+    def flat_views(self, candidate: Candidate, shard: int) -> bool:
+        """Whether the optimizer steps flat 1-D views of the parameters rather than tensors of
+        their own shapes (what a factoring optimizer factors)."""
         raise NotImplementedError
 
     def accumulated_gradient_bytes(self, profile: ModelProfile, candidate: Candidate) -> int:
@@ -257,25 +264,33 @@ class FSDP1Policy(EnginePolicy):
         trains = profile.frozen_blocks < profile.block_count or not profile.block_count
         return trained_root + trained_blocks, trained_root, unit if trains else 0
 
-    def state_bytes(self, profile: ModelProfile, candidate: Candidate, shard: int) -> int:
+    def state_bytes(
+        self, profile: ModelProfile, candidate: Candidate, shard: int, element: int
+    ) -> int:
         """Each unit's flat parameter is cut into equal contiguous shards, so with frozen
         parameters the ranks differ: a rank may hold a unit's whole trainable part, up to its
         shard of the unit (the tiny GPT with a frozen embedding: the rank holding the head keeps
         5.1 MiB of AdamW state, the one holding the embedding 3.1 MiB)."""
-        stored, _ = element_bytes(candidate.precision)
         if not profile.frozen_params:
-            return profile.trainable_params * stored // shard
+            return profile.trainable_params * element // shard
 
         def largest(size: int, trainable: int) -> int:
             return min(max(trainable, 0), -(-size // shard))
 
         if candidate.one_unit or not profile.block_count:
-            return largest(profile.total_params, profile.trainable_params) * stored
+            return largest(profile.total_params, profile.trainable_params) * element
         root = largest(
             profile.root_unit_params, profile.root_unit_params - profile.root_frozen_params
         )
         block = largest(profile.block_params, profile.block_params - profile.block_frozen_params)
-        return (root + (profile.block_count - profile.frozen_blocks) * block) * stored
+        return (root + (profile.block_count - profile.frozen_blocks) * block) * element
+
+    def flat_views(self, candidate: Candidate, shard: int) -> bool:
+        """With ``use_orig_params=True`` the parameters of a sharded flat parameter are 1-D
+        views into this rank's shard; unsharded (NO_SHARD, one rank) views of their own shapes
+        (torch's Adafactor on the tiny GPT over 2 gloo ranks keeps 1.0 and 0.012 of the
+        parameter bytes as state: benchmarks/results/optimizer_memory_cpu.md)."""
+        return shard > 1
 
     def offload_device_copies(self, candidate: Candidate) -> OffloadCopies:
         """``FlatParamHandle.pre_unshard`` copies an offloaded unit's host shard to the device
@@ -378,10 +393,15 @@ class FSDP2Policy(EnginePolicy):
             max(0, unit - profile.block_frozen_params),
         )
 
-    def state_bytes(self, profile: ModelProfile, candidate: Candidate, shard: int) -> int:
+    def state_bytes(
+        self, profile: ModelProfile, candidate: Candidate, shard: int, element: int
+    ) -> int:
         # every parameter is sharded evenly
-        stored, _ = element_bytes(candidate.precision)
-        return profile.trainable_params * stored // shard
+        return profile.trainable_params * element // shard
+
+    def flat_views(self, candidate: Candidate, shard: int) -> bool:
+        # DTensors of the parameters' own shapes, sharded on their first dimension
+        return False
 
 
 _POLICIES: dict[Engine, EnginePolicy] = {Engine.FSDP1: FSDP1Policy(), Engine.FSDP2: FSDP2Policy()}
@@ -413,3 +433,22 @@ def gradient_params(profile: ModelProfile, candidate: Candidate) -> tuple[int, i
     """The parameters that carry a gradient: (all, the root unit's, the largest block unit's)
     (:meth:`EnginePolicy.gradient_params`)."""
     return policy_of(candidate).gradient_params(profile, candidate)
+
+
+def optimizer_bytes(profile: ModelProfile, candidate: Candidate, shard: int) -> tuple[int, int]:
+    """(bytes of the optimizer's states on the rank that holds the most, bytes of the transient
+    copies of its trainable shard a foreach step holds at once), from its row of
+    :data:`~autoshard.config.OPTIMIZER_TRAITS`: parameter-sized states in their own dtype, or, for
+    an optimizer that factors the tensors it gets shaped, their 1-D tensors whole and a row and a
+    column vector of each other one."""
+    policy = policy_of(candidate)
+    row = OPTIMIZER_TRAITS[candidate.optimizer]
+    stored, _ = element_bytes(candidate.precision)
+    element = row.state_bytes or stored
+    if row.factors_matrices and not policy.flat_views(candidate, shard):
+        states = (profile.vector_params + profile.matrix_factor_params) * element // shard
+    else:
+        states = row.states * policy.state_bytes(profile, candidate, shard, element)
+    if candidate.optimizer_impl is not OptimizerImpl.FOREACH:
+        return states, 0
+    return states, row.foreach_copies * policy.state_bytes(profile, candidate, shard, stored)

@@ -23,15 +23,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from autoshard.analyze import analyze_model, find_context
 from autoshard.config import (
+    OPTIMIZER_TRAITS,
     Candidate,
     Engine,
     Frozen,
     Hardware,
     Loop,
+    Optimizer,
     Precision,
     RankOrder,
     WorkloadSpec,
@@ -181,6 +183,11 @@ class PlanOptions(Frozen):
         description="fsdp1 (Lightning's FSDPStrategy) or fsdp2 (fully_shard, "
         "ModelParallelStrategy).",
     )
+    optimizer: Optimizer = Field(
+        Optimizer.ADAMW,
+        description="The optimizer the training step runs, every candidate with it: its states "
+        "and passes over memory are planned (autoshard.config.OPTIMIZER_TRAITS says each one's).",
+    )
     precision: tuple[Precision, ...] | None = Field(
         None,
         description="Pin the precision(s), e.g. bf16-mixed or bf16-mixed,32-true (default: "
@@ -229,6 +236,19 @@ class PlanOptions(Frozen):
     def _positive(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
         if value is not None and (not value or min(value) < 1):
             raise ValueError("give positive integers, e.g. 1 or 1,2,4")
+        return value
+
+    @field_validator("optimizer")
+    @classmethod
+    def _steps_the_engine(cls, value: Optimizer, info: ValidationInfo) -> Optimizer:
+        engines = OPTIMIZER_TRAITS[value].engines
+        engine = info.data.get("engine")
+        if engine is not None and engine not in engines:
+            names = " or ".join(e.value for e in engines)
+            raise ValueError(
+                f"{value.value} steps the parameters of engine {names} only: give --engine "
+                f"{engines[0].value} (engine= in code)"
+            )
         return value
 
     @field_validator("gpu")
@@ -475,6 +495,7 @@ def make_plan(request: PlanRequest) -> Plan:
         request.hardware,
         workload,
         engine=opts.engine,
+        optimizer=opts.optimizer,
         precisions=precisions,
         micro_batch_sizes=micro_batch_sizes(built, opts),
         compiles=compiles,
@@ -641,7 +662,7 @@ def fits_elsewhere(plan: Plan, *, max_nodes: int = 1024) -> tuple[int, MemoryEst
         hardware = plan.hardware.model_copy(update={"nodes": nodes})
         compiles, float8s, precisions = planned_switches(opts, hardware)
         candidates = enumerate_candidates(
-            plan.profile, hardware, plan.workload, engine=opts.engine,
+            plan.profile, hardware, plan.workload, engine=opts.engine, optimizer=opts.optimizer,
             precisions=precisions, micro_batch_sizes=micro_batch_sizes(plan.built, opts),
             compiles=compiles, float8s=float8s,
         )  # fmt: skip

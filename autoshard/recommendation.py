@@ -66,6 +66,13 @@ class Recommendation(Decision):
 
         return emit.apply(self, model)  # type: ignore[arg-type]
 
+    def optimizer(self, params: object, lr: float) -> object:
+        """The optimizer the trials built (class, arguments, foreach / fused / for-loop) over
+        ``params``, the parameters of the model ``rec.apply`` returned, with your ``lr``."""
+        from autoshard import emit
+
+        return emit.optimizer(self, params, lr=lr)  # type: ignore[arg-type]
+
     def autocast(self) -> object:
         """The ``torch.autocast`` context the trials ran each forward and loss under."""
         from autoshard import emit
@@ -114,8 +121,8 @@ class Recommendation(Decision):
         return emit.fsdp2_plan(self)
 
     def to_yaml(self, fmt: str = "lightning") -> str:
-        """The recommendation as Lightning CLI YAML, accelerate YAML, Hugging Face Trainer
-        arguments ("hf-trainer", JSON) or JSON ("json")."""
+        """The recommendation in ``fmt``, a format of :data:`autoshard.emit.FORMATS` (one row
+        each: "lightning" is Lightning CLI YAML; ``autoshard export --help`` lists them)."""
         from autoshard import emit
 
         return emit.render(self, fmt)

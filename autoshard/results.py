@@ -92,6 +92,16 @@ class ModelProfile(Frozen):
     frozen_blocks: int = Field(
         0, description="Blocks with no trainable parameter (LoRA: usually none; they all adapt)."
     )
+    vector_params: int = Field(
+        0,
+        description="Trainable parameters in tensors of fewer than two dimensions (biases, norm "
+        "weights): what an optimizer that factors matrices keeps whole.",
+    )
+    matrix_factor_params: int = Field(
+        0,
+        description="Elements of a row and a column vector of each trainable tensor of two or "
+        "more dimensions (an (m, n) one: m + n): Adafactor's second moment of them.",
+    )
     param_bytes: int = Field(..., description="Bytes of the parameters in their built dtype.")
     buffer_bytes: int = Field(0, description="Bytes of registered buffers.")
     param_dtype: str = Field("float32", description="Most common parameter dtype.")

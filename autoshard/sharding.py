@@ -33,12 +33,11 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard.config import (
+    OPTIMIZER_TRAITS,
     BackwardPrefetch,
     Candidate,
     Checkpointing,
     Engine,
-    Optimizer,
-    OptimizerImpl,
     Precision,
 )
 from autoshard.engine import policy_of, reshard_after_forward, traits
@@ -495,20 +494,10 @@ def register_float8_scales(model: nn.Module, optimizer: torch.optim.Optimizer) -
 def make_optimizer(
     params: Iterable[nn.Parameter], candidate: Candidate, *, lr: float = 1e-4
 ) -> torch.optim.Optimizer:
-    """The candidate's optimizer over ``params`` with its foreach / fused / for-loop choice."""
-    impl: dict[str, Any] = {
-        OptimizerImpl.FOREACH: {"foreach": True},
-        OptimizerImpl.FUSED: {"fused": True},
-        OptimizerImpl.FOR_LOOP: {"foreach": False},
-    }[candidate.optimizer_impl]
-    match candidate.optimizer:
-        case Optimizer.ADAMW:
-            return torch.optim.AdamW(params, lr=lr, **impl)
-        case Optimizer.ADAM:
-            return torch.optim.Adam(params, lr=lr, **impl)
-        case Optimizer.SGD:
-            if candidate.optimizer_impl is OptimizerImpl.FUSED:
-                return torch.optim.SGD(params, lr=lr, momentum=0.9, fused=True)
-            return torch.optim.SGD(params, lr=lr, momentum=0.9, **impl)
-        case _:
-            raise ConfigError(f"unknown optimizer {candidate.optimizer!r}")
+    """The candidate's optimizer over ``params``: its row of
+    :data:`~autoshard.config.OPTIMIZER_TRAITS`'s class with its arguments and the candidate's
+    foreach / fused / for-loop choice."""
+    row = OPTIMIZER_TRAITS[candidate.optimizer]
+    module, _, name = row.class_path.rpartition(".")
+    optimizer_class = getattr(importlib.import_module(module), name)
+    return optimizer_class(params, lr=lr, **row.arguments(candidate.optimizer_impl))

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from autoshard.config import (
+    OPTIMIZER_TRAITS,
     SHARDING_TRAITS,
     Candidate,
     Checkpointing,
     Engine,
     Hardware,
+    Optimizer,
     Precision,
     RankOrder,
     Reshard,
@@ -141,6 +143,7 @@ def enumerate_candidates(
     workload: WorkloadSpec,
     *,
     engine: Engine = Engine.FSDP1,
+    optimizer: Optimizer = Optimizer.ADAMW,
     precisions: Sequence[Precision] | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
     offload: bool | None = None,
@@ -156,7 +159,8 @@ def enumerate_candidates(
     and micro-batch size. Each of them with every ``compiles`` value (torch.compile off, on),
     and with every ``float8s`` value where float8 goes (FSDP2 and bf16 compute; the hardware is
     the caller's to check,
-    :func:`float8_blocker`).
+    :func:`float8_blocker`). All with ``optimizer`` (a setting of the workload, not searched) in
+    its first implementation (torch's foreach where it has one).
 
     >>> from autoshard import Hardware, TargetSpec, WorkloadSpec, analyze_target
     >>> from autoshard import enumerate_candidates
@@ -179,6 +183,7 @@ def enumerate_candidates(
     checkpointing = _checkpointing_options(profile)
     offloads = [False, True] if offload is None else [offload]
     sizes = tuple(micro_batch_sizes or (workload.micro_batch_size,))
+    steps = {"optimizer": optimizer, "optimizer_impl": OPTIMIZER_TRAITS[optimizer].impls[0]}
     out: list[Candidate] = []
     for precision in precisions or default_precisions(hardware):
         for sharding, mesh in shardings_for(hardware, engine):
@@ -206,10 +211,11 @@ def enumerate_candidates(
                                 precision=precision,
                                 micro_batch_size=mbs,
                                 reshard=reshard,
+                                **steps,
                             )
                         )
         if profile.wrap_policy or profile.wrap_min_params:
-            out += _one_unit_candidates(hardware, engine, precision, sizes)
+            out += _one_unit_candidates(hardware, engine, precision, sizes, steps)
     return _with_recipes(out, engine, compiles, float8s)
 
 
@@ -227,7 +233,11 @@ def _checkpointing_options(profile: ModelProfile) -> list[tuple[Checkpointing, i
 
 
 def _one_unit_candidates(
-    hardware: Hardware, engine: Engine, precision: Precision, sizes: Sequence[int]
+    hardware: Hardware,
+    engine: Engine,
+    precision: Precision,
+    sizes: Sequence[int],
+    steps: dict[str, Any],
 ) -> list[Candidate]:
     """Lightning's default FSDPStrategy(): no wrap policy, the whole model one unit. It gathers
     everything at once (the estimate rules it out for large models) but has the fewest
@@ -235,7 +245,7 @@ def _one_unit_candidates(
     return [
         Candidate(
             engine=engine, sharding=sharding, hybrid_mesh=mesh,
-            precision=precision, micro_batch_size=mbs,
+            precision=precision, micro_batch_size=mbs, **steps,
         )
         for sharding, mesh in shardings_for(hardware, engine)
         for mbs in sizes

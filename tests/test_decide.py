@@ -106,6 +106,19 @@ def test_fsdp2_estimate_reasons_say_fully_shards_own_prefetching() -> None:
     assert not any(line.startswith("limit_all_gathers=") for line in reasons)
 
 
+def test_an_optimizer_given_is_said_as_given_not_as_a_default() -> None:
+    options = PlanOptions(gpus=2, gpu_memory="8GiB", batch_size="1", seq_len=64,
+                          optimizer="adafactor")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reasons = decide(make_plan(make_request(TwoTower(), options))).reasons
+    assert "adafactor (foreach): the optimizer given (--optimizer / optimizer=), planned as is" in (
+        reasons
+    )
+    defaults = next(line for line in reasons if line.startswith("limit_all_gathers="))
+    assert "adafactor" not in defaults and defaults.endswith("measure them with trials")
+
+
 def test_a_wrap_difference_is_said_in_the_engines_own_terms() -> None:
     blocks = Candidate(wrap_classes=("gpt.Block", "gpt.Head"))
     assert _differences(Candidate(), blocks) == ["auto_wrap_policy=Block,Head"]

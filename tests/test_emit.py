@@ -499,7 +499,7 @@ def test_exports_name_the_autoshard_version_that_chose() -> None:
 
 def test_each_fsdp2_reshard_policy_is_described_word_for_word() -> None:
     from autoshard.config import Reshard
-    from autoshard.emit.text import describe_reshard
+    from autoshard.emit.prose import describe_reshard
 
     def said(**update: Any) -> str:
         return describe_reshard(candidate(engine=Engine.FSDP2, **update))
@@ -543,7 +543,8 @@ def test_accelerate_notes_name_accelerate_and_cli_yaml_refuses_a_size_policy() -
 
 
 def test_hf_trainer_arguments_carry_the_hybrid_mesh_note_and_the_evidence() -> None:
-    from autoshard.emit.text import describe_evidence, hf_trainer_config
+    from autoshard.emit.prose import describe_evidence
+    from autoshard.emit.text import hf_trainer_config
 
     rec = make_rec(
         candidate(engine=Engine.FSDP2, sharding=Sharding.HYBRID_SHARD, hybrid_mesh=(2, 1))
@@ -581,20 +582,21 @@ def test_a_missing_lightning_names_the_feature_and_a_local_class_comes_from_the_
 
 
 def test_what_accelerate_cannot_express_word_for_word() -> None:
-    from autoshard.emit.text import _accelerate_notes, compile_float8_notes
+    from autoshard.emit.prose import Stack, compile_float8_notes
+    from autoshard.emit.text import _accelerate_notes
 
     true = candidate(precision=Precision.BF16_TRUE)
-    assert _accelerate_notes(true, "accelerate") == [
+    assert _accelerate_notes(true, Stack.ACCELERATE) == [
         "bf16-true: cast the model to bf16 yourself (model.to(torch.bfloat16))"
     ]
     fsdp2 = candidate(engine=Engine.FSDP2, precision=Precision.BF16_MIXED)
-    assert _accelerate_notes(fsdp2, "accelerate") == [
+    assert _accelerate_notes(fsdp2, Stack.ACCELERATE) == [
         "accelerate's FSDP2 reduces gradients in the compute dtype; autoshard's trials ran "
         "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): pass it as "
         "FullyShardedDataParallelPlugin(mixed_precision_policy=...) for the same"
     ]
     # FSDP1 reduces in the compute dtype as accelerate does: nothing to say
-    assert _accelerate_notes(candidate(precision=Precision.BF16_MIXED), "accelerate") == []
+    assert _accelerate_notes(candidate(precision=Precision.BF16_MIXED), Stack.ACCELERATE) == []
     float8 = candidate(engine=Engine.FSDP2, float8=True)
     both = (
         "float8: torchao's Float8Linear on the blocks' linear layers with FSDP2's float8 "
@@ -604,10 +606,10 @@ def test_what_accelerate_cannot_express_word_for_word() -> None:
         "; after each optimizer.step() call torchao.float8.precompute_float8_dynamic_scale_for_fsdp"
         "(model), as the trials did"
     )
-    assert compile_float8_notes(float8, "Lightning") == [
+    assert compile_float8_notes(float8, Stack.LIGHTNING) == [
         f"{both}the FSDP2 plan converts them before fully_shard{scales}"
     ]
-    assert compile_float8_notes(float8, "accelerate") == [
+    assert compile_float8_notes(float8, Stack.ACCELERATE) == [
         f"{both}accelerate has no key for it: call autoshard.sharding.apply_float8(model, "
         f"rec.chosen.candidate) before preparing the model{scales}"
     ]

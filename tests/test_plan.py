@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import autoshard.plan as plan_module
-from autoshard.config import Engine, Hardware, Precision, TuneOptions
+from autoshard.config import Engine, Hardware, Optimizer, Precision, TuneOptions
 from autoshard.errors import ConfigError
 from autoshard.plan import (
     DEFAULT_MICRO_BATCH_SIZES,
@@ -68,6 +68,11 @@ def _message(model: type, values: dict, *, cli: bool = True) -> str:
          "40GB or 24000MiB"),
         (PlanOptions, {"host_memory": "0GiB"}, False,
          "host_memory= 0GiB: size must be positive, got '0GiB'"),
+        (PlanOptions, {"optimizer": "lion"}, True,
+         "--optimizer lion: choose one of " + ", ".join(o.value for o in Optimizer)),
+        (PlanOptions, {"engine": "fsdp2", "optimizer": "adafactor"}, True,
+         "--optimizer adafactor: adafactor steps the parameters of engine fsdp1 only: give "
+         "--engine fsdp1 (engine= in code)"),
     ],
 )  # fmt: skip
 def test_a_bad_option_is_one_line_naming_the_flag_or_keyword(model, values, cli, line) -> None:
@@ -292,6 +297,31 @@ def test_a_planned_switch_the_predictors_do_not_model_is_said(modelled) -> None:
 # --------------------------------------------------------------------------------------------
 # Defaults of a plan
 # --------------------------------------------------------------------------------------------
+
+
+def test_the_optimizer_given_is_planned_in_every_candidate(no_gpu) -> None:
+    import autoshard
+
+    def plan(optimizer: str) -> dict[str, int]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            estimates = autoshard.estimate(
+                "examples/gpt.py:build", kwargs={"size": "tiny"}, gpus=2, gpu_memory="80GiB",
+                seq_len=32, batch_size=1, precision="32-true", optimizer=optimizer,
+            )  # fmt: skip
+        assert {e.candidate.optimizer.value for e in estimates} == {optimizer}
+        return {e.candidate.label(): e.breakdown.optimizer for e in estimates}
+
+    adamw, adafactor = plan("adamw"), plan("adafactor")
+    assert adamw.keys() == adafactor.keys()
+    for label, states in adamw.items():
+        if "offload" in label:
+            assert states == adafactor[label] == 0  # on the host
+        elif "NO_SHARD" in label:
+            # whole tensors: Adafactor factors their second moment (1.2% of the parameter bytes)
+            assert 0 < adafactor[label] < 0.01 * states
+        else:  # FSDP1's sharded flat views: one state where AdamW keeps two
+            assert 2 * adafactor[label] == states
 
 
 def test_micro_batch_sizes_come_from_the_options_the_batch_or_the_default() -> None:

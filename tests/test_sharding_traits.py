@@ -26,12 +26,8 @@ from autoshard.config import (
     ShardingTraits,
     WorkloadSpec,
 )
-from autoshard.emit.text import (
-    accelerate_config,
-    describe_reshard,
-    hf_trainer_config,
-    lightning_cli_config,
-)
+from autoshard.emit.prose import describe_reshard
+from autoshard.emit.text import accelerate_config, hf_trainer_config, lightning_cli_config
 from autoshard.predict.activations import precisions_of, profile_activations
 from autoshard.predict.analytic import estimate_memory
 from autoshard.predict.simulate import simulate_memory

@@ -369,3 +369,18 @@ def test_estimate_in_code_and_on_the_command_line_with_simulation(cli, tmp_path)
 
     code, _, err = cli("estimate", target, "--arg", "size=tiny", "--simulate", "-1")
     assert code == 1 and "--simulate -1" in err
+
+
+def test_an_optimizer_whose_step_reads_values_keeps_its_analytic_estimate(monkeypatch) -> None:
+    # Adafactor's step calls .item() on every tensor, which fake tensors cannot answer
+    adafactor = Candidate(wrap_classes=BLOCK, optimizer="adafactor")
+    hardware = Hardware(gpus_per_node=2, gpu_memory=80 * GIB)
+    with pytest.raises(ConfigError, match="adafactor's step cannot be simulated"):
+        simulate_memory(STACK, adafactor, hardware, WorkloadSpec())
+    profile, built = analyze_target(STACK)
+    acts = profile_activations(built.model, profile, WorkloadSpec())
+    analytic = estimate_memory(profile, adafactor, hardware, WorkloadSpec(), activations=acts)
+    ran: list[Candidate] = []
+    monkeypatch.setattr(simulate, "simulate_memory", lambda _t, c, *a, **k: ran.append(c))
+    kept = simulate.refine_with_simulation(STACK, [analytic], hardware, WorkloadSpec())
+    assert kept == [analytic] and ran == []

@@ -87,6 +87,16 @@ def test_offload_pinned_on_or_off(gpt) -> None:
     assert pinned and all(c.cpu_offload for c in pinned)
 
 
+def test_the_optimizer_is_every_candidates_in_its_first_implementation(gpt) -> None:
+    # a setting of the workload, not a dimension: the space is as large with any of them
+    adamw, adafactor = _space(gpt), _space(gpt, optimizer="adafactor")
+    assert len(adafactor) == len(adamw)
+    assert {(c.optimizer.value, c.optimizer_impl.value) for c in adafactor} == {
+        ("adafactor", "foreach")
+    }
+    assert [c.model_copy(update={"optimizer": "adamw"}) for c in adafactor] == adamw
+
+
 def test_fsdp2_reshard_policies_where_they_differ(gpt) -> None:
     space = _space(gpt, TWO_NODES, engine="fsdp2")
     policies: dict[tuple, set[Reshard]] = {}

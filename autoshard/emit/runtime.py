@@ -12,24 +12,18 @@ functions that need it.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from autoshard import sharding
 from autoshard.config import BackwardPrefetch, Candidate, Checkpointing, Engine, Precision
+from autoshard.emit.prose import Stack, choose_state_dict_type, kv_cache_note, selective_note
 from autoshard.engine import traits
 from autoshard.errors import ConfigError, HandoverNotice, MissingDependencyError
 from autoshard.results import Decision
-from autoshard.units import format_bytes
-
-StateDictType = Literal["full", "sharded"]
-
-# A full state dict gathers every fp32 parameter (and Adam's two moments with the optimizer
-# state) on rank 0's host memory. Above this size that takes minutes and tens of GiB per save.
-_FULL_STATE_DICT_LIMIT = 8 * 2**30
 
 
 class EveryKthPolicy(ModuleWrapPolicy):
@@ -55,57 +49,8 @@ class EveryKthPolicy(ModuleWrapPolicy):
 
 
 # ---------------------------------------------------------------------------------------------
-# Choices that are not in the Candidate
+# The classes the candidate names, as Lightning takes them
 # ---------------------------------------------------------------------------------------------
-
-
-def choose_state_dict_type(rec: Decision) -> tuple[StateDictType, str]:
-    """``"sharded"`` for big models, ``"full"`` otherwise; with the reason, for people."""
-    full = rec.profile.total_params * 4  # fp32 master weights, gathered on rank 0
-    limit = _FULL_STATE_DICT_LIMIT
-    if rec.hardware.host_memory:
-        limit = min(limit, rec.hardware.host_memory // 4)
-    if full > limit:
-        return "sharded", (
-            f"state_dict_type=sharded: a full checkpoint would gather {format_bytes(full)} of "
-            f"fp32 weights (plus optimizer state) on rank 0's host memory at every save"
-        )
-    return "full", (
-        f"state_dict_type=full: the model's {format_bytes(full)} of fp32 weights gather on rank 0 "
-        "quickly, and one file loads anywhere without FSDP"
-    )
-
-
-def selective_note(candidate: Candidate, stack: str) -> str | None:
-    """Why ``stack`` cannot express selective (op-level) checkpointing, what its output does
-    instead, and what applies it as chosen; None where there is nothing to say. The closest
-    faithful setting is whole blocks: it keeps less than op-level does, so what fit still fits
-    (and recomputes more: slower than measured)."""
-    if candidate.checkpointing is not Checkpointing.SELECTIVE:
-        return None
-    return (
-        f"{stack} checkpoints whole blocks only (no per-operation policy, no context_fn); "
-        "autoshard chose selective op-level checkpointing (torchtitan's policy): this "
-        "checkpoints whole blocks instead (less memory, slower); for op-level, apply "
-        "rec.apply_checkpointing(model) or rec.apply(model)"
-        + (", or plan for FSDP2 (ModelParallelStrategy applies it)" if stack == "Lightning's "
-           "FSDPStrategy" else "")
-    )  # fmt: skip
-
-
-def kv_cache_note(rec: Decision, stack: str) -> str | None:
-    """What ``stack`` leaves on that the plan assumed off: a Hugging Face model's key/value cache
-    under activation checkpointing (autoshard's trials, ``rec.apply`` and the estimates turn it
-    off, as ``gradient_checkpointing_enable`` does; FSDP's own checkpointing does not)."""
-    c = rec.chosen.candidate
-    hf = any(k.class_path.startswith("transformers.") for k in rec.profile.classes)
-    if c.checkpointing is Checkpointing.NONE or not hf:
-        return None
-    return (
-        f"{stack} checkpoints without turning off the Hugging Face model's key/value cache: set "
-        "model.config.use_cache = False before training, as autoshard's trials and estimates did "
-        "(with it on, every layer's keys and values stay alive beside the checkpointed blocks)"
-    )
 
 
 def _checkpoint_policy(candidate: Candidate, classes: set[type[nn.Module]]) -> Any:
@@ -184,7 +129,8 @@ def apply(rec: Decision, model: nn.Module) -> nn.Module:
     float8 conversion, checkpointing, torch.compile of each block, then ``fully_shard`` of each
     block and the root with the reshard policy, on the chosen mesh (HYBRID_SHARD's (replicate,
     shard) mesh included); FSDP1's torch.compile is of the wrapped model. Returns the model to
-    train; build the optimizer on its parameters afterwards.
+    train; build the optimizer on its parameters afterwards (:func:`optimizer` builds the one
+    the trials ran).
 
     The process group is yours (``torch.distributed.init_process_group()``, e.g. under
     ``torchrun``); the device is this rank's CUDA device with NCCL, or the CPU with gloo, and one
@@ -261,6 +207,14 @@ def _apply_notice(rec: Decision, device: Any, world: int) -> str:
     return line
 
 
+def optimizer(rec: Decision, params: Iterable[nn.Parameter], *, lr: float) -> Any:
+    """The optimizer the trials built over ``params`` (the parameters of the model
+    :func:`apply` returned): its class, arguments and foreach / fused / for-loop choice
+    (:func:`autoshard.sharding.make_optimizer`, whose row of
+    :data:`~autoshard.config.OPTIMIZER_TRAITS` the estimates counted), with your ``lr``."""
+    return sharding.make_optimizer(params, rec.chosen.candidate, lr=lr)
+
+
 def autocast(rec: Decision) -> Any:
     """The autocast context each forward and loss ran under in the trials (Lightning's precision
     plugin does the same): ``torch.autocast`` in the compute dtype under bf16-mixed / 16-mixed,
@@ -335,9 +289,9 @@ def strategy_kwargs(rec: Decision, *, model: nn.Module | None = None) -> dict[st
     elif "auto_wrap_policy" in fk:
         kwargs["auto_wrap_policy"] = fk["auto_wrap_policy"]
     ckpt = _checkpoint_policy(c, _classes(c.checkpoint_classes, model))
-    if note := selective_note(c, "Lightning's FSDPStrategy"):
+    if note := selective_note(c, Stack.LIGHTNING):
         warnings.warn(note, HandoverNotice, stacklevel=3)
-    if note := kv_cache_note(rec, "Lightning's FSDPStrategy"):
+    if note := kv_cache_note(rec, Stack.LIGHTNING):
         warnings.warn(note, HandoverNotice, stacklevel=3)
     if ckpt is not None:
         kwargs["activation_checkpointing_policy"] = ckpt

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import warnings
-from enum import Enum
 from typing import Any
 
 import yaml
 
 from autoshard.config import (
+    OPTIMIZER_TRAITS,
     BackwardPrefetch,
     Candidate,
     Checkpointing,
@@ -22,27 +22,23 @@ from autoshard.config import (
     Precision,
     Reshard,
 )
-from autoshard.emit.runtime import (
+from autoshard.emit.prose import (
+    Stack,
     choose_state_dict_type,
+    comment,
+    compile_float8_notes,
+    describe_evidence,
+    describe_fsdp2_precision,
+    describe_optimizer,
+    describe_reshard,
+    fsdp1_hybrid_notes,
     kv_cache_note,
+    optimizer_note,
     selective_note,
-    strategy_kwargs,
-    trainer_kwargs,
 )
 from autoshard.engine import reshard_after_forward, traits
 from autoshard.errors import ConfigError, HandoverNotice
 from autoshard.results import Decision
-from autoshard.units import format_bytes
-
-
-class ExportFormat(str, Enum):
-    """What ``autoshard export --format`` and ``Recommendation.to_yaml`` write."""
-
-    LIGHTNING = "lightning"  # Lightning CLI YAML (trainer.strategy + precision, devices, ...)
-    ACCELERATE = "accelerate"  # accelerate config YAML with fsdp_config
-    HF_TRAINER = "hf-trainer"  # Hugging Face TrainingArguments(fsdp=..., fsdp_config=...)
-    JSON = "json"  # the decision itself, as load_result reads it back
-
 
 # accelerate's names (accelerate.utils.constants.FSDP_BACKWARD_PREFETCH): "NONE" is not one.
 _ACCELERATE_PREFETCH = {
@@ -64,86 +60,12 @@ _ACCELERATE_PRECISION = {
 # ---------------------------------------------------------------------------------------------
 
 
-def describe_evidence(rec: Decision) -> list[str]:
-    """What the choice rests on, as comment lines: measured step time and peak, or the estimate."""
-    c = rec.chosen
-    when = rec.created_at.strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"autoshard {rec.versions.get('autoshard', '')}: {c.candidate.label()}".rstrip()]
-    lines.append(
-        f"model {rec.profile.target} ({rec.profile.total_params:,} params) on "
-        f"{rec.hardware.nodes} x {rec.hardware.gpus_per_node} GPUs of "
-        f"{format_bytes(rec.hardware.gpu_memory)}"
-    )
-    t = c.trial
-    if t is not None and t.step_time is not None:
-        rate = f", {t.tokens_per_s:,.0f} tokens/s" if t.tokens_per_s else ""
-        peak = f", peak {format_bytes(t.max_allocated)} allocated/rank" if t.max_allocated else ""
-        lines.append(
-            f"measured {t.started_at.strftime('%Y-%m-%d %H:%M UTC')} on {t.world_size} "
-            f"{t.device} ranks: {t.step_time:.3f} s/step{rate}{peak}"
-        )
-    else:
-        lines.append(f"chosen {when} by estimate alone (not measured)")
-    if c.estimate is not None:
-        lines.append(
-            f"predicted peak {format_bytes(c.estimate.gpu_peak)}/rank ({c.estimate.method}) of "
-            f"{format_bytes(rec.hardware.usable_gpu_memory)} usable"
-        )
-    return lines
-
-
-def describe_reshard(c: Candidate) -> str:
-    """Which FSDP2 units free their gathered parameters after forward, in ``fully_shard``'s
-    terms (``reshard_after_forward``); "" for FSDP1.
-
-    >>> from autoshard import Candidate
-    >>> describe_reshard(Candidate(engine="fsdp2", wrap_classes=("gpt.Block",),
-    ...                            reshard="keep_root"))[:63]
-    'reshard policy keep_root: the root stays gathered after forward'
-    """
-    if c.engine is not Engine.FSDP2:
-        return ""
-    if traits(c).keeps_gathered:
-        return f"nothing reshards after forward ({c.sharding.value}: reshard_after_forward=False)"
-    match c.reshard:
-        case Reshard.ALL:
-            what = "every unit reshards after forward (reshard_after_forward=True, root included)"
-        case Reshard.KEEP_ROOT:
-            what = (
-                "the root stays gathered after forward (reshard_after_forward=False on the "
-                "root, True on the blocks: fully_shard's default)"
-            )
-        case Reshard.KEEP_ROOT_AND_LAST:
-            what = (
-                "the root and the last block stay gathered after forward "
-                "(reshard_after_forward=False on them, True on the other blocks: torchtitan's)"
-            )
-        case _:
-            raise ConfigError(f"unknown reshard policy {c.reshard!r}")
-    return f"reshard policy {c.reshard.value}: {what}"
-
-
-def describe_fsdp2_precision(c: Candidate) -> str:
-    """FSDP2's ``MixedPrecisionPolicy`` for the candidate's precision (what
-    :func:`autoshard.sharding.fsdp2_kwargs` passes); "" without mixed precision.
-
-    >>> from autoshard import Candidate
-    >>> describe_fsdp2_precision(Candidate(engine="fsdp2", precision="bf16-mixed"))
-    'MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)'
-    """
-    if not c.precision.mixed:
-        return ""
-    dtype = "bf16" if c.precision is Precision.BF16_MIXED else "fp16"
-    reduce = "fp32" if c.reduce_dtype_fp32 else dtype
-    return f"MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={reduce})"
-
-
-def _comment(lines: list[str]) -> str:
-    return "".join(f"# {line}\n" for line in lines)
-
-
 def lightning_cli_config(rec: Decision) -> dict[str, Any]:
     """The ``trainer:`` section for LightningCLI, as a dict (see :func:`lightning_cli_yaml`)."""
+    # the strategy's own arguments; imported here: the runtime objects import torch.distributed
+    # (1.5 s of CPU), which the command line, reading the formats for its help, need not pay
+    from autoshard.emit.runtime import strategy_kwargs, trainer_kwargs
+
     c = rec.chosen.candidate
     state_dict_type, _ = choose_state_dict_type(rec)
     if c.engine is Engine.FSDP2:
@@ -201,40 +123,6 @@ def lightning_cli_config(rec: Decision) -> dict[str, Any]:
     return {"trainer": {"strategy": strategy_cfg, **trainer_kwargs(rec)}}
 
 
-def compile_float8_notes(c: Candidate, stack: str) -> list[str]:
-    """How ``stack`` gets the torch.compile and float8 the trials ran with (its config has no
-    key for them, or only a coarser one): never left out in silence."""
-    notes: list[str] = []
-    if c.compile and c.engine is Engine.FSDP2:
-        notes.append(
-            "torch.compile: each block compiled in place (module.compile()) before fully_shard, "
-            "as torchtitan does; the FSDP2 plan (rec.fsdp2_plan() in configure_model, or "
-            "rec.apply(model)) applies it"
-            + ("" if stack == "Lightning" else f"; {stack}'s own compile flag compiles it whole")
-        )
-    elif c.compile:
-        notes.append(
-            f"torch.compile: the wrapped model compiled whole (FSDP1); {stack} has no key for "
-            "it here: call model.compile() after wrapping (rec.apply(model) does)"
-            if stack == "Lightning"
-            else "torch.compile: the wrapped model compiled whole (FSDP1), as the setting here does"
-        )
-    if c.float8:
-        notes.append(
-            "float8: torchao's Float8Linear on the blocks' linear layers with FSDP2's float8 "
-            "all-gather (pip install 'autoshard[float8]'); "
-            + (
-                "the FSDP2 plan converts them before fully_shard"
-                if stack == "Lightning"
-                else f"{stack} has no key for it: call autoshard.sharding.apply_float8(model, "
-                "rec.chosen.candidate) before preparing the model"
-            )
-            + "; after each optimizer.step() call torchao.float8."
-            "precompute_float8_dynamic_scale_for_fsdp(model), as the trials did"
-        )
-    return notes
-
-
 def lightning_cli_yaml(rec: Decision) -> str:
     """Lightning CLI YAML (``trainer:`` section) with comments saying what was measured."""
     lines = describe_evidence(rec)
@@ -246,16 +134,17 @@ def lightning_cli_yaml(rec: Decision) -> str:
         lines.append('  rec = autoshard.load("autoshard-out")')
         lines.append('  rec.fsdp2_plan()(self.model, self.device_mesh["data_parallel"])')
         lines.append(f"  which applies the {describe_reshard(rec.chosen.candidate)}")
-    lines.extend(compile_float8_notes(rec.chosen.candidate, "Lightning"))
-    note = selective_note(rec.chosen.candidate, "Lightning's FSDPStrategy")
+    lines.extend(compile_float8_notes(rec.chosen.candidate, Stack.LIGHTNING))
+    lines.extend(filter(None, [optimizer_note(rec.chosen.candidate, Stack.LIGHTNING)]))
+    note = selective_note(rec.chosen.candidate, Stack.LIGHTNING)
     if note and rec.chosen.candidate.engine is Engine.FSDP1:  # FSDP2's plan applies it
         lines.append(note)
     if rec.chosen.candidate.engine is Engine.FSDP1 and (
-        note := kv_cache_note(rec, "Lightning's FSDPStrategy")
+        note := kv_cache_note(rec, Stack.LIGHTNING)
     ):
         lines.append(note)
     body = yaml.safe_dump(lightning_cli_config(rec), sort_keys=False)
-    return _comment(lines) + body
+    return comment(lines) + body
 
 
 def accelerate_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
@@ -315,32 +204,17 @@ def accelerate_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
             "parallelism_config_dp_replicate_size": c.hybrid_mesh[0],
             "parallelism_config_dp_shard_size": c.hybrid_mesh[1],
         }
-    notes.extend(_fsdp1_hybrid_notes(rec, "accelerate"))
-    notes.extend(_accelerate_notes(c, "accelerate"))
-    notes.extend(filter(None, [kv_cache_note(rec, "accelerate")]))
-    notes.extend(compile_float8_notes(c, "accelerate"))
+    notes.extend(fsdp1_hybrid_notes(rec, Stack.ACCELERATE))
+    notes.extend(_accelerate_notes(c, Stack.ACCELERATE))
+    notes.extend(filter(None, [kv_cache_note(rec, Stack.ACCELERATE)]))
+    notes.extend(compile_float8_notes(c, Stack.ACCELERATE))
+    notes.extend(filter(None, [optimizer_note(c, Stack.ACCELERATE)]))
     if not c.limit_all_gathers:
         notes.append("set fsdp_plugin.limit_all_gathers = False in code (no config key)")
     return config, notes
 
 
-def _fsdp1_hybrid_notes(rec: Decision, stack: str) -> list[str]:
-    """FSDP1's hybrid sharding in accelerate shards within each node, a group that no key
-    changes: said, with what to do where autoshard chose other groups."""
-    c = rec.chosen.candidate
-    if c.engine is not Engine.FSDP1 or c.hybrid_mesh is None:
-        return []
-    per_node = rec.hardware.gpus_per_node
-    if c.hybrid_mesh[1] == per_node:
-        return [f"{c.sharding.value} shards within each node ({per_node} ranks), as {stack} does"]
-    return [
-        f"{stack}'s {c.sharding.value} shards within each node ({per_node} ranks); autoshard chose "
-        f"groups of {c.hybrid_mesh[1]} (mesh {c.hybrid_mesh[0]} x {c.hybrid_mesh[1]}), which "
-        f"{stack} has no setting for: rec.apply(model) applies it"
-    ]
-
-
-def _accelerate_notes(c: Candidate, stack: str) -> list[str]:
+def _accelerate_notes(c: Candidate, stack: Stack) -> list[str]:
     """What accelerate (and the Hugging Face Trainer, which builds accelerate's FSDP plugin)
     cannot express as chosen, and the closest setting the output uses."""
     notes: list[str] = []
@@ -348,7 +222,7 @@ def _accelerate_notes(c: Candidate, stack: str) -> list[str]:
         notes.append("bf16-true: cast the model to bf16 yourself (model.to(torch.bfloat16))")
     if c.checkpointing is Checkpointing.EVERY_K and c.checkpoint_every > 1:
         notes.append(
-            f"{stack} checkpoints every block or none; autoshard chose one in "
+            f"{stack.value} checkpoints every block or none; autoshard chose one in "
             f"{c.checkpoint_every} (faster): this config checkpoints every block (less memory, "
             "slower); for one in k call rec.apply_checkpointing(model) instead"
         )
@@ -358,13 +232,13 @@ def _accelerate_notes(c: Candidate, stack: str) -> list[str]:
         c.wrap_classes
     ):
         notes.append(
-            f"{stack} checkpoints the wrapped classes ({', '.join(c.wrap_classes) or 'none'}); "
-            f"autoshard checkpoints {', '.join(c.checkpoint_classes)}: call "
-            "rec.apply_checkpointing(model) for that"
+            f"{stack.value} checkpoints the wrapped classes "
+            f"({', '.join(c.wrap_classes) or 'none'}); autoshard checkpoints "
+            f"{', '.join(c.checkpoint_classes)}: call rec.apply_checkpointing(model) for that"
         )
     if c.engine is Engine.FSDP2 and describe_fsdp2_precision(c) and c.reduce_dtype_fp32:
         notes.append(
-            f"{stack}'s FSDP2 reduces gradients in the compute dtype; autoshard's trials ran "
+            f"{stack.value}'s FSDP2 reduces gradients in the compute dtype; autoshard's trials ran "
             f"{describe_fsdp2_precision(c)}: pass it as "
             "FullyShardedDataParallelPlugin(mixed_precision_policy=...) for the same"
         )
@@ -396,7 +270,7 @@ def _accelerate_reshard_notes(c: Candidate) -> list[str]:
 def accelerate_yaml(rec: Decision) -> str:
     """accelerate config YAML (``accelerate launch --config_file``) with comments."""
     config, notes = accelerate_config(rec)
-    return _comment(describe_evidence(rec) + notes) + yaml.safe_dump(config, sort_keys=False)
+    return comment(describe_evidence(rec) + notes) + yaml.safe_dump(config, sort_keys=False)
 
 
 def hf_trainer_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
@@ -439,7 +313,7 @@ def hf_trainer_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
         fsdp["use_orig_params"] = True
         fsdp["sync_module_states"] = True
         fsdp["limit_all_gathers"] = c.limit_all_gathers
-        notes.extend(_fsdp1_hybrid_notes(rec, "the Hugging Face Trainer"))
+        notes.extend(fsdp1_hybrid_notes(rec, Stack.HF_TRAINER))
     fsdp["cpu_offload"] = c.cpu_offload
     # FSDP's own checkpointing: the Trainer's activation_checkpointing (gradient_checkpointing)
     # argument would add an all-gather in backward (transformers' own advice).
@@ -448,9 +322,10 @@ def hf_trainer_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
         "SHARDED_STATE_DICT" if state_dict_type == "sharded" else "FULL_STATE_DICT"
     )
     fsdp["cpu_ram_efficient_loading"] = True
-    notes.extend(_accelerate_notes(c, "the Hugging Face Trainer"))
-    notes.extend(filter(None, [kv_cache_note(rec, "the Hugging Face Trainer")]))
-    notes.extend(compile_float8_notes(c, "the Hugging Face Trainer"))
+    notes.extend(_accelerate_notes(c, Stack.HF_TRAINER))
+    notes.extend(filter(None, [kv_cache_note(rec, Stack.HF_TRAINER)]))
+    notes.extend(compile_float8_notes(c, Stack.HF_TRAINER))
+    optimizer = _hf_optimizer(c, notes)
     # Read by nobody but people: the Trainer stores unknown fsdp_config keys and ignores them.
     fsdp["autoshard"] = {"chosen": describe_evidence(rec), "notes": notes}
     args: dict[str, Any] = {"fsdp": True, "fsdp_config": fsdp}
@@ -460,10 +335,29 @@ def hf_trainer_config(rec: Decision) -> tuple[dict[str, Any], list[str]]:
         args["fp16"] = True
     if c.compile:
         args["torch_compile"] = True
+    args.update(optimizer)
     args["per_device_train_batch_size"] = c.micro_batch_size
     if rec.workload.accumulate > 1:
         args["gradient_accumulation_steps"] = rec.workload.accumulate
     return args, notes
+
+
+def _hf_optimizer(c: Candidate, notes: list[str]) -> dict[str, Any]:
+    """``TrainingArguments``' ``optim`` (and ``optim_args``) for the optimizer the trials built,
+    or a note saying how to hand it to the Trainer where it has no name for it."""
+    row = OPTIMIZER_TRAITS[c.optimizer]
+    name = row.hf_trainer_names.get(c.optimizer_impl)
+    if name is None:
+        arguments = row.arguments(c.optimizer_impl)
+        notes.append(
+            f"the Trainer has no optim name for {describe_optimizer(c)}: pass "
+            f"Trainer(optimizer_cls_and_kwargs=({row.class_path}, {arguments!r}))"
+        )
+        return {}
+    optim: dict[str, Any] = {"optim": name}
+    if row.options:  # read by the Trainer as comma-separated key=value
+        optim["optim_args"] = ",".join(f"{k}={v}" for k, v in row.options.items())
+    return optim
 
 
 def trainer_arguments(rec: Decision) -> dict[str, Any]:
@@ -484,21 +378,3 @@ def hf_trainer_json(rec: Decision) -> str:
 def to_json(rec: Decision) -> str:
     """The recommendation as JSON (what :func:`autoshard.recommendation.load_result` reads back)."""
     return json.dumps(rec.model_dump(mode="json"), indent=2) + "\n"
-
-
-def render(rec: Decision, fmt: ExportFormat | str) -> str:
-    """The recommendation in ``fmt``: lightning, accelerate, hf-trainer or json."""
-    try:
-        kind = ExportFormat(fmt)
-    except ValueError:
-        choices = ", ".join(f.value for f in ExportFormat)
-        raise ConfigError(f"--format {fmt}: choose one of {choices}") from None
-    match kind:
-        case ExportFormat.LIGHTNING:
-            return lightning_cli_yaml(rec)
-        case ExportFormat.ACCELERATE:
-            return accelerate_yaml(rec)
-        case ExportFormat.HF_TRAINER:
-            return hf_trainer_json(rec)
-        case ExportFormat.JSON:
-            return to_json(rec)

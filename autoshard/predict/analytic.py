@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autoshard.config import Candidate, Engine, Hardware, Loop, WorkloadSpec
-from autoshard.engine import OPTIMIZER_STATES, as_run
+from autoshard.engine import as_run
 from autoshard.predict.activations import ActivationProfile, rule_of_thumb
 from autoshard.predict.allocator import ReservedPeak, reserved_peak, stream_pools
 from autoshard.predict.recipe import recipe_activations
@@ -141,11 +141,6 @@ def needs_simulation(
     >>> needs_simulation(profile, Candidate(min_num_params=10), WorkloadSpec())[:46]
     'frozen parameters under a size-based wrap poli'
     """
-    if candidate.optimizer not in OPTIMIZER_STATES:
-        return (
-            f"the analytic estimate does not know the state of optimizer "
-            f"{candidate.optimizer.value!r}; simulate it"
-        )
     if workload.loop not in (Loop.LIGHTNING, Loop.PLAIN):
         return f"the training loop {workload.loop.value!r} is not modelled; simulate it"
     if (

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.config import Candidate, Engine, Hardware, Precision, WorkloadSpec
+from autoshard.config import OPTIMIZER_TRAITS, Candidate, Engine, Hardware, Precision, WorkloadSpec
 from autoshard.errors import ConfigError
 from autoshard.predict.analytic import allowance, as_run, stream_pools_of
 from autoshard.predict.depth import (
@@ -180,6 +180,11 @@ def simulate_memory(
             "CPU offload cannot be simulated on the CPU (offloaded and resident bytes are on the "
             "same device); use the analytic estimate for offload candidates"
         )
+    if not OPTIMIZER_TRAITS[candidate.optimizer].fake_steps:
+        raise ConfigError(
+            f"{candidate.optimizer.value}'s step cannot be simulated (it reads tensor values, "
+            "which fake tensors do not have); use the analytic estimate"
+        )
     built = build_target(target, device="meta")
     module = sys.modules.get(load_callable(target.spec).__module__)
     loss_fn = find_loss_fn(module)
@@ -250,6 +255,12 @@ def _estimate(
     )  # fmt: skip
 
 
+def simulates(candidate: Candidate) -> bool:
+    """Whether :func:`simulate_memory` can run ``candidate``: not offloaded, and its optimizer's
+    step runs on fake tensors."""
+    return not candidate.cpu_offload and OPTIMIZER_TRAITS[candidate.optimizer].fake_steps
+
+
 def refine_with_simulation(
     target: TargetSpec,
     ranked: Sequence[MemoryEstimate],
@@ -260,10 +271,10 @@ def refine_with_simulation(
     count: int = 3,
 ) -> list[MemoryEstimate]:
     """Replace the analytic estimates of the ``count`` best fitting candidates of ``ranked``
-    (offload excepted) with simulated ones; the order is kept, so a candidate the simulation
-    finds not to fit stays where it was, marked as such."""
+    that it :func:`simulates` with simulated ones; the order is kept, so a candidate the
+    simulation finds not to fit stays where it was, marked as such."""
     out = list(ranked)
-    chosen = [i for i, e in enumerate(out) if e.fits and not e.candidate.cpu_offload][:count]
+    chosen = [i for i, e in enumerate(out) if e.fits and simulates(e.candidate)][:count]
     for i in chosen:
         pools = stream_pools_of(out[i], hardware)  # as the analytic estimate planned them
         simulated = simulate_memory(

@@ -37,11 +37,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from autoshard.config import (
+    OPTIMIZER_TRAITS,
     Candidate,
     Checkpointing,
     Hardware,
-    Optimizer,
-    OptimizerImpl,
     WorkloadSpec,
 )
 from autoshard.engine import (
@@ -70,25 +69,13 @@ from autoshard.predict.timeline import (
 from autoshard.predict.work_seconds import WorkRates, piece_seconds, work_rates
 from autoshard.results import ModelProfile, SpeedBreakdown, SpeedEstimate
 
-# Bytes one optimizer step streams per parameter, per 4-byte element: a fused AdamW reads the
-# parameter, its gradient and two states and writes three (7 passes); torch's foreach (and
-# for-loop) AdamW runs one kernel per operation (weight decay, lerp, mul, addcmul, sqrt, div,
-# add, addcdiv: 20 tensor passes, torch/optim/adam.py `_multi_tensor_adam`). Measured here on
-# one CPU thread: foreach AdamW moved 3.5-4.5 GB/s counted at 7 passes against a 13.4 GB/s copy,
-# the 7/20 the pass count predicts. SGD with momentum: 5 passes fused, 8 as separate kernels.
-_OPTIMIZER_PASSES = {
-    Optimizer.ADAMW: (7, 20),
-    Optimizer.ADAM: (7, 20),
-    Optimizer.SGD: (5, 8),
-}
-
 
 def optimizer_bytes_per_param(candidate: Candidate) -> int:
     """Bytes of memory traffic per parameter of one optimizer step: its passes over tensors of
-    the stored dtype (fp32, or bf16 under ``bf16-true``)."""
-    fused, separate = _OPTIMIZER_PASSES[candidate.optimizer]
-    passes = fused if candidate.optimizer_impl is OptimizerImpl.FUSED else separate
-    return element_bytes(candidate.precision)[0] * passes
+    the stored dtype (fp32, or bf16 under ``bf16-true``), from its row of
+    :data:`~autoshard.config.OPTIMIZER_TRAITS`."""
+    row = OPTIMIZER_TRAITS[candidate.optimizer]
+    return row.step_bytes_per_param(candidate.optimizer_impl, element_bytes(candidate.precision)[0])
 
 
 # ---------------------------------------------------------------------------------------------

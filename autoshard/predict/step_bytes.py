@@ -15,17 +15,15 @@ from autoshard.config import (
     Checkpointing,
     Engine,
     Hardware,
-    Optimizer,
-    OptimizerImpl,
     Precision,
     WorkloadSpec,
 )
 from autoshard.engine import (
-    OPTIMIZER_STATES,
     OffloadCopies,
     as_run,
     element_bytes,
     gradient_params,
+    optimizer_bytes,
     policy_of,
     reduce_bytes,
     shard_size,
@@ -351,8 +349,8 @@ def step_bytes(
     trained, trained_root, trained_unit = gradient_params(profile, candidate)
     sharded = params * stored // shard
     grads = trained * stored // shard
-    one_state = policy_of(candidate).state_bytes(profile, candidate, shard)  # of one rank
-    optimizer = OPTIMIZER_STATES[candidate.optimizer] * one_state
+    # of one rank: its states, and the foreach step's transient copies of its shard
+    optimizer, one_state = optimizer_bytes(profile, candidate, shard)
     unsharded, after_forward = _gathered_bytes(candidate, acts, params=params, root=root, unit=unit)
     fsdp1 = candidate.engine is Engine.FSDP1
     last = unit if fsdp1 else policy_of(candidate).keeps_after_forward(candidate, 0, unit)
@@ -363,8 +361,6 @@ def step_bytes(
     logits = 0
     if profile.vocab_size and workload.seq_len:  # the logits' gradient in fp32 (cross-entropy)
         logits = candidate.micro_batch_size * workload.seq_len * profile.vocab_size * 4
-    foreach = candidate.optimizer_impl is OptimizerImpl.FOREACH
-    foreach = foreach and candidate.optimizer is not Optimizer.SGD
     block_grads = (trained - trained_root) * stored // shard
     # FSDP1 never reshards a root unit that does not train (no gradient, so no post-backward
     # hook): once gathered by the first forward it stays gathered (measured on fake tensors).
@@ -401,7 +397,7 @@ def step_bytes(
         - (fsdp2_grads if candidate.checkpointing is not Checkpointing.NONE else 0),
         recomputed_backward_bytes=backward(True), recomputed_grads_bytes=recomputed_grads,
         plain_backward_bytes=backward(False),
-        logits_grad_bytes=logits, foreach_bytes=one_state if foreach else 0,
+        logits_grad_bytes=logits, foreach_bytes=one_state,
         block_grad_shard_bytes=block_grads, frozen_root_bytes=root * cb if frozen_root else 0,
         head_grad_bytes=fsdp2_head_gradient(profile, candidate),
         kept_grad_bytes=policy_of(candidate).accumulated_gradient_bytes(profile, candidate),

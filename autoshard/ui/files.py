@@ -1,17 +1,20 @@
 """The files a study leaves: ``report.json`` (:func:`autoshard.ui.report.report_data`),
-``report.html`` (:mod:`autoshard.ui.html`), ``lightning.yaml`` and ``accelerate.yaml``, each
-written atomically (:func:`autoshard.trials.protocol.write_text_atomically`, which the
-workers' messages use too).
+``report.html`` (:mod:`autoshard.ui.html`) and each format of
+:data:`autoshard.emit.formats.FORMATS` that names a file (``lightning.yaml``,
+``accelerate.yaml``, ...), each written atomically
+(:func:`autoshard.trials.protocol.write_text_atomically`, which the workers' messages use too).
 :func:`autoshard.recommendation.load_result` reads them back (it makes the user's
 :class:`~autoshard.recommendation.Recommendation`, a floor above ``ui``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from autoshard.emit.formats import FORMATS, report_files
 from autoshard.errors import AutoshardError
 from autoshard.results import Decision, TrialResult
 from autoshard.trials.protocol import write_text_atomically
@@ -21,7 +24,7 @@ from autoshard.ui.report import report_data
 # Every file a study leaves in its output folder (besides the workers' logs), named once: the
 # study writes them, the command line lists them, the README's table describes them.
 RECOMMENDATION_FILE = "recommendation.json"
-REPORT_FILES = ("report.json", "report.html", "lightning.yaml", "accelerate.yaml")
+REPORT_FILES = ("report.json", "report.html", *report_files())
 JOURNAL_FILE = "trials.jsonl"  # every trial as it ended (autoshard.study.journal)
 DATABASE_FILE = "study.db"  # the optuna study (autoshard.study.storage)
 OUTPUT_FILES = (RECOMMENDATION_FILE, *REPORT_FILES, JOURNAL_FILE, DATABASE_FILE)
@@ -30,21 +33,21 @@ OUTPUT_FILES = (RECOMMENDATION_FILE, *REPORT_FILES, JOURNAL_FILE, DATABASE_FILE)
 def write_report(
     rec: Decision, out_dir: Path | str, trials: Sequence[TrialResult] = ()
 ) -> dict[str, Path]:
-    """Write report.json, report.html, lightning.yaml and accelerate.yaml into ``out_dir``.
+    """Write :data:`REPORT_FILES` into ``out_dir``: report.json, report.html and the formats
+    that name a file.
 
-    A YAML that cannot express the choice (see emit) is left out; the rest is still written.
+    A format that cannot express the choice (see emit) is left out; the rest is still written.
     """
-    from autoshard.emit.text import accelerate_yaml, lightning_cli_yaml
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
-    texts = {
+    texts: dict[str, Callable[[], str]] = {
         "report.json": lambda: json.dumps(report_data(rec, trials), indent=2) + "\n",
         "report.html": lambda: render_html(rec, trials),
-        "lightning.yaml": lambda: lightning_cli_yaml(rec),
-        "accelerate.yaml": lambda: accelerate_yaml(rec),
     }
+    for row in FORMATS.values():
+        if row.file_name:
+            texts[row.file_name] = functools.partial(row.render, rec)
     assert tuple(texts) == REPORT_FILES
     for name, make in texts.items():
         try:

@@ -596,7 +596,7 @@ def _timeline_section(rec: Decision) -> str:
 
 def render_html(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     """One self-contained HTML page: no scripts, no network, charts as inline SVG."""
-    from autoshard.emit.runtime import choose_state_dict_type
+    from autoshard.emit.prose import choose_state_dict_type
     from autoshard.emit.text import lightning_cli_yaml
 
     all_trials = trials_of(rec, trials)

@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autoshard.config import Engine, Hardware
-from autoshard.emit.text import describe_fsdp2_precision, describe_reshard
+from autoshard.emit.prose import describe_fsdp2_precision, describe_reshard
 from autoshard.measure import speed_basis, spread_of, trials_checked_line
 from autoshard.results import Decision, Scored, SpeedBreakdown, TrialResult, TrialStatus
 from autoshard.ui.fit import Column, fitted_table
@@ -212,7 +212,7 @@ def print_summary(
 ) -> None:
     """The chosen configuration, why it won, every trial with its predicted and measured
     speed, and what was ruled out and why."""
-    from autoshard.emit.runtime import choose_state_dict_type
+    from autoshard.emit.prose import choose_state_dict_type
 
     console = console or Console()
     c = rec.chosen.candidate
@@ -398,7 +398,7 @@ def speed_terms(b: SpeedBreakdown, step_time_s: float) -> str:
 
 def report_data(rec: Decision, trials: Sequence[TrialResult] = ()) -> dict[str, Any]:
     """Everything, for scripts. Keys are only ever added under one schema version."""
-    from autoshard.emit.runtime import choose_state_dict_type
+    from autoshard.emit.prose import choose_state_dict_type
 
     kind, why = choose_state_dict_type(rec)
     return {
