@@ -98,9 +98,10 @@ def live_bytes(device: torch.device) -> int:
     seen: set[int] = set()
     total = 0
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a deprecated module's attribute, met by isinstance
+        warnings.simplefilter("ignore")  # a parameter's .grad of a wrapper subclass may warn
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
+            # by type, not isinstance: no object's __class__ (a proxy, a lazy module) is run
+            if issubclass(type(obj), torch.Tensor):
                 total += _storage_bytes(obj, seen)
                 grad = obj.grad if obj.is_leaf else None
                 total += _storage_bytes(grad, seen) if grad is not None else 0
