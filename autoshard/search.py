@@ -150,16 +150,13 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
     notice = opts.on_notice or _notice
     hardware, workload = plan.hardware, plan.workload
     with open_store(out_dir, opts.storage, wait=opts.wait, notice=notice) as store:
+        # launched lazily, by the first trial
         group = WorkerGroup(
-            plan.request.target,
-            log_dir=out_dir / "workers",
-            nproc=opts.nproc or hardware.gpus_per_node,
-            nnodes=hardware.nodes,
-            rdzv_endpoint=opts.rdzv_endpoint,
-            trial_timeout=opts.trial_timeout,
-            log_cap=opts.worker_log_cap,
-            on_notice=notice,
-        )  # launched lazily, by the first trial
+            plan.request.target, log_dir=out_dir / "workers",
+            nproc=opts.nproc or hardware.gpus_per_node, nnodes=hardware.nodes,
+            rdzv_endpoint=opts.rdzv_endpoint, trial_timeout=opts.trial_timeout,
+            log_cap=opts.worker_log_cap, on_notice=notice,
+        )  # fmt: skip
         ranked = trial_order(plan)  # the planned hardware's order, wherever trials run
         _open_study(store, plan, opts)
         cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
@@ -173,11 +170,9 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
             made_with = predicted.get(candidate.label())
             return None if made_with is None else made_with.model_dump()
 
-        fits = {e.candidate.label(): e.fits for e in plan.estimates}
+        fits = {e.candidate.label(): e.fits for e in plan.estimates}  # its OOM: tried again
 
         def run(candidate: Candidate) -> TrialResult:
-            # An OOM of a candidate predicted to fit is tried once more in a fresh group
-            # before it is recorded: an earlier trial's memory may have caused it.
             return group.run(
                 candidate, workload, warmup=opts.warmup, steps=opts.steps, memory_cap=cap,
                 target_spread=opts.target_spread, max_steps=opts.max_steps,

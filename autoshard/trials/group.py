@@ -381,10 +381,7 @@ class WorkerGroup:
         target: TargetSpec | None,
         budget: dict[str, float],
     ) -> TrialResult:
-        if self._restart_why is not None and self.alive():
-            self.on_notice(self._restart_why)
-            self.close()
-        self._restart_why = None
+        self._restart_if_left()
         if not self.alive():
             self.start()
         launch_seconds = 0.0
@@ -454,6 +451,14 @@ class WorkerGroup:
             baseline_bytes=reply.baseline_bytes,
             contaminated=self._check_levels(candidate, n, reply),
         )
+
+    def _restart_if_left(self) -> None:
+        """Close the group, with its line, when the last trial left memory (the next trial
+        starts a fresh one)."""
+        if self._restart_why is not None and self.alive():
+            self.on_notice(self._restart_why)
+            self.close()
+        self._restart_why = None
 
     def _check_levels(self, candidate: Candidate, n: int, reply: TrialReply) -> bool:
         """Whether the trial started contaminated (above the launch's first trial's level by
