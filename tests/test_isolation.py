@@ -198,6 +198,31 @@ def test_a_contaminated_oom_or_error_teaches_nothing() -> None:
     assert dominated_by(large, [retried]) is retried
 
 
+def test_on_cuda_a_trial_is_measured_from_its_own_baseline(monkeypatch) -> None:
+    """What a CPU can check of the CUDA path (its calls, faked): the release before a trial
+    collects, waits for the streams (frees pending on their events), drops cuBLAS's workspaces
+    and the allocator's cache, in that order, then reads what is allocated; the peak a trial
+    reports is the allocator's above that baseline."""
+    import gc
+
+    from autoshard.trials.isolation import release
+
+    calls: list[str] = []
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("synchronize"))
+    monkeypatch.setattr(
+        torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("cublas"), raising=False
+    )
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    allocated = lambda *a: calls.append("allocated") or 5 * MIB  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
+    assert release(cuda) == 5 * MIB
+    assert calls == ["collect", "synchronize", "cublas", "empty_cache", "allocated"]
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 105 * MIB)
+    assert worker._peak_allocated(cuda, 5 * MIB, 0) == 100 * MIB
+
+
 @pytest.mark.slow
 def test_a_worker_group_runs_each_trial_from_its_first_level(tmp_path) -> None:
     """In a worker group on two ranks: each trial's record has the baseline it started from,
@@ -227,3 +252,27 @@ def test_a_worker_group_runs_each_trial_from_its_first_level(tmp_path) -> None:
     assert after.launch_seconds > 0  # it waited for the fresh group
     for level, first in zip(after.baseline_bytes, clean.baseline_bytes, strict=True):
         assert abs(level - first) < LEFTOVER_FLOOR
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_trials_in_one_group_read_a_fresh_groups_peaks(tmp_path, examples_gpt_tiny) -> None:
+    """On the GPU (world size 1: FSDP1 runs NO_SHARD, the H200 run's case): FSDP1 trials one
+    after another in one group start from the first's baseline and read the peak each reads
+    alone, within 1%."""
+    c = Candidate(wrap_classes=("gpt.Block",), precision="bf16-mixed")
+    checkpointed = c.model_copy(
+        update={"checkpointing": "all", "checkpoint_classes": ("gpt.Block",)}
+    )
+    workload = WorkloadSpec(seq_len=128)
+    with WorkerGroup(examples_gpt_tiny, log_dir=tmp_path / "one", trial_timeout=300) as group:
+        shared = [group.run(x, workload, **SHORT) for x in (c, checkpointed, c)]
+    with WorkerGroup(examples_gpt_tiny, log_dir=tmp_path / "fresh", trial_timeout=300) as group:
+        alone = group.run(checkpointed, workload, **SHORT)
+    for r in (*shared, alone):
+        assert r.status is TrialStatus.OK and r.device == "cuda", r.error
+        assert not r.contaminated
+        for level, first in zip(r.baseline_bytes, shared[0].baseline_bytes, strict=True):
+            assert abs(level - first) < LEFTOVER_FLOOR
+    assert shared[2].max_allocated == pytest.approx(shared[0].max_allocated, rel=0.01)
+    assert shared[1].max_allocated == pytest.approx(alone.max_allocated, rel=0.01)
