@@ -473,8 +473,8 @@ class WorkerGroup:
             self._restart_why = (
                 f"{candidate.label()} left {format_bytes(left)} allocated on rank {rank} after it "
                 f"ended, above the {format_bytes(self._clean[rank])} its worker group started "
-                "from: the group is restarted before the next trial, which would run out of "
-                "memory too early and read too high a peak"
+                "from: the group is restarted before the next trial, which would otherwise "
+                "start with that memory taken"
             )
         return n > 0 and above > margin
 

@@ -81,11 +81,12 @@ def release(device: torch.device) -> int:
 
 def freeze_process(device: torch.device) -> None:
     """Release, then move every object alive now out of the collector's sight (``gc.freeze``):
-    called once per worker, before its first trial is measured and after that trial's
-    warm-ups, when what is alive is the process's own (imports, the communicator, the
-    target's module), never a trial's. Each later collection and :func:`live_bytes` scan then
-    walks what was made since, not the ~255,000 objects of torch's import: measured here on a
-    loaded 2-core machine, a release took 1.3 s before and under 0.01 s after."""
+    called when a worker has joined its group, and again before its first trial is measured,
+    after that trial's warm-ups: when what is alive is the process's own (imports, the
+    communicator, the target's module), never a trial's. Each later collection and
+    :func:`live_bytes` scan then walks what was made since, not the ~255,000 objects of torch's
+    import: measured here on a loaded 2-core machine, a release took 1.3 s before and under
+    0.01 s after."""
     release(device)
     gc.freeze()
 

@@ -600,10 +600,11 @@ def serve(control: Path, launch: Launch) -> NoReturn:
     if os.environ.get("LOCAL_RANK", "0") == "0":  # this node joined a group (see group.serve)
         write_json_atomically(control / "joined.json", {"rank": rank})
     store = dist.distributed_c10d._get_default_store()
+    freeze_process(device)  # the imports: again before the first trial, after its warm-ups
     tick = min(launch.idle_tick, launch.collective_timeout / 4)
     warmed: list[tuple[TargetSpec, Engine]] = []
     warmed_shapes: list[tuple[TargetSpec, Precision, int, int | None]] = []
-    frozen = False  # isolation.freeze_process: once, before the first trial is measured
+    frozen = False  # isolation.freeze_process again, before the first trial is measured
     n = 0
     while True:
         box: list[Any] = [next_request(control, n, tick, launch.driver_pid) if rank == 0 else None]
