@@ -166,9 +166,10 @@ def run_trial(request: TrialRequest, device: torch.device, *, quiet: bool = Fals
     driver restarts the group when one did."""
     rank = dist.get_rank()
     said = _LastWords(sys.stderr)
-    baseline = release(device)
+    baseline = 0
     sys.stderr = said  # what the model's code prints last (argparse's message before it exits)
     try:
+        baseline = release(device)
         report = RankReport(rank=rank, status=TrialStatus.OK, **_measure(request, device, baseline))
     except SystemExit as exc:  # sys.exit or argparse in the model's code: this trial's error
         report = RankReport(
