@@ -198,6 +198,29 @@ def test_a_contaminated_oom_or_error_teaches_nothing() -> None:
     assert dominated_by(large, [retried]) is retried
 
 
+def test_what_a_worker_counts_as_allocated(monkeypatch) -> None:
+    """On CPU, the storages of the tensors Python reaches, each once (views share one), a
+    leaf's gradient with them, nothing for meta tensors; on CUDA the allocator's count. The
+    worst rank is the one furthest above its own clean level; unknown levels say nothing."""
+    from autoshard.trials.isolation import leftover_margin, live_bytes, worst_excess
+
+    before = live_bytes(CPU)
+    weight = torch.nn.Parameter(torch.zeros(1000))  # 4,000 bytes
+    weight.grad = torch.zeros(1000)  # 4,000 more
+    views = [weight[:10], weight.detach()[5:]]  # noqa: F841 - the same storage
+    meta = torch.empty(10**9, device="meta")  # noqa: F841 - no memory
+    assert live_bytes(CPU) - before == 8000
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 12345)
+    assert live_bytes(torch.device("cuda", 0)) == 12345
+
+    assert worst_excess((5, 9, 2), (4, 1, 1)) == (1, 8)
+    assert worst_excess((9, 5), (1, 1)) == (0, 8)
+    assert worst_excess((1, 1), (3, 2)) == (1, -1)  # none above
+    assert worst_excess((7,), ()) == (0, 0) and worst_excess((), (7,)) == (0, 0)
+    assert leftover_margin(None) == leftover_margin(10 * MIB) == 4 * MIB
+    assert leftover_margin(1000 * MIB) == 10 * MIB
+
+
 def test_on_cuda_a_trial_is_measured_from_its_own_baseline(monkeypatch) -> None:
     """What a CPU can check of the CUDA path (its calls, faked): the release before a trial
     collects, waits for the streams (frees pending on their events), drops cuBLAS's workspaces
@@ -221,6 +244,12 @@ def test_on_cuda_a_trial_is_measured_from_its_own_baseline(monkeypatch) -> None:
     assert calls == ["collect", "synchronize", "cublas", "empty_cache", "allocated"]
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 105 * MIB)
     assert worker._peak_allocated(cuda, 5 * MIB, 0) == 100 * MIB
+
+    def busy() -> None:  # a torch built without cuBLAS's workspaces, or one that refuses
+        raise RuntimeError("no workspaces")
+
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", busy, raising=False)
+    assert release(cuda) == 5 * MIB
 
 
 @pytest.mark.slow
