@@ -221,6 +221,34 @@ def test_what_a_worker_counts_as_allocated(monkeypatch) -> None:
     assert leftover_margin(1000 * MIB) == 10 * MIB
 
 
+def test_on_cpu_a_release_hands_freed_heap_pages_back(monkeypatch) -> None:
+    """A CPU trial's peak is read from the resident set: the release before it hands glibc's
+    free pages back (``malloc_trim(0)``), and goes on where there is no glibc (macOS, musl)."""
+    import ctypes
+
+    from autoshard.trials.isolation import release
+
+    trims: list[tuple[str, object]] = []
+
+    class Libc:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def malloc_trim(self, pad: object) -> int:
+            trims.append((self.name, pad))
+            return 1
+
+    monkeypatch.setattr(ctypes, "CDLL", Libc)
+    level = release(CPU)
+    assert trims == [("libc.so.6", 0)]
+
+    def missing(name: str) -> None:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert abs(release(CPU) - level) < LEFTOVER_FLOOR
+
+
 def test_on_cuda_a_trial_is_measured_from_its_own_baseline(monkeypatch) -> None:
     """What a CPU can check of the CUDA path (its calls, faked): the release before a trial
     collects, waits for the streams (frees pending on their events), drops cuBLAS's workspaces
