@@ -135,21 +135,39 @@ def test_the_group_is_restarted_when_a_trial_left_memory(tmp_path) -> None:
     assert not group._check_levels(c, 3, _reply(3, (), ()))
 
 
+@pytest.mark.parametrize(("nnodes", "ended_by"), [(1, "close"), (2, "kill")])
+def test_a_restart_stops_one_node_and_kills_several(tmp_path, nnodes, ended_by) -> None:
+    """On one node the group is stopped (its workers exit and free their memory before the
+    next launch); across nodes it is killed: the other nodes take a clean stop for the end of
+    the study, and relaunch to join the next group only after a kill."""
+    group = WorkerGroup(
+        _target(0), log_dir=tmp_path, nproc=1, nnodes=nnodes, node_rank=0,
+        rdzv_endpoint="127.0.0.1:29500", on_notice=lambda line: None,
+    )  # fmt: skip
+    ended: list[str] = []
+    group.close = lambda: ended.append("close")  # type: ignore[method-assign]
+    group.kill = lambda: ended.append("kill")  # type: ignore[method-assign]
+    group.alive = lambda: True  # type: ignore[method-assign]
+    group._restart_why = "left 64 MiB"
+    group._restart_if_left()
+    assert ended == [ended_by] and group._restart_why is None
+
+
 class _FakeLaunches:
-    """WorkerGroup._run and close without processes: each close starts a fresh launch; the
+    """WorkerGroup._run, close and kill without processes: each end makes a fresh launch; the
     ``oom_at`` places (in their launch) run out of memory."""
 
     def __init__(self, group: WorkerGroup, oom_at: set[int]) -> None:
         self.group, self.oom_at, self.place, self.launches = group, oom_at, 0, 1
         group._run = self.run  # type: ignore[method-assign]
-        group.close = self.close  # type: ignore[method-assign]
+        group.close = group.kill = self.end  # type: ignore[method-assign]
 
     def run(self, candidate: Candidate, *args: object) -> TrialResult:
         self.group.last_index, self.place = self.place, self.place + 1
         status = "oom" if self.group.last_index in self.oom_at else "ok"
         return TrialResult(candidate=candidate, status=status)
 
-    def close(self) -> None:
+    def end(self) -> None:
         self.place, self.launches = 0, self.launches + 1
 
 

@@ -363,7 +363,7 @@ class WorkerGroup:
                     f"{self.last_index} trials before it: tried once more in a fresh group, "
                     "whose result is the one recorded"
                 )
-                self.close()
+                self._end_for_restart()
                 again = self._run(candidate, workload, warmup, steps, memory_cap, target, budget)
                 result = again.model_copy(update={"oom_retry": True})
             return result
@@ -457,8 +457,18 @@ class WorkerGroup:
         starts a fresh one)."""
         if self._restart_why is not None and self.alive():
             self.on_notice(self._restart_why)
-            self.close()
+            self._end_for_restart()
         self._restart_why = None
+
+    def _end_for_restart(self) -> None:
+        """End the group so that the next trial launches a fresh one: stopped on one node (its
+        workers exit, their memory freed, before the next launch); killed across nodes, whose
+        other nodes take a clean stop for the end of the study (:meth:`serve`) and relaunch to
+        join node 0's next group after a kill."""
+        if self.nnodes == 1:
+            self.close()
+        else:
+            self.kill()
 
     def _check_levels(self, candidate: Candidate, n: int, reply: TrialReply) -> bool:
         """Whether the trial started contaminated (above the launch's first trial's level by
