@@ -3,16 +3,17 @@ against the same trials each in a fresh group (issue 32: on an H200 each FSDP1 t
 flat parameters to the next; a 1B grid's peaks in one group read 28.9-52.8 GiB where each alone
 read 20.6-23.8).
 
-    python benchmarks/trial_isolation.py [--size 1b --seq-len 2048 --mbs 1,4 --max 10]
+    python benchmarks/trial_isolation.py [--size 1b --seq-len 2048 --mbs 1,4 --max 4]
         [--write benchmarks/results/trial_isolation_gpu.md]
 
 A spread of examples/gpt.py's grid (FSDP1 and FSDP2, the precisions, the micro-batches; the
 candidates predicted to fit), on what is here: NCCL on the visible GPUs, or 2 gloo CPU processes
 (tiny shapes: a dry run of the same code). It holds when, in the one group, every trial started
-from the first trial's baseline (``TrialResult.baseline_bytes``), none was contaminated, none
-ran out of memory that ran in its fresh group, and, on CUDA, each allocated peak is within 1% of
-its fresh group's (CPU peaks are resident sets, too noisy for 1%: not compared). Exit code 1
-when it does not.
+from the first trial's baseline (``TrialResult.baseline_bytes``), none left memory that
+restarted the group (the defence, :mod:`autoshard.trials.group`, would hide a leak from the
+baselines), none was contaminated, none ran out of memory that ran in its fresh group, and, on
+CUDA, each allocated peak is within 1% of its fresh group's (CPU peaks are resident sets, too
+noisy for 1%: not compared). Exit code 1 when it does not.
 """
 
 from __future__ import annotations
@@ -62,11 +63,18 @@ def candidates(args: argparse.Namespace, nproc: int, device: str) -> list[Candid
     return found[::stride][: args.max]
 
 
-def run_all(chosen: list[Candidate], args: argparse.Namespace, fresh: bool) -> list[TrialResult]:
+def run_all(
+    chosen: list[Candidate], args: argparse.Namespace, fresh: bool
+) -> tuple[list[TrialResult], list[str]]:
+    """Each trial's record, and the group's notices (a restart because a trial left memory, an
+    OOM retried: in the one group, either means a trial did not leave cleanly)."""
     target = TargetSpec(spec=f"{ROOT}/examples/gpt.py:build", kwargs={"size": args.size})
-    results = []
+    results: list[TrialResult] = []
+    notices: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        group = WorkerGroup(target, log_dir=Path(tmp), trial_timeout=args.trial_timeout)
+        group = WorkerGroup(
+            target, log_dir=Path(tmp), trial_timeout=args.trial_timeout, on_notice=notices.append
+        )
         try:
             for c in chosen:
                 workload = WorkloadSpec(seq_len=args.seq_len, micro_batch_size=c.micro_batch_size)
@@ -76,7 +84,9 @@ def run_all(chosen: list[Candidate], args: argparse.Namespace, fresh: bool) -> l
                     group.close()
         finally:
             group.close()
-    return results
+    for line in notices:
+        print(f"notice: {line}", flush=True)
+    return results, notices
 
 
 def _row_text(r: TrialResult, fresh: bool) -> str:
@@ -86,9 +96,11 @@ def _row_text(r: TrialResult, fresh: bool) -> str:
     return f"{where:11s} {r.candidate.label():60s} {r.status.value:7s} peak {peak:>10s} from {base}"
 
 
-def verdict(shared: list[TrialResult], fresh: list[TrialResult], device: str) -> list[str]:
+def verdict(
+    shared: list[TrialResult], fresh: list[TrialResult], device: str, notices: list[str]
+) -> list[str]:
     """What is wrong, one line each (none: the trials left nothing to each other)."""
-    wrong = []
+    wrong = [f"one group: {line}" for line in notices]  # the defence acted: a trial left memory
     first = shared[0].baseline_bytes if shared else ()
     for one, alone in zip(shared, fresh, strict=True):
         label = one.candidate.label()
@@ -142,9 +154,9 @@ def main() -> int:
     nproc, device = default_nproc()
     started = time.time()
     chosen = candidates(args, nproc, device)
-    shared = run_all(chosen, args, fresh=False)
-    fresh = run_all(chosen, args, fresh=True)
-    wrong = verdict(shared, fresh, device)
+    shared, notices = run_all(chosen, args, fresh=False)
+    fresh, _ = run_all(chosen, args, fresh=True)
+    wrong = verdict(shared, fresh, device, notices)
     command = " ".join(["python", "benchmarks/trial_isolation.py", *sys.argv[1:]])
     lines = [
         f"# Trials in one worker group against a fresh group each ({device}, {nproc} ranks)",

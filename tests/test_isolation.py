@@ -333,15 +333,22 @@ def test_a_worker_group_runs_each_trial_from_its_first_level(tmp_path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_trials_in_one_group_read_a_fresh_groups_peaks(tmp_path, examples_gpt_tiny) -> None:
     """On the GPU (world size 1: FSDP1 runs NO_SHARD, the H200 run's case): FSDP1 trials one
-    after another in one group start from the first's baseline and read the peak each reads
-    alone, within 1%."""
+    after another in one group start from the first's baseline, leave nothing that restarts
+    the group, and read the peak each reads alone, within 1%."""
     c = Candidate(wrap_classes=("gpt.Block",), precision="bf16-mixed")
-    checkpointed = c.model_copy(
-        update={"checkpointing": "all", "checkpoint_classes": ("gpt.Block",)}
-    )
+    checkpointed = Candidate(
+        wrap_classes=("gpt.Block",), precision="bf16-mixed", checkpointing="all",
+        checkpoint_classes=("gpt.Block",),
+    )  # fmt: skip
     workload = WorkloadSpec(seq_len=128)
-    with WorkerGroup(examples_gpt_tiny, log_dir=tmp_path / "one", trial_timeout=300) as group:
+    lines: list[str] = []
+    one = WorkerGroup(
+        examples_gpt_tiny, log_dir=tmp_path / "one", trial_timeout=300, on_notice=lines.append
+    )
+    with one as group:
         shared = [group.run(x, workload, **SHORT) for x in (c, checkpointed, c)]
+    # isolation itself, not the defence: no trial left memory, so no restart was needed
+    assert lines == [] and one.launches == 1, lines
     with WorkerGroup(examples_gpt_tiny, log_dir=tmp_path / "fresh", trial_timeout=300) as group:
         alone = group.run(checkpointed, workload, **SHORT)
     for r in (*shared, alone):
