@@ -216,6 +216,28 @@ def test_a_contaminated_oom_or_error_teaches_nothing() -> None:
     assert dominated_by(large, [retried]) is retried
 
 
+def test_the_baseline_and_the_isolation_flags_are_in_trials_jsonl(tmp_path) -> None:
+    """Every line of trials.jsonl carries what its trial started from, per rank, and whether
+    it was contaminated or an OOM's retry: a study read back (or resumed) keeps them."""
+    from autoshard.study.journal import read_records, record_line
+
+    path = tmp_path / "trials.jsonl"
+    done = TrialResult(
+        candidate=FSDP1, status="oom", baseline_bytes=(3 * MIB, 5 * MIB), contaminated=True,
+        oom_retry=True,
+    )  # fmt: skip
+    path.write_bytes(record_line("autoshard-a", done))
+    line = path.read_text()
+    assert '"baseline_bytes":[3145728,5242880]' in line
+    assert '"contaminated":true' in line and '"oom_retry":true' in line
+    (back,) = read_records(path, "autoshard-a")
+    assert (back.baseline_bytes, back.contaminated, back.oom_retry) == (
+        (3 * MIB, 5 * MIB),
+        True,
+        True,
+    )
+
+
 def test_what_a_worker_counts_as_allocated(monkeypatch) -> None:
     """On CPU, the storages of the tensors Python reaches, each once (views share one), a
     leaf's gradient with them, nothing for meta tensors; on CUDA the allocator's count. The
