@@ -70,6 +70,12 @@ class StudyNotice(UserWarning):
     prints it; in Python it is a warning (``TuneOptions.on_notice`` receives it instead)."""
 
 
+class TrialNotice(UserWarning):
+    """One line about how trials ran that needs no action: a worker group restarted because a
+    trial left memory behind, an OOM tried once more in a fresh group. The command line prints
+    it; in Python it is a warning (``TuneOptions.on_notice`` receives it instead)."""
+
+
 class HandoverNotice(UserWarning):
     """One line about what autoshard hands to the user's stack: what ``rec.apply(model)``
     applied, on which device (each rank's CUDA device, or the CPU with gloo) and where that

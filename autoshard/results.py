@@ -391,6 +391,23 @@ class TrialResult(Frozen):
         description="Wall seconds this trial waited for a fresh worker group to start before its "
         "request (0 when the group was already up).",
     )
+    baseline_bytes: tuple[int, ...] = Field(
+        (),
+        description="Per rank, bytes already allocated when the trial started (CUDA's "
+        "allocator; on CPU the live tensors): its worker's own, the same for every trial of a "
+        "clean group. Its peaks are counted above it.",
+    )
+    contaminated: bool = Field(
+        False,
+        description="The trial started with an earlier trial's memory still allocated (its "
+        "baseline above its group's first by more than the margin): an OOM of it says nothing "
+        "about the candidate, and the search learns nothing from one.",
+    )
+    oom_retry: bool = Field(
+        False,
+        description="The candidate ran out of memory in a worker group that had run other "
+        "trials first; this is its one retry in a fresh group.",
+    )
     started_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
 
     @property

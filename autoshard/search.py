@@ -11,7 +11,10 @@ model, re-ranked after each successful trial by the model calibrated on the meas
 CPU processes stand in for GPUs), and a candidate is skipped when a measured one dominates it:
 - same configuration with less checkpointing / no offload already ran fine: more recompute or
   offload can only cost time, so it cannot be faster;
-- same configuration at a smaller micro-batch already ran out of memory: a larger one will too.
+- same configuration at a smaller micro-batch already ran out of memory: a larger one will too
+  (an OOM counts when its trial ran clean: one that started with an earlier trial's memory,
+  ``TrialResult.contaminated``, rules nothing out; one predicted to fit is tried once more in a
+  fresh worker group before it is recorded).
 Errors and timeouts rule out the candidates that share the failing setting
 (:mod:`autoshard.study.lessons`).
 
@@ -111,8 +114,11 @@ def dominated_by(candidate: Candidate, done: Sequence[TrialResult]) -> TrialResu
             and _saves_less_or_equal(o, candidate)
         ):
             return r
-        if r.status is TrialStatus.OOM and _same_except(
-            o, candidate, _SAVING_FIELDS | {"micro_batch_size"}
+        # An OOM of a trial that started with an earlier trial's memory says nothing.
+        if (
+            r.status is TrialStatus.OOM
+            and not r.contaminated
+            and _same_except(o, candidate, _SAVING_FIELDS | {"micro_batch_size"})
         ):
             # It ran out of memory while saving at least as much at no larger a micro-batch.
             no_larger = o.micro_batch_size <= candidate.micro_batch_size
@@ -144,15 +150,13 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
     notice = opts.on_notice or _notice
     hardware, workload = plan.hardware, plan.workload
     with open_store(out_dir, opts.storage, wait=opts.wait, notice=notice) as store:
+        # launched lazily, by the first trial
         group = WorkerGroup(
-            plan.request.target,
-            log_dir=out_dir / "workers",
-            nproc=opts.nproc or hardware.gpus_per_node,
-            nnodes=hardware.nodes,
-            rdzv_endpoint=opts.rdzv_endpoint,
-            trial_timeout=opts.trial_timeout,
-            log_cap=opts.worker_log_cap,
-        )  # launched lazily, by the first trial
+            plan.request.target, log_dir=out_dir / "workers",
+            nproc=opts.nproc or hardware.gpus_per_node, nnodes=hardware.nodes,
+            rdzv_endpoint=opts.rdzv_endpoint, trial_timeout=opts.trial_timeout,
+            log_cap=opts.worker_log_cap, on_notice=notice,
+        )  # fmt: skip
         ranked = trial_order(plan)  # the planned hardware's order, wherever trials run
         _open_study(store, plan, opts)
         cap = opts.memory_cap if opts.memory_cap is not None else hardware.usable_gpu_memory
@@ -166,11 +170,13 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
             made_with = predicted.get(candidate.label())
             return None if made_with is None else made_with.model_dump()
 
+        fits = {e.candidate.label(): e.fits for e in plan.estimates}  # its OOM: tried again
+
         def run(candidate: Candidate) -> TrialResult:
             return group.run(
                 candidate, workload, warmup=opts.warmup, steps=opts.steps, memory_cap=cap,
                 target_spread=opts.target_spread, max_steps=opts.max_steps,
-                max_seconds=opts.max_seconds,
+                max_seconds=opts.max_seconds, retry_oom=fits.get(candidate.label(), False),
             )  # fmt: skip
 
         fitted: dict[

@@ -36,6 +36,7 @@ MODULES: dict[str, list[str]] = {
     "target/step": ["tests/test_target.py"],
     "trials/worker": ["tests/test_group_logic.py"],
     "trials/protocol": ["tests/test_group_logic.py"],
+    "trials/isolation": ["tests/test_isolation.py"],
     "study/lessons": ["tests/test_study.py"],
     "study/journal": ["tests/test_journal.py", "tests/test_study.py"],
     "emit": [

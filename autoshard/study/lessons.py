@@ -3,7 +3,8 @@
 Running out of memory is the estimator's and dominance's business
 (:func:`autoshard.search.dominated_by`: a larger micro-batch of a configuration that ran out of
 memory would too). This module reads the other deterministic failures, errors and timeouts (a
-transient crash, :func:`autoshard.study.view.is_transient`, teaches nothing: it is retried):
+transient crash, :func:`autoshard.study.view.is_transient`, teaches nothing: it is retried; nor
+does a trial that started with an earlier trial's memory, ``TrialResult.contaminated``):
 
 1. A failure rules out the same configuration at a larger micro-batch (a model that raises or
    hangs at micro-batch 4 does so at 8).
@@ -96,7 +97,9 @@ def cause(error: str) -> str:
 
 
 def teaches(result: TrialResult) -> bool:
-    return result.status in _TEACHES and not is_transient(result)
+    """Whether a failure is the candidate's: not transient, and not a trial that started with
+    an earlier trial's memory (``contaminated``: a CUDA error of a full GPU is the group's)."""
+    return result.status in _TEACHES and not is_transient(result) and not result.contaminated
 
 
 class _Space:

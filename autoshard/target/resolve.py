@@ -452,6 +452,14 @@ def build_target(target: TargetSpec, *, device: str | torch.device = "meta") -> 
 _SERVES = {"cpu": ("meta", "cpu"), "meta": ("meta",)}
 
 
+def forget_kept_build() -> None:
+    """Drop the model kept for the next build, if any. A trial worker calls it when a trial
+    ends: a model kept then is that trial's (a factory that fell back to the CPU and was too
+    large for the worker to build twice), sharded and trained: the next trial must build its
+    own, and the kept one's memory is that trial's leftover."""
+    _KEPT.clear()
+
+
 def keep_for_next_build(target: TargetSpec, built: BuiltModel) -> None:
     """Hand ``built`` (``target``'s model, not used by the caller) to the next
     :func:`build_target` of ``target``: a check that builds a model on meta does not cost the

@@ -21,6 +21,9 @@ What can go wrong, and what happens:
   problem: trying again may work); the next trial starts a fresh group;
 - a hang (no result within ``trial_timeout``): every process of the group is killed, the trial
   is recorded as ``timeout``, and the next trial starts a fresh group;
+- a trial that leaves memory allocated (:mod:`autoshard.trials.isolation`): the next trial
+  starts a fresh group, said in one line; an OOM of a candidate predicted to fit, in a group
+  that ran other trials first, is tried once more in a fresh group (``run(retry_oom=True)``);
 - Ctrl-C or any exception in the driver: the group is killed at once, and the exception goes
   on; a killed driver takes its workers with it (:mod:`autoshard.trials.lifeline`).
 A failed trial is a result, never an exception.
@@ -38,6 +41,8 @@ import sys
 import threading
 import time
 import uuid
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -51,9 +56,10 @@ from autoshard.config import (
     Candidate,
     WorkloadSpec,
 )
-from autoshard.errors import AutoshardError, ConfigError
+from autoshard.errors import AutoshardError, ConfigError, TrialNotice
 from autoshard.results import TrialResult, TrialStatus
 from autoshard.target.resolve import TargetSpec
+from autoshard.trials.isolation import leftover_margin, worst_excess
 from autoshard.trials.lifeline import kill_tree, parent_death_preexec
 from autoshard.trials.logcap import DEFAULT_LOG_CAP, CappedLog, pump, read_tail
 from autoshard.trials.protocol import (
@@ -66,10 +72,15 @@ from autoshard.trials.protocol import (
     read_message,
     write_json_atomically,
 )
+from autoshard.units import format_bytes
 
 LOG_TAIL_CHARS = 4000
 POLL_SECONDS = 0.05
 STOP_WAIT_SECONDS = 10.0  # a clean stop: the workers leave the process group and exit
+
+
+def _warn(line: str) -> None:
+    warnings.warn(line, TrialNotice, stacklevel=4)
 
 
 def free_port() -> int:
@@ -104,6 +115,7 @@ class WorkerGroup:
         agree_timeout: float = 10.0,
         env: dict[str, str] | None = None,
         log_cap: int = DEFAULT_LOG_CAP,
+        on_notice: Callable[[str], None] | None = None,
     ) -> None:
         self.target = target
         self.log_dir = Path(log_dir)
@@ -125,6 +137,11 @@ class WorkerGroup:
         self._launched_at = 0.0
         self._n = 0
         self._busy = False
+        # one line each: a restart for a trial's leftover, an OOM retried (default: a warning)
+        self.on_notice = on_notice or _warn
+        self._clean: tuple[int, ...] = ()  # per rank, what the launch's first trial started from
+        self._restart_why: str | None = None  # the last trial left memory: restart before next
+        self.last_index = 0  # the last trial's place in its launch (0: a fresh group's first)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -198,6 +215,7 @@ class WorkerGroup:
         self.log_path = self.log_dir / f"{launch}.log"
         self.ready, self.launch_seconds = None, None
         self._n, self._busy = 0, False
+        self._clean, self._restart_why = (), None
         write_json_atomically(
             self.control / "launch.json",
             Launch(
@@ -320,17 +338,35 @@ class WorkerGroup:
         target_spread: float = DEFAULT_TARGET_SPREAD,
         max_steps: int = DEFAULT_MAX_STEPS,
         max_seconds: float = DEFAULT_MAX_SECONDS,
+        retry_oom: bool = False,
     ) -> TrialResult:
         """Run one trial; a failure of any kind comes back as a TrialResult, never raised.
         (Ctrl-C and other exceptions of the driver itself kill the group and go on.)
 
         At least ``steps`` steps are timed, then more until the median step time is known to
         within ``target_spread`` (relative, 95% confidence) or ``max_steps`` / ``max_seconds``
-        of timed steps are spent (:func:`autoshard.measure.enough_steps`)."""
+        of timed steps are spent (:func:`autoshard.measure.enough_steps`).
+
+        Isolation: a trial starts from what the group's first trial started from. When the
+        last trial left more allocated than :func:`~autoshard.trials.isolation.leftover_margin`
+        allows, the group is restarted first, said in one line (``on_notice``); a trial that
+        still starts above it is ``contaminated``. ``retry_oom`` (the candidate is predicted to
+        fit): an OOM in a group that ran other trials first is tried once more in a fresh
+        group, said in one line, and the retry's result returned (``oom_retry``)."""
         budget = {"target_spread": target_spread, "max_steps": max_steps,
                   "max_seconds": max_seconds}  # fmt: skip
         try:
-            return self._run(candidate, workload, warmup, steps, memory_cap, target, budget)
+            result = self._run(candidate, workload, warmup, steps, memory_cap, target, budget)
+            if retry_oom and result.status is TrialStatus.OOM and self.last_index > 0:
+                self.on_notice(
+                    f"{candidate.label()} ran out of memory in a worker group that had run "
+                    f"{self.last_index} trials before it: tried once more in a fresh group, "
+                    "whose result is the one recorded"
+                )
+                self._end_for_restart()
+                again = self._run(candidate, workload, warmup, steps, memory_cap, target, budget)
+                result = again.model_copy(update={"oom_retry": True})
+            return result
         except BaseException:
             self.kill()
             raise
@@ -345,6 +381,7 @@ class WorkerGroup:
         target: TargetSpec | None,
         budget: dict[str, float],
     ) -> TrialResult:
+        self._restart_if_left()
         if not self.alive():
             self.start()
         launch_seconds = 0.0
@@ -356,7 +393,7 @@ class WorkerGroup:
                 # work (a busy machine, a port taken between choosing it and binding it).
                 return self._crashed(candidate, started, None, why=why, transient=True)
             launch_seconds = self.launch_seconds or 0.0
-        n = self._n
+        n = self.last_index = self._n
         request = TrialRequest(
             n=n,
             candidate=candidate,
@@ -411,7 +448,45 @@ class WorkerGroup:
             losses=reply.losses,
             error=reply.error,
             duration=time.monotonic() - started,
+            baseline_bytes=reply.baseline_bytes,
+            contaminated=self._check_levels(candidate, n, reply),
         )
+
+    def _restart_if_left(self) -> None:
+        """Close the group, with its line, when the last trial left memory (the next trial
+        starts a fresh one)."""
+        if self._restart_why is not None and self.alive():
+            self.on_notice(self._restart_why)
+            self._end_for_restart()
+        self._restart_why = None
+
+    def _end_for_restart(self) -> None:
+        """End the group so that the next trial launches a fresh one: stopped on one node (its
+        workers exit, their memory freed, before the next launch); killed across nodes, whose
+        other nodes take a clean stop for the end of the study (:meth:`serve`) and relaunch to
+        join node 0's next group after a kill."""
+        if self.nnodes == 1:
+            self.close()
+        else:
+            self.kill()
+
+    def _check_levels(self, candidate: Candidate, n: int, reply: TrialReply) -> bool:
+        """Whether the trial started contaminated (above the launch's first trial's level by
+        more than the margin); and, when it left more than the margin allows, the restart of
+        the group before the next trial, with its line."""
+        if n == 0:
+            self._clean = reply.baseline_bytes
+        margin = leftover_margin(max(reply.peak_allocated, default=0))
+        _, above = worst_excess(reply.baseline_bytes, self._clean)
+        rank, left = worst_excess(reply.leftover_bytes, self._clean)
+        if left > margin:
+            self._restart_why = (
+                f"{candidate.label()} left {format_bytes(left)} allocated on rank {rank} after it "
+                f"ended, above the {format_bytes(self._clean[rank])} its worker group started "
+                "from: the group is restarted before the next trial, which would otherwise "
+                "start with that memory taken"
+            )
+        return n > 0 and above > margin
 
     def _control(self) -> Path:
         assert self.control is not None

@@ -136,6 +136,8 @@ class RankReport(Frozen):
     samples: int = Field(0, description="Samples of this rank's micro-batch.")
     tokens: int | None = Field(None, description="Tokens of this rank's micro-batch.")
     losses: tuple[float, ...] = Field((), description="The loss at every step.")
+    baseline: int = Field(0, description="Bytes allocated on this rank when the trial started.")
+    leftover: int = Field(0, description="Bytes allocated on this rank after its release.")
 
     @property
     def ok(self) -> bool:
@@ -160,6 +162,12 @@ class TrialReply(Frozen):
     losses: tuple[float, ...] = Field((), description="Rank 0's loss at every step.")
     error: str | None = Field(None, description="'rank R: Type: message' of a failed trial.")
     traceback: str | None = None
+    baseline_bytes: tuple[int, ...] = Field(
+        (), description="Per rank, bytes allocated when the trial started."
+    )
+    leftover_bytes: tuple[int, ...] = Field(
+        (), description="Per rank, bytes still allocated after the trial was released."
+    )
 
 
 def write_json_atomically(path: Path, data: BaseModel | Any) -> None:

@@ -17,19 +17,21 @@ gone, and no collective waits longer than the trial timeout allows.
 Time: the median of the timed steps, on CUDA in wall seconds, on CPU in the process's CPU
 seconds (see :func:`time_steps`), with the spread of that median.
 
-Memory: on CUDA the allocator's ``max_memory_allocated`` / ``max_memory_reserved`` over the whole
-trial. On CPU, the process memory: "allocated" is how far the trial raised the process's peak
-resident set above where it started (model, optimizer state, activations, buffers), "reserved" the
-peak resident set itself. (torch's ``MemTracker`` would count tensors exactly, but it cannot follow
-FSDP1's parameter views: "post accumulate grad hooks cannot be registered on non-leaf tensors".)
+Memory: each trial's own. On CUDA the allocator's ``max_memory_allocated`` /
+``max_memory_reserved`` over the whole trial, above what was allocated / reserved when it started
+(read after the previous trial's release, peak statistics reset after it). On CPU, the process
+memory: "allocated" is how far the trial raised the process's peak resident set above where it
+started (model, optimizer state, activations, buffers), "reserved" the peak resident set itself.
+(torch's ``MemTracker`` would count tensors exactly, but it cannot follow FSDP1's parameter views:
+"post accumulate grad hooks cannot be registered on non-leaf tensors".)
+Each report also says how much was allocated before the trial and after its release: nothing of
+a trial may outlive it (:mod:`autoshard.trials.isolation`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import gc
 import io
 import os
 import statistics
@@ -55,7 +57,13 @@ from autoshard.sharding import (
     rank_device,
     register_float8_scales,
 )
-from autoshard.target.resolve import TargetSpec, build_target, exit_message, load_callable
+from autoshard.target.resolve import (
+    TargetSpec,
+    build_target,
+    exit_message,
+    forget_kept_build,
+    load_callable,
+)
 from autoshard.target.step import (
     batch_samples,
     batch_tokens,
@@ -65,6 +73,7 @@ from autoshard.target.step import (
     make_batch,
     with_labels,
 )
+from autoshard.trials.isolation import dismantle, freeze_process, release
 from autoshard.trials.lifeline import alive, die_with_parent, start_watchdog
 from autoshard.trials.protocol import (
     IdleTick,
@@ -141,7 +150,7 @@ def build_sharded(
         torch.manual_seed(0)
         built = build_target(target, device="cpu")
     model, batch = built.model, built.batch
-    if batch is not None and not real and built.data is None:
+    if batch is not None and built.built_on == "meta" and built.data is None:
         batch = None  # a batch built on meta holds no data: synthesise one instead
     init = None if real else (lambda m: init_states(m, device))
     model = apply_candidate(model, candidate, device, param_init_fn=init)
@@ -150,12 +159,18 @@ def build_sharded(
 
 def run_trial(request: TrialRequest, device: torch.device, *, quiet: bool = False) -> RankReport:
     """Run one trial on this rank; return its local measurements or its failure (never raises).
-    A failure is also printed, with its traceback, to this rank's log."""
+    A failure is also printed, with its traceback, to this rank's log.
+
+    The report says how much was allocated when the trial started (``baseline``) and after it
+    was released (``leftover``): a trial leaves nothing of itself (:mod:`.isolation`), and the
+    driver restarts the group when one did."""
     rank = dist.get_rank()
     said = _LastWords(sys.stderr)
+    baseline = 0
     sys.stderr = said  # what the model's code prints last (argparse's message before it exits)
     try:
-        return RankReport(rank=rank, status=TrialStatus.OK, **_measure(request, device))
+        baseline = release(device)
+        report = RankReport(rank=rank, status=TrialStatus.OK, **_measure(request, device, baseline))
     except SystemExit as exc:  # sys.exit or argparse in the model's code: this trial's error
         report = RankReport(
             rank=rank,
@@ -180,12 +195,14 @@ def run_trial(request: TrialRequest, device: torch.device, *, quiet: bool = Fals
         )
     finally:
         sys.stderr = said.stream
-        # _measure's model, optimizer and activations died with its frame: release them now.
-        release_freed_memory()
         if device.type == "cuda":
-            torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(1.0, device)
-    if not quiet:
+    # _measure's model, optimizer and activations died with its frame (their cycles broken:
+    # isolation.dismantle), and so did an exception's frames: free them now, and say what is
+    # left. A model kept for the next build would be this trial's: the next builds its own.
+    forget_kept_build()
+    report = report.model_copy(update={"baseline": baseline, "leftover": release(device)})
+    if not quiet and not report.ok:
         print(f"[autoshard rank {rank}] trial {request.n} failed: {report.error}", file=sys.stderr)
         print(report.traceback or "", file=sys.stderr, flush=True)
     return report
@@ -206,47 +223,60 @@ class _LastWords(io.TextIOBase):
         self.stream.flush()
 
 
-def _measure(request: TrialRequest, device: torch.device) -> dict[str, Any]:
+def _measure(request: TrialRequest, device: torch.device, baseline: int) -> dict[str, Any]:
+    """Build, warm up, time and measure one trial, from ``baseline`` bytes allocated (read by
+    :func:`~autoshard.trials.isolation.release` just before). The peaks reported are the
+    trial's own: above the baseline on CUDA (peak statistics reset after it is read), above the
+    resident set it started from on CPU. The memory cap counts the baseline too, as a GPU's
+    memory does."""
     candidate, target, cap = request.candidate, request.target, request.memory_cap
-    release_freed_memory()
     clear_peak_rss()
-    baseline = current_rss()
+    baseline_rss = current_rss()
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        baseline_reserved = torch.cuda.memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
         if cap:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
     workload = request.workload
-    model, optimizer, batch, loss_fn = build_for_training(
-        target, candidate, device, workload.seq_len
-    )
-    autocast = autocast_for(candidate, device)
+    model: nn.Module | None = None
+    try:
+        model, optimizer, batch, loss_fn = build_for_training(
+            target, candidate, device, workload.seq_len
+        )
+        autocast = autocast_for(candidate, device)
+        losses: list[torch.Tensor] = []
 
-    losses: list[torch.Tensor] = []
+        def step() -> None:
+            # the user's loop order and accumulation: what the trial measures is what the run
+            # holds
+            loss = optimizer_step(
+                model, optimizer, batch, workload, autocast=autocast, loss_fn=loss_fn
+            )
+            losses.append(loss)  # read after timing: .item() would synchronise
 
-    def step() -> None:
-        # the user's loop order and accumulation: what the trial measures is what the run holds
-        loss = optimizer_step(model, optimizer, batch, workload, autocast=autocast, loss_fn=loss_fn)
-        losses.append(loss)  # read after timing: .item() would synchronise
+        for _ in range(max(1, request.warmup)):
+            step()
+        _check_cap(_peak_allocated(device, baseline, baseline_rss) + baseline, cap)
 
-    for _ in range(max(1, request.warmup)):
-        step()
-    _check_cap(_peak_allocated(device, baseline), cap)
-
-    times = time_steps(step, device, request)
-    allocated = _peak_allocated(device, baseline)
-    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else peak_rss()
-    _check_cap(allocated, cap)
-    samples, tokens = step_counts(batch, workload.accumulate)
-    return {
-        "step_times": times,
-        "allocated": int(allocated),
-        "reserved": int(reserved),
-        "samples": samples,
-        "tokens": tokens,
-        "losses": [float(v) for v in losses],
-    }
+        times = time_steps(step, device, request)
+        allocated = _peak_allocated(device, baseline, baseline_rss)
+        if device.type == "cuda":
+            reserved = torch.cuda.max_memory_reserved(device) - baseline_reserved
+        else:
+            reserved = peak_rss()
+        _check_cap(allocated + baseline, cap)
+        samples, tokens = step_counts(batch, workload.accumulate)
+        return {
+            "step_times": times,
+            "allocated": int(allocated),
+            "reserved": int(reserved),
+            "samples": samples,
+            "tokens": tokens,
+            "losses": [float(v) for v in losses],
+        }
+    finally:
+        dismantle(model)  # however the trial ended: nothing of it may outlive it
 
 
 def step_counts(batch: Any, accumulate: int) -> tuple[int, int | None]:
@@ -292,12 +322,14 @@ def time_steps(
     return times
 
 
-def _peak_allocated(device: torch.device, baseline: int) -> int:
+def _peak_allocated(device: torch.device, baseline: int, baseline_rss: int) -> int:
+    """The trial's own peak: on CUDA the allocator's peak above the ``baseline`` it started
+    from; on CPU what the trial added to the process at its peak (model, optimizer state,
+    activations) above the resident set ``baseline_rss`` it started from."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device))
-    # CPU: what the trial added to the process at its peak (model, optimizer state, activations)
-    return max(0, peak_rss() - baseline)
+        return max(0, int(torch.cuda.max_memory_allocated(device)) - baseline)
+    return max(0, peak_rss() - baseline_rss)
 
 
 def _check_cap(allocated: int, cap: int | None) -> None:
@@ -323,15 +355,6 @@ def _collective_device() -> torch.device:
 def _one_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip()
     return text.splitlines()[0][:500] if text else type(exc).__name__
-
-
-def release_freed_memory() -> None:
-    """Collect garbage and hand freed heap pages back to the OS (glibc ``malloc_trim``), so that
-    the resident set measures live memory and one trial's leftovers do not hide the next one's
-    growth."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def clear_peak_rss() -> None:
@@ -363,6 +386,10 @@ def current_rss() -> int:
 def summarize(request: TrialRequest, per_rank: list[RankReport]) -> TrialReply:
     """Combine the ranks' measurements into one result (rank 0)."""
     world = len(per_rank)
+    levels = {
+        "baseline_bytes": tuple(r.baseline for r in per_rank),
+        "leftover_bytes": tuple(r.leftover for r in per_rank),
+    }
     for status in (TrialStatus.OOM, TrialStatus.ERROR):
         failed = [r for r in per_rank if r.status is status]
         if failed:
@@ -374,6 +401,7 @@ def summarize(request: TrialRequest, per_rank: list[RankReport]) -> TrialReply:
                 world_size=world,
                 error=f"rank {first.rank}: {first.error}",
                 traceback=first.traceback,
+                **levels,
             )
     # A step ends when the slowest rank ends it: take the per-step maximum over ranks.
     steps = [max(ts) for ts in zip(*(r.step_times for r in per_rank), strict=True)]
@@ -393,6 +421,7 @@ def summarize(request: TrialRequest, per_rank: list[RankReport]) -> TrialReply:
         peak_allocated=tuple(r.allocated for r in per_rank),
         peak_reserved=tuple(r.reserved for r in per_rank),
         losses=per_rank[0].losses,
+        **levels,
     )
 
 
@@ -516,7 +545,6 @@ def warm_up(request: TrialRequest, device: torch.device) -> None:
         device,
         quiet=True,
     )
-    release_freed_memory()
 
 
 def target_shape(request: TrialRequest) -> tuple[TargetSpec, Precision, int, int | None]:
@@ -556,7 +584,7 @@ def warm_up_target(request: TrialRequest, device: torch.device) -> None:
         with autocast_for(request.candidate, device):
             loss = compute_loss(forward(model, batch), batch, loss_fn)
         loss.backward()
-    release_freed_memory()
+    release(device)
 
 
 def serve(control: Path, launch: Launch) -> NoReturn:
@@ -573,9 +601,11 @@ def serve(control: Path, launch: Launch) -> NoReturn:
     if os.environ.get("LOCAL_RANK", "0") == "0":  # this node joined a group (see group.serve)
         write_json_atomically(control / "joined.json", {"rank": rank})
     store = dist.distributed_c10d._get_default_store()
+    freeze_process(device)  # the imports: again before the first trial, after its warm-ups
     tick = min(launch.idle_tick, launch.collective_timeout / 4)
     warmed: list[tuple[TargetSpec, Engine]] = []
     warmed_shapes: list[tuple[TargetSpec, Precision, int, int | None]] = []
+    frozen = False  # isolation.freeze_process again, before the first trial is measured
     n = 0
     while True:
         box: list[Any] = [next_request(control, n, tick, launch.driver_pid) if rank == 0 else None]
@@ -592,6 +622,9 @@ def serve(control: Path, launch: Launch) -> NoReturn:
         if launch.warm_up and device.type == "cpu" and shape not in warmed_shapes:
             warm_up_target(request, device)
             warmed_shapes.append(shape)
+        if not frozen:
+            freeze_process(device)
+            frozen = True
         report = run_trial(request, device)
         key = f"autoshard/trial-{n}"
         everyone_out = agree(store, key, report, world, launch.agree_timeout)
