@@ -40,6 +40,8 @@ compile-float8   50  eager, +compile, +float8, both, each in a fresh worker grou
 EXTRA="
 reserved         240  reserved_memory_measured.py: FSDP2's stream pools, torchtitan's shape
 tune-overhead    400  tune_overhead.py: a trial's overhead, the chosen config vs Lightning's default
+isolation        420  trial_isolation.py: 1B candidates in one group vs each in a fresh group, peaks within 1%
+offload          170  offload_gpu_check.py all: the 1B offload trial, SDPA's kernel rule, saved bytes, host AdamW
 "
 DEADLINE_S=${AUTOSHARD_GPU_SECONDS:-560}  # the whole script's, from its start
 
@@ -139,6 +141,8 @@ if [ "$dry" = 1 ]; then
   ACC=(--device cpu --only "gpt-tiny fsdp2 FULL_SHARD 32-true mbs1 reshard=keep_root")
   CF8=(--size tiny --seq-len 64 --mbs 1 --variants eager --cpu --steps 2 --warmup 1
        --max-seconds 1)
+  ISO=(--size tiny --seq-len 64 --mbs 1 --max 2)
+  OFFLOAD=(--dry-run)
 else
   TUNE=(--arg size=7b --seq-len 2048 --batch-size 1,2,4 --trials 5 --trial-timeout 90
         --max-seconds 8)
@@ -146,6 +150,8 @@ else
   GRID=(--size 1b --seq-len 2048 --max 6 --steps 3 --warmup 2 --max-seconds 5)
   ACC=(--device cuda --only "gpt-deep FULL_SHARD" --only mixtral-tiny --only ckpt-op)
   CF8=(--size 1b --seq-len 2048 --mbs 2 --max-seconds 5)
+  ISO=(--size 1b --seq-len 2048 --mbs 1,4 --max 4)
+  OFFLOAD=()
 fi
 run_part() {
   local name=$1
@@ -165,6 +171,8 @@ run_part() {
     reserved) python3 benchmarks/reserved_memory_measured.py --write "$R/reserved_memory_gpu.md" ;;
     tune-overhead) python3 benchmarks/tune_overhead.py --size small --seq-len 512 \
                      --write "$R/tune_gpu.md" ;;
+    isolation) python3 benchmarks/trial_isolation.py "${ISO[@]}" --write "$R/trial_isolation.md" ;;
+    offload) OUT="$R/offload" python3 benchmarks/offload_gpu_check.py all "${OFFLOAD[@]}" ;;
   esac
 }
 
@@ -181,7 +189,7 @@ while read -r name seconds _; do
   fi
   say "$name: up to ${allowed} s"
   t0=$(date +%s)
-  timeout -k 10 "$allowed" bash -c "$(declare -p ROOT R TUNE GPU_TESTS GRID ACC CF8); $(declare -f run_part); run_part $name" \
+  timeout -k 10 "$allowed" bash -c "$(declare -p ROOT R TUNE GPU_TESTS GRID ACC CF8 ISO OFFLOAD); $(declare -f run_part); run_part $name" \
     > "$R/$name.log" 2>&1
   rc=$?
   used=$(($(date +%s) - t0))
