@@ -15,7 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # NaN and infinity (a diverged trial's losses) written as the strings "NaN", "Infinity":
+    # JSON has no such numbers, and pydantic's default writes null, which reads back as no
+    # number at all.
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
 
 # --------------------------------------------------------------------------------------------

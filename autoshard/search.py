@@ -46,6 +46,7 @@ from autoshard.recommendation import Recommendation
 from autoshard.results import Decision, MemoryEstimate, TrialResult, TrialStatus
 from autoshard.sharding import cpu_workers_cannot_run
 from autoshard.space import rank_candidates
+from autoshard.study.causes import classified, counts_against
 from autoshard.study.loop import run_trials
 from autoshard.study.settings import StudySettings
 from autoshard.trials.group import WorkerGroup
@@ -101,8 +102,8 @@ def dominated_by(candidate: Candidate, done: Sequence[TrialResult]) -> TrialResu
     """
     for r in done:
         o = r.candidate
-        if o == candidate:
-            continue
+        if o == candidate or (r.status is not TrialStatus.OK and not counts_against(r)):
+            continue  # a failure from outside the model says nothing about the configuration
         # The same configuration with less recompute / no offload ran fine: more recompute or
         # offload can only cost time.
         if (
@@ -167,11 +168,11 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
             return None if made_with is None else made_with.model_dump()
 
         def run(candidate: Candidate) -> TrialResult:
-            return group.run(
+            return classified(group.run(
                 candidate, workload, warmup=opts.warmup, steps=opts.steps, memory_cap=cap,
                 target_spread=opts.target_spread, max_steps=opts.max_steps,
                 max_seconds=opts.max_seconds,
-            )  # fmt: skip
+            ))  # fmt: skip
 
         fitted: dict[
             tuple[object, ...], tuple[list[MemoryEstimate], Calibration[SpeedFactors] | None]

@@ -45,7 +45,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -342,6 +342,8 @@ class StudyStore:
         self.token = uuid.uuid4().hex
         self._beat: _Heartbeat | None = None
         self._running: Ticket | None = None
+        # this run's start: the transient failures of earlier runs are tried again (StudyView)
+        self.opened_at = datetime.now(timezone.utc)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -556,7 +558,7 @@ class StudyStore:
             self._beat = None
 
     def _read(self) -> StudyView:
-        view = StudyView()
+        view = StudyView(since=self.opened_at)
         for t in self.storage.get_all_trials(self.study_id, deepcopy=False):
             if t.state is TrialState.RUNNING:
                 label = t.user_attrs.get(LABEL_ATTR, t.params.get(PARAM))

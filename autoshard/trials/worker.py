@@ -31,6 +31,7 @@ import contextlib
 import ctypes
 import gc
 import io
+import math
 import os
 import statistics
 import sys
@@ -381,9 +382,11 @@ def summarize(request: TrialRequest, per_rank: list[RankReport]) -> TrialReply:
     spread = median_spread(steps)
     samples = sum(r.samples for r in per_rank)
     tokens = per_rank[0].tokens
+    diverged = first_non_finite(per_rank)
     return TrialReply(
         n=request.n,
-        status=TrialStatus.OK,
+        status=TrialStatus.OK if diverged is None else TrialStatus.DIVERGED,
+        error=diverged,
         world_size=world,
         step_times=tuple(steps),
         step_time=median,
@@ -394,6 +397,23 @@ def summarize(request: TrialRequest, per_rank: list[RankReport]) -> TrialReply:
         peak_reserved=tuple(r.reserved for r in per_rank),
         losses=per_rank[0].losses,
     )
+
+
+def first_non_finite(per_rank: list[RankReport]) -> str | None:
+    """'loss nan at step 3 of 5 (rank 0)' for the earliest step at which a rank's loss was
+    NaN or infinite (warm-up steps count); None when every loss is finite. Such a trial ran
+    every step: its times are kept, but it trained nothing."""
+    found = [
+        (step, r.rank, value)
+        for r in per_rank
+        for step, value in enumerate(r.losses, 1)
+        if not math.isfinite(value)
+    ]
+    if not found:
+        return None
+    step, rank, value = min(found, key=lambda f: (f[0], f[1]))
+    steps = max(len(r.losses) for r in per_rank)
+    return f"loss {value} at step {step} of {steps} (rank {rank})"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from autoshard.errors import AutoshardError
 from autoshard.measure import speed_basis, spread_of
 from autoshard.results import Decision, MemoryEstimate, Scored, TrialResult, TrialStatus
 from autoshard.ui.report import (
+    DIVERGED,
     FAILED,
     KIND_COLOURS,
     MEASURED,
@@ -100,8 +101,8 @@ def _memory_note(kind: str, est: MemoryEstimate, measured: int | None) -> str:
     note += "" if est.fits or kind in NOT_RUN else " (does not fit)"
     if kind in NOT_RUN:
         note += f" ({NOT_RUN[kind]})"
-    elif kind == FAILED:
-        note += " (failed)"
+    elif kind in (FAILED, DIVERGED):
+        note += f" ({kind})"
     elif measured is None:
         note += " (not tried)"
     if est.breakdown.allowance:
