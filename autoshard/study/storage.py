@@ -89,6 +89,15 @@ SETTINGS_ATTR = "autoshard_settings"
 HEARTBEAT_S = 5
 GRACE_S = 30  # a driver silent this long is taken for gone
 SHARED_BACKENDS = ("sqlite", "postgresql", "mysql")
+# A database driver whose import name is not what pip installs (`pip install MySQLdb` finds
+# nothing): import name -> (the package, how to install it).
+DRIVER_PACKAGES = {
+    "MySQLdb": (
+        "mysqlclient (import name MySQLdb)",
+        "`pip install mysqlclient` (it builds against the MySQL client library), or `pip install "
+        "pymysql` and write the URL as mysql+pymysql://user@host/dbname",
+    ),
+}
 _EXAMPLE_URLS = "sqlite:///runs/study.db or postgresql://user@host/dbname"
 
 
@@ -138,7 +147,11 @@ def check_storage(url: str) -> str:
     except ImportError as exc:
         extra = "postgres" if backend == "postgresql" else None
         package = "psycopg" if extra else (exc.name or u.get_driver_name())
-        raise MissingDependencyError(package, f"{shown.split('://')[0]}://", extra=extra) from None
+        feature = f"{shown.split('://')[0]}://"
+        if package in DRIVER_PACKAGES:
+            package, install = DRIVER_PACKAGES[package]
+            raise MissingDependencyError(package, feature, install=install) from None
+        raise MissingDependencyError(package, feature, extra=extra) from None
     if backend not in SHARED_BACKENDS:
         raise StorageError(
             f"{shown}: autoshard keeps studies in SQLite, PostgreSQL or MySQL; give e.g. "

@@ -16,11 +16,14 @@ of one trial from 1. Besides: ``spam`` bytes printed by every forward pass in wo
 the factory parses the command line with argparse in workers (which see the worker's own flags);
 ``noise``: the factory prints a line wherever it runs (the driver too); ``build_seconds``: the
 factory sleeps that long in the driver only (a factory that hangs where autoshard analyses it).
+The environment variable ``FAULTS_DISK_FULL=1`` makes every forward in workers raise the
+``OSError`` of a full disk: a failure from outside the model, under the same target arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
@@ -68,6 +71,8 @@ class FaultyLM(nn.Module):
             print(f"spam {self.forwards} " + "x" * self.spam, flush=True)
         if self._strikes(ids):
             self._fail()
+        if os.environ.get("FAULTS_DISK_FULL") == "1" and "LOCAL_RANK" in os.environ:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/out/checkpoint.pt")
         x = self.embed(ids)
         for block in self.blocks:
             x = block(x)
