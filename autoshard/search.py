@@ -20,8 +20,9 @@ study. Running the same command again skips finished candidates; a trial left ru
 process is tried again. Each trial is judged against the prediction it was tried with, recorded with
 it in the study, whichever run or driver tried it. Changed settings (batch sizes, precisions,
 hardware, ...), or a changed model (its structure:
-:func:`autoshard.study.settings.model_fingerprint`), name a new study, with one line saying what
-changed: nothing measured under other settings is reused.
+:func:`autoshard.study.settings.model_fingerprint`; what its forward computes:
+:mod:`autoshard.predict.forward_digest`), name a new study, with one line saying what changed:
+nothing measured under other settings is reused.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import ValidationError
 
-from autoshard.config import Candidate, Checkpointing, TuneOptions
+from autoshard.config import Candidate, Checkpointing, Precision, TuneOptions
 from autoshard.decide import decide_from_trials
 from autoshard.errors import StorageError, StudyNotice
 from autoshard.measure import speed_basis
@@ -248,16 +249,22 @@ def _tried_with(
     return estimates, factors
 
 
-def _open_study(store: StudyStore, plan: Plan, opts: TuneOptions) -> None:
-    """Open (or resume) ``plan``'s study in ``store``: its settings, which a resumed study must
-    match, its candidates, and the objective its trials record."""
+def study_settings(plan: Plan, opts: TuneOptions) -> StudySettings:
+    """What ``plan``'s trials depend on: the settings a resumed study must match."""
     request = plan.request.options
-    settings = StudySettings.of(
+    return StudySettings.of(
         plan.request.target, plan.hardware, plan.workload, engine=request.engine,
         precisions=request.precision, micro_batch_sizes=sorted({c.micro_batch_size
         for c in plan.candidates}), memory_cap=opts.memory_cap, model=plan.built.model,
         batch=plan.built.batch,
+        computation=plan.activations.at(Precision.FP32).forward_digest,
     )  # fmt: skip
+
+
+def _open_study(store: StudyStore, plan: Plan, opts: TuneOptions) -> None:
+    """Open (or resume) ``plan``'s study in ``store``: its settings, which a resumed study must
+    match, its candidates, and the objective its trials record."""
+    settings = study_settings(plan, opts)
     metric, objective, why = study_objective(plan)
     store.open_study(
         settings, [c.label() for c in plan.candidates], candidates=plan.candidates,

@@ -426,3 +426,30 @@ def test_a_nan_loss_is_a_diverged_trial_and_the_study_goes_on(tmp_path) -> None:
 
 def _no_constants(name: str) -> float:
     raise AssertionError(f"report.json holds {name}: not JSON (a browser cannot read it)")
+
+
+def test_a_single_node_tune_listens_on_loopback_only(tmp_path, reap) -> None:
+    """Every TCP socket that the driver, torchrun and the workers listen on during a trial is
+    bound to 127.0.0.1 (or ::1): torchrun's rendezvous store listened on every interface."""
+    psutil = pytest.importorskip("psutil")
+    out = tmp_path / "out"
+    driver = subprocess.Popen(
+        tune_command(out, "--arg", "fault=slow", "--arg", "seconds=4", timeout=120),
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: first_request(out), 180, "the first trial")
+        time.sleep(1)  # in the trial: every rank up
+        pids = {driver.pid} | {int(line.split()[0]) for line in study_processes(out)}
+        assert len(pids) >= 4, pids  # the driver, torchrun, two workers
+        listening = [
+            (c.pid, c.laddr)
+            for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids
+        ]
+        assert listening, "nothing listens: the workers could not have met"
+        public = [(pid, a) for pid, a in listening if a.ip not in ("127.0.0.1", "::1")]
+        assert public == [], f"listening beyond loopback: {public}"
+    finally:
+        driver.kill()
+        driver.wait()

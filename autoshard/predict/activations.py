@@ -39,6 +39,7 @@ from autoshard.predict.fakes import (
     sample_batch,
     tensors_in,
 )
+from autoshard.predict.forward_digest import ForwardDigest
 from autoshard.results import ModelProfile
 from autoshard.sharding import compute_dtype, selective_policy
 from autoshard.target.step import forward
@@ -110,6 +111,9 @@ class ActivationProfile(BaseModel):
         "labels): the loss's saved tensors are counted in loss_bytes, not other_bytes.",
     )
     measured: bool = Field(True, description="False when the fake forward failed (estimated).")
+    forward_digest: str = Field(
+        "", description="What the forward computes (autoshard.predict.forward_digest); '': unknown."
+    )
     note: str = ""
     others: tuple[ActivationProfile, ...] = Field(
         (), description="The same model profiled at other precisions."
@@ -253,6 +257,7 @@ def _profile_once(
     finished: set[int] = set()
     other = after = 0
     keeps = _SelectiveKeeps(stack, len(blocks))
+    digest = ForwardDigest()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal other, after
@@ -281,9 +286,11 @@ def _profile_once(
     )
     for index, block in enumerate(blocks):
         block.forward = _counting(index, block, fakes, counted, per_block, keeps, seen, params)
-    hooks = _block_hooks(model, blocks, stack, finished, keeps.enter)
+    hooks = _block_hooks(
+        model, blocks, stack, finished, lambda: (keeps.enter(), digest.call(stack[-1]))
+    )
     with fakes.mode, hooks as inputs, autocast, first_calls(blocks) as calls:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keeps:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keeps, digest:
             out = forward(model, fakes.batch)
         loss, in_forward = _loss_bytes(out)
         if in_forward:
@@ -300,10 +307,11 @@ def _profile_once(
         why = f"{type(exc).__name__}: {exc}".splitlines()[0]
         note = "; ".join([*[note] * bool(note), f"a checkpointed block's backward did not run "
                           f"on fake tensors ({why}): its peak is estimated"])  # fmt: skip
+    measured = {**_backward_fields(peaks), "forward_digest": digest.hexdigest()}
     return _profile_of(
         seq, precision, per_block, inputs[: len(blocks)], keeps, other, after, loss, in_forward,
         note,
-    ).model_copy(update=_backward_fields(peaks))  # fmt: skip
+    ).model_copy(update=measured)  # fmt: skip
 
 
 def _counting(

@@ -79,6 +79,7 @@ from autoshard.trials.protocol import (
     read_message,
     write_json_atomically,
 )
+from autoshard.trials.rendezvous import process_group_store
 
 # Models up to this size are built for real on the CPU (exact initialisation, computed buffers
 # kept); larger ones are built on meta and materialised shard by shard by FSDP.
@@ -585,7 +586,14 @@ def serve(control: Path, launch: Launch) -> NoReturn:
     # No collective may wait longer than a whole trial may take: past that the driver has
     # killed the group anyway, and a rank left behind by a dead driver ends on its own. Idle
     # ranks stay within it too: rank 0 sends an idle tick every few seconds.
-    dist.init_process_group(backend, timeout=timedelta(seconds=launch.collective_timeout))
+    on = (
+        {}
+        if launch.store is None
+        else process_group_store(
+            launch.store, f"autoshard/{control.name}", launch.collective_timeout
+        )
+    )  # one node: the driver's store on 127.0.0.1, not one of rank 0's on every interface
+    dist.init_process_group(backend, timeout=timedelta(seconds=launch.collective_timeout), **on)
     device = rank_device()
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
