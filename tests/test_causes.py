@@ -5,6 +5,7 @@ Trials are a function here (tests/test_study.py's Runner), so that this runs in 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -102,3 +103,88 @@ def test_a_failure_from_outside_the_model_rules_nothing_out() -> None:
     assert dominated_by(cands[1], [oom]) is None
     real_oom = failed(cands[0], "rank 0: OutOfMemoryError: out of memory", status="oom")
     assert dominated_by(cands[1], [real_oom]) is real_oom
+
+
+# --------------------------------------------------------------------------------------------
+# A worker log: a trial that printed between the cap and 1.5 times it (issue 36)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("end", ["new_section", "close"])
+def test_a_trials_log_is_cut_to_its_cap_when_the_trial_ends(tmp_path, end: str) -> None:
+    from autoshard.trials.logcap import CappedLog
+
+    cap = 1000
+    log = CappedLog(tmp_path / "group.log", cap)
+    printed = b"".join(b"line %04d\n" % i for i in range(130))  # 1,300 bytes: 1.3 x the cap
+    for at in range(0, len(printed), 100):
+        log.write(printed[at : at + 100])
+    getattr(log, end)()
+    if end == "new_section":
+        log.write(b"next trial\n")
+        log.close()
+    text = (tmp_path / "group.log").read_bytes()
+    first = text.split(b"next trial")[0]
+    assert b"bytes of worker output left out here" in first
+    assert len(first) <= cap + 200, len(first)  # the cap and one marker line
+    assert first.startswith(printed[: cap // 2]) and first.endswith(printed[-cap // 2 :])
+    left = int(first.split(b"[autoshard: ")[1].split()[0])
+    assert left == len(printed) - cap  # what the marker says is what was left out
+
+
+# --------------------------------------------------------------------------------------------
+# A deleted trials.jsonl is written again (issue 36)
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_deleted_journal_is_written_again_from_the_study_database(tmp_path) -> None:
+    from .test_study import journal
+
+    cands = space(sizes=(1, 2), precisions=("32-true",))
+    name, first = study(tmp_path, cands, Runner(), n_trials=3)
+    recorded = journal(tmp_path, name)
+    assert len(recorded) == len(first) >= 3
+    (tmp_path / "trials.jsonl").unlink()
+    said: list[str] = []
+    again = Runner()
+    study(tmp_path, cands, again, n_trials=3, notices=said)
+    assert again.calls == []  # resumed from the database: nothing runs
+    restored = journal(tmp_path, name)
+    assert [(r.candidate.label(), r.started_at) for r in restored] == [
+        (r.candidate.label(), r.started_at) for r in recorded
+    ]
+    assert any("lacked" in line and "written back" in line for line in said), said
+    said.clear()
+    study(tmp_path, cands, Runner(), n_trials=3, notices=said)  # in line now: no word
+    assert not any("written back" in line for line in said) and len(journal(tmp_path, name)) == len(
+        recorded
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# A factory that hangs in the driver says what autoshard waits for (issue 36)
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_factory_that_hangs_in_the_driver_is_said_in_one_line(monkeypatch) -> None:
+    import warnings
+
+    from autoshard.target import resolve
+    from autoshard.target.resolve import FactoryWaitWarning, TargetSpec, build_target
+
+    monkeypatch.setattr(resolve, "FACTORY_WAIT_S", 0.5)
+    spec = TargetSpec(spec="tests/targets/faults.py:build", kwargs={"build_seconds": 2.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        started = time.monotonic()
+        build_target(spec)
+        took = time.monotonic() - started
+    said = [str(w.message) for w in caught if issubclass(w.category, FactoryWaitWarning)]
+    assert len(said) == 1 and took >= 2.0, (said, took)
+    assert said[0].startswith("build() has not returned after 0.5 s (now at faults.py:")
+    assert "in build)" in said[0] and "--trial-timeout" in said[0]
+    with warnings.catch_warnings(record=True) as caught:  # a quick factory: nothing said
+        warnings.simplefilter("always")
+        build_target(TargetSpec(spec="tests/targets/faults.py:build"))
+        time.sleep(0.8)
+    assert not [w for w in caught if issubclass(w.category, FactoryWaitWarning)]

@@ -410,6 +410,12 @@ class StudyStore:
                 f"restored {len(missing)} trial records of study {self.name} from "
                 f"{self.journal.path.name} ({self.shown} {where}); none is run again"
             )
+        unjournaled = self._journal_what_is_stored()
+        if unjournaled:
+            self.notice(
+                f"{self.journal.path.name} lacked {unjournaled} trial records of study "
+                f"{self.name} (deleted or cut?): written back from {self.shown}"
+            )
 
     def _open_study(
         self, settings: StudySettings, metric: str, objective_note: str
@@ -440,6 +446,26 @@ class StudyStore:
             for result in missing:
                 self._add_finished(result)
         return existed, changed, missing
+
+    def _journal_what_is_stored(self) -> int:
+        """Append to the journal the records of this study that the storage holds and the
+        journal lacks (a deleted ``trials.jsonl`` would otherwise never hold them again, and the
+        journal is what rebuilds a lost database); the number written. Only for the output
+        folder's own SQLite database: a server's study is shared by drivers whose journals each
+        hold their own trials."""
+        if self.url != default_storage(self.out):
+            return 0
+        journaled = {identity(r) for r in self.journal.read(self.name)}
+        stored = []
+        for t in self.storage.get_all_trials(self.study_id, deepcopy=False):
+            raw = t.user_attrs.get(RESULT_ATTR)
+            if raw and t.state.is_finished():
+                with contextlib.suppress(ValidationError):
+                    stored.append(TrialResult.model_validate_json(raw))
+        lost = [r for r in stored if identity(r) not in journaled]
+        for result in sorted(lost, key=lambda r: r.started_at):
+            self.journal.append(self.name, result)
+        return len(lost)
 
     def _changed_since(self, settings: StudySettings) -> str | None:
         """One line when this output folder's latest study is another one (a changed model,
