@@ -37,6 +37,7 @@ MODULES: dict[str, list[str]] = {
     "trials/worker": ["tests/test_group_logic.py"],
     "trials/protocol": ["tests/test_group_logic.py"],
     "study/lessons": ["tests/test_study.py"],
+    "study/causes": ["tests/test_causes.py"],
     "study/journal": ["tests/test_journal.py", "tests/test_study.py"],
     "emit": ["tests/test_emit.py", "tests/test_handover.py"],
     "predict/speed": ["tests/predict/test_speed.py", "tests/test_calibrate.py"],

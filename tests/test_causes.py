@@ -77,6 +77,9 @@ def test_the_table_says_what_counts_against_a_configuration() -> None:
     }
     for cause, result in cases.items():
         assert cause_of(result) is cause, (cause, result.error)
+    # a record that says a signal killed a rank, without the flag (an older autoshard's)
+    unflagged = failed(c, "torchrun was stopped by SIGTERM (signal 15)")
+    assert cause_of(unflagged) is Cause.SIGNAL
     assert {k for k, v in CAUSES.items() if v.counts} == {Cause.MODEL, Cause.HANG, Cause.OOM}
     assert {k for k, v in CAUSES.items() if v.transient} == {
         Cause.SIGNAL,

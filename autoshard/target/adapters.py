@@ -215,8 +215,10 @@ def _save_dir(out_dir: Path | None) -> Path:
     if out_dir:
         folder = Path(out_dir) / "targets"
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _check_private(folder, os.lstat(folder))
-        os.chmod(folder, 0o700)
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            _check_private(folder, st)  # a symlink, another user's: one line
+        os.chmod(folder, 0o700)  # this user's own: private from now on
         return folder
     if not _PROCESS_FOLDER:
         made = Path(tempfile.mkdtemp(prefix="autoshard-targets-"))  # 0700, a random name
