@@ -658,7 +658,8 @@ def password_on_disk(folder: Path) -> Row:
     with postgres_instance() as server:
         url = server.url.replace("autoshard@", f"autoshard:{secret}@")
         run = subprocess.Popen(
-            tune_command(out, *QUICK, *fault_args(fault="slow", seconds=3), "--storage", url),
+            tune_command(out, *QUICK, *fault_args(fault="slow", seconds=3), "--storage", url,
+                         timeout=120),
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         wait_for_trial(out)
@@ -741,7 +742,7 @@ def edited_forward(folder: Path) -> Row:
     model, out = folder / "model.py", folder / "out"
     source = (ROOT / "tests" / "targets" / "faults.py").read_text()
     model.write_text(source)
-    command = [*tune_command(out, *QUICK, "--batch-size", "1")[4:]]
+    command = [*tune_command(out, *QUICK, "--batch-size", "1", timeout=120)[4:]]
     command[0] = f"{model}:build"
 
     def run() -> subprocess.CompletedProcess[str]:
@@ -772,7 +773,7 @@ def listeners(folder: Path) -> Row:
 
     out = folder / "out"
     run = subprocess.Popen(
-        tune_command(out, *QUICK, *fault_args(fault="slow", seconds=4)), cwd=ROOT,
+        tune_command(out, *QUICK, *fault_args(fault="slow", seconds=4), timeout=120), cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     wait_for_trial(out)
@@ -799,7 +800,7 @@ def listeners(folder: Path) -> Row:
 def factory_hangs(folder: Path) -> Row:
     out = folder / "out"
     run = subprocess.Popen(
-        tune_command(out, *QUICK, *fault_args(build_seconds=15)), cwd=ROOT,
+        tune_command(out, *QUICK, *fault_args(build_seconds=15), timeout=120), cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     started = time.monotonic()
