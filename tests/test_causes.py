@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from autoshard.config import Candidate
+from autoshard.config import Candidate, WorkloadSpec
 from autoshard.results import TrialResult, TrialStatus
 from autoshard.search import dominated_by
 from autoshard.study.causes import CAUSES, Cause, cause_of, classified
@@ -191,3 +191,34 @@ def test_a_factory_that_hangs_in_the_driver_is_said_in_one_line(monkeypatch) -> 
         build_target(TargetSpec(spec="tests/targets/faults.py:build"))
         time.sleep(0.8)
     assert not [w for w in caught if issubclass(w.category, FactoryWaitWarning)]
+
+
+# --------------------------------------------------------------------------------------------
+# A NaN loss: the trial's result says diverged, at which step, with its steps kept
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_non_finite_loss_on_any_rank_is_a_diverged_trial() -> None:
+    from autoshard.results import TrialStatus
+    from autoshard.target.resolve import TargetSpec
+    from autoshard.trials.protocol import RankReport, TrialReply, TrialRequest
+    from autoshard.trials.worker import summarize
+
+    request = TrialRequest(n=0, candidate=Candidate(), target=TargetSpec(spec="m.py:build"),
+                           workload=WorkloadSpec(seq_len=8))  # fmt: skip
+
+    def rank(r: int, losses: tuple[float, ...]) -> RankReport:
+        return RankReport(rank=r, status="ok", step_times=(0.1, 0.2), allocated=1, samples=1,
+                          tokens=8, losses=losses)  # fmt: skip
+
+    fine = summarize(request, [rank(0, (2.0, 1.9, 1.8)), rank(1, (2.0, 1.9, 1.8))])
+    assert fine.status is TrialStatus.OK and fine.error is None
+    late = summarize(request, [rank(0, (2.0, 1.9, 1.8)), rank(1, (2.0, float("inf"), 1.8))])
+    assert late.status is TrialStatus.DIVERGED
+    assert late.error == "loss inf at step 2 of 3 (rank 1)"
+    assert late.step_times == (0.1, 0.2) and late.step_time is not None  # its steps are kept
+    both = summarize(request, [rank(0, (2.0, 1.9, float("nan"))), rank(1, (float("nan"),) * 3)])
+    assert both.error == "loss nan at step 1 of 3 (rank 1)"  # the earliest step
+    # written and read back as JSON: NaN is not lost as null
+    again = TrialReply.model_validate_json(both.model_dump_json())
+    assert again.losses[2] != again.losses[2]

@@ -33,10 +33,8 @@ def edited(folder: Path, name: str, line: str) -> str:
 def settings_of(target: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = make_plan(
-            make_request(target, PlanOptions(gpus=2, gpu_memory="4GiB", seq_len=16,
-                                             batch_size=(1,)), trials=True)  # fmt: skip
-        )
+        options = PlanOptions(gpus=2, gpu_memory="4GiB", seq_len=16, batch_size=(1,))
+        plan = make_plan(make_request(target, options, trials=True))
     return study_settings(plan, TuneOptions())
 
 

@@ -6,7 +6,6 @@ unpickled from a path another user could write."""
 from __future__ import annotations
 
 import os
-import pickle
 import stat
 import subprocess
 import sys

@@ -286,9 +286,12 @@ def _profile_once(
     )
     for index, block in enumerate(blocks):
         block.forward = _counting(index, block, fakes, counted, per_block, keeps, seen, params)
-    hooks = _block_hooks(
-        model, blocks, stack, finished, lambda: (keeps.enter(), digest.call(stack[-1]))
-    )
+
+    def on_enter() -> None:
+        keeps.enter()
+        digest.call(stack[-1])
+
+    hooks = _block_hooks(model, blocks, stack, finished, on_enter)
     with fakes.mode, hooks as inputs, autocast, first_calls(blocks) as calls:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keeps, digest:
             out = forward(model, fakes.batch)

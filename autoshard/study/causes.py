@@ -131,6 +131,8 @@ def classified(result: TrialResult) -> TrialResult:
     """``result`` with ``transient`` as its cause says (a full disk is, whatever the worker
     group could tell): what the journal and the report show."""
     transient = is_transient(result)
-    return result if result.transient == transient else result.model_copy(
-        update={"transient": transient}
+    return (
+        result
+        if result.transient == transient
+        else result.model_copy(update={"transient": transient})
     )

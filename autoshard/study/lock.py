@@ -3,9 +3,10 @@
 Two runs on one ``--out`` would both append to its ``trials.jsonl`` and, with the default SQLite
 storage, each would take the other's running trial for one left by a killed process. The first
 run holds an exclusive ``fcntl.flock`` on ``--out/autoshard.lock`` (which holds its PID, host and
-command, any URL's password masked: :func:`masked`; mode 0600) for as long as it runs; a second one refuses in one line naming that PID, or with
-``wait=True`` waits for it. The kernel drops the lock when its holder dies, however it dies
-(``kill -9`` included), so a stale lock file is simply taken over.
+command, any URL's password masked: :func:`masked`; mode 0600) for as long as it runs; a second
+one refuses in one line naming that PID, or with ``wait=True`` waits for it. The kernel drops
+the lock when its holder dies, however it dies (``kill -9`` included), so a stale lock file is
+simply taken over.
 """
 
 from __future__ import annotations

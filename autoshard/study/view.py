@@ -53,9 +53,7 @@ class StudyView:
         return out
 
     def _forgotten(self, result: TrialResult) -> bool:
-        return (
-            self.since is not None and is_transient(result) and result.started_at < self.since
-        )
+        return self.since is not None and is_transient(result) and result.started_at < self.since
 
     def to_retry(self) -> list[str]:
         """Candidates whose last attempt crashed transiently and may run once more."""

@@ -239,7 +239,7 @@ def _check_private(path: Path, st: os.stat_result) -> None:
         )
 
 
-def _write_private(path: Path, save: Callable[[BinaryIO], None]) -> None:
+def _write_private(path: Path, save: Callable[[BinaryIO], object]) -> None:
     """Write ``path`` through a new file of mode 0600 (never an existing one, never through
     a symlink), renamed into place."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-
 from collections.abc import Iterable, Sequence
 from typing import Any
 
