@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -902,7 +903,7 @@ def main() -> None:
     print(text)
     if args.write:
         command = "python benchmarks/faults.py" + (
-            " --only " + " ".join(args.only) if args.only else ""
+            " --only " + shlex.join(args.only) if args.only else ""
         )
         args.write.write_text(
             f"# Fault matrix\n\n`{command} --write {args.write}`\n\n"
