@@ -16,7 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # NaN and infinity (a diverged trial's losses) written as the strings "NaN", "Infinity":
+    # JSON has no such numbers, and pydantic's default writes null, which reads back as no
+    # number at all.
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
 
 
 # --------------------------------------------------------------------------------------------
@@ -550,6 +553,10 @@ DEFAULT_MAX_STEPS = 40
 DEFAULT_MAX_SECONDS = 30.0
 # Bytes of worker output a trial's log keeps (its first and last halves; autoshard.trials.logcap).
 DEFAULT_WORKER_LOG_CAP = 16 * 2**20
+# The longest --trial-timeout (11.6 days): the workers' collective timeout is the start timeout
+# plus this, in milliseconds, and must stay below 2**31 ms, the most a C int of milliseconds
+# holds (poll, socket timeouts); 1e30 s was an OverflowError in every worker group.
+MAX_TRIAL_TIMEOUT = 1_000_000
 
 
 class RankOrder(str, Enum):
@@ -583,7 +590,11 @@ class TuneOptions(Frozen):
     )
     trials: int = Field(12, ge=1, description="Most real trials to launch.")
     trial_timeout: float = Field(
-        300.0, gt=0, allow_inf_nan=False, description="Seconds before a trial counts as hung."
+        300.0,
+        gt=0,
+        le=MAX_TRIAL_TIMEOUT,
+        allow_inf_nan=False,
+        description="Seconds before a trial counts as hung.",
     )
     warmup: int = Field(2, ge=0, description="Untimed steps per trial.")
     steps: int = Field(

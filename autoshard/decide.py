@@ -240,7 +240,7 @@ def choose_from_trials(
         runners_up=[scored(r) for r in ok[1:]],  # all of them: the report lists every trial
         ruled_out=[scored(r) for r in results if r.status is not TrialStatus.OK],
         basis="trials",
-        reasons=why,
+        reasons=[*why, *diverged_reason(results)],
         notes=notes,
         timeline=timeline(by_label.get(ok[0].candidate.label())) if timeline else None,
     )
@@ -498,6 +498,20 @@ def explain_by_prediction(
                 else f"{diff[0]} predicted about as fast (within {PREDICTED_TIE:.0%})"
             )
     return lines
+
+
+def diverged_reason(results: Sequence[TrialResult]) -> list[str]:
+    """One line naming the trials whose loss became NaN or infinite: none of them is
+    recommended, and their configuration is rarely why."""
+    diverged = [r for r in results if r.status is TrialStatus.DIVERGED]
+    if not diverged:
+        return []
+    named = "; ".join(f"{r.candidate.label()} ({r.error or 'loss not finite'})" for r in diverged)
+    return [
+        f"{len(diverged)} diverged, not recommended: {named}. The model's training step (its "
+        "learning rate, loss scaling, an fp16 overflow), not the configuration, is usually why: "
+        "check the step before trusting any choice"
+    ]
 
 
 def nothing_ran(results: Sequence[TrialResult]) -> str:

@@ -40,9 +40,13 @@ class ResultError(AutoshardError):
 class MissingDependencyError(AutoshardError):
     """An optional dependency is needed for this feature and is not installed."""
 
-    def __init__(self, package: str, feature: str, extra: str | None = None) -> None:
-        install = f"pip install 'autoshard[{extra}]'" if extra else f"pip install {package}"
-        super().__init__(f"{feature} needs {package}, which is not installed: run `{install}`")
+    def __init__(
+        self, package: str, feature: str, extra: str | None = None, install: str | None = None
+    ) -> None:
+        install = install or (
+            f"`pip install 'autoshard[{extra}]'`" if extra else f"`pip install {package}`"
+        )
+        super().__init__(f"{feature} needs {package}, which is not installed: run {install}")
         self.package = package
 
 

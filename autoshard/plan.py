@@ -118,6 +118,11 @@ def _bytes(text: str) -> int:
         raise ValueError(message) from None
 
 
+# The most micro-batches a step may accumulate: the estimate keeps a list per micro-batch
+# (1,000,000 grew to 6.5 GB, 99,999,999,999 a MemoryError), and a trial runs them all per step.
+MAX_ACCUMULATE = 4096
+
+
 class PlanOptions(Frozen):
     """What to plan for, as a user says it: keyword arguments of ``autoshard.estimate``,
     ``recommend`` and ``tune``, and the flags of ``autoshard estimate`` and ``autoshard tune``
@@ -176,7 +181,10 @@ class PlanOptions(Frozen):
         "the next forward) or plain (zero_grad after step).",
     )
     accumulate: int = Field(
-        1, ge=1, description="Micro-batches of gradient accumulation per optimizer step."
+        1,
+        ge=1,
+        le=MAX_ACCUMULATE,
+        description="Micro-batches of gradient accumulation per optimizer step.",
     )
     engine: Engine = Field(
         Engine.FSDP1,
@@ -292,8 +300,11 @@ def validation_message(exc: ValidationError, values: Mapping[str, Any], *, cli: 
         message = f"give more than {ctx['gt']}"
     elif error["type"] == "finite_number":
         message = "give a finite number (inf and nan are not a time or a size)"
-    elif error["type"] in ("less_than", "less_than_equal"):
-        message = f"give less than {ctx.get('lt', ctx.get('le'))}"
+    elif error["type"] == "less_than":
+        message = f"give less than {ctx['lt']}"
+    elif error["type"] == "less_than_equal":
+        bound = ctx["le"]
+        message = f"give {int(bound) if float(bound).is_integer() else bound} or less"
     return f"{flag} {given}: {message}"
 
 
@@ -517,7 +528,9 @@ def make_plan(request: PlanRequest) -> Plan:
         estimate_all(profile, candidates, request.hardware, workload, activations=activations)
     )
     if opts.simulate:
-        from autoshard.predict.simulate import refine_with_simulation
+        from autoshard.predict.simulate import refine_with_simulation, simulated_count
+
+        simulated_count(opts.simulate, estimates)  # more than there are: one line, not minutes
 
         simulated = refine_with_simulation(
             request.target, rank_candidates(estimates), request.hardware, workload,

@@ -186,7 +186,8 @@ def load_result(path: Path | str) -> tuple[Recommendation, list[TrialResult]]:
 def _from_json(data: Any, p: Path) -> tuple[Recommendation, list[TrialResult]]:
     if not isinstance(data, dict):
         raise ResultError(f"{p}: not an autoshard result (a JSON object is expected)")
-    if data.get("schema", "").startswith("autoshard.report/"):  # autoshard.ui.report.SCHEMA
+    if "schema" in data:
+        _check_schema(data["schema"], p)
         rec = Recommendation.model_validate(data["recommendation"])
         return rec, [TrialResult.model_validate(t) for t in data.get("trials", [])]
     if "chosen" in data and "profile" in data:
@@ -195,6 +196,19 @@ def _from_json(data: Any, p: Path) -> tuple[Recommendation, list[TrialResult]]:
     if "estimates" in data:
         return _from_estimates(data, p), []
     raise ResultError(f"{p}: not an autoshard result (from `tune` or `estimate --json`)")
+
+
+def _check_schema(schema: Any, p: Path) -> None:
+    """One line for a report of a schema this autoshard does not read (a newer autoshard's, or
+    not a schema at all): its keys may mean something else."""
+    from autoshard.ui.report import SCHEMA
+
+    if schema == SCHEMA:
+        return
+    raise ResultError(
+        f"{p}: schema {json.dumps(schema)[:60]} is not one this autoshard reads ({SCHEMA}); "
+        "read it with the autoshard that wrote it, or run `autoshard tune` again with this one"
+    )
 
 
 def _read_trials(path: Path, study: str | None) -> list[TrialResult]:

@@ -340,6 +340,9 @@ class TrialStatus(str, Enum):
     OOM = "oom"
     ERROR = "error"
     TIMEOUT = "timeout"
+    # ran every step, but the loss became NaN or infinite: the model's training step (a learning
+    # rate, an fp16 overflow) far more often than the configuration; never recommended
+    DIVERGED = "diverged"
     PRUNED = "pruned"  # never launched: the estimate says it does not fit
     SKIPPED = "skipped"  # never launched: a failed trial rules it out (autoshard.study.lessons)
 
@@ -376,7 +379,9 @@ class TrialResult(Frozen):
     tokens_per_s: float | None = None
     peak_allocated: tuple[int, ...] = Field((), description="Per-rank peak allocated bytes.")
     peak_reserved: tuple[int, ...] = Field((), description="Per-rank peak reserved bytes.")
-    losses: tuple[float, ...] = Field((), description="Rank 0's loss at every step, in order.")
+    losses: tuple[float, ...] = Field(
+        (), description="Rank 0's loss at every step, in order (NaN or inf: diverged)."
+    )
     error: str | None = None
     transient: bool = Field(
         False,

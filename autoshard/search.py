@@ -23,8 +23,9 @@ study. Running the same command again skips finished candidates; a trial left ru
 process is tried again. Each trial is judged against the prediction it was tried with, recorded with
 it in the study, whichever run or driver tried it. Changed settings (batch sizes, precisions,
 hardware, ...), or a changed model (its structure:
-:func:`autoshard.study.settings.model_fingerprint`), name a new study, with one line saying what
-changed: nothing measured under other settings is reused.
+:func:`autoshard.study.settings.model_fingerprint`; what its forward computes:
+:mod:`autoshard.predict.forward_digest`), name a new study, with one line saying what changed:
+nothing measured under other settings is reused.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import ValidationError
 
-from autoshard.config import Candidate, Checkpointing, TuneOptions
+from autoshard.config import Candidate, Checkpointing, Precision, TuneOptions
 from autoshard.decide import decide_from_trials
 from autoshard.errors import StorageError, StudyNotice
 from autoshard.measure import speed_basis
@@ -49,6 +50,7 @@ from autoshard.recommendation import Recommendation
 from autoshard.results import Decision, MemoryEstimate, TrialResult, TrialStatus
 from autoshard.sharding import cpu_workers_cannot_run
 from autoshard.space import rank_candidates
+from autoshard.study.causes import classified, counts_against
 from autoshard.study.loop import run_trials
 from autoshard.study.settings import StudySettings
 from autoshard.trials.group import WorkerGroup
@@ -104,8 +106,8 @@ def dominated_by(candidate: Candidate, done: Sequence[TrialResult]) -> TrialResu
     """
     for r in done:
         o = r.candidate
-        if o == candidate:
-            continue
+        if o == candidate or (r.status is not TrialStatus.OK and not counts_against(r)):
+            continue  # a failure from outside the model says nothing about the configuration
         # The same configuration with less recompute / no offload ran fine: more recompute or
         # offload can only cost time.
         if (
@@ -114,11 +116,8 @@ def dominated_by(candidate: Candidate, done: Sequence[TrialResult]) -> TrialResu
             and _saves_less_or_equal(o, candidate)
         ):
             return r
-        # An OOM of a trial that started with an earlier trial's memory says nothing.
-        if (
-            r.status is TrialStatus.OOM
-            and not r.contaminated
-            and _same_except(o, candidate, _SAVING_FIELDS | {"micro_batch_size"})
+        if r.status is TrialStatus.OOM and _same_except(
+            o, candidate, _SAVING_FIELDS | {"micro_batch_size"}
         ):
             # It ran out of memory while saving at least as much at no larger a micro-batch.
             no_larger = o.micro_batch_size <= candidate.micro_batch_size
@@ -173,11 +172,11 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
         fits = {e.candidate.label(): e.fits for e in plan.estimates}  # its OOM: tried again
 
         def run(candidate: Candidate) -> TrialResult:
-            return group.run(
+            return classified(group.run(
                 candidate, workload, warmup=opts.warmup, steps=opts.steps, memory_cap=cap,
                 target_spread=opts.target_spread, max_steps=opts.max_steps,
                 max_seconds=opts.max_seconds, retry_oom=fits.get(candidate.label(), False),
-            )  # fmt: skip
+            ))  # fmt: skip
 
         fitted: dict[
             tuple[object, ...], tuple[list[MemoryEstimate], Calibration[SpeedFactors] | None]
@@ -253,16 +252,22 @@ def _tried_with(
     return estimates, factors
 
 
-def _open_study(store: StudyStore, plan: Plan, opts: TuneOptions) -> None:
-    """Open (or resume) ``plan``'s study in ``store``: its settings, which a resumed study must
-    match, its candidates, and the objective its trials record."""
+def study_settings(plan: Plan, opts: TuneOptions) -> StudySettings:
+    """What ``plan``'s trials depend on: the settings a resumed study must match."""
     request = plan.request.options
-    settings = StudySettings.of(
+    return StudySettings.of(
         plan.request.target, plan.hardware, plan.workload, engine=request.engine,
         precisions=request.precision, micro_batch_sizes=sorted({c.micro_batch_size
         for c in plan.candidates}), memory_cap=opts.memory_cap, model=plan.built.model,
         batch=plan.built.batch,
+        computation=plan.activations.at(Precision.FP32).forward_digest,
     )  # fmt: skip
+
+
+def _open_study(store: StudyStore, plan: Plan, opts: TuneOptions) -> None:
+    """Open (or resume) ``plan``'s study in ``store``: its settings, which a resumed study must
+    match, its candidates, and the objective its trials record."""
+    settings = study_settings(plan, opts)
     metric, objective, why = study_objective(plan)
     store.open_study(
         settings, [c.label() for c in plan.candidates], candidates=plan.candidates,

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -45,7 +47,7 @@ class Row:
     detect: str  # "12.3 s (timeout 10)", "-", ...
     lost_or_rerun: str
     processes_left: int
-    exit_code: int | None
+    exit_code: int | str | None  # "1/0": two commands
     lines: list[str] = field(default_factory=list)
     passed: bool = True
     note: str = ""
@@ -526,6 +528,338 @@ def json_stdout(folder: Path) -> Row:
 
 
 # --------------------------------------------------------------------------------------------
+# Issue 36: diverged losses, failures by cause, secrets, temp files, fingerprints, listeners
+# --------------------------------------------------------------------------------------------
+
+QUICK = ["--no-compile", "--max-steps", "3"]  # fewer candidates and steps: these rows are long
+
+
+def _tune(out: Path, *args: str, env: dict[str, str] | None = None, trials: int = 1,
+          timeout: float = 120) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    return subprocess.run(
+        tune_command(out, *QUICK, *args, trials=trials, timeout=timeout), cwd=ROOT,
+        capture_output=True, text=True, timeout=1200, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def _one_line(args: list[str], expect: str, command: str = "tune") -> Row:
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "autoshard", command, *args], cwd=ROOT, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    lines = shown(done.stderr)
+    errors = [line for line in lines if line.startswith("error:")]
+    return Row(
+        case="",
+        detect=f"{time.monotonic() - started:.1f} s",
+        lost_or_rerun="-",
+        processes_left=0,
+        exit_code=done.returncode,
+        lines=errors or lines[-1:],
+        passed=done.returncode == 1
+        and len(errors) == 1
+        and expect in errors[0]
+        and "Traceback" not in done.stderr,
+    )
+
+
+@case("a NaN loss at micro-batch 2", "the model's logits become NaN from step 2 at mbs 2")
+def nan_loss(folder: Path) -> Row:
+    out = folder / "out"
+    done = _tune(out, *fault_args(fault="nan", batch=2, step=2), "--batch-size", "1,2", trials=4)
+    records = trials(out)
+    diverged = [t for t in records if t["status"] == "diverged"]
+    ok = [t for t in records if t["status"] == "ok"]
+    said = next((line for line in shown(done.stdout) if "diverged" in line), "")
+    return Row(
+        case="",
+        detect=f"{len(diverged)} diverged, {len(ok)} measured",
+        lost_or_rerun=f"{reruns(records)} rerun",
+        processes_left=left_after(out),
+        exit_code=done.returncode,
+        lines=[said or (shown(done.stderr) or [""])[-1]],
+        passed=done.returncode == 0
+        and bool(diverged)
+        and bool(ok)
+        and all(t["candidate"]["micro_batch_size"] == 2 for t in diverged)
+        and all(t["step_times"] for t in diverged),
+    )
+
+
+@case("a full disk in the workers, then the same command", "OSError ENOSPC in every forward")
+def disk_full_then_rerun(folder: Path) -> Row:
+    out = folder / "out"
+    first = _tune(out, "--batch-size", "1", env={"FAULTS_DISK_FULL": "1"})
+    before = trials(out)
+    again = _tune(out, "--batch-size", "1")
+    after = trials(out)
+    ran_again = [t for t in after[len(before) :] if t["status"] == "ok"]
+    return Row(
+        case="",
+        detect=f"{len(before)} failed (transient: {all(t['transient'] for t in before)}), "
+        f"then {len(ran_again)} ran",
+        lost_or_rerun="the failed one retried",
+        processes_left=left_after(out),
+        exit_code=f"{first.returncode}/{again.returncode}",
+        lines=shown(first.stderr)[-1:],
+        passed=first.returncode == 1
+        and again.returncode == 0
+        and bool(ran_again)
+        and "free space on the disk" in (shown(first.stderr) or [""])[-1],
+    )
+
+
+@case("--trial-timeout 1e30", "a time past what the OS takes")
+def huge_timeout(folder: Path) -> Row:
+    return _one_line(tune_command(folder / "out", timeout=1e30)[4:], "give 1000000 or less")
+
+
+@case("--accumulate 99999999999", "an absurd accumulation")
+def huge_accumulate(folder: Path) -> Row:
+    args = tune_command(folder / "out", "--accumulate", "99999999999")[4:]
+    return _one_line(args, "--accumulate 99999999999: give 4096 or less")
+
+
+@case("--accumulate 1000000", "an accumulation that grew to 6.5 GB")
+def large_accumulate(folder: Path) -> Row:
+    args = tune_command(folder / "out", "--accumulate", "1000000")[4:]
+    return _one_line(args, "--accumulate 1000000: give 4096 or less")
+
+
+@case("estimate --simulate 99999", "more simulations than candidates")
+def many_simulations(folder: Path) -> Row:
+    args = [FAULTS, "--seq-len", "16", "--gpus", "2", "--gpu-memory", "4GiB", "--simulate",
+            "99999"]  # fmt: skip
+    return _one_line(args, "fitting candidates can be simulated", command="estimate")
+
+
+@case("export of a report with schema 999", "a report of another schema, a number")
+def schema_999(folder: Path) -> Row:
+    report = folder / "report.json"
+    report.write_text(json.dumps({"schema": 999, "recommendation": {}, "trials": []}))
+    return _one_line([str(report)], "is not one this autoshard reads", command="export")
+
+
+@case("--storage mysql://... without its driver", "the package pip installs")
+def mysql_driver(folder: Path) -> Row:
+    args = tune_command(folder / "out", "--storage", "mysql://u:pw@127.0.0.1/x")[4:]
+    return _one_line(args, "pip install mysqlclient")
+
+
+@case("--storage postgresql://user:PASSWORD@...", "a real PostgreSQL; every file under --out")
+def password_on_disk(folder: Path) -> Row:
+    sys.path.insert(0, str(ROOT))
+    from tests.postgres import binaries, postgres_instance
+
+    if binaries() is None:
+        return Row("", "-", "-", 0, None, ["no PostgreSQL binaries"], False)
+    secret = "S3cret-Pa55word"
+    out = folder / "out"
+    with postgres_instance() as server:
+        url = server.url.replace("autoshard@", f"autoshard:{secret}@")
+        run = subprocess.Popen(
+            tune_command(out, *QUICK, *fault_args(fault="slow", seconds=3), "--storage", url,
+                         timeout=120),
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        wait_for_trial(out)
+        during = _holding(out, secret)
+        lock_mode = oct((out / "autoshard.lock").stat().st_mode & 0o777)
+        _, stderr = run.communicate(timeout=1200)
+    after = _holding(out, secret)
+    return Row(
+        case="",
+        detect=f"{len(during)} files during, {len(after)} after; lock {lock_mode}",
+        lost_or_rerun="0",
+        processes_left=left_after(out),
+        exit_code=run.returncode,
+        lines=[*during, *after] or ["no file holds the password"],
+        passed=run.returncode == 0
+        and not during
+        and not after
+        and lock_mode == "0o600"
+        and secret not in stderr,
+    )
+
+
+def _holding(folder: Path, secret: str) -> list[str]:
+    return [
+        str(p.relative_to(folder)) for p in folder.rglob("*")
+        if p.is_file() and not p.is_symlink() and secret.encode() in p.read_bytes()
+    ]  # fmt: skip
+
+
+PLANTED = """
+import os, sys, tempfile, torch
+from pathlib import Path
+from torch import nn
+import autoshard
+from autoshard.target import adapters
+shared, victim, marker = map(Path, sys.argv[1:4])
+model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+planted = shared / "autoshard-targets"
+planted.mkdir()
+planted.chmod(0o777)  # made by another user, for the victim to write into
+(planted / f"model-{adapters._digest_module(model)}.pt").symlink_to(victim)
+class Hostile:
+    def __reduce__(self):
+        return (Path(marker).write_text, ("unpickled",))
+bad = planted / "model-from-another-user.pt"
+torch.save({"model": Hostile(), "batch": None}, bad)
+rec = autoshard.recommend(model, batch=torch.randn(2, 8), gpus=2, gpu_memory="8GiB")
+refused = 0
+try:
+    adapters.load_saved_model(str(bad))
+except autoshard.AutoshardError:
+    refused = 1
+print(victim.read_text() == "precious", not marker.exists(), refused, rec.chosen.candidate.label())
+"""
+
+
+@case("a planted symlink in $TMPDIR/autoshard-targets", "another user's folder, symlink, pickle")
+def planted_symlink(folder: Path) -> Row:
+    shared, victim, marker = folder / "tmp", folder / "victim", folder / "ran"
+    shared.mkdir()
+    victim.write_text("precious")
+    done = subprocess.run(
+        [sys.executable, "-c", PLANTED, str(shared), str(victim), str(marker)], cwd=ROOT,
+        capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(shared)},
+    )  # fmt: skip
+    said = (shown(done.stdout) or [""])[-1]
+    return Row(
+        case="",
+        detect="-",
+        lost_or_rerun="-",
+        processes_left=0,
+        exit_code=done.returncode,
+        lines=[f"victim intact, nothing unpickled, shared pickle refused: {said}"],
+        passed=done.returncode == 0 and said.startswith("True True 1 "),
+    )
+
+
+@case("an edited forward: x = block(block(x))", "the same --out, parameters unchanged")
+def edited_forward(folder: Path) -> Row:
+    model, out = folder / "model.py", folder / "out"
+    source = (ROOT / "tests" / "targets" / "faults.py").read_text()
+    model.write_text(source)
+    command = [*tune_command(out, *QUICK, "--batch-size", "1", timeout=120)[4:]]
+    command[0] = f"{model}:build"
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "autoshard", "tune", *command], cwd=ROOT,
+                              capture_output=True, text=True, timeout=1200)  # fmt: skip
+
+    first = run()
+    model.write_text(source.replace("x = block(x)\n", "x = block(block(x))\n"))
+    second = run()
+    notes = [line for line in shown(second.stderr) if "new study" in line]
+    return Row(
+        case="",
+        detect=f"{len(trials(out))} trials, in {len({t['study'] for t in trials(out)})} studies",
+        lost_or_rerun="0 resumed",
+        processes_left=left_after(out),
+        exit_code=f"{first.returncode}/{second.returncode}",
+        lines=notes,
+        passed=first.returncode == second.returncode == 0
+        and len(notes) == 1
+        and "the model's forward" in notes[0]
+        and "resumed" not in second.stderr,
+    )
+
+
+@case("listeners of a single-node tune", "every listening socket of the study's processes")
+def listeners(folder: Path) -> Row:
+    import psutil
+
+    out = folder / "out"
+    run = subprocess.Popen(
+        tune_command(out, *QUICK, *fault_args(fault="slow", seconds=4), timeout=120), cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait_for_trial(out)
+    time.sleep(1)
+    pids = {run.pid, *study_processes(out)}
+    found = [
+        f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.pid in pids
+    ]  # fmt: skip
+    run.wait(timeout=1200)
+    public = [a for a in found if not a.startswith(("127.0.0.1:", "::1:"))]
+    return Row(
+        case="",
+        detect=f"{len(found)} listening, {len(public)} beyond loopback",
+        lost_or_rerun="0",
+        processes_left=left_after(out),
+        exit_code=run.returncode,
+        lines=[", ".join(found)],
+        passed=run.returncode == 0 and bool(found) and not public,
+    )
+
+
+@case("a factory that hangs 15 s in the driver", "time.sleep in the factory, driver only")
+def factory_hangs(folder: Path) -> Row:
+    out = folder / "out"
+    run = subprocess.Popen(
+        tune_command(out, *QUICK, *fault_args(build_seconds=15), timeout=120), cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    started = time.monotonic()
+    assert run.stderr is not None
+    timed = [(time.monotonic() - started, line.strip()) for line in run.stderr]
+    run.wait()
+    said = [(at, text) for at, text in timed if "has not returned" in text]
+    return Row(
+        case="",
+        detect=f"said after {said[0][0]:.1f} s" if said else "not said",
+        lost_or_rerun="0",
+        processes_left=left_after(out),
+        exit_code=run.returncode,
+        lines=[text for _, text in said],
+        passed=run.returncode == 0 and len(said) == 1 and "in build" in said[0][1],
+    )
+
+
+@case("a trial printing 1.3 x the log cap", "--worker-log-cap 1MiB; 12 forwards of 115 KB")
+def log_between_caps(folder: Path) -> Row:
+    out = folder / "out"
+    done = _tune(out, *fault_args(spam=115_000), "--worker-log-cap", "1MiB", "--max-steps", "2",
+                 "--steps", "2", "--warmup", "1")  # fmt: skip
+    logs = list(out.glob("workers/group-*.log"))
+    sizes = [p.stat().st_size for p in logs]
+    marked = all(b"left out here" in p.read_bytes() for p in logs if p.stat().st_size > 2**20)
+    return Row(
+        case="",
+        detect=f"largest log {max(sizes, default=0) / 2**20:.2f} MiB",
+        lost_or_rerun="0",
+        processes_left=left_after(out),
+        exit_code=done.returncode,
+        lines=shown(done.stderr)[-1:],
+        passed=done.returncode == 0 and max(sizes, default=0) <= 2**20 + 300 and marked,
+    )
+
+
+@case("a deleted trials.jsonl, same command again", "rm trials.jsonl between two runs")
+def deleted_journal(folder: Path) -> Row:
+    out = folder / "out"
+    first = _tune(out, "--batch-size", "1", trials=2)
+    before = trials(out)
+    (out / "trials.jsonl").unlink()
+    again = _tune(out, "--batch-size", "1", trials=2)
+    after = trials(out)
+    said = [line for line in shown(again.stderr) if "written back" in line]
+    return Row(
+        case="",
+        detect=f"{len(after)} of {len(before)} records back",
+        lost_or_rerun=f"{len(before) - len(after)} lost",
+        processes_left=left_after(out),
+        exit_code=f"{first.returncode}/{again.returncode}",
+        lines=said,
+        passed=again.returncode == 0 and len(after) == len(before) > 0 and len(said) == 1,
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # The table
 # --------------------------------------------------------------------------------------------
 
@@ -569,7 +903,7 @@ def main() -> None:
     print(text)
     if args.write:
         command = "python benchmarks/faults.py" + (
-            " --only " + " ".join(args.only) if args.only else ""
+            " --only " + shlex.join(args.only) if args.only else ""
         )
         args.write.write_text(
             f"# Fault matrix\n\n`{command} --write {args.write}`\n\n"
@@ -581,7 +915,13 @@ def main() -> None:
             "signal reported as transient; SIGTERM to torchrun or a worker transient and retried "
             "once, to the driver one line and exit code 143; a model's own exit reported with its "
             "code, frame and message, the study stopped after 2 trials; worker logs bounded; "
-            "inf refused in one line; advice that matches the cause; stdout valid JSON.\n"
+            "inf refused in one line; advice that matches the cause; stdout valid JSON. "
+            "Issue 36: a NaN loss a diverged trial, the study going on to a measured choice; a "
+            "failure from outside the model retried by the next run; values that cannot work "
+            "one line each; no file under --out holding the storage password, the lock 0600; "
+            "nothing written through a planted symlink nor unpickled from a shared folder; an "
+            "edited forward a new study; nothing listening beyond loopback; a factory's hang "
+            "said; a trial's log within its cap with a marker; a deleted journal written back.\n"
         )
     sys.exit(0 if all(r.passed for r in rows) else 1)
 

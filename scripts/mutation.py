@@ -38,6 +38,7 @@ MODULES: dict[str, list[str]] = {
     "trials/protocol": ["tests/test_group_logic.py"],
     "trials/isolation": ["tests/test_isolation.py"],
     "study/lessons": ["tests/test_study.py"],
+    "study/causes": ["tests/test_causes.py"],
     "study/journal": ["tests/test_journal.py", "tests/test_study.py"],
     "emit": [
         "tests/test_emit.py",

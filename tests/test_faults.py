@@ -7,6 +7,7 @@ The model is tests/targets/faults.py, which fails on demand inside workers only.
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import os
 import re
@@ -385,3 +386,70 @@ def test_tune_json_stays_json_whatever_the_factory_prints(tmp_path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout)["chosen"]
     assert "building the faulty model" in done.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 36: a diverging model is an outcome, environment failures are retried
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_nan_loss_is_a_diverged_trial_and_the_study_goes_on(tmp_path) -> None:
+    """The model's loss turns NaN at micro-batch 2 only: those trials are recorded as diverged
+    with their steps and losses, the micro-batch 1 ones are measured, one of them is chosen, and
+    the report says which diverged and why that is usually the model's step."""
+    out = tmp_path / "out"
+    command = tune_command(
+        out, "--arg", "fault=nan", "--arg", "batch=2", "--arg", "step=2", "--batch-size", "1,2",
+        "--no-compile", "--max-steps", "3", trials=4, timeout=120,
+    )  # fmt: skip  # 3 micro-batch 2 candidates are tried first, then a micro-batch 1
+    done = subprocess.run([*command, "--json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    rec = json.loads(done.stdout)
+    assert rec["chosen"]["candidate"]["micro_batch_size"] == 1
+    launched = [t for t in read_trials(out) if t.status.launched]
+    diverged = [t for t in launched if t.status is TrialStatus.DIVERGED]
+    measured = [t for t in launched if t.status is TrialStatus.OK]
+    assert diverged and measured, [(t.candidate.label(), t.status) for t in launched]
+    for t in diverged:
+        assert t.candidate.micro_batch_size == 2
+        assert t.step_times and t.step_time is not None  # its steps are kept
+        assert any(v != v for v in t.losses) and t.losses[0] == t.losses[0]  # nan from step 2
+    assert all(t.candidate.micro_batch_size == 1 for t in measured)
+    (said,) = [r for r in rec["reasons"] if "diverged" in r]
+    report = html.unescape((out / "report.html").read_text())
+    assert said in report and "The model's training step" in said
+    for t in diverged:
+        assert t.candidate.label() in said
+    json.loads((out / "report.json").read_text(), parse_constant=_no_constants)
+
+
+def _no_constants(name: str) -> float:
+    raise AssertionError(f"report.json holds {name}: not JSON (a browser cannot read it)")
+
+
+def test_a_single_node_tune_listens_on_loopback_only(tmp_path, reap) -> None:
+    """Every TCP socket that the driver, torchrun and the workers listen on during a trial is
+    bound to 127.0.0.1 (or ::1): torchrun's rendezvous store listened on every interface."""
+    psutil = pytest.importorskip("psutil")
+    out = tmp_path / "out"
+    driver = subprocess.Popen(
+        tune_command(out, "--arg", "fault=slow", "--arg", "seconds=4", timeout=120),
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: first_request(out), 180, "the first trial")
+        time.sleep(1)  # in the trial: every rank up
+        pids = {driver.pid} | {int(line.split()[0]) for line in study_processes(out)}
+        assert len(pids) >= 4, pids  # the driver, torchrun, two workers
+        listening = [
+            (c.pid, c.laddr)
+            for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids
+        ]
+        assert listening, "nothing listens: the workers could not have met"
+        public = [(pid, a) for pid, a in listening if a.ip not in ("127.0.0.1", "::1")]
+        assert public == [], f"listening beyond loopback: {public}"
+    finally:
+        driver.kill()
+        driver.wait()

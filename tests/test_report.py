@@ -496,7 +496,7 @@ def test_report_in_chromium_draws_skipped_candidates_apart_from_failures(tmp_pat
 def test_report_json_counts_the_four_outcomes() -> None:
     rec = _with_skipped(make_rec())
     counts = report_data(rec, all_trials(rec))["summary"]["outcomes"]
-    assert counts == {"measured": 4, "failed": 1, "skipped": 5, "ruled out": 1}
+    assert counts == {"measured": 4, "diverged": 0, "failed": 1, "skipped": 5, "ruled out": 1}
 
 
 def read_png(path: Path) -> np.ndarray:

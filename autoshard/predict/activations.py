@@ -37,6 +37,7 @@ from autoshard.predict.fakes import (
     sample_batch,
     tensors_in,
 )
+from autoshard.predict.forward_digest import ForwardDigest
 from autoshard.predict.selective_keeps import SelectiveKeeps
 from autoshard.results import ModelProfile
 from autoshard.sharding import compute_dtype
@@ -116,6 +117,9 @@ class ActivationProfile(BaseModel):
         "precision with fused attention is then among ``others`` (:meth:`fused_at`).",
     )
     measured: bool = Field(True, description="False when the fake forward failed (estimated).")
+    forward_digest: str = Field(
+        "", description="What the forward computes (autoshard.predict.forward_digest); '': unknown."
+    )
     note: str = ""
     others: tuple[ActivationProfile, ...] = Field(
         (), description="The same model profiled at other precisions."
@@ -296,6 +300,7 @@ def _profile_once(
     finished: set[int] = set()
     other = after = 0
     keeps = SelectiveKeeps(stack, len(blocks))
+    digest = ForwardDigest()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal other, after
@@ -324,12 +329,17 @@ def _profile_once(
     )
     for index, block in enumerate(blocks):
         block.forward = _counting(index, block, fakes, counted, per_block, keeps, seen, params)
-    hooks = _block_hooks(model, blocks, stack, finished, keeps.enter)
+
+    def on_enter() -> None:
+        keeps.enter()
+        digest.call(stack[-1])
+
+    hooks = _block_hooks(model, blocks, stack, finished, on_enter)
     # attention as the GPU runs it, through the forward and the measured block backwards
     kernels = AttentionAsOnCuda() if on_cuda else None
     as_run = kernels or contextlib.nullcontext()
     with fakes.mode, hooks as inputs, autocast, as_run, first_calls(blocks) as calls:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keeps:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keeps, digest:
             out = forward(model, fakes.batch)
         loss, in_forward = _loss_bytes(out)
         if in_forward:
@@ -347,10 +357,13 @@ def _profile_once(
         note = "; ".join([*[note] * bool(note), f"a checkpointed block's backward did not run "
                           f"on fake tensors ({why}): its peak is estimated"])  # fmt: skip
     ran_math = kernels is not None and kernels.math_calls > 0
+    measured = {
+        **_backward_fields(peaks), "math_attention": ran_math, "forward_digest": digest.hexdigest()
+    }  # fmt: skip
     return _profile_of(
         seq, precision, per_block, inputs[: len(blocks)], keeps, other, after, loss, in_forward,
         note,
-    ).model_copy(update={**_backward_fields(peaks), "math_attention": ran_math})  # fmt: skip
+    ).model_copy(update=measured)  # fmt: skip
 
 
 def _counting(

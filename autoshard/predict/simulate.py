@@ -261,6 +261,21 @@ def simulates(candidate: Candidate) -> bool:
     return not candidate.cpu_offload and OPTIMIZER_TRAITS[candidate.optimizer].fake_steps
 
 
+def simulated_count(count: int, estimates: Sequence[MemoryEstimate]) -> int:
+    """``count``, when there are that many candidates to simulate (those that fit, offload
+    excepted: :func:`refine_with_simulation`); else one ConfigError line saying how many there
+    are (each simulation takes seconds: asking for more is a typo, not a wish). None fitting
+    simulates nothing, as before."""
+    simulable = sum(1 for e in estimates if e.fits and simulates(e.candidate))
+    if count > simulable > 0:  # none fits: the estimate says so, and nothing is simulated
+        raise ConfigError(
+            f"--simulate {count}: only {simulable} fitting candidates can be simulated (offload "
+            f"and optimizers whose step reads values excepted); give {simulable} or fewer "
+            "(simulate= in code)"
+        )
+    return count
+
+
 def refine_with_simulation(
     target: TargetSpec,
     ranked: Sequence[MemoryEstimate],

@@ -2,9 +2,10 @@
 
 Running out of memory is the estimator's and dominance's business
 (:func:`autoshard.search.dominated_by`: a larger micro-batch of a configuration that ran out of
-memory would too). This module reads the other deterministic failures, errors and timeouts (a
-transient crash, :func:`autoshard.study.view.is_transient`, teaches nothing: it is retried; nor
-does a trial that started with an earlier trial's memory, ``TrialResult.contaminated``):
+memory would too). This module reads the other failures that count against a configuration,
+errors and timeouts (:func:`autoshard.study.causes.counts_against`: a failure from outside the
+model, retried, a trial that started with an earlier trial's memory, and a diverged loss, the
+model's step, teach nothing):
 
 1. A failure rules out the same configuration at a larger micro-batch (a model that raises or
    hangs at micro-batch 4 does so at 8).
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from autoshard.config import Candidate
 from autoshard.errors import TrialsFailedError
 from autoshard.results import TrialResult, TrialStatus
-from autoshard.study.view import is_transient
+from autoshard.study.causes import CAUSES, Cause, cause_of, counts_against
 
 _TEACHES = (TrialStatus.ERROR, TrialStatus.TIMEOUT)
 MBS = "micro_batch_size"
@@ -97,9 +98,7 @@ def cause(error: str) -> str:
 
 
 def teaches(result: TrialResult) -> bool:
-    """Whether a failure is the candidate's: not transient, and not a trial that started with
-    an earlier trial's memory (``contaminated``: a CUDA error of a full GPU is the group's)."""
-    return result.status in _TEACHES and not is_transient(result) and not result.contaminated
+    return result.status in _TEACHES and counts_against(result)
 
 
 class _Space:
@@ -219,20 +218,27 @@ def learn(
 
 
 def advice(failures: Sequence[TrialResult]) -> str:
-    """What to do about failures that no configuration avoids: a timeout may be too short for
-    the model (a large one builds and warms up for minutes), running out of memory asks for
-    more memory per sample, an error is the model's."""
+    """What to do about failures that no configuration avoids, by their cause
+    (:data:`autoshard.study.causes.CAUSES`): a timeout may be too short for the model (a large
+    one builds and warms up for minutes), running out of memory asks for more memory per
+    sample, an error is the model's, a diverged loss its training step, and a failure from
+    outside the model (a full disk, a signal) is tried again by the next run."""
     logs = "the workers' logs are in the output folder, under workers/"
-    if failures and all(f.status is TrialStatus.TIMEOUT for f in failures):
+    causes = {cause_of(f) for f in failures}
+    if len(causes) != 1 or None in causes:
+        return f"fix the model or its arguments ({logs})"
+    (cause,) = causes
+    assert cause is not None
+    if cause is Cause.HANG:
         limit = re.search(r"trial timeout ([\d.]+) s", failures[0].error or "")
         given = f" ({limit.group(1)} s)" if limit else ""
         return (
             f"raise --trial-timeout{given} if a trial needs longer (building the model and its "
             f"first steps count); if it does not, the model hangs: {logs}"
         )
-    if failures and all(f.status is TrialStatus.OOM for f in failures):
-        return f"each ran out of memory: plan more GPUs or smaller micro-batches ({logs})"
-    return f"fix the model or its arguments ({logs})"
+    if cause is Cause.OOM:
+        return f"each ran out of memory: {CAUSES[cause].advice} ({logs})"
+    return CAUSES[cause].advice
 
 
 def probe_order(

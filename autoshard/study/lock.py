@@ -3,9 +3,10 @@
 Two runs on one ``--out`` would both append to its ``trials.jsonl`` and, with the default SQLite
 storage, each would take the other's running trial for one left by a killed process. The first
 run holds an exclusive ``fcntl.flock`` on ``--out/autoshard.lock`` (which holds its PID, host and
-command) for as long as it runs; a second one refuses in one line naming that PID, or with
-``wait=True`` waits for it. The kernel drops the lock when its holder dies, however it dies
-(``kill -9`` included), so a stale lock file is simply taken over.
+command, any URL's password masked: :func:`masked`; mode 0600) for as long as it runs; a second
+one refuses in one line naming that PID, or with ``wait=True`` waits for it. The kernel drops
+the lock when its holder dies, however it dies (``kill -9`` included), so a stale lock file is
+simply taken over.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -73,13 +75,14 @@ class OutLock:
 
     def acquire(self) -> None:
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             raise StorageError(
                 f"--out {self.folder}: cannot write there ({exc.strerror or exc}); choose a "
                 "writable folder with --out"
             ) from None
         try:
+            os.fchmod(fd, 0o600)  # one written by an older autoshard was 0644
             self._lock(fd)
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(_me()).encode() + b"\n", 0)
@@ -151,5 +154,19 @@ def _me() -> dict[str, Any]:
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(sys.argv)[:500],
+        "command": masked(" ".join(sys.argv))[:500],
     }
+
+
+# scheme://user:password@ (the password: anything up to the last @ before the host)
+_URL_PASSWORD = re.compile(r"(\b[A-Za-z][\w+.-]*://[^\s:/@]*):[^\s/]*@")
+
+
+def masked(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``***``, as SQLAlchemy shows
+    a URL (``--storage postgresql://user:***@host/db``): what autoshard writes to disk.
+
+    >>> masked("tune m.py:build --storage postgresql://me:s3cr@t@db:5432/x --out o")
+    'tune m.py:build --storage postgresql://me:***@db:5432/x --out o'
+    """
+    return _URL_PASSWORD.sub(r"\1:***@", text)

@@ -4,9 +4,11 @@ new study in the same storage, so that trials measured under other settings are 
 
 What it measures includes the model itself, not only the factory that builds it: its structure
 (:func:`model_fingerprint`: every parameter's and buffer's module class, name, shape and dtype),
-the example batch's shapes, and the version of the trial workers' measurements
-(:data:`MEASUREMENT`). A model file edited between two runs, or another project's ``model.py:build``
-in the same output folder, starts a study of its own.
+its forward's computation (the operators and block calls of the fake forward the estimates run:
+:mod:`autoshard.predict.forward_digest`), the example batch's shapes, and the version of the
+trial workers' measurements (:data:`MEASUREMENT`). A model file edited between two runs (its
+layers, or only what its forward does with them), or another project's ``model.py:build`` in the
+same output folder, starts a study of its own.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ class StudySettings(Frozen):
     model: str = Field("", description="The model's structure (model_fingerprint).")
     params: int = Field(0, description="The model's parameters (for the line saying it changed).")
     batch: str = Field("", description="The example batch's shapes and dtypes (batch_shapes).")
+    computation: str = Field(
+        "",
+        description="What the forward computes: the digest of its operators and block calls "
+        "(ActivationProfile.forward_digest; '' where the forward did not run on fake tensors).",
+    )
 
     @classmethod
     def of(
@@ -73,6 +80,7 @@ class StudySettings(Frozen):
         memory_cap: int | None = None,
         model: nn.Module | None = None,
         batch: Any = None,
+        computation: str = "",
     ) -> StudySettings:
         """Settings in canonical form: the order of precisions or batch sizes does not matter."""
         from autoshard.space import default_precisions
@@ -90,6 +98,7 @@ class StudySettings(Frozen):
             model=model_fingerprint(model) if model is not None else "",
             params=sum(p.numel() for p in model.parameters()) if model is not None else 0,
             batch=batch_shapes(batch),
+            computation=computation,
         )
 
     def name(self, candidates: Sequence[str] = ()) -> str:
@@ -113,6 +122,8 @@ class StudySettings(Frozen):
                 if self.params != other.params
                 else "the model's structure"
             )
+        elif self.computation != other.computation and other.computation:
+            out.append("the model's forward (what it computes, traced)")
         for name in ("batch", "hardware", "workload", "engine", "precisions",
                      "micro_batch_sizes", "memory_cap"):  # fmt: skip
             if getattr(self, name) != getattr(other, name):

@@ -45,7 +45,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,15 @@ SETTINGS_ATTR = "autoshard_settings"
 HEARTBEAT_S = 5
 GRACE_S = 30  # a driver silent this long is taken for gone
 SHARED_BACKENDS = ("sqlite", "postgresql", "mysql")
+# A database driver whose import name is not what pip installs (`pip install MySQLdb` finds
+# nothing): import name -> (the package, how to install it).
+DRIVER_PACKAGES = {
+    "MySQLdb": (
+        "mysqlclient (import name MySQLdb)",
+        "`pip install mysqlclient` (it builds against the MySQL client library), or `pip install "
+        "pymysql` and write the URL as mysql+pymysql://user@host/dbname",
+    ),
+}
 _EXAMPLE_URLS = "sqlite:///runs/study.db or postgresql://user@host/dbname"
 
 
@@ -138,7 +147,11 @@ def check_storage(url: str) -> str:
     except ImportError as exc:
         extra = "postgres" if backend == "postgresql" else None
         package = "psycopg" if extra else (exc.name or u.get_driver_name())
-        raise MissingDependencyError(package, f"{shown.split('://')[0]}://", extra=extra) from None
+        feature = f"{shown.split('://')[0]}://"
+        if package in DRIVER_PACKAGES:
+            package, install = DRIVER_PACKAGES[package]
+            raise MissingDependencyError(package, feature, install=install) from None
+        raise MissingDependencyError(package, feature, extra=extra) from None
     if backend not in SHARED_BACKENDS:
         raise StorageError(
             f"{shown}: autoshard keeps studies in SQLite, PostgreSQL or MySQL; give e.g. "
@@ -342,6 +355,8 @@ class StudyStore:
         self.token = uuid.uuid4().hex
         self._beat: _Heartbeat | None = None
         self._running: Ticket | None = None
+        # this run's start: the transient failures of earlier runs are tried again (StudyView)
+        self.opened_at = datetime.now(timezone.utc)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -395,6 +410,12 @@ class StudyStore:
                 f"restored {len(missing)} trial records of study {self.name} from "
                 f"{self.journal.path.name} ({self.shown} {where}); none is run again"
             )
+        unjournaled = self._journal_what_is_stored()
+        if unjournaled:
+            self.notice(
+                f"{self.journal.path.name} lacked {unjournaled} trial records of study "
+                f"{self.name} (deleted or cut?): written back from {self.shown}"
+            )
 
     def _open_study(
         self, settings: StudySettings, metric: str, objective_note: str
@@ -425,6 +446,26 @@ class StudyStore:
             for result in missing:
                 self._add_finished(result)
         return existed, changed, missing
+
+    def _journal_what_is_stored(self) -> int:
+        """Append to the journal the records of this study that the storage holds and the
+        journal lacks (a deleted ``trials.jsonl`` would otherwise never hold them again, and the
+        journal is what rebuilds a lost database); the number written. Only for the output
+        folder's own SQLite database: a server's study is shared by drivers whose journals each
+        hold their own trials."""
+        if self.url != default_storage(self.out):
+            return 0
+        journaled = {identity(r) for r in self.journal.read(self.name)}
+        stored = []
+        for t in self.storage.get_all_trials(self.study_id, deepcopy=False):
+            raw = t.user_attrs.get(RESULT_ATTR)
+            if raw and t.state.is_finished():
+                with contextlib.suppress(ValidationError):
+                    stored.append(TrialResult.model_validate_json(raw))
+        lost = [r for r in stored if identity(r) not in journaled]
+        for result in sorted(lost, key=lambda r: r.started_at):
+            self.journal.append(self.name, result)
+        return len(lost)
 
     def _changed_since(self, settings: StudySettings) -> str | None:
         """One line when this output folder's latest study is another one (a changed model,
@@ -556,7 +597,7 @@ class StudyStore:
             self._beat = None
 
     def _read(self) -> StudyView:
-        view = StudyView()
+        view = StudyView(since=self.opened_at)
         for t in self.storage.get_all_trials(self.study_id, deepcopy=False):
             if t.state is TrialState.RUNNING:
                 label = t.user_attrs.get(LABEL_ATTR, t.params.get(PARAM))

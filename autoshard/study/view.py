@@ -2,16 +2,21 @@
 whether a driver is running it now. Plain data, built by :mod:`autoshard.study.storage`, read by
 the driver's loop and by :mod:`autoshard.study.lessons`.
 
-A candidate is *settled* by its last attempt, unless that attempt was a transient crash (a rank
-killed by a signal: ``TrialResult.transient``) that has not been retried yet: such a candidate is
-retried once, on the spot or by the next run; a second crash settles it.
+A candidate is *settled* by its last attempt, unless that attempt was a transient failure (one
+from outside the model: a rank killed by a signal, a full disk, a worker group that did not
+start; :mod:`autoshard.study.causes`) that has not been retried yet: such a candidate is retried
+once, on the spot; a second such failure settles it for this run. A later run forgets the
+transient failures of the runs before it (``since``) and tries those candidates again, with the
+settings then in force.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from autoshard.results import TrialResult
+from autoshard.study.causes import is_transient
 
 TRANSIENT_RETRIES = 1
 
@@ -21,18 +26,15 @@ class ClaimLost(Exception):
     for dead): it claims nothing on that turn, and takes its turn again."""
 
 
-def is_transient(result: TrialResult) -> bool:
-    """A crash worth one retry (``TrialResult.transient``, set by the worker group when a rank
-    died by a signal)."""
-    return result.transient and result.status.launched
-
-
 @dataclass
 class StudyView:
     """The study as the storage has it (every driver's trials)."""
 
     attempts: dict[str, list[TrialResult]] = field(default_factory=dict)
     running: set[str] = field(default_factory=set)
+    # When this run began: transient failures recorded before it are tried again (None: all
+    # count, as in one run)
+    since: datetime | None = None
 
     def add(self, result: TrialResult) -> None:
         self.attempts.setdefault(result.candidate.label(), []).append(result)
@@ -41,11 +43,17 @@ class StudyView:
         """The result that settles each candidate, in the order they were first recorded."""
         out: dict[str, TrialResult] = {}
         for label, tries in self.attempts.items():
+            tries = [t for t in tries if not self._forgotten(t)]
+            if not tries:
+                continue  # only earlier runs' transient failures: tried again
             last = tries[-1]
             crashes = sum(1 for t in tries if is_transient(t))
             if not is_transient(last) or crashes > TRANSIENT_RETRIES:
                 out[label] = last
         return out
+
+    def _forgotten(self, result: TrialResult) -> bool:
+        return self.since is not None and is_transient(result) and result.started_at < self.since
 
     def to_retry(self) -> list[str]:
         """Candidates whose last attempt crashed transiently and may run once more."""

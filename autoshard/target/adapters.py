@@ -15,20 +15,33 @@ through.
 
 The meta copy keeps tied weights tied: ``copy.deepcopy`` with a memo that maps every parameter
 (and buffer) to a meta tensor of the same shape, dtype and ``requires_grad``.
+
+What is saved goes to a folder of this user's own (:func:`_save_dir`): ``--out/targets`` or a
+fresh ``tempfile.mkdtemp`` folder of this process, mode 0700, each file created anew (0600,
+never through a symlink). A module object has no factory to rebuild it from, so it is pickled
+whole; it is unpickled only from such a folder (:func:`_open_private`: owned by this user,
+writable by no one else), never from a path another user could have written. An example batch
+is read back with ``weights_only=True``: tensors and plain containers, no code.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import copy
 import hashlib
 import io
+import os
 import pickle
+import shutil
+import stat
 import sys
 import tempfile
+import time
 import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
@@ -152,7 +165,7 @@ def _module_target(model: nn.Module, batch: Any | None, out_dir: Path | None) ->
     path = _save_dir(out_dir) / f"model-{_digest_module(model)}.pt"
     files = _class_files(model)
     payload: dict[str, Any] = {"model": meta_copy(model), "batch": _saveable_batch(batch)}
-    torch.save(payload, path)
+    _write_private(path, lambda fh: torch.save(payload, fh))
     kw: dict[str, Any] = {"path": str(path)}
     if files:
         kw["files"] = files
@@ -163,7 +176,8 @@ def _with_batch(spec: TargetSpec, batch: Any | None, out_dir: Path | None) -> Ta
     if batch is None:
         return spec
     path = _save_dir(out_dir) / f"batch-{_digest(repr(spec))}.pt"
-    torch.save(_saveable_batch(batch), path)
+    saveable = _saveable_batch(batch)
+    _write_private(path, lambda fh: torch.save(saveable, fh))
     return TargetSpec(
         spec="autoshard.target.adapters:with_saved_batch",
         kwargs={"target": spec.spec, "target_kwargs": spec.kwargs, "batch_path": str(path)},
@@ -174,24 +188,88 @@ def with_saved_batch(target: str, target_kwargs: dict[str, Any], batch_path: str
     """Worker side of a target given with an in-memory batch: the target's model, that batch."""
     result = load_callable(target)(**target_kwargs)
     model = result[0] if isinstance(result, tuple) else result
-    return model, _load(batch_path)
+    return model, _load_batch(batch_path)
 
 
 def _saveable_batch(batch: Any) -> Any:
-    """The batch on the CPU; a meta batch (shapes only) becomes zeros of the same shapes."""
+    """The batch on the CPU; a meta batch (shapes only) becomes zeros of the same shapes. A
+    mapping (a tokenizer's ``BatchEncoding``) becomes a dict: what ``weights_only`` reads."""
     if isinstance(batch, torch.Tensor):
         return torch.zeros(batch.shape, dtype=batch.dtype) if batch.is_meta else batch.cpu()
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return {k: _saveable_batch(v) for k, v in batch.items()}
     if isinstance(batch, list | tuple):
         return type(batch)(_saveable_batch(v) for v in batch)
     return batch
 
 
+# This process's private folder for saved targets when no output folder is given (made once,
+# removed when the process ends: the trial workers that read it are the process's children).
+_PROCESS_FOLDER: list[Path] = []
+
+
 def _save_dir(out_dir: Path | None) -> Path:
-    folder = Path(out_dir) if out_dir else Path(tempfile.gettempdir()) / "autoshard-targets"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+    """A folder of this user's own for what must be saved: ``out_dir/targets``, or this
+    process's ``tempfile.mkdtemp`` folder (never a predictable shared path: another user could
+    create it first, or plant symlinks in it)."""
+    if out_dir:
+        folder = Path(out_dir) / "targets"
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            _check_private(folder, st)  # a symlink, another user's: one line
+        os.chmod(folder, 0o700)  # this user's own: private from now on
+        return folder
+    if not _PROCESS_FOLDER:
+        made = Path(tempfile.mkdtemp(prefix="autoshard-targets-"))  # 0700, a random name
+        atexit.register(shutil.rmtree, made, ignore_errors=True)
+        _PROCESS_FOLDER.append(made)
+    return _PROCESS_FOLDER[0]
+
+
+def _check_private(path: Path, st: os.stat_result) -> None:
+    """``st`` (of ``path``, not followed) must be a real folder or file of this user that no
+    one else may write; else TargetError."""
+    kind_ok = stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)
+    if not kind_ok or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise TargetError(
+            f"{path} is not a private folder or file of this user (a symlink, another user's, "
+            "or writable by others): autoshard saves and reads targets only in its own folders; "
+            "give an output folder of your own"
+        )
+
+
+def _write_private(path: Path, save: Callable[[BinaryIO], object]) -> None:
+    """Write ``path`` through a new file of mode 0600 (never an existing one, never through
+    a symlink), renamed into place."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            save(fh)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _open_private(path: str) -> bytes:
+    """The bytes of ``path``, which must be a file of this user in a folder of this user
+    that no one else may write (see the module docstring); else TargetError."""
+    file = Path(path)
+    try:
+        folder = os.open(file.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            _check_private(file.parent, os.fstat(folder))
+            fd = os.open(file.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder)
+        finally:
+            os.close(folder)
+        with os.fdopen(fd, "rb") as fh:
+            _check_private(file, os.fstat(fh.fileno()))
+            return fh.read()
+    except OSError as exc:
+        raise TargetError(f"saved model {path} cannot be read: {exc}") from exc
 
 
 def _digest(text: str) -> str:
@@ -269,17 +347,28 @@ def _file_aware_pickle(files: Mapping[str, str] | None) -> types.ModuleType:
 
 
 def _load(path: str, files: Mapping[str, str] | None = None) -> Any:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise TargetError(f"saved model {path} cannot be read: {exc}") from exc
-    # weights_only=False: the file is autoshard's own, written by this user's process.
+    """A saved module: unpickled whole (its classes' code runs), so only from a private folder
+    of this user (:func:`_open_private`), where only autoshard's own process wrote it."""
+    data = _open_private(path)
     return torch.load(
         io.BytesIO(data),
         map_location="cpu",
         weights_only=False,
         pickle_module=_file_aware_pickle(files),
     )
+
+
+def _load_batch(path: str) -> Any:
+    """A saved example batch: tensors in plain containers, read with ``weights_only=True``."""
+    try:
+        data = Path(path).read_bytes()
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (OSError, pickle.UnpicklingError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TargetError(
+            f"saved example batch {path} cannot be read as tensors ({first}); give the batch as "
+            "tensors in dicts, lists or tuples"
+        ) from None
 
 
 def load_saved_model(path: str, files: Mapping[str, str] | None = None) -> Any:
@@ -345,7 +434,7 @@ def _hf_target(model: nn.Module, batch: Any | None, out_dir: Path | None) -> Tar
     config: Any = model.config
     text = config.to_json_string(use_diff=False)
     path = _save_dir(out_dir) / f"hf-config-{_digest(text)}.json"
-    path.write_text(text)
+    _write_private(path, lambda fh: fh.write(text.encode()))
     cls = type(model)
     spec = TargetSpec(
         spec="autoshard.target.adapters:build_hf_from_config",

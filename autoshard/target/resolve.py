@@ -28,9 +28,10 @@ import os
 import re
 import sys
 import sysconfig
+import threading
 import traceback
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,52 @@ class BuiltModel:
 
 class BuildFallbackWarning(UserWarning):
     """The model could not be built on the meta device and was built on the CPU instead."""
+
+
+class FactoryWaitWarning(UserWarning):
+    """The model's factory has not returned after :data:`FACTORY_WAIT_S` seconds: one line
+    saying what autoshard waits for (the factory runs in this process, where ``--trial-timeout``
+    does not apply: it bounds trials in the workers)."""
+
+
+# Seconds of a factory's silence before a line says what autoshard waits for (a 70B model builds
+# on the meta device in 0.4 s; a factory that waits on a lock, a download or input takes longer).
+FACTORY_WAIT_S = 10.0
+
+
+@contextlib.contextmanager
+def _said_if_slow(label: str) -> Iterator[None]:
+    """Run the body; if it takes longer than :data:`FACTORY_WAIT_S`, warn once, from another
+    thread, naming the factory and the line where this thread is."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        yield  # a trial worker: its trial timeout bounds the build
+        return
+    caller = threading.get_ident()
+    after = FACTORY_WAIT_S
+
+    def say() -> None:
+        frame = sys._current_frames().get(caller)
+        where = (
+            f" (now at {Path(frame.f_code.co_filename).name}:{frame.f_lineno} in "
+            f"{frame.f_code.co_name})"
+            if frame is not None
+            else ""
+        )
+        warnings.warn(
+            f"{label}() has not returned after {after:g} s{where}: autoshard waits for it (the "
+            "factory runs in this process to analyse the model; --trial-timeout bounds trials "
+            "only); Ctrl-C stops it",
+            FactoryWaitWarning,
+            stacklevel=1,
+        )
+
+    timer = threading.Timer(after, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def parse_kwargs(items: Sequence[str]) -> dict[str, Any]:
@@ -374,7 +421,7 @@ def _call_under(
     # No values on meta: the initialisers are skipped (values_skipped's note: a 70B build 4x faster)
     skipped = values_skipped() if torch.device(device).type == "meta" else contextlib.nullcontext()
     try:
-        with torch.device(device), skipped:
+        with torch.device(device), skipped, _said_if_slow(label):
             return factory(**kwargs)
     except TypeError as exc:
         # A wrong keyword is the user's typo, not a meta-device problem: say it at once.

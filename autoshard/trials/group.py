@@ -72,6 +72,12 @@ from autoshard.trials.protocol import (
     read_message,
     write_json_atomically,
 )
+from autoshard.trials.rendezvous import (
+    TORCHRUN_ENV,
+    LoopbackStore,
+    torchrun_arguments,
+    worker_environment,
+)
 from autoshard.units import format_bytes
 
 LOG_TAIL_CHARS = 4000
@@ -126,6 +132,7 @@ class WorkerGroup:
         self.agree_timeout = agree_timeout
         self.env = env or {}
         self.log_cap = log_cap
+        self._rendezvous: LoopbackStore | None = None  # a single node's store (made at launch)
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: CappedLog | None = None
         self._pump: threading.Thread | None = None
@@ -187,7 +194,8 @@ class WorkerGroup:
                 f"--rdzv-conf=timeout={max(1, int(self.start_timeout))}",
             ]
         else:
-            rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+            # The driver's store on 127.0.0.1: torchrun's own would listen on every interface.
+            rdzv = torchrun_arguments(self._loopback_store().address, self.control.name)
         return [
             sys.executable,
             "-m",
@@ -203,6 +211,11 @@ class WorkerGroup:
             "--control",
             str(self.control),
         ]
+
+    def _loopback_store(self) -> LoopbackStore:
+        if self._rendezvous is None:
+            self._rendezvous = LoopbackStore()
+        return self._rendezvous
 
     def start(self) -> None:
         """Launch the group (a fresh control folder and log per launch). It returns at once;
@@ -222,10 +235,14 @@ class WorkerGroup:
                 driver_pid=os.getpid(),
                 collective_timeout=self.collective_timeout,
                 agree_timeout=self.agree_timeout,
+                store=self._loopback_store().address if self.nnodes == 1 else None,
             ),
         )
+        base = {**os.environ, **self.env}
+        if self.nnodes == 1:  # nothing listens beyond loopback (autoshard.trials.rendezvous)
+            base = {**worker_environment(), **base, **TORCHRUN_ENV}
         # Workers import the target's files from the caller's folder, as the caller did.
-        env = child_env(os.getcwd(), base={**os.environ, **self.env})
+        env = child_env(os.getcwd(), base=base)
         env.setdefault("OMP_NUM_THREADS", "1" if self.device == "cpu" else "4")
         if self.device == "cpu":
             # A CPU trial's peak is read from the resident set. glibc raises its mmap threshold

@@ -4,11 +4,15 @@ The workers' stdout and stderr reach the driver through a pipe; a thread copies 
 group's log file. Each trial's output (a *section*: from its request to the next one) keeps its
 first ``cap / 2`` bytes and its last ``cap / 2``: what lies between is replaced by one marker
 line saying how much was left out. A model that prints megabytes per step then writes at most
-``cap`` bytes per trial (plus up to ``cap / 2`` between two compactions), and the file on disk
-is always the log as it stands, head and tail, even when the driver is killed.
+``cap`` bytes per trial once the trial is over (up to ``cap / 2`` more while it runs, between
+two compactions), and the file on disk is always the log as it stands, head and tail, even when
+the driver is killed.
 
 The tail is kept by compaction: output goes to the end of the file; once the part after the
-head holds ``cap`` bytes, it is rewritten as the marker and its last ``cap / 2`` bytes.
+head holds ``cap`` bytes, it is rewritten as the marker and its last ``cap / 2`` bytes; and
+when the section ends (the next trial's request, the group's end), a tail longer than
+``cap / 2`` is compacted too: a trial that printed between ``cap`` and ``1.5 cap`` bytes was
+kept whole, without a marker.
 """
 
 from __future__ import annotations
@@ -63,12 +67,21 @@ class CappedLog:
         with self._lock:
             if self.fh.closed:
                 return
+            self._finish()
             self._start = self.fh.tell()
             self._written = self._left_out = self._tail_at = 0
 
     def close(self) -> None:
         with self._lock, contextlib.suppress(OSError):
+            if not self.fh.closed:
+                self._finish()
             self.fh.close()
+
+    def _finish(self) -> None:
+        """The section ends: its tail is cut to ``cap / 2`` bytes behind the marker."""
+        kept = len(marker(self._left_out, self.cap)) if self._left_out else 0
+        if self._tail_at and self.fh.tell() - self._tail_at > self.half + kept:
+            self._compact()
 
     def _compact(self) -> None:
         end = self.fh.tell()

@@ -69,6 +69,11 @@ class Launch(Frozen):
     warm_up: bool = Field(
         True, description="Throwaway steps before a target's first trial (see worker.warm_up)."
     )
+    store: str | None = Field(
+        None,
+        description="127.0.0.1:PORT of the driver's store, on which a single node's workers form "
+        "their process group (autoshard.trials.rendezvous); None: torchrun's (several nodes).",
+    )
 
 
 class Ready(Frozen):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import os
 import statistics
 import sys
@@ -87,6 +88,7 @@ from autoshard.trials.protocol import (
     read_message,
     write_json_atomically,
 )
+from autoshard.trials.rendezvous import process_group_store
 
 # Models up to this size are built for real on the CPU (exact initialisation, computed buffers
 # kept); larger ones are built on meta and materialised shard by shard by FSDP.
@@ -409,9 +411,11 @@ def summarize(request: TrialRequest, per_rank: list[RankReport]) -> TrialReply:
     spread = median_spread(steps)
     samples = sum(r.samples for r in per_rank)
     tokens = per_rank[0].tokens
+    diverged = first_non_finite(per_rank)
     return TrialReply(
         n=request.n,
-        status=TrialStatus.OK,
+        status=TrialStatus.OK if diverged is None else TrialStatus.DIVERGED,
+        error=diverged,
         world_size=world,
         step_times=tuple(steps),
         step_time=median,
@@ -423,6 +427,23 @@ def summarize(request: TrialRequest, per_rank: list[RankReport]) -> TrialReply:
         losses=per_rank[0].losses,
         **levels,
     )
+
+
+def first_non_finite(per_rank: list[RankReport]) -> str | None:
+    """'loss nan at step 3 of 5 (rank 0)' for the earliest step at which a rank's loss was
+    NaN or infinite (warm-up steps count); None when every loss is finite. Such a trial ran
+    every step: its times are kept, but it trained nothing."""
+    found = [
+        (step, r.rank, value)
+        for r in per_rank
+        for step, value in enumerate(r.losses, 1)
+        if not math.isfinite(value)
+    ]
+    if not found:
+        return None
+    step, rank, value = min(found, key=lambda f: (f[0], f[1]))
+    steps = max(len(r.losses) for r in per_rank)
+    return f"loss {value} at step {step} of {steps} (rank {rank})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -593,7 +614,14 @@ def serve(control: Path, launch: Launch) -> NoReturn:
     # No collective may wait longer than a whole trial may take: past that the driver has
     # killed the group anyway, and a rank left behind by a dead driver ends on its own. Idle
     # ranks stay within it too: rank 0 sends an idle tick every few seconds.
-    dist.init_process_group(backend, timeout=timedelta(seconds=launch.collective_timeout))
+    on = (
+        {}
+        if launch.store is None
+        else process_group_store(
+            launch.store, f"autoshard/{control.name}", launch.collective_timeout
+        )
+    )  # one node: the driver's store on 127.0.0.1, not one of rank 0's on every interface
+    dist.init_process_group(backend, timeout=timedelta(seconds=launch.collective_timeout), **on)
     device = rank_device()
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:

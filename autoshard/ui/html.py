@@ -12,6 +12,7 @@ from autoshard.errors import AutoshardError
 from autoshard.measure import speed_basis, spread_of
 from autoshard.results import Decision, MemoryEstimate, Scored, TrialResult, TrialStatus
 from autoshard.ui.report import (
+    DIVERGED,
     FAILED,
     KIND_COLOURS,
     MEASURED,
@@ -100,8 +101,8 @@ def _memory_note(kind: str, est: MemoryEstimate, measured: int | None) -> str:
     note += "" if est.fits or kind in NOT_RUN else " (does not fit)"
     if kind in NOT_RUN:
         note += f" ({NOT_RUN[kind]})"
-    elif kind == FAILED:
-        note += " (failed)"
+    elif kind in (FAILED, DIVERGED):
+        note += f" ({kind})"
     elif measured is None:
         note += " (not tried)"
     if est.breakdown.allowance:
@@ -512,19 +513,24 @@ def throughput_chart(rec: Decision, trials: Sequence[TrialResult]) -> str:
 
 
 def _failure_marks(failed: list[TrialResult], left: float, y: float) -> list[str]:
-    """A cross per failed trial along the throughput chart's axis, and how many failed."""
+    """A cross per failed (or diverged) trial along the throughput chart's axis, and how
+    many."""
     out = []
     for i, t in enumerate(failed):
         x = left + 10 + i * 14
+        kind = DIVERGED if t.status is TrialStatus.DIVERGED else FAILED
         out.append(
             f'<text x="{x}" y="{y}" fill="{STATUS_COLOURS[t.status]}" font-weight="bold" '
-            f'data-outcome="failed">×<title>{_esc(t.candidate.label())}: '
+            f'data-outcome="{kind}">×<title>{_esc(t.candidate.label())}: '
             f"{_esc(t.status.value)}</title></text>"
         )
+    diverged = sum(1 for t in failed if t.status is TrialStatus.DIVERGED)
+    said = [f"{len(failed) - diverged} failed (oom / error / timeout)"] * (len(failed) > diverged)
+    said += [f"{diverged} diverged (NaN or inf loss)"] * bool(diverged)
     if failed:
         out.append(
             f'<text x="{left + 12 + len(failed) * 14}" y="{y}" class="s" '
-            f'data-outcome="failed">{len(failed)} failed (oom / error / timeout)</text>'
+            f'data-outcome="failed">{_esc(", ".join(said))}</text>'
         )
     return out
 

@@ -30,6 +30,7 @@ _STYLE = {
     TrialStatus.OOM: "yellow",
     TrialStatus.ERROR: "red",
     TrialStatus.TIMEOUT: "red",
+    TrialStatus.DIVERGED: "magenta",
     TrialStatus.PRUNED: "dim",
     TrialStatus.SKIPPED: "dim",
 }

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -38,17 +39,20 @@ STATUS_COLOURS = {
     TrialStatus.OOM: "#e65100",
     TrialStatus.ERROR: "#c62828",
     TrialStatus.TIMEOUT: "#c62828",
+    TrialStatus.DIVERGED: "#6a1b9a",
     TrialStatus.PRUNED: "#757575",
     TrialStatus.SKIPPED: "#9e9e9e",
 }
 
 
-# What became of a candidate, four different things that every view keeps apart.
+# What became of a candidate, five different things that every view keeps apart.
 MEASURED = "measured"  # a trial ran and measured it
+# a trial ran every step, but its loss became NaN or infinite: the model's step, usually
+DIVERGED = "diverged"
 FAILED = "failed"  # a trial ran and ended in an OOM, an error or a timeout
 SKIPPED = "skipped"  # never launched: a failure or the workers rule it out
 RULED_OUT = "ruled out"  # never launched: predicted not to fit
-OUTCOMES = (MEASURED, FAILED, SKIPPED, RULED_OUT)
+OUTCOMES = (MEASURED, DIVERGED, FAILED, SKIPPED, RULED_OUT)
 
 
 def outcome(s: Scored) -> str | None:
@@ -59,6 +63,7 @@ def outcome(s: Scored) -> str | None:
         return RULED_OUT if s.estimate is not None and not s.estimate.fits else None
     return {
         TrialStatus.OK: MEASURED,
+        TrialStatus.DIVERGED: DIVERGED,
         TrialStatus.PRUNED: RULED_OUT,
         TrialStatus.SKIPPED: SKIPPED,
     }.get(t.status, FAILED)
@@ -190,6 +195,7 @@ def why_ruled_out(s: Scored) -> str:
         kind = outcome(s)
         said = {
             FAILED: f"failed ({t.status.value})",
+            DIVERGED: "diverged (ran, but the loss became NaN or infinite)",
             SKIPPED: "skipped, never launched",
             RULED_OUT: "predicted not to fit, never launched",
         }[kind or FAILED]
@@ -401,10 +407,11 @@ def report_data(rec: Decision, trials: Sequence[TrialResult] = ()) -> dict[str, 
     from autoshard.emit.prose import choose_state_dict_type
 
     kind, why = choose_state_dict_type(rec)
+    # through pydantic's JSON: a diverged trial's NaN losses become "NaN", not JSON's missing NaN
     return {
         "schema": SCHEMA,
-        "recommendation": rec.model_dump(mode="json"),
-        "trials": [t.model_dump(mode="json") for t in trials_of(rec, trials)],
+        "recommendation": json.loads(rec.model_dump_json()),
+        "trials": [json.loads(t.model_dump_json()) for t in trials_of(rec, trials)],
         "summary": {
             "label": rec.chosen.candidate.label(),
             # measured, failed (ran: oom/error/timeout), skipped and ruled out (never launched)
