@@ -74,7 +74,9 @@ def test_the_table_says_what_counts_against_a_configuration() -> None:
         Cause.SIGNAL: failed(c, "rank 1 was killed by SIGKILL (signal 9)", transient=True),
         Cause.LAUNCH: failed(c, NOT_STARTED, transient=True),
         Cause.DISK: failed(c, DISK_FULL),
-    }
+        Cause.LEFTOVER: failed(c, "rank 0: OutOfMemoryError: CUDA out of memory", status="oom")
+        .model_copy(update={"contaminated": True}),
+    }  # fmt: skip
     for cause, result in cases.items():
         assert cause_of(result) is cause, (cause, result.error)
     # a record that says a signal killed a rank, without the flag (an older autoshard's)
@@ -85,7 +87,10 @@ def test_the_table_says_what_counts_against_a_configuration() -> None:
         Cause.SIGNAL,
         Cause.LAUNCH,
         Cause.DISK,
+        Cause.LEFTOVER,
     }
+    # a contaminated OOM dominates nothing and teaches no lesson
+    assert dominated_by(Candidate(micro_batch_size=2), [cases[Cause.LEFTOVER]]) is None
     # what the journal records: a full disk is transient, whatever the worker group could tell
     assert classified(cases[Cause.DISK]).transient
     assert not classified(cases[Cause.MODEL]).transient
