@@ -454,7 +454,9 @@ class Plan:
     def ranked(self, order: RankOrder | str = RankOrder.SPEED) -> list[MemoryEstimate]:
         """Fitting candidates first (fastest predicted, or most headroom), then the rest by
         how far they overshoot."""
-        return rank_candidates(self.estimates, order)
+        return rank_candidates(
+            self.estimates, order, host_memory_checked=self.hardware.host_memory is not None
+        )
 
 
 def make_plan(request: PlanRequest) -> Plan:
@@ -493,15 +495,17 @@ def make_plan(request: PlanRequest) -> Plan:
     estimates = speed.attach(
         estimate_all(profile, candidates, request.hardware, workload, activations=activations)
     )
+    checked = request.hardware.host_memory is not None
     if opts.simulate:
         from autoshard.predict.simulate import refine_with_simulation
 
         simulated = refine_with_simulation(
-            request.target, rank_candidates(estimates), request.hardware, workload,
+            request.target, rank_candidates(estimates, host_memory_checked=checked),
+            request.hardware, workload,
             block_classes=profile.block_classes, count=opts.simulate,
         )  # fmt: skip
         estimates = speed.attach(simulated)  # simulated peaks can change fit and headroom
-    estimates = rank_candidates(estimates)
+    estimates = rank_candidates(estimates, host_memory_checked=checked)
     host_note = host_memory_note(estimates, request.hardware)
     if host_note:
         notes.append(host_note)

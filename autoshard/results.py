@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from enum import Enum
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import Field
 
@@ -339,6 +339,50 @@ class TrialStatus(str, Enum):
         return self not in (TrialStatus.PRUNED, TrialStatus.SKIPPED)
 
 
+class Outcome(NamedTuple):
+    """What became of a candidate, in the words, colour and mark every view gives it (the
+    terminal, ``print(rec)``, report.json's ``summary.outcomes``, report.html's charts and
+    legends, the live view, optuna-dashboard's summary)."""
+
+    word: str  # the one word every view says: "3 skipped"
+    statuses: tuple[TrialStatus, ...]  # the trial statuses it covers
+    says: str  # what a table writes before the reason: "skipped, never launched: ..."
+    colour: str  # its colour in report.html
+    mark: str  # how report.html draws it: "solid", "cross", "outline", "hatched"
+
+
+# One row per outcome: a new kind of result is one row here (a TrialStatus without a row of its
+# own counts as failed).
+OUTCOMES: tuple[Outcome, ...] = (
+    Outcome("measured", (TrialStatus.OK,), "measured", "#4e79a7", "solid"),
+    Outcome(
+        "failed",
+        (TrialStatus.OOM, TrialStatus.ERROR, TrialStatus.TIMEOUT),
+        "failed",
+        "#c62828",
+        "cross",
+    ),
+    Outcome("skipped", (TrialStatus.SKIPPED,), "skipped, never launched", "#9e9e9e", "outline"),
+    Outcome(
+        "ruled out",
+        (TrialStatus.PRUNED,),
+        "predicted not to fit, never launched",
+        "#757575",
+        "hatched",
+    ),
+)
+
+
+def outcome_of(status: TrialStatus) -> Outcome:
+    """The row of :data:`OUTCOMES` a trial status falls under (failed where none names it).
+
+    >>> outcome_of(TrialStatus.PRUNED).word, outcome_of(TrialStatus.OOM).word
+    ('ruled out', 'failed')
+    """
+    failed = next(o for o in OUTCOMES if o.word == "failed")
+    return next((o for o in OUTCOMES if status in o.statuses), failed)
+
+
 class TrialResult(Frozen):
     """What one short real FSDP run measured (one line of ``trials.jsonl`` in a tune's output).
 
@@ -456,10 +500,36 @@ class Decision(Frozen):
             )
         basis = "estimates only" if self.basis == "estimate" else "measured trials"
         lines.append(
-            f"  basis: {basis}; {len(self.runners_up)} runners-up, {len(self.ruled_out)} ruled "
-            "out; rec.reasons says why each setting, rec.strategy() builds it"
+            f"  basis: {basis}; {self.outcome_words()}; rec.reasons says why each setting, "
+            "rec.strategy() builds it"
         )
         return lines
+
+    def outcome_counts(self) -> dict[str, int]:
+        """How many of the candidates this decision lists ended each way (:data:`OUTCOMES`),
+        the words report.json's ``summary.outcomes`` counts in; a candidate that fits and was
+        never tried (an estimate's runner-up) counts as none."""
+        counts = {o.word: 0 for o in OUTCOMES}
+        for s in (self.chosen, *self.runners_up, *self.ruled_out):
+            if s.trial is not None:
+                counts[outcome_of(s.trial.status).word] += 1
+            elif s.estimate is not None and not s.estimate.fits:
+                counts["ruled out"] += 1
+        return counts
+
+    def outcome_words(self) -> str:
+        """``"6 measured (the chosen and 5 runners-up), 32 skipped"``, or for an estimate
+        ``"4 runners-up, 170 ruled out"``: :meth:`outcome_counts` in words."""
+        counts = self.outcome_counts()
+        parts = []
+        if self.basis == "estimate" or not counts["measured"]:
+            parts.append(f"{len(self.runners_up)} runners-up")
+        else:
+            parts.append(
+                f"{counts['measured']} measured (the chosen and {len(self.runners_up)} runners-up)"
+            )
+        parts += [f"{n} {word}" for word, n in counts.items() if n and word != "measured"]
+        return ", ".join(parts)
 
     def __str__(self) -> str:
         return "\n".join(self.summary_lines())

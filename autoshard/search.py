@@ -36,7 +36,12 @@ import torch
 from pydantic import ValidationError
 
 from autoshard.config import Candidate, Checkpointing, TuneOptions
-from autoshard.decide import decide_from_trials
+from autoshard.decide import (
+    decide_from_trials,
+    estimate_contender,
+    objective_value,
+    trial_contender,
+)
 from autoshard.errors import StorageError, StudyNotice
 from autoshard.measure import speed_basis
 from autoshard.plan import Plan
@@ -45,7 +50,6 @@ from autoshard.predict.speed import SpeedFactors
 from autoshard.recommendation import Recommendation
 from autoshard.results import Decision, MemoryEstimate, TrialResult, TrialStatus
 from autoshard.sharding import cpu_workers_cannot_run
-from autoshard.space import rank_candidates
 from autoshard.study.loop import run_trials
 from autoshard.study.settings import StudySettings
 from autoshard.trials.group import WorkerGroup
@@ -125,7 +129,7 @@ def trial_order(plan: Plan) -> list[MemoryEstimate]:
     """The order in which the study tries the candidates of ``plan``: fitting ones first, the
     fastest predicted for the planned hardware first (on CPU workers standing in for GPUs too:
     they check that the most promising configurations build, train and fit)."""
-    return rank_candidates(plan.estimates)
+    return plan.ranked()
 
 
 def _notice(line: str) -> None:
@@ -266,43 +270,55 @@ def _open_study(store: StudyStore, plan: Plan, opts: TuneOptions) -> None:
 
 def study_objective(plan: Plan) -> tuple[str, Callable[[TrialResult], float], str]:
     """The value a successful trial records in the optuna study, its name, and a line saying
-    what it is: the one the decision ranks by. Trials on the device planned for: the measured
-    tokens/s (else samples/s) per GPU. CPU processes standing in for GPUs: the step-time
-    model's prediction for the planned GPU, as :func:`autoshard.decide.decide_from_trials`
-    ranks them (a CPU's timing says nothing about a GPU's)."""
+    what it is: the decision's own (:func:`autoshard.decide.objective_value`), so that optuna's
+    best trial is the recommended one. Trials on the device planned for: the measured tokens/s
+    (else samples/s) per GPU. CPU processes standing in for GPUs: the step-time model's
+    prediction for the planned GPU, as :func:`autoshard.decide.decide_from_trials` ranks them
+    (a CPU's timing says nothing about a GPU's). Either less its noise where the candidate is
+    at risk (near the memory limit, offloading to host memory not checked)."""
     from autoshard.study.storage import measured_per_rank  # optuna: only when a study runs
 
     tokens = plan.workload.seq_len is not None
     unit = "tokens/s" if tokens else "samples/s"
-    world = plan.hardware.world_size
-    if plan.hardware.backend == "gloo" or torch.cuda.is_available():
+    hardware = plan.hardware
+    checked = hardware.host_memory is not None
+    risk = (
+        "less its noise where the measured peak leaves under 5% of the usable memory or the "
+        "candidate offloads to host memory not checked: the decision passes over those for a "
+        "tied one without the risk, and optuna's best trial is the recommended one"
+    )
+    if hardware.backend == "gloo" or torch.cuda.is_available():
+
+        def measured(result: TrialResult) -> float:
+            usable = hardware.usable_gpu_memory
+            return objective_value(trial_contender(result, usable, host_memory_checked=checked))
+
         return (
             f"measured {unit} per GPU",
-            measured_per_rank,
+            measured,
             f"measured {unit} of one rank (the decision's order: the fastest measured that "
-            "fits, ties within the spread broken by headroom)",
+            f"fits), {risk}",
         )
     by_label = {e.candidate.label(): e for e in plan.estimates}
-    gpu = plan.hardware.gpu or next(
+    gpu = hardware.gpu or next(
         (e.speed.gpu for e in plan.estimates if e.speed is not None and e.speed.gpu), "GPU"
     )
 
     def predicted(result: TrialResult) -> float:
         e = by_label.get(result.candidate.label())
-        speed = e.speed if e is not None else None
-        if speed is None:
+        if e is None or e.speed is None:
             return measured_per_rank(result)
-        if tokens and speed.tokens_per_s_per_gpu:
-            return float(speed.tokens_per_s_per_gpu)
-        return speed.samples_per_s / world
+        value = objective_value(estimate_contender(e, host_memory_checked=checked))
+        # the contender's samples/s are all ranks' (its tokens/s, one GPU's)
+        return value if e.speed.tokens_per_s_per_gpu else value / hardware.world_size
 
     return (
         f"predicted {unit} per GPU ({gpu})",
         predicted,
-        f"predicted {unit} per GPU on {plan.hardware.nodes} x {plan.hardware.gpus_per_node} "
-        f"{gpu}: the trials ran on CPU processes, which checked that each configuration builds, "
-        "trains and fits; their timings (user attribute autoshard_result) say nothing about "
-        "the GPUs, so the decision ranks by this prediction, as the study does",
+        f"predicted {unit} per GPU on {hardware.nodes} x {hardware.gpus_per_node} {gpu}: the "
+        "trials ran on CPU processes, which checked that each configuration builds, trains and "
+        "fits; their timings (user attribute autoshard_result) say nothing about the GPUs, so "
+        f"the decision ranks by this prediction, as the study does; {risk}",
     )
 
 

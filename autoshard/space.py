@@ -10,8 +10,7 @@ tries in a handful of trials.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 from autoshard.config import (
     SHARDING_TRAITS,
@@ -26,9 +25,8 @@ from autoshard.config import (
     WorkloadSpec,
 )
 from autoshard.gpus import CATALOGUE, gpu_spec
+from autoshard.predict.factors import DEFAULT_FACTORS
 from autoshard.results import MemoryEstimate, ModelProfile
-
-T = TypeVar("T")
 
 
 def wrap_reason(candidate: Candidate, profile: ModelProfile) -> str:
@@ -265,10 +263,16 @@ def predicted_rate(estimate: MemoryEstimate) -> float:
 
 
 PREDICTED_TIE = 0.05
-"""Two predicted rates closer than this fraction are a tie, broken by memory headroom. The
-step-time model cannot order candidates more finely than that (its median error against 50
-published runs is 13%, benchmarks/results/step_time_published.md), and a few percent of
-predicted speed is not worth running at the edge of memory."""
+"""Two predicted rates closer than this fraction are a tie: the step-time model cannot order
+candidates more finely than that (its median error against 50 published runs is 13%,
+benchmarks/results/step_time_published.md). A tie does not by itself give way to headroom
+(:func:`autoshard.decide.ranked`): only a faster candidate at risk (:data:`NEAR_LIMIT`, unchecked
+host memory) yields to a tied one without that risk."""
+
+NEAR_LIMIT = DEFAULT_FACTORS.pressure_margin
+"""Headroom below this share of the usable memory is not enough: there the caching allocator's
+retries slow a step (the speed model's ``pressure_margin``) and a peak a little above the
+estimate runs out of memory. Above it, more headroom buys nothing worth any speed."""
 
 
 def predicted_tie(rate: float, top: float) -> bool:
@@ -276,32 +280,33 @@ def predicted_tie(rate: float, top: float) -> bool:
     return top - rate <= PREDICTED_TIE * top
 
 
-def tie_ranked(
-    items: Sequence[T], rate: Callable[[T], float], headroom: Callable[[T], float]
-) -> list[T]:
-    """Fastest first, except that the fastest left and every item predicted within
-    :data:`PREDICTED_TIE` of it are a tie, which goes to the most headroom; repeated until none
-    is left. (A tie is not transitive, so it is always taken against the fastest left.)"""
-    left = sorted(items, key=lambda x: (-rate(x), -headroom(x)))
-    ranked: list[T] = []
-    while left:
-        top = rate(left[0])
-        tied = [i for i, x in enumerate(left) if predicted_tie(rate(x), top)]
-        ranked.append(left.pop(max(tied, key=lambda i: headroom(left[i]))))
-    return ranked
+def tie_rule_words() -> str:
+    """The order of fitting candidates in words, as tables caption it."""
+    return (
+        f"fastest predicted first; one within {PREDICTED_TIE:.0%} of a faster one goes first "
+        f"only where that one is near the memory limit (under {NEAR_LIMIT:.0%} of it to spare) "
+        "or offloads to host memory not checked"
+    )
 
 
 def rank_candidates(
-    estimates: Sequence[MemoryEstimate], by: RankOrder | str = RankOrder.SPEED
+    estimates: Sequence[MemoryEstimate],
+    by: RankOrder | str = RankOrder.SPEED,
+    *,
+    host_memory_checked: bool = False,
 ) -> list[MemoryEstimate]:
-    """Fitting candidates first: by predicted speed, where the fastest left and every candidate
-    within :data:`PREDICTED_TIE` of it are a tie that goes to the most headroom; or with
-    ``by="headroom"`` the most headroom first. Then the rest by how far they overshoot.
+    """Fitting candidates first: by the decision's rule (:func:`autoshard.decide.ranked`: the
+    fastest predicted, unless it is at risk and a candidate within :data:`PREDICTED_TIE` of it
+    is not); or with ``by="headroom"`` the most headroom first. Then the rest by how far they
+    overshoot. ``host_memory_checked``: whether the estimates checked offload's host memory
+    (a host memory was given); unchecked, offloading is a risk.
 
     One order for every door: ``recommend``, ``estimate``, export and the study's trial order."""
+    from autoshard.decide import rank_estimates  # the decision's rule (decide imports this module)
+
     order = RankOrder(by)
     fits = [e for e in estimates if e.fits]
     rest = sorted((e for e in estimates if not e.fits), key=lambda e: -e.headroom)
     if order is RankOrder.HEADROOM:
         return sorted(fits, key=lambda e: -e.headroom) + rest
-    return tie_ranked(fits, predicted_rate, lambda e: e.headroom) + rest
+    return rank_estimates(fits, host_memory_checked=host_memory_checked) + rest

@@ -10,14 +10,21 @@ from collections.abc import Sequence
 from autoshard.config import Candidate, Hardware
 from autoshard.errors import AutoshardError
 from autoshard.measure import speed_basis, spread_of
-from autoshard.results import Decision, MemoryEstimate, Scored, TrialResult, TrialStatus
+from autoshard.results import (
+    Decision,
+    MemoryEstimate,
+    Scored,
+    TrialResult,
+    TrialStatus,
+    outcome_of,
+)
 from autoshard.ui.report import (
     FAILED,
     KIND_COLOURS,
     MEASURED,
+    OUTCOME_BY_WORD,
     RULED_OUT,
     SKIPPED,
-    STATUS_COLOURS,
     listed_rows,
     outcome,
     outcome_counts,
@@ -59,7 +66,7 @@ def _memory_rows(
 
 
 # How the memory chart and the table say what became of a candidate that was not chosen.
-NOT_RUN = {SKIPPED: "skipped, never launched", RULED_OUT: "predicted not to fit, never launched"}
+NOT_RUN = {word: OUTCOME_BY_WORD[word].says for word in (SKIPPED, RULED_OUT)}
 
 
 class _Axis:
@@ -517,7 +524,7 @@ def _failure_marks(failed: list[TrialResult], left: float, y: float) -> list[str
     for i, t in enumerate(failed):
         x = left + 10 + i * 14
         out.append(
-            f'<text x="{x}" y="{y}" fill="{STATUS_COLOURS[t.status]}" font-weight="bold" '
+            f'<text x="{x}" y="{y}" fill="{outcome_of(t.status).colour}" font-weight="bold" '
             f'data-outcome="failed">×<title>{_esc(t.candidate.label())}: '
             f"{_esc(t.status.value)}</title></text>"
         )

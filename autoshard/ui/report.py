@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -15,7 +16,15 @@ from rich.text import Text
 from autoshard.config import Engine, Hardware
 from autoshard.emit.text import describe_fsdp2_precision, describe_reshard
 from autoshard.measure import speed_basis, spread_of, trials_checked_line
-from autoshard.results import Decision, Scored, SpeedBreakdown, TrialResult, TrialStatus
+from autoshard.results import (
+    OUTCOMES,
+    Decision,
+    Scored,
+    SpeedBreakdown,
+    TrialResult,
+    TrialStatus,
+    outcome_of,
+)
 from autoshard.ui.fit import Column, fitted_table
 from autoshard.units import format_bytes
 
@@ -33,41 +42,51 @@ KIND_COLOURS: dict[str, str] = {
     "buffers": "#b07aa1",
     "allowance": "#bab0ac",
 }
-STATUS_COLOURS = {
-    TrialStatus.OK: "#2e7d32",
-    TrialStatus.OOM: "#e65100",
-    TrialStatus.ERROR: "#c62828",
-    TrialStatus.TIMEOUT: "#c62828",
-    TrialStatus.PRUNED: "#757575",
-    TrialStatus.SKIPPED: "#9e9e9e",
-}
-
-
-# What became of a candidate, four different things that every view keeps apart.
-MEASURED = "measured"  # a trial ran and measured it
-FAILED = "failed"  # a trial ran and ended in an OOM, an error or a timeout
-SKIPPED = "skipped"  # never launched: a failure or the workers rule it out
-RULED_OUT = "ruled out"  # never launched: predicted not to fit
-OUTCOMES = (MEASURED, FAILED, SKIPPED, RULED_OUT)
+# What became of a candidate: the words, colours and marks of results.OUTCOMES, which every view
+# keeps apart (measured; failed: ran, and ended in an OOM, an error or a timeout; skipped and
+# ruled out: never launched, a failure or the workers, or the estimate, kept them out).
+MEASURED, FAILED, SKIPPED, RULED_OUT = (o.word for o in OUTCOMES)
+OUTCOME_BY_WORD = {o.word: o for o in OUTCOMES}
+NEVER_LAUNCHED = {
+    status: o.word for o in OUTCOMES for status in o.statuses if not status.launched
+}  # fmt: skip
 
 
 def outcome(s: Scored) -> str | None:
-    """Which of :data:`OUTCOMES` befell ``s``; None for a candidate that fits and was never
-    tried (an estimate-only decision's runners-up)."""
+    """Which outcome (:data:`autoshard.results.OUTCOMES`) befell ``s``; None for a candidate
+    that fits and was never tried (an estimate-only decision's runners-up)."""
     t = s.trial
     if t is None:
         return RULED_OUT if s.estimate is not None and not s.estimate.fits else None
-    return {
-        TrialStatus.OK: MEASURED,
-        TrialStatus.PRUNED: RULED_OUT,
-        TrialStatus.SKIPPED: SKIPPED,
-    }.get(t.status, FAILED)
+    return outcome_of(t.status).word
+
+
+def reason_key(text: str) -> str:
+    """A reason with its numbers blanked: "needs 80.1 GiB per GPU" and "needs 133 GiB per GPU"
+    are one reason, said once with how many share it."""
+    return re.sub(r"\d[\d,.]*", "#", " ".join(text.split()))
+
+
+def grouped_reasons(reasons: Iterable[str]) -> dict[str, int]:
+    """Each distinct reason (numbers aside, :func:`reason_key`), the first of its kind as
+    written, with how many candidates share it: the most shared first.
+
+    >>> grouped_reasons(["needs 80 GiB", "offload needs a GPU", "needs 133 GiB", "needs 96 GiB"])
+    {'needs 80 GiB': 3, 'offload needs a GPU': 1}
+    """
+    first: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    for text in reasons:
+        key = reason_key(text)
+        first.setdefault(key, " ".join(text.split()))
+        counts[key] = counts.get(key, 0) + 1
+    return {first[k]: n for k, n in sorted(counts.items(), key=lambda kv: -kv[1])}
 
 
 def outcome_counts(rec: Decision, trials: Iterable[TrialResult] = ()) -> dict[str, int]:
     """How many candidates ended each way (report.json, the throughput chart): the trials
     given and every candidate the recommendation lists."""
-    counts = dict.fromkeys(OUTCOMES, 0)
+    counts = {o.word: 0 for o in OUTCOMES}
     for _, s in listed_rows(rec, trials):
         if (kind := outcome(s)) is not None:
             counts[kind] += 1
@@ -187,12 +206,8 @@ def why_ruled_out(s: Scored) -> str:
     never launched: ...``, ``predicted not to fit, never launched: ...``."""
     t = s.trial
     if t is not None and t.status is not TrialStatus.OK:
-        kind = outcome(s)
-        said = {
-            FAILED: f"failed ({t.status.value})",
-            SKIPPED: "skipped, never launched",
-            RULED_OUT: "predicted not to fit, never launched",
-        }[kind or FAILED]
+        row = outcome_of(t.status)
+        said = f"{row.says} ({t.status.value})" if t.status.launched else row.says
         return f"{said}: {t.error}" if t.error else said
     if s.estimate is not None and not s.estimate.fits:
         return "predicted not to fit: " + (
