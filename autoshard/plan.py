@@ -39,7 +39,7 @@ from autoshard.config import (
 )
 from autoshard.errors import ConfigError
 from autoshard.predict.activations import ActivationProfile, precisions_of, profile_activations
-from autoshard.predict.analytic import estimate_all
+from autoshard.predict.analytic import compile_saving, estimate_all
 from autoshard.predict.calibrate import SpeedModel
 from autoshard.results import MemoryEstimate, ModelProfile
 from autoshard.space import (
@@ -499,10 +499,15 @@ def make_plan(request: PlanRequest) -> Plan:
     if opts.simulate:
         from autoshard.predict.simulate import refine_with_simulation
 
+        def saving(candidate: Candidate) -> int:
+            return compile_saving(
+                profile, candidate, request.hardware, workload, activations=activations
+            )
+
         simulated = refine_with_simulation(
             request.target, rank_candidates(estimates, host_memory_checked=checked),
             request.hardware, workload,
-            block_classes=profile.block_classes, count=opts.simulate,
+            block_classes=profile.block_classes, count=opts.simulate, compile_saving=saving,
         )  # fmt: skip
         estimates = speed.attach(simulated)  # simulated peaks can change fit and headroom
     estimates = rank_candidates(estimates, host_memory_checked=checked)
