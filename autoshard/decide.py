@@ -256,6 +256,7 @@ def choose_from_trials(
 # --------------------------------------------------------------------------------------------
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 # Breaks exact ties of rate (equal predictions: two candidates bound by the same host floor) by
 # headroom, folded into the study's objective so that optuna's best trial is the choice: at most
@@ -264,13 +265,13 @@ HEADROOM_TIEBREAK = 1e-12
 
 
 @dataclass(frozen=True)
-class Contender(Generic[T]):
+class Contender(Generic[T_co]):
     """One candidate as the decision weighs it: ``rate``, the throughput the decision ranks
     (measured or predicted, per GPU), known to within ``spread`` (relative; None: a prediction,
     whose resolution is :data:`~autoshard.space.PREDICTED_TIE`), and its memory headroom under
     the ``usable`` memory (measured or predicted). ``item``: the estimate or trial it stands for."""
 
-    item: T
+    item: T_co
     label: str
     rate: float
     spread: float | None
