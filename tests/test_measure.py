@@ -238,8 +238,9 @@ def test_cpu_trials_for_gpus_call_a_predicted_tie_a_tie() -> None:
     rec = recommend([quick, slim], gpus, estimates)
     assert rec.chosen.trial is quick
     assert rec.reasons[1].startswith("fastest of 2 predicted configurations: "), rec.reasons[1]
-    assert "one other within the noise (±5%), not preferred for headroom: its headroom (" in (
-        rec.reasons[1]
+    assert (
+        "one other within the noise (±5%), not preferred for headroom: its headroom ("
+        in (rec.reasons[1])
     )
     assert "sharding=SHARD_GRAD_OP predicted about as fast (within 5%)" in rec.reasons
     # the same estimates without trials choose the same configuration: one answer
@@ -251,8 +252,9 @@ def test_cpu_trials_for_gpus_call_a_predicted_tie_a_tie() -> None:
     rec = recommend([quick, slim], gpus, [edge, estimates[1]])
     assert rec.chosen.trial is slim
     assert rec.reasons[1].startswith("within the noise (±5%) of the fastest predicted"), rec.reasons
-    assert "sharding=FULL_SHARD predicted about as fast (within 5%), but near the memory limit (" in (
-        "\n".join(rec.reasons)
+    assert (
+        "sharding=FULL_SHARD predicted about as fast (within 5%), but near the memory limit ("
+        in ("\n".join(rec.reasons))
     )
     assert rank_candidates([edge, estimates[1]])[0].candidate == slim.candidate
     # 1.25x apart: no tie, and the fastest predicted is named as such

@@ -102,6 +102,7 @@ class Screen:
         self.rows, self.cols = rows, cols
         self.cells = [[" "] * cols for _ in range(rows)]
         self.r = self.c = 0
+        self.pending = ""  # an escape sequence cut by the end of a read, until it is whole
 
     def lines(self) -> list[str]:
         return ["".join(row).rstrip() for row in self.cells]
@@ -113,6 +114,10 @@ class Screen:
             self.r = self.rows - 1
 
     def feed(self, text: str) -> None:
+        text, self.pending = self.pending + text, ""
+        cut = text.rfind("\x1b")
+        if cut >= 0 and not self.CSI.match(text, cut):
+            text, self.pending = text[:cut], text[cut:]
         pos = 0
         for match in self.CSI.finditer(text):
             self._chars(text[pos : match.start()])
@@ -168,6 +173,9 @@ def test_the_screen_emulator_does_what_a_terminal_does() -> None:
     assert screen.lines() == ["two", "xyz", ""]
     screen.feed("\r\n0123456789ab")  # past the last column: wraps, and scrolls
     assert screen.lines() == ["xyz", "0123456789", "ab"]
+    screen.feed("\x1b[1")  # a sequence cut between two reads
+    screen.feed("AZ")
+    assert screen.lines() == ["xyz", "01Z3456789", "ab"]
 
 
 @pytest.mark.slow
@@ -212,7 +220,7 @@ def test_tune_in_an_80x24_terminal_keeps_the_running_trial_and_the_best_on_scree
                 screen.feed(chunk.decode("utf-8", "replace"))
                 lines = screen.lines()
                 running = [line for line in lines if line.startswith("running: fsdp")]
-                if running and any(line.startswith("★ best so far: fsdp") for line in lines):
+                if running and any(line.startswith("★ best so far") for line in lines):
                     seen.append(lines)
             elif tune.poll() is not None:
                 break

@@ -205,7 +205,7 @@ class StudyProgress:
             if predicted:
                 best = max(predicted, key=_predicted_per_gpu)
                 return Text.assemble(
-                    ("best so far (predicted for the planned GPUs): ", "bold green"),
+                    ("★ best so far (predicted for the planned GPUs): ", "bold green"),
                     best.candidate.label(), f", {_predicted_per_gpu(best):,.0f} {_unit(best)} "
                     "per GPU predicted",
                 )  # fmt: skip
