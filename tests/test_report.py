@@ -42,10 +42,9 @@ def test_summary_says_what_won_why_and_what_was_ruled_out() -> None:
     assert table.count("runner-up") == 3 and "1,123 ±2%" in table.split("runner-up")[0]
     # each says what kept it out: it ran and failed, or was never launched
     assert "failed (oom): CUDA out of memory" in table  # the OOM trial
-    assert "predicted not to fit: needs more than the usable GPU memory" in table  # pruned
-    assert [line.split()[1] for line in table.splitlines() if "fsdp1" in line][-2:] == [
-        "failed", "ruled",
-    ]  # fmt: skip
+    # the pruned one: never launched, one line after the table
+    assert "1 ruled out, never launched: needs more than the usable GPU memory" in table
+    assert [line.split()[1] for line in table.splitlines() if "fsdp1" in line][-1] == "failed"
     # CPU trials measure without the CUDA allowance the prediction carries: both say so.
     assert "858 MiB of it the allowance for the CUDA context" in text
     assert "measured peak (cpu)" in text
@@ -138,7 +137,9 @@ def test_progress_lines_name_each_number_and_star_only_a_ranking_measurement() -
         assert lines[1].endswith("1,280 tok/s per rank" + (" ★" if stars else ""))
 
 
-def test_the_terminal_says_a_repeated_reason_once_per_fold() -> None:
+def test_the_terminal_says_a_repeated_reason_once() -> None:
+    """Candidates never launched for one reason are one line after the table, with how many
+    (a row each repeated a 5-line reason 32 times); what ran keeps its row."""
     rec = make_rec()
     why = "offload needs a GPU"
     skipped = [
@@ -155,11 +156,13 @@ def test_the_terminal_says_a_repeated_reason_once_per_fold() -> None:
     rec = rec.model_copy(update={"ruled_out": [*rec.ruled_out, *skipped]})
     console = Console(record=True, width=250)
     print_summary(rec, console, trials=all_trials(rec))
-    table = console.export_text().split("Configurations")[1]
-    assert table.count(why) == 3  # two of them, then "... and 3 more" with the reason once
-    assert "... and 3 more" in table
-    assert "(oom): CUDA out of memory" in table and "usable GPU memory" in table  # not folded
-    assert "skipped" in table.split("... and 3 more")[0].splitlines()[-1]  # the fold says which
+    text = console.export_text()
+    assert text.count(why) == 1
+    assert "5 skipped, never launched: offload needs a GPU" in text
+    # the pruned candidate too: one line in the outcome's word, after the table
+    assert "1 ruled out, never launched: needs more than the usable GPU memory" in text
+    table = text.split("Configurations")[1].split("└")[0]
+    assert "(oom): CUDA out of memory" in table and "usable GPU memory" not in table
 
 
 def test_write_report_and_load_it_back(tmp_path: Path) -> None:

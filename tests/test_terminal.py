@@ -234,6 +234,6 @@ def test_tune_in_an_80x24_terminal_keeps_the_running_trial_and_the_best_on_scree
     shown = seen[-1]
     assert len(shown) == 24 and all(len(line) <= 80 for line in shown)
     # one line for the skipped offload candidates, however many: never a row each
-    skipped = [line for line in shown if " skipped (never launched): " in line]
+    skipped = [line for line in shown if " skipped, never launched: " in line]
     assert len(skipped) == 1 and int(skipped[0].split()[0]) > 4, shown
     assert sum("offload" in line for line in shown) <= 1, shown

@@ -18,7 +18,7 @@ from autoshard.config import Hardware, ProgressEvent
 from autoshard.measure import speed_basis
 from autoshard.results import Scored, TrialResult, TrialStatus
 from autoshard.ui.fit import Column, fitted_table
-from autoshard.ui.report import NEVER_LAUNCHED, grouped_reasons
+from autoshard.ui.report import group_line, never_launched_groups
 from autoshard.units import format_bytes
 
 # The live table's columns; when the terminal is narrow the estimate goes first, then the step.
@@ -218,19 +218,12 @@ class StudyProgress:
         )  # fmt: skip
 
     def _never_launched_lines(self, width: int, most: int | None) -> list[Text]:
-        """One line per reason of the candidates never launched: how many, what kept them out
-        (the outcome's word), why; cut to one line each."""
+        """One line per reason of the candidates never launched: how many, what kept them out,
+        why (:func:`never_launched_groups`, the summary's lines); cut to one line each."""
         lines = []
-        for status, word in NEVER_LAUNCHED.items():
-            kept_out = [
-                s.trial.error or "" for s in self.rows.values()
-                if s.trial is not None and s.trial.status is status
-            ]  # fmt: skip
-            for why, n in grouped_reasons(kept_out).items():
-                what = "predicted not to fit" if status is TrialStatus.PRUNED else "never launched"
-                line = Text(f"{n} {word} ({what}): {why}", style="dim", no_wrap=True)
-                line.truncate(width, overflow="ellipsis")
-                lines.append(line)
+        for word, n, why in never_launched_groups(("", s) for s in self.rows.values()):
+            line = Text(group_line(word, n, why), style="dim")
+            lines.append(_one_line(line, width))
         if most is not None and len(lines) > most:
             more = len(lines) - most + 1
             lines = [*lines[: most - 1], Text(f"... {more} more reasons (report.html has all)",

@@ -61,26 +61,73 @@ def outcome(s: Scored) -> str | None:
     return outcome_of(t.status).word
 
 
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
 def reason_key(text: str) -> str:
     """A reason with its numbers blanked: "needs 80.1 GiB per GPU" and "needs 133 GiB per GPU"
     are one reason, said once with how many share it."""
-    return re.sub(r"\d[\d,.]*", "#", " ".join(text.split()))
+    return NUMBER.sub("#", " ".join(text.split()))
 
 
 def grouped_reasons(reasons: Iterable[str]) -> dict[str, int]:
-    """Each distinct reason (numbers aside, :func:`reason_key`), the first of its kind as
-    written, with how many candidates share it: the most shared first.
+    """Each distinct reason (numbers aside, :func:`reason_key`) with how many candidates share
+    it, the most shared first; a number that differs among them is given as its range.
 
-    >>> grouped_reasons(["needs 80 GiB", "offload needs a GPU", "needs 133 GiB", "needs 96 GiB"])
-    {'needs 80 GiB': 3, 'offload needs a GPU': 1}
+    >>> grouped_reasons(["needs 80 GiB of 76", "offload needs a GPU", "needs 133 GiB of 76"])
+    {'needs 80-133 GiB of 76': 2, 'offload needs a GPU': 1}
     """
-    first: dict[str, str] = {}
-    counts: dict[str, int] = {}
+    numbers: dict[str, list[list[str]]] = {}
     for text in reasons:
-        key = reason_key(text)
-        first.setdefault(key, " ".join(text.split()))
-        counts[key] = counts.get(key, 0) + 1
-    return {first[k]: n for k, n in sorted(counts.items(), key=lambda kv: -kv[1])}
+        flat = " ".join(text.split())
+        numbers.setdefault(reason_key(flat), []).append(NUMBER.findall(flat))
+    out = {}
+    for key, seen in sorted(numbers.items(), key=lambda kv: -len(kv[1])):
+        spans = []
+        for values in zip(*seen, strict=True):
+            low = min(values, key=lambda v: float(v.replace(",", "")))
+            high = max(values, key=lambda v: float(v.replace(",", "")))
+            spans.append(low if low == high else f"{low}-{high}")
+        parts = key.split("#")
+        out["".join(p + (spans[i] if i < len(spans) else "") for i, p in enumerate(parts))] = len(
+            seen
+        )
+    return out
+
+
+def never_launched(s: Scored) -> tuple[str, str] | None:
+    """(outcome, reason) of a candidate never launched: skipped, or ruled out (predicted not to
+    fit, as a trial record or an estimate); None for one that ran or fits."""
+    t = s.trial
+    if t is not None and not t.status.launched:
+        return NEVER_LAUNCHED[t.status], t.error or ""
+    if t is None and s.estimate is not None and not s.estimate.fits:
+        return RULED_OUT, s.estimate.reason
+    return None
+
+
+def group_line(word: str, n: int, why: str) -> str:
+    """One line for ``n`` candidates never launched for one reason, in the outcome's word.
+
+    >>> group_line("skipped", 32, "offload needs a GPU")
+    '32 skipped, never launched: offload needs a GPU'
+    """
+    return f"{n} {word}, never launched: {why}"
+
+
+def never_launched_groups(rows: Iterable[tuple[str, Scored]]) -> list[tuple[str, int, str]]:
+    """The candidates of ``rows`` never launched, as (outcome, how many, the reason they share:
+    :func:`grouped_reasons`): one line each in the terminal and report.html's table, instead of
+    a row per candidate with the same reason."""
+    by_word: dict[str, list[str]] = {}
+    for _, s in rows:
+        if (kept := never_launched(s)) is not None:
+            by_word.setdefault(kept[0], []).append(kept[1])
+    return [
+        (word, n, why)
+        for word, reasons in by_word.items()
+        for why, n in grouped_reasons(reasons).items()
+    ]
 
 
 def outcome_counts(rec: Decision, trials: Iterable[TrialResult] = ()) -> dict[str, int]:
@@ -181,26 +228,6 @@ def trials_note(rec: Decision, trials: Sequence[TrialResult] = ()) -> str | None
     return trials_checked_line(rec.hardware, predicted_device(rec))
 
 
-FOLD_AFTER = 2  # never-launched candidates listed per reason in the terminal; report.html has all
-
-
-def _fold_not_launched(
-    rows: list[tuple[str, Scored]],
-) -> tuple[list[tuple[str, Scored]], dict[tuple[str, str], int]]:
-    """The rows with at most FOLD_AFTER never-launched (pruned, skipped) candidates per reason,
-    and how many more each reason had: a dozen identical "needs a GPU" rows say it once."""
-    kept: list[tuple[str, Scored]] = []
-    seen: dict[tuple[str, str], int] = {}
-    for kind, s in rows:
-        if kind in (SKIPPED, RULED_OUT) and s.trial is not None and not s.trial.status.launched:
-            key = (kind, why_ruled_out(s))
-            seen[key] = seen.get(key, 0) + 1
-            if seen[key] > FOLD_AFTER:
-                continue
-        kept.append((kind, s))
-    return kept, {key: n - FOLD_AFTER for key, n in seen.items() if n > FOLD_AFTER}
-
-
 def why_ruled_out(s: Scored) -> str:
     """What kept ``s`` out, saying which of the four it was: ``failed (oom): ...``, ``skipped,
     never launched: ...``, ``predicted not to fit, never launched: ...``."""
@@ -246,7 +273,8 @@ def print_summary(
         console.print(f"  • {escape(line)}", highlight=False)
     rows = listed_rows(rec, trials)
     if len(rows) > 1:
-        rows, folded = _fold_not_launched(rows)
+        groups = never_launched_groups(rows)
+        rows = [(k, s) for k, s in rows if never_launched(s) is None]
         ran = {s.trial.device for _, s in rows if s.trial and s.trial.status is TrialStatus.OK}
         where = f" ({ran.pop()})" if len(ran) == 1 else ""
         unit = next((u for _, s in rows for u in [rate_per_rank(s.trial)[1]] if u), "tokens/s")
@@ -278,8 +306,6 @@ def print_summary(
                 measured_text,
                 "" if ok or kind == "chosen" else escape(why_ruled_out(s)),
             ])  # fmt: skip
-        for (kind, why), more in folded.items():
-            cells.append([kind, f"... and {more} more", "", "", "", "", escape(why)])
         console.print(
             fitted_table(
                 columns,
@@ -290,6 +316,8 @@ def print_summary(
                 caption_justify="left",
             )
         )
+        for word, n, why in groups:
+            console.print(escape(group_line(word, n, why)), highlight=False)
     n = sum(1 for t in trials_of(rec, trials) if t.status.launched)
     if n:
         console.print(f"[dim]{n} trials ran; see report.html for charts[/]")
