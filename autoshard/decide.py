@@ -8,17 +8,17 @@ With trials, what decides depends on where they ran (:func:`autoshard.measure.sp
 the kind of device planned for, the measurements; on CPU processes standing in for the planned
 GPUs, the trials only show that a configuration builds, trains and fits, and the step-time
 model's predictions for the planned GPUs decide among those. Either way one rule
-(:func:`ranked`): the fastest, unless it is at risk (near the memory limit, or offloading to host
-memory no one checked) and a candidate within the noise of it (:func:`tie`, the one seam) is not.
+(:func:`autoshard.ranking.ranked`): the fastest, unless it is at risk (near the memory limit, or
+offloading to host memory no one checked) and a candidate within the noise of it
+(:func:`autoshard.ranking.tie`, the one seam) is not.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -34,6 +34,16 @@ from autoshard.measure import (
 from autoshard.plan import Plan, fits_elsewhere
 from autoshard.predict.factors import SpeedFactors
 from autoshard.predict.step_profile import step_profile
+from autoshard.ranking import (
+    PREDICTED_TIE,
+    Contender,
+    estimate_contender,
+    pair_noise,
+    ranked,
+    speed_key,
+    tie,
+    trial_contender,
+)
 from autoshard.recommendation import Recommendation
 from autoshard.results import (
     MemoryEstimate,
@@ -43,13 +53,10 @@ from autoshard.results import (
     TrialResult,
     TrialStatus,
 )
-from autoshard.space import (
-    NEAR_LIMIT,
-    PREDICTED_TIE,
-    predicted_tie,
-    wrap_reason,
-)
+from autoshard.space import wrap_reason
 from autoshard.units import format_bytes, format_share
+
+T = TypeVar("T")
 
 
 def versions() -> dict[str, str]:
@@ -252,147 +259,8 @@ def choose_from_trials(
 
 
 # --------------------------------------------------------------------------------------------
-# The tie rule: when speed gives way, and to what
+# The first reason: the rule that decided (autoshard.ranking)
 # --------------------------------------------------------------------------------------------
-
-T = TypeVar("T")
-T_co = TypeVar("T_co", covariant=True)
-
-# Breaks exact ties of rate (equal predictions: two candidates bound by the same host floor) by
-# headroom, folded into the study's objective so that optuna's best trial is the choice: at most
-# this share of a rate, far below any difference the rule reads.
-HEADROOM_TIEBREAK = 1e-12
-
-
-@dataclass(frozen=True)
-class Contender(Generic[T_co]):
-    """One candidate as the decision weighs it: ``rate``, the throughput the decision ranks
-    (measured or predicted, per GPU), known to within ``spread`` (relative; None: a prediction,
-    whose resolution is :data:`~autoshard.space.PREDICTED_TIE`), and its memory headroom under
-    the ``usable`` memory (measured or predicted). ``item``: the estimate or trial it stands for."""
-
-    item: T_co
-    label: str
-    rate: float
-    spread: float | None
-    headroom: int
-    usable: int
-    offload_unchecked: bool = False
-
-    @property
-    def measured(self) -> bool:
-        return self.spread is not None
-
-    @property
-    def risk(self) -> str | None:
-        """Why this candidate may not hold up as planned, or None: headroom under
-        :data:`~autoshard.space.NEAR_LIMIT` of the usable memory, or CPU offload whose host
-        memory no one checked."""
-        if self.usable > 0 and self.headroom < NEAR_LIMIT * self.usable:
-            return (
-                f"near the memory limit ({format_bytes(max(self.headroom, 0))} of "
-                f"{format_bytes(self.usable)} to spare)"
-            )
-        if self.offload_unchecked:
-            return "offloads to host memory that was not checked"
-        return None
-
-    @property
-    def noise(self) -> float:
-        """The relative difference within which this rate ties another of its kind."""
-        return 2 * self.spread if self.spread is not None else PREDICTED_TIE
-
-
-def tie(a: Contender[object], b: Contender[object]) -> bool:
-    """Whether ``a`` and ``b`` are as fast as far as can be told: the one seam of the rule
-    (prediction intervals plug in here). Two measurements tie when their rates differ by less
-    than their spreads together (:func:`autoshard.measure.compare`); a prediction ties within
-    :data:`~autoshard.space.PREDICTED_TIE` of the faster.
-
-    >>> def c(rate, spread=None):
-    ...     return Contender(None, "", rate, spread, headroom=10, usable=100)
-    >>> tie(c(100.0), c(95.0)), tie(c(100.0), c(94.0)), tie(c(100.0, 0.02), c(97.0, 0.02))
-    (True, False, True)
-    """
-    if a.spread is not None and b.spread is not None:
-        return abs(a.rate - b.rate) <= a.rate * a.spread + b.rate * b.spread
-    return predicted_tie(min(a.rate, b.rate), max(a.rate, b.rate))
-
-
-def _speed_key(c: Contender[T]) -> tuple[float, int]:
-    share = max(c.headroom, 0) / c.usable if c.usable > 0 else 0.0
-    return c.rate * (1 + HEADROOM_TIEBREAK * share), c.headroom
-
-
-def ranked(contenders: Sequence[Contender[T]]) -> list[Contender[T]]:
-    """Best first. The fastest left leads, unless it is at risk (:attr:`Contender.risk`) and
-    a candidate tied with it (:func:`tie`) is not: then the fastest of those leads. Speed is
-    never traded for headroom that is already enough, nor for less than the noise; equal rates
-    go to more headroom. Repeated until none is left.
-
-    >>> def c(label, rate, headroom, offload=False):
-    ...     return Contender(None, label, rate, None, headroom, 100, offload_unchecked=offload)
-    >>> [x.label for x in ranked([c("edge", 100.0, 2), c("roomy", 97.0, 40), c("low", 9.0, 60)])]
-    ['roomy', 'edge', 'low']
-    >>> [x.label for x in ranked([c("fast", 100.0, 10), c("roomy", 97.0, 40)])]
-    ['fast', 'roomy']
-    >>> [x.label for x in ranked([c("offload", 100.0, 40, offload=True), c("kept", 96.0, 10)])]
-    ['kept', 'offload']
-    """
-    left = sorted(contenders, key=_speed_key, reverse=True)
-    out: list[Contender[T]] = []
-    while left:
-        pick = 0
-        if left[0].risk is not None:
-            pick = next(
-                (i for i, c in enumerate(left) if i and c.risk is None and tie(left[0], c)), 0
-            )
-        out.append(left.pop(pick))
-    return out
-
-
-def objective_value(c: Contender[object]) -> float:
-    """The study's objective for ``c``: its rate, less its noise where it is at risk (so that a
-    tied candidate without the risk scores higher, as :func:`ranked` chooses), exact ties
-    broken by headroom: optuna's best trial is the recommended one."""
-    rate = c.rate * (1 - c.noise) if c.risk is not None else c.rate
-    share = max(c.headroom, 0) / c.usable if c.usable > 0 else 0.0
-    return rate * (1 + HEADROOM_TIEBREAK * share)
-
-
-def estimate_contender(
-    e: MemoryEstimate, *, host_memory_checked: bool = False
-) -> Contender[MemoryEstimate]:
-    """A predicted candidate: its predicted tokens/s per GPU (else samples/s), its predicted
-    headroom."""
-    speed = e.speed
-    rate = 0.0
-    if speed is not None:
-        rate = float(speed.tokens_per_s_per_gpu or speed.samples_per_s)
-    return Contender(
-        e, e.candidate.label(), rate, None, e.headroom, e.gpu_peak + e.headroom,
-        offload_unchecked=e.candidate.cpu_offload and not host_memory_checked,
-    )  # fmt: skip
-
-
-def trial_contender(
-    t: TrialResult, usable: int, *, host_memory_checked: bool = False
-) -> Contender[TrialResult]:
-    """A measured candidate: its tokens/s (else samples/s) per rank with its spread, and the
-    headroom its measured peak (reserved where larger) leaves under ``usable``."""
-    peak = max([*t.peak_reserved, *t.peak_allocated], default=usable)
-    return Contender(
-        t, t.candidate.label(), throughput(t) / max(t.world_size, 1), spread_of(t),
-        usable - peak, usable, t.candidate.cpu_offload and not host_memory_checked,
-    )  # fmt: skip
-
-
-def rank_estimates(
-    estimates: Sequence[MemoryEstimate], *, host_memory_checked: bool = False
-) -> list[MemoryEstimate]:
-    """``estimates`` in the decision's order (:func:`ranked`)."""
-    contenders = [estimate_contender(e, host_memory_checked=host_memory_checked) for e in estimates]
-    return [c.item for c in ranked(contenders)]
 
 
 def choice_line(order: Sequence[Contender[T]], what: str, described: str) -> str:
@@ -400,7 +268,7 @@ def choice_line(order: Sequence[Contender[T]], what: str, described: str) -> str
     reader needs it); ``what``: "measured" or "predicted"."""
     best = order[0]
     n = len(order)
-    top = max(order, key=_speed_key)
+    top = max(order, key=speed_key)
     if top is not best:
         noise = pair_noise(top, best)
         return (
@@ -420,13 +288,6 @@ def choice_line(order: Sequence[Contender[T]], what: str, described: str) -> str
         noise = max(pair_noise(best, c) for c in tied)
         line += f"; {more} within the noise (±{noise:.0%}), not preferred for headroom: {room}"
     return line
-
-
-def pair_noise(a: Contender[object], b: Contender[object]) -> float:
-    """The relative difference within which ``a`` and ``b`` tie, as reasons quote it."""
-    if a.spread is not None and b.spread is not None:
-        return a.spread + b.spread
-    return PREDICTED_TIE
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,6 +320,23 @@ def _differs_only_in(a: Candidate, b: Candidate, name: str) -> bool:
     return da != db and all(da[k] == db[k] for k in da if k not in related)
 
 
+def _estimate_choice(
+    best: MemoryEstimate,
+    plan: Plan,
+    contender: Callable[[MemoryEstimate], Contender[MemoryEstimate]],
+) -> list[str]:
+    """The rule that put ``best`` first among the fitting candidates (none where it is not
+    first: a reason asked of another candidate)."""
+    order = [contender(e) for e in plan.ranked() if e.fits]
+    if not order or order[0].item != best or best.speed is None:
+        return []
+    tokens = best.speed.tokens_per_s_per_gpu
+    described = f"{best.speed.step_time_s:.3f} s/step" + (
+        f", {tokens:,.0f} tokens/s per GPU" if tokens else ""
+    )
+    return [choice_line(order, "predicted", described)]
+
+
 def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
     """Why each setting of ``best``: what its alternatives would need, or cost."""
     c, hardware, profile = best.candidate, plan.hardware, plan.profile
@@ -478,13 +356,7 @@ def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
         f"allowance {format_bytes(b.allowance)}",
         wrap_reason(c, profile),
     ]
-    order = [contender(e) for e in plan.ranked() if e.fits]
-    if order and order[0].item == best and best.speed is not None:
-        tokens = best.speed.tokens_per_s_per_gpu
-        described = f"{best.speed.step_time_s:.3f} s/step" + (
-            f", {tokens:,.0f} tokens/s per GPU" if tokens else ""
-        )
-        lines.insert(1, choice_line(order, "predicted", described))
+    lines[1:1] = _estimate_choice(best, plan, contender)
     if profile.tied:
         names = "; ".join(", ".join(g.names) for g in profile.tied)
         lines.append(f"tied parameters ({names}) stay in one FSDP unit (the root)")

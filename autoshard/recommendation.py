@@ -180,6 +180,9 @@ def _from_json(data: Any, p: Path) -> tuple[Recommendation, list[TrialResult]]:
     if not isinstance(data, dict):
         raise ResultError(f"{p}: not an autoshard result (a JSON object is expected)")
     if data.get("schema", "").startswith("autoshard.report/"):  # autoshard.ui.report.SCHEMA
+        if data.get("recommendation") is None:
+            error = data.get("error") or "no configuration ran"
+            raise ResultError(f"{p}: the study ended without a recommendation: {error}")
         rec = Recommendation.model_validate(data["recommendation"])
         return rec, [TrialResult.model_validate(t) for t in data.get("trials", [])]
     if "chosen" in data and "profile" in data:

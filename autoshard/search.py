@@ -26,6 +26,7 @@ changed: nothing measured under other settings is reused.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -36,24 +37,25 @@ import torch
 from pydantic import ValidationError
 
 from autoshard.config import Candidate, Checkpointing, TuneOptions
-from autoshard.decide import (
-    decide_from_trials,
-    estimate_contender,
-    objective_value,
-    trial_contender,
-)
-from autoshard.errors import StorageError, StudyNotice
+from autoshard.decide import decide_from_trials
+from autoshard.errors import StorageError, StudyNotice, TrialsFailedError
 from autoshard.measure import speed_basis
 from autoshard.plan import Plan
 from autoshard.predict.calibrate import Calibration, reorder_untried
 from autoshard.predict.speed import SpeedFactors
+from autoshard.ranking import estimate_contender, objective_value, trial_contender
 from autoshard.recommendation import Recommendation
 from autoshard.results import Decision, MemoryEstimate, TrialResult, TrialStatus
 from autoshard.sharding import cpu_workers_cannot_run
 from autoshard.study.loop import run_trials
 from autoshard.study.settings import StudySettings
 from autoshard.trials.group import WorkerGroup
-from autoshard.ui.files import RECOMMENDATION_FILE, write_report, write_text_atomically
+from autoshard.ui.files import (
+    RECOMMENDATION_FILE,
+    write_failure_report,
+    write_report,
+    write_text_atomically,
+)
 
 if TYPE_CHECKING:  # optuna is imported where a study runs
     from autoshard.study.storage import StudyStore
@@ -210,8 +212,7 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
                 cannot_run=None if torch.cuda.is_available() else cpu_workers_cannot_run,
                 factors_of=factors_of,
             )
-        tried_with, tried_factors = _tried_with(store, results, notice)
-        rec = decide_from_trials(plan, results, tried_with, tried_factors)
+        rec = _decide(plan, out_dir, results, *_tried_with(store, results, notice))
         rec = rec.model_copy(update={"study": store.name})
         store.mark_recommended(rec)  # what optuna-dashboard shows beside its best trial
         write_outputs(rec, out_dir, results)
@@ -352,6 +353,39 @@ def _worker_files(out_dir: Path) -> Iterator[None]:
             f"{out_dir / 'workers'}: {exc.strerror or exc} while running a trial; free space or "
             "fix the folder, then run the same command again to resume"
         ) from None
+
+
+def _decide(
+    plan: Plan,
+    out_dir: Path,
+    results: Sequence[TrialResult],
+    tried_with: dict[str, MemoryEstimate],
+    factors: dict[str, SpeedFactors],
+) -> Recommendation:
+    """The decision on ``results``; where nothing ran, its report all the same (what ran and
+    why it failed), then the one line that says so."""
+    try:
+        return decide_from_trials(plan, results, tried_with, factors)
+    except TrialsFailedError as exc:
+        write_failure(plan, out_dir, results, tried_with, str(exc))
+        raise
+
+
+def write_failure(
+    plan: Plan,
+    out_dir: Path,
+    results: Sequence[TrialResult],
+    tried_with: dict[str, MemoryEstimate],
+    error: str,
+) -> None:
+    """report.json and report.html of a study in which no configuration ran; a full disk or a
+    lost folder leaves the study's own error to be said."""
+    estimates = [tried_with.get(e.candidate.label(), e) for e in plan.estimates]
+    with contextlib.suppress(OSError):
+        write_failure_report(
+            out_dir, target=plan.profile.target, params=plan.profile.total_params,
+            hardware=plan.hardware, estimates=estimates, trials=results, error=error,
+        )  # fmt: skip
 
 
 def write_outputs(rec: Decision, out_dir: Path, results: Sequence[TrialResult]) -> None:

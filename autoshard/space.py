@@ -25,7 +25,13 @@ from autoshard.config import (
     WorkloadSpec,
 )
 from autoshard.gpus import CATALOGUE, gpu_spec
-from autoshard.predict.factors import DEFAULT_FACTORS
+from autoshard.ranking import (  # noqa: F401  (PREDICTED_TIE, predicted_tie: read here too)
+    NEAR_LIMIT,
+    PREDICTED_TIE,
+    predicted_tie,
+    rank_estimates,
+    tie_rule_words,
+)
 from autoshard.results import MemoryEstimate, ModelProfile
 
 
@@ -262,48 +268,19 @@ def predicted_rate(estimate: MemoryEstimate) -> float:
     return estimate.speed.samples_per_s if estimate.speed is not None else 0.0
 
 
-PREDICTED_TIE = 0.05
-"""Two predicted rates closer than this fraction are a tie: the step-time model cannot order
-candidates more finely than that (its median error against 50 published runs is 13%,
-benchmarks/results/step_time_published.md). A tie does not by itself give way to headroom
-(:func:`autoshard.decide.ranked`): only a faster candidate at risk (:data:`NEAR_LIMIT`, unchecked
-host memory) yields to a tied one without that risk."""
-
-NEAR_LIMIT = DEFAULT_FACTORS.pressure_margin
-"""Headroom below this share of the usable memory is not enough: there the caching allocator's
-retries slow a step (the speed model's ``pressure_margin``) and a peak a little above the
-estimate runs out of memory. Above it, more headroom buys nothing worth any speed."""
-
-
-def predicted_tie(rate: float, top: float) -> bool:
-    """Whether a predicted ``rate`` is a tie with the fastest, ``top`` (:data:`PREDICTED_TIE`)."""
-    return top - rate <= PREDICTED_TIE * top
-
-
-def tie_rule_words() -> str:
-    """The order of fitting candidates in words, as tables caption it."""
-    return (
-        f"fastest predicted first; one within {PREDICTED_TIE:.0%} of a faster one goes first "
-        f"only where that one is near the memory limit (under {NEAR_LIMIT:.0%} of it to spare) "
-        "or offloads to host memory not checked"
-    )
-
-
 def rank_candidates(
     estimates: Sequence[MemoryEstimate],
     by: RankOrder | str = RankOrder.SPEED,
     *,
     host_memory_checked: bool = False,
 ) -> list[MemoryEstimate]:
-    """Fitting candidates first: by the decision's rule (:func:`autoshard.decide.ranked`: the
+    """Fitting candidates first: by the decision's rule (:func:`autoshard.ranking.ranked`: the
     fastest predicted, unless it is at risk and a candidate within :data:`PREDICTED_TIE` of it
     is not); or with ``by="headroom"`` the most headroom first. Then the rest by how far they
     overshoot. ``host_memory_checked``: whether the estimates checked offload's host memory
     (a host memory was given); unchecked, offloading is a risk.
 
     One order for every door: ``recommend``, ``estimate``, export and the study's trial order."""
-    from autoshard.decide import rank_estimates  # the decision's rule (decide imports this module)
-
     order = RankOrder(by)
     fits = [e for e in estimates if e.fits]
     rest = sorted((e for e in estimates if not e.fits), key=lambda e: -e.headroom)

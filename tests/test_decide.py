@@ -222,13 +222,13 @@ def test_a_calibrated_prediction_is_timed_with_its_own_factors_or_not_at_all() -
 
 
 def _contender(label: str, rate: float, headroom: int, *, spread=None, offload=False):
-    from autoshard.decide import Contender
+    from autoshard.ranking import Contender
 
     return Contender(None, label, rate, spread, headroom, 100 * GIB, offload_unchecked=offload)
 
 
 def test_speed_is_never_traded_for_headroom_that_is_already_enough() -> None:
-    from autoshard.decide import ranked
+    from autoshard.ranking import ranked
 
     def first(*contenders) -> str:
         return ranked(list(contenders))[0].label
@@ -265,7 +265,7 @@ def test_speed_is_never_traded_for_headroom_that_is_already_enough() -> None:
 
 
 def test_offload_with_unchecked_host_memory_never_wins_a_tie() -> None:
-    from autoshard.decide import ranked
+    from autoshard.ranking import ranked
 
     # faster by less than the noise, but its host memory was never checked: the one that fits
     # without it goes first; checked, offload is a candidate like any other
@@ -284,7 +284,7 @@ def test_the_studys_objective_puts_the_choice_first() -> None:
     predictions (a fixed noise), the first has the highest objective value."""
     import random
 
-    from autoshard.decide import objective_value, ranked
+    from autoshard.ranking import objective_value, ranked
 
     rng = random.Random(34)
     for _ in range(500):

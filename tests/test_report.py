@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from autoshard.config import Hardware
+from autoshard.config import Hardware, Sharding
 from autoshard.errors import ResultError
 from autoshard.recommendation import Recommendation, load_result
 from autoshard.results import Decision, Scored, SpeedEstimate, TrialResult, TrialStatus
@@ -260,9 +260,15 @@ def test_html_is_self_contained_with_wellformed_charts() -> None:
         ln for ln in charts["chart-memory"].iter(f"{ns}line") if ln.find(f"{ns}title") is not None
     ]
     assert len(ticks) == sum(1 for t in all_trials(rec) if t.status is TrialStatus.OK)
-    # throughput: one point per successful trial, the chosen one marked
-    points = list(charts["chart-throughput"].iter(f"{ns}circle"))
+    # throughput: one point per successful trial, the chosen one marked; each outcome drawn has
+    # its legend entry with its own mark
+    throughput = charts["chart-throughput"]
+    points = [c for c in throughput.iter(f"{ns}circle") if c.get("data-outcome") == "measured"]
     assert len(points) == 4 and sum(p.get("r") == "8" for p in points) == 1
+    legend = {t.get("data-legend") for t in throughput.iter(f"{ns}text") if t.get("data-legend")}
+    assert legend == {"measured", "failed"}
+    marks = {m.get("data-mark") for m in throughput.iter() if m.get("data-mark")}
+    assert marks == {"measured", "failed"}
 
 
 NS = "{http://www.w3.org/2000/svg}"
@@ -468,7 +474,7 @@ def _with_skipped(rec: Decision, n: int = 5) -> Decision:
 def test_report_in_chromium_draws_skipped_candidates_apart_from_failures(tmp_path: Path) -> None:
     """Measured, failed (ran: an OOM), skipped (never launched) and ruled out (predicted not to
     fit) are four different things in every chart and table of the rendered page."""
-    rec = _with_skipped(make_rec())
+    rec = with_speeds(_with_skipped(make_rec()), "h100-sxm")
     trials = all_trials(rec)
     write_report(rec, tmp_path / "out", trials)
     url = (tmp_path / "out" / "report.html").as_uri()
@@ -483,17 +489,102 @@ def test_report_in_chromium_draws_skipped_candidates_apart_from_failures(tmp_pat
     # Only the OOM trial is a failure; the five skipped and the pruned one never ran.
     assert "1 failed (oom / error / timeout)" in scatter
     assert scatter.count('data-outcome="failed"') == 2  # its mark and the count
-    assert "5 skipped and 1 predicted not to fit: never launched, not drawn" in scatter
+    assert "1 ruled out and 5 skipped: never launched, not drawn" in scatter
     memory = dom.split('id="chart-memory"')[1].split("</svg>")[0]
     assert memory.count('data-outcome="skipped"') == 5
     assert memory.count("(skipped, never launched)") == 5
     assert memory.count('fill-opacity="0.35"') >= 5 * 4  # faint bars: an estimate, no run
+    # each outcome its own mark on its rows and in the legend
+    for word, rows in (("measured", 4), ("failed", 1), ("skipped", 5), ("ruled out", 1)):
+        assert memory.count(f'data-mark="{word}"') == rows + 1, word
+        assert f'data-legend="{word}"' in memory, word
+    speed = dom.split('id="chart-speed"')[1].split("</svg>")[0]
+    # a skipped candidate's prediction is hollow, never the measured bars' solid colour
+    assert speed.count('data-kind="predicted, never launched"') == 5
+    assert 'data-key="predicted, never launched"' in speed
     table = dom.split('id="configurations"')[1].split("</table>")[0]
-    outcomes = re.findall(r'data-outcome="([^"]+)"', table)
-    assert outcomes.count("skipped") == 5 and outcomes.count("failed") == 1
-    assert outcomes.count("ruled out") == 1 and outcomes.count("measured") == 4
-    assert table.count("skipped, never launched: offload needs a GPU") == 5
+    outcomes = re.findall(r'<tr[^>]*data-outcome="([^"]+)"', table)
+    assert outcomes.count("failed") == 1 and outcomes.count("measured") == 4
+    # those never launched: a row per reason, the reason once, their labels folded under it
+    assert outcomes.count("skipped") == 1 and outcomes.count("ruled out") == 1
+    assert 'data-count="5"' in table and table.count("offload needs a GPU") == 1
+    assert "5 skipped, never launched: offload needs a GPU" in table
     assert "model error" not in table  # CPU trials: no model error to show, no empty column
+
+
+BOXES = """<script>
+addEventListener("load", () => {
+  const out = [];
+  for (const svg of document.querySelectorAll("svg")) {
+    const vb = svg.viewBox.baseVal;
+    for (const t of svg.querySelectorAll("text")) {
+      const b = t.getBBox();
+      out.push({svg: svg.id, cls: t.getAttribute("class") || "", text: t.textContent,
+                x: b.x, y: b.y, w: b.width, h: b.height, vbw: vb.width, vbh: vb.height});
+    }
+  }
+  document.body.setAttribute("data-boxes", JSON.stringify(out));
+});
+</script>"""
+
+
+def _long_labels(rec: Decision) -> Decision:
+    """``rec`` with candidates whose labels are as long as a tune's get, never launched."""
+    long = [
+        candidate(checkpointing="selective", cpu_offload=True, compile=True, micro_batch_size=16),
+        candidate(sharding=Sharding.HYBRID_SHARD, hybrid_mesh=(2, 1), checkpointing="every_k",
+                  checkpoint_every=2, compile=True, precision="32-true"),
+    ]  # fmt: skip
+    kept = [
+        Scored(candidate=c, estimate=estimate(c), trial=TrialResult(
+            candidate=c, status=TrialStatus.SKIPPED, error="offload needs a GPU"))
+        for c in long
+    ]  # fmt: skip
+    return rec.model_copy(update={"ruled_out": [*rec.ruled_out, *kept]})
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
+def test_report_labels_are_never_clipped_in_chromium(tmp_path: Path) -> None:
+    """The page in a real browser, a screenshot taken, and every text of every chart measured
+    by the browser (``getBBox``): inside its chart, labels left of the plot; a candidate
+    predicted not to fit is drawn past the usable line (the labels were cut on the left:
+    "D_GRAD_OP bf16-mixed nowrap...")."""
+    rec = with_speeds(_long_labels(_with_skipped(make_rec())), "h100-sxm")
+    write_report(rec, tmp_path / "out", all_trials(rec))
+    page = (tmp_path / "out" / "report.html").read_text()
+    measured = tmp_path / "measured.html"
+    measured.write_text(page.replace("</body>", BOXES + "</body>"))
+    run = [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1300,3000"]
+    shot = tmp_path / "shot.png"
+    subprocess.run([*run, f"--screenshot={shot}", (tmp_path / "out" / "report.html").as_uri()],
+                   capture_output=True, timeout=60, check=True)  # fmt: skip
+    assert float(read_png(shot).std()) > 20  # it rendered
+    dom = subprocess.run(
+        [*run, "--virtual-time-budget=5000", "--dump-dom", measured.as_uri()],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    found = re.search(r'data-boxes="([^"]*)"', dom)
+    assert found, dom[:500]
+    import html as html_module
+
+    boxes = json.loads(html_module.unescape(found.group(1)))
+    labels = [b for b in boxes if "label" in b["cls"].split()]
+    longest = max(c.label() for c in (s.candidate for _, s in listed_rows(rec)))
+    assert any(b["text"] == longest for b in labels)
+    assert len(labels) >= 2 * 12  # the memory and the speed chart's rows
+    for b in boxes:
+        where = f"{b['svg']}: {b['text']!r} at x {b['x']:.1f}..{b['x'] + b['w']:.1f} of {b['vbw']}"
+        assert b["x"] >= 0 and b["x"] + b["w"] <= b["vbw"] + 0.5, where
+        assert b["y"] >= 0 and b["y"] + b["h"] <= b["vbh"] + 0.5, where
+    # every label ends before its chart's bars begin (the mark's column between them)
+    memory = chart(page, "chart-memory")
+    bars_start = min(float(r.get("x")) for r in memory.iter(f"{NS}rect") if r.get("data-kind"))
+    assert all(b["x"] + b["w"] <= bars_start for b in labels if b["svg"] == "chart-memory")
+    # a candidate predicted not to fit ends past the usable line
+    usable = next(ln for ln in memory.iter(f"{NS}line") if ln.get("data-limit") == "usable")
+    ruled = [r for r in memory.iter(f"{NS}rect") if r.get("data-bar") == "ruled out"]
+    assert ruled and all(float(r.get("data-end")) > float(usable.get("x1")) for r in ruled)
 
 
 def test_report_json_counts_the_four_outcomes() -> None:
@@ -659,3 +750,38 @@ def test_estimate_timeline_prints_the_chosen_steps_events(cli, planned_rec) -> N
     assert planned_rec.timeline.peak_event.name in marked and "optimizer step" in text
     assert "accumulating" in text  # the second micro-batch's events
     assert re.search(r"step [\d.]+ m?s \(speed model\); off the turns:", " ".join(text.split()))
+
+
+@pytest.mark.slow
+def test_a_study_in_which_nothing_ran_writes_its_report(tmp_path: Path) -> None:
+    """Every trial fails (the model raises in every rank's forward): ``tune`` ends with one line
+    and exit code 1, and still writes report.json and report.html, which say the same line and
+    list every trial with what kept it out; reading the folder back says it in one line."""
+    import os
+    import sys
+
+    from tests.conftest import ROOT, TARGETS
+
+    out = tmp_path / "out"
+    args = [
+        sys.executable, "-m", "autoshard", "tune", f"{TARGETS}/faults.py:build",
+        "--arg", "fault=raise", "--arg", "rank=-1", "--arg", "message=broken on purpose",
+        "--seq-len", "16", "--gpu-memory", "4GiB", "--precision", "32-true", "--trials", "3",
+        "--warmup", "1", "--steps", "2", "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert "no configuration ran successfully" in line and "broken on purpose" in line
+    data = json.loads((out / "report.json").read_text())
+    assert data["recommendation"] is None and data["error"] in line
+    failed = [t for t in data["trials"] if t["status"] == "error"]
+    assert failed and data["summary"]["outcomes"]["failed"] == len(failed)
+    page = (out / "report.html").read_text()
+    assert "no configuration ran" in page and "broken on purpose" in page
+    table = page.split('id="configurations"')[1].split("</table>")[0]
+    assert table.count('data-outcome="failed"') == len(failed)
+    assert not (out / "lightning.yaml").exists()  # nothing to train with
+    with pytest.raises(ResultError, match="ended without a recommendation: no configuration ran"):
+        load_result(out)

@@ -16,9 +16,9 @@ import pytest
 from autoshard.analyze import analyze_target
 from autoshard.api import tune
 from autoshard.config import Engine, Hardware, Precision, WorkloadSpec
-from autoshard.decide import ranked, trial_contender
 from autoshard.predict.activations import profile_activations
 from autoshard.predict.analytic import estimate_all
+from autoshard.ranking import ranked, trial_contender
 from autoshard.results import Decision, TrialResult, TrialStatus
 from autoshard.search import dominated_by
 from autoshard.space import enumerate_candidates

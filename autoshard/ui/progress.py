@@ -221,7 +221,7 @@ class StudyProgress:
         """One line per reason of the candidates never launched: how many, what kept them out,
         why (:func:`never_launched_groups`, the summary's lines); cut to one line each."""
         lines = []
-        for word, n, why in never_launched_groups(("", s) for s in self.rows.values()):
+        for word, n, why, _ in never_launched_groups(("", s) for s in self.rows.values()):
             line = Text(group_line(word, n, why), style="dim")
             lines.append(_one_line(line, width))
         if most is not None and len(lines) > most:

@@ -77,11 +77,16 @@ def grouped_reasons(reasons: Iterable[str]) -> dict[str, int]:
     >>> grouped_reasons(["needs 80 GiB of 76", "offload needs a GPU", "needs 133 GiB of 76"])
     {'needs 80-133 GiB of 76': 2, 'offload needs a GPU': 1}
     """
+    return {text: n for _, text, n in _reason_groups(reasons)}
+
+
+def _reason_groups(reasons: Iterable[str]) -> list[tuple[str, str, int]]:
+    """(key, the reason with its varying numbers as ranges, how many) per distinct reason."""
     numbers: dict[str, list[list[str]]] = {}
     for text in reasons:
         flat = " ".join(text.split())
         numbers.setdefault(reason_key(flat), []).append(NUMBER.findall(flat))
-    out = {}
+    out = []
     for key, seen in sorted(numbers.items(), key=lambda kv: -len(kv[1])):
         spans = []
         for values in zip(*seen, strict=True):
@@ -89,9 +94,8 @@ def grouped_reasons(reasons: Iterable[str]) -> dict[str, int]:
             high = max(values, key=lambda v: float(v.replace(",", "")))
             spans.append(low if low == high else f"{low}-{high}")
         parts = key.split("#")
-        out["".join(p + (spans[i] if i < len(spans) else "") for i, p in enumerate(parts))] = len(
-            seen
-        )
+        text = "".join(p + (spans[i] if i < len(spans) else "") for i, p in enumerate(parts))
+        out.append((key, text, len(seen)))
     return out
 
 
@@ -115,19 +119,22 @@ def group_line(word: str, n: int, why: str) -> str:
     return f"{n} {word}, never launched: {why}"
 
 
-def never_launched_groups(rows: Iterable[tuple[str, Scored]]) -> list[tuple[str, int, str]]:
+def never_launched_groups(
+    rows: Iterable[tuple[str, Scored]],
+) -> list[tuple[str, int, str, list[str]]]:
     """The candidates of ``rows`` never launched, as (outcome, how many, the reason they share:
-    :func:`grouped_reasons`): one line each in the terminal and report.html's table, instead of
-    a row per candidate with the same reason."""
-    by_word: dict[str, list[str]] = {}
+    :func:`grouped_reasons`, their labels): one line each in the terminal and report.html's
+    table, instead of a row per candidate with the same reason."""
+    by_word: dict[str, list[tuple[str, str]]] = {}
     for _, s in rows:
         if (kept := never_launched(s)) is not None:
-            by_word.setdefault(kept[0], []).append(kept[1])
-    return [
-        (word, n, why)
-        for word, reasons in by_word.items()
-        for why, n in grouped_reasons(reasons).items()
-    ]
+            by_word.setdefault(kept[0], []).append((kept[1], s.candidate.label()))
+    out = []
+    for word, kept_out in by_word.items():
+        for key, why, n in _reason_groups(reason for reason, _ in kept_out):
+            labels = [label for reason, label in kept_out if reason_key(reason) == key]
+            out.append((word, n, why, labels))
+    return out
 
 
 def outcome_counts(rec: Decision, trials: Iterable[TrialResult] = ()) -> dict[str, int]:
@@ -211,10 +218,16 @@ def prediction_error(s: Scored, hardware: Hardware) -> float | None:
 
 def predicted_device(rec: Decision) -> str:
     """What the predictions are for: the catalogue id they name, or the planned hardware's."""
-    for _, s in scored_rows(rec):
+    return predicted_device_of([s for _, s in scored_rows(rec)], rec.hardware)
+
+
+def predicted_device_of(scored: Iterable[Scored], hardware: Hardware) -> str:
+    """:func:`predicted_device` of any candidates (a study in which nothing ran has no
+    recommendation)."""
+    for s in scored:
         if s.estimate is not None and s.estimate.speed is not None and s.estimate.speed.gpu:
             return s.estimate.speed.gpu
-    return rec.hardware.gpu or ("cpu-gloo" if rec.hardware.backend == "gloo" else "GPU")
+    return hardware.gpu or ("cpu-gloo" if hardware.backend == "gloo" else "GPU")
 
 
 def trials_note(rec: Decision, trials: Sequence[TrialResult] = ()) -> str | None:
@@ -316,7 +329,7 @@ def print_summary(
                 caption_justify="left",
             )
         )
-        for word, n, why in groups:
+        for word, n, why, _ in groups:
             console.print(escape(group_line(word, n, why)), highlight=False)
     n = sum(1 for t in trials_of(rec, trials) if t.status.launched)
     if n:
@@ -460,8 +473,29 @@ def report_data(rec: Decision, trials: Sequence[TrialResult] = ()) -> dict[str, 
     }
 
 
+def failure_data(hardware: Hardware, rows: list[tuple[str, Scored]], error: str) -> dict[str, Any]:
+    """report.json of a study in which no configuration ran: no recommendation, the one line
+    that says why, every trial, the outcomes counted in the same words."""
+    counts = {o.word: 0 for o in OUTCOMES}
+    for _, s in rows:
+        if (kind := outcome(s)) is not None:
+            counts[kind] += 1
+    return {
+        "schema": SCHEMA,
+        "recommendation": None,
+        "error": error,
+        "trials": [s.trial.model_dump(mode="json") for _, s in rows if s.trial is not None],
+        "summary": {
+            "outcomes": counts,
+            "basis": None,
+            "hardware": hardware.model_dump(mode="json"),
+        },
+    }
+
+
 __all__ = [
     "SCHEMA",
+    "failure_data",
     "print_summary",
     "report_data",
 ]
