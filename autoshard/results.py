@@ -406,8 +406,12 @@ class TrialResult(Frozen):
         description="Relative uncertainty of step_time (e.g. 0.03: the median is known to "
         "within 3%); two trials closer than their spreads are a tie.",
     )
-    samples_per_s: float | None = None
-    tokens_per_s: float | None = None
+    samples_per_s: float | None = Field(
+        None, description="Samples per second, all ranks together (samples_per_s_per_gpu: one's)."
+    )
+    tokens_per_s: float | None = Field(
+        None, description="Tokens per second, all ranks together (tokens_per_s_per_gpu: one's)."
+    )
     peak_allocated: tuple[int, ...] = Field((), description="Per-rank peak allocated bytes.")
     peak_reserved: tuple[int, ...] = Field((), description="Per-rank peak reserved bytes.")
     losses: tuple[float, ...] = Field((), description="Rank 0's loss at every step, in order.")
@@ -430,6 +434,22 @@ class TrialResult(Frozen):
     @property
     def max_allocated(self) -> int | None:
         return max(self.peak_allocated) if self.peak_allocated else None
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float | None:
+        """Tokens per second of one rank (one GPU's, or one CPU worker's): the unit every view
+        shows a measured rate in, as the predictions' ``tokens_per_s_per_gpu``."""
+        return self.tokens_per_s / max(self.world_size, 1) if self.tokens_per_s else None
+
+    @property
+    def samples_per_s_per_gpu(self) -> float | None:
+        """Samples per second of one rank (:attr:`tokens_per_s_per_gpu`'s unit)."""
+        return self.samples_per_s / max(self.world_size, 1) if self.samples_per_s else None
+
+    @property
+    def per_gpu(self) -> str:
+        """How a measured rate of one rank is labelled: per GPU, or per rank on CPU workers."""
+        return "per GPU" if self.device == "cuda" else "per rank"
 
 
 class Scored(Frozen):
@@ -493,9 +513,12 @@ class Decision(Frozen):
                     + (f", MFU {format_share(est.speed.mfu)}" if est.speed.mfu is not None else "")
                 )
         if trial is not None and trial.step_time is not None:
+            rate = trial.tokens_per_s_per_gpu or trial.samples_per_s_per_gpu
+            unit = "tokens/s" if trial.tokens_per_s_per_gpu else "samples/s"
             lines.append(
                 f"  measured {trial.step_time:.3f} s/step on {trial.world_size} {trial.device} "
                 "ranks"
+                + (f", {rate:,.0f} {unit} {trial.per_gpu}" if rate else "")
                 + (f", peak {trial.max_allocated / 2**30:.2f} GiB" if trial.max_allocated else "")
             )
         basis = "estimates only" if self.basis == "estimate" else "measured trials"

@@ -76,7 +76,7 @@ def describe_evidence(rec: Decision) -> list[str]:
     )
     t = c.trial
     if t is not None and t.step_time is not None:
-        rate = f", {t.tokens_per_s:,.0f} tokens/s" if t.tokens_per_s else ""
+        rate = f", {t.tokens_per_s_per_gpu:,.0f} tokens/s {t.per_gpu}" if t.tokens_per_s else ""
         peak = f", peak {format_bytes(t.max_allocated)} allocated/rank" if t.max_allocated else ""
         lines.append(
             f"measured {t.started_at.strftime('%Y-%m-%d %H:%M UTC')} on {t.world_size} "
@@ -245,7 +245,7 @@ def lightning_cli_yaml(rec: Decision) -> str:
         lines.append("FSDP2: in configure_model() apply the plan (autoshard-out: tune's --out)")
         lines.append('  rec = autoshard.load("autoshard-out")')
         lines.append('  rec.fsdp2_plan()(self.model, self.device_mesh["data_parallel"])')
-        lines.append(f"  which applies the {describe_reshard(rec.chosen.candidate)}")
+        lines.append(f"  (the plan: {describe_reshard(rec.chosen.candidate)})")
     lines.extend(compile_float8_notes(rec.chosen.candidate, "Lightning"))
     note = selective_note(rec.chosen.candidate, "Lightning's FSDPStrategy")
     if note and rec.chosen.candidate.engine is Engine.FSDP1:  # FSDP2's plan applies it

@@ -41,10 +41,11 @@ _STYLE = {
 def trial_rate(t: TrialResult) -> str:
     """The trial's measured rate per rank, as every view compares throughput (one GPU's, or one
     CPU worker's)."""
-    ranks = max(t.world_size, 1)
-    if t.tokens_per_s:
-        return f"{t.tokens_per_s / ranks:,.0f} tok/s per rank"
-    return f"{t.samples_per_s / ranks:,.1f} samples/s per rank" if t.samples_per_s else ""
+    if t.tokens_per_s_per_gpu:
+        return f"{t.tokens_per_s_per_gpu:,.0f} tok/s {t.per_gpu}"
+    return (
+        f"{t.samples_per_s_per_gpu:,.1f} samples/s {t.per_gpu}" if t.samples_per_s_per_gpu else ""
+    )
 
 
 def _first_line(text: str | None) -> str:

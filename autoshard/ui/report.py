@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from autoshard.config import Engine, Hardware
+from autoshard.config import Candidate, Engine, Hardware
 from autoshard.emit.text import describe_fsdp2_precision, describe_reshard
 from autoshard.measure import speed_basis, spread_of, trials_checked_line
 from autoshard.results import (
@@ -187,11 +187,12 @@ def trial_rate(t: TrialResult | None) -> tuple[float | None, str]:
 
 
 def rate_per_rank(t: TrialResult | None) -> tuple[float | None, str]:
-    """The trial's measured tokens/s (else samples/s) of one rank."""
-    rate, unit = trial_rate(t)
-    if t is None or rate is None or t.status is not TrialStatus.OK:
-        return None, unit
-    return rate / max(t.world_size, 1), unit
+    """The trial's measured tokens/s (else samples/s) of one rank: its ``*_per_gpu``."""
+    if t is None or t.status is not TrialStatus.OK:
+        return None, trial_rate(t)[1]
+    if t.tokens_per_s_per_gpu:
+        return t.tokens_per_s_per_gpu, "tokens/s"
+    return t.samples_per_s_per_gpu, "samples/s"
 
 
 def predicted_per_rank(s: Scored, hardware: Hardware) -> tuple[float | None, str]:
@@ -289,14 +290,15 @@ def print_summary(
         groups = never_launched_groups(rows)
         rows = [(k, s) for k, s in rows if never_launched(s) is None]
         ran = {s.trial.device for _, s in rows if s.trial and s.trial.status is TrialStatus.OK}
-        where = f" ({ran.pop()})" if len(ran) == 1 else ""
+        where = f" ({next(iter(ran))})" if len(ran) == 1 else ""
         unit = next((u for _, s in rows for u in [rate_per_rank(s.trial)[1]] if u), "tokens/s")
+        per = "per GPU" if ran == {"cuda"} else "per rank"
         columns = [
             Column("", keep=7), Column("configuration", keep=9, wrap=True),
             Column("predicted peak", "right", keep=4),
             Column(f"measured peak{where}", "right", keep=6),
             Column(f"predicted {unit} per GPU ({predicted_device(rec)})", "right", keep=5),
-            Column(f"measured {unit} per rank{where}", "right", keep=8),
+            Column(f"measured {unit} {per}{where}", "right", keep=8),
             Column("why not", keep=8, wrap=True),
         ]  # fmt: skip
         cells = []
@@ -396,6 +398,7 @@ def settings_of(rec: Decision) -> dict[str, str]:
         }
     out.update(
         {
+            "gradients reduced in": reduce_dtype_of(c),
             "optimizer": f"{c.optimizer.value} ({c.optimizer_impl.value})",
             "micro_batch_size": str(c.micro_batch_size),
             "devices x nodes": f"{rec.hardware.gpus_per_node} x {rec.hardware.nodes}",
@@ -421,11 +424,42 @@ def settings_of(rec: Decision) -> dict[str, str]:
         rate, unit = rate_per_rank(t)
         ranks = f" ({t.world_size} ranks)" if t.world_size > 1 else ""
         out["measured"] = f"{t.step_time:.3f} s/step" + (
-            f", {rate:,.0f} {unit} per rank{ranks}" if rate else ""
+            f", {rate:,.0f} {unit} {t.per_gpu}{ranks}" if rate else ""
         )
         if t.max_allocated:
             out["measured"] += f", peak {format_bytes(t.max_allocated)} per rank on {t.device}"
     return out
+
+
+def reduce_dtype_of(c: Candidate) -> str:
+    """The dtype gradients are reduced in, read from the candidate (``reduce_dtype_fp32``, which
+    FSDP1's and FSDP2's kwargs apply): fp32 under mixed precision where it says so, else the
+    compute dtype.
+
+    >>> from autoshard import Candidate
+    >>> reduce_dtype_of(Candidate()), reduce_dtype_of(Candidate(engine="fsdp2"))
+    ('bf16', 'fp32')
+    """
+    if c.precision.mixed and c.reduce_dtype_fp32:
+        return "fp32"
+    value = c.precision.value
+    return "bf16" if value.startswith("bf16") else "fp16" if value.startswith("16") else "fp32"
+
+
+def measured_of(rec: Decision) -> dict[str, Any] | None:
+    """The chosen configuration's measurement in report.json, each number in the unit every
+    view shows it in (one rank's: per GPU); None where no trial ran."""
+    t = rec.chosen.trial
+    if t is None or t.step_time is None:
+        return None
+    return {
+        "step_time_s": t.step_time,
+        "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu,
+        "samples_per_s_per_gpu": t.samples_per_s_per_gpu,
+        "peak_allocated_per_gpu": t.max_allocated,
+        "device": t.device,
+        "ranks": t.world_size,
+    }
 
 
 def speed_terms(b: SpeedBreakdown, step_time_s: float) -> str:
@@ -467,6 +501,7 @@ def report_data(rec: Decision, trials: Sequence[TrialResult] = ()) -> dict[str, 
             "outcomes": outcome_counts(rec, trials_of(rec, trials)),
             "basis": rec.basis,
             "settings": settings_of(rec),
+            "measured": measured_of(rec),
             "state_dict_type": kind,
             "state_dict_reason": why,
         },
