@@ -785,3 +785,31 @@ def test_a_study_in_which_nothing_ran_writes_its_report(tmp_path: Path) -> None:
     assert not (out / "lightning.yaml").exists()  # nothing to train with
     with pytest.raises(ResultError, match="ended without a recommendation: no configuration ran"):
         load_result(out)
+
+
+def test_an_uncalibrated_prediction_is_not_shown_as_a_peer_of_calibrated_ones() -> None:
+    """GPU trials each put against the prediction they were tried with: the first, made before
+    any trial calibrated the model, says so beside its error (the GPU run's "model +2999%"
+    stood beside calibrated ones as if it were one of them)."""
+    gpus = Hardware(gpus_per_node=2, gpu_memory=2 * GiB, gpu="h100-sxm")
+    rec = with_speeds(make_rec(hardware=gpus), "h100-sxm")
+
+    def on_cuda(s: Scored, calibrated: bool) -> Scored:
+        trial = s.trial.model_copy(update={"device": "cuda"}) if s.trial else None
+        speed = s.estimate.speed.model_copy(update={"calibrated": calibrated})
+        return s.model_copy(update={"trial": trial, "estimate": s.estimate.model_copy(
+            update={"speed": speed})})  # fmt: skip
+
+    rec = rec.model_copy(update={
+        "chosen": on_cuda(rec.chosen, True),
+        "runners_up": tuple(on_cuda(s, i != 0) for i, s in enumerate(rec.runners_up)),
+        "ruled_out": tuple(on_cuda(s, True) for s in rec.ruled_out),
+    })  # fmt: skip
+    console = Console(record=True, width=250)
+    print_summary(rec, console, all_trials(rec))
+    text = console.export_text()
+    assert text.count(", uncalibrated)") == 1 and text.count("(model ") == 4
+    first = rec.runners_up[0].candidate.label()
+    assert ", uncalibrated)" in next(line for line in text.splitlines() if first in line)
+    table = render_html(rec, all_trials(rec)).split('id="configurations"')[1]
+    assert table.count(", uncalibrated<") == 1

@@ -23,6 +23,7 @@ from autoshard.ui.report import (
     OUTCOME_BY_WORD,
     RULED_OUT,
     SKIPPED,
+    error_text,
     listed_rows,
     never_launched,
     outcome,
@@ -581,7 +582,7 @@ def _speed_bars(
         return out
     end = min(max(v for _, v, _, _ in bars), top)
     error = prediction_error(s, page.hardware) if what == "both" else None
-    text = f"model {error:+.0%}" if error is not None else ""
+    text = error_text(s, error, page.rows) if error is not None else ""
     if any(v > top for _, v, _, _ in bars):
         text = f"▸ {max(v for _, v, _, _ in bars):,.0f}"
     if what == "measured" and s.trial is not None and measured:

@@ -14,6 +14,7 @@ from autoshard.results import Decision, MemoryEstimate, TrialResult
 from autoshard.ui.charts import Page, memory_chart, page_of, speed_chart, throughput_chart
 from autoshard.ui.report import (
     MEASURED,
+    error_text,
     group_line,
     never_launched,
     never_launched_groups,
@@ -61,7 +62,7 @@ def _table(page: Page) -> str:
             format_bytes(t.max_allocated) if t and t.max_allocated else "",
             f"{predicted:,.0f} {p_unit}" if predicted else "",
             f"{measured:,.0f} {m_unit} ±{spread_of(t):.0%}" if measured and t else "",
-            *([f"{error:+.0%}" if error is not None else ""] if with_error else []),
+            *([error_text(s, error, page.rows) if error is not None else ""] if with_error else []),
             f"{t.step_time:.3f}" if t and t.step_time else "",
             status,
         ]

@@ -217,6 +217,18 @@ def prediction_error(s: Scored, hardware: Hardware) -> float | None:
     return predicted / measured - 1
 
 
+def error_text(s: Scored, error: float, rows: Iterable[tuple[str, Scored]]) -> str:
+    """The model's error as every view writes it: ``model +12%``, and ``uncalibrated`` where
+    this prediction was made before any trial calibrated the model while others were after
+    (SpeedEstimate.calibrated): not a peer of the calibrated ones."""
+    text = f"model {error:+.0%}"
+    speed = s.estimate.speed if s.estimate else None
+    others = [o.estimate.speed for _, o in rows if o.estimate and o.estimate.speed]
+    if speed is not None and not speed.calibrated and any(o.calibrated for o in others):
+        text += ", uncalibrated"
+    return text
+
+
 def predicted_device(rec: Decision) -> str:
     """What the predictions are for: the catalogue id they name, or the planned hardware's."""
     return predicted_device_of([s for _, s in scored_rows(rec)], rec.hardware)
@@ -311,7 +323,7 @@ def print_summary(
             if measured is not None and s.trial is not None:
                 measured_text = f"{measured:,.0f} ±{spread_of(s.trial):.0%}"
                 if error is not None:
-                    measured_text += f" (model {error:+.0%})"
+                    measured_text += f" ({error_text(s, error, rows)})"
             cells.append([
                 kind,
                 s.candidate.label(),
