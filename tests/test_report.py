@@ -24,7 +24,15 @@ from autoshard.ui.files import write_report
 from autoshard.ui.html import render_html
 from autoshard.ui.report import SCHEMA, listed_rows, print_summary, report_data
 from autoshard.units import parse_size
-from tests.test_emit import GiB, all_trials, candidate, estimate, make_rec, trial
+from tests.test_emit import (  # noqa: F401  (gpt_importable: a fixture)
+    GiB,
+    all_trials,
+    candidate,
+    estimate,
+    gpt_importable,
+    make_rec,
+    trial,
+)
 
 FILES = {"report.json", "report.html", "lightning.yaml", "accelerate.yaml"}
 
@@ -813,3 +821,82 @@ def test_an_uncalibrated_prediction_is_not_shown_as_a_peer_of_calibrated_ones() 
     assert ", uncalibrated)" in next(line for line in text.splitlines() if first in line)
     table = render_html(rec, all_trials(rec)).split('id="configurations"')[1]
     assert table.count(", uncalibrated<") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# One number, one unit, in every view: the command line, Python, report.json, report.html
+# ---------------------------------------------------------------------------------------------
+
+
+def _views(rec: Decision, tmp_path: Path) -> tuple[str, str, dict, str]:
+    """What the command line prints, ``print(rec)``, report.json and report.html of ``rec``."""
+    console = Console(record=True, width=250)
+    print_summary(rec, console, all_trials(rec))
+    write_report(rec, tmp_path, all_trials(rec))
+    data = json.loads((tmp_path / "report.json").read_text())
+    return console.export_text(), str(rec), data, (tmp_path / "report.html").read_text()
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_measured_rate_is_one_rank_s_in_every_view(tmp_path: Path, device: str) -> None:
+    """``rec.chosen.trial.tokens_per_s`` was the ranks summed (8,237) where the command line
+    said 4,119 per rank: every view now shows one rank's, labelled."""
+    rec = make_rec()
+    trials = {"chosen": rec.chosen.trial.model_copy(update={"device": device})}
+    rec = rec.model_copy(
+        update={"chosen": rec.chosen.model_copy(update=dict(trial=trials["chosen"]))}
+    )
+    cli, printed, data, page = _views(rec, tmp_path)
+    t = rec.chosen.trial
+    per = "per GPU" if device == "cuda" else "per rank"
+    shown = f"{t.tokens_per_s_per_gpu:,.0f} tokens/s {per}"
+    assert t.tokens_per_s_per_gpu == t.tokens_per_s / t.world_size  # Python: one rank's
+    assert shown in next(line for line in cli.splitlines() if line.startswith("measured"))  # CLI
+    assert shown in printed  # print(rec)
+    assert data["summary"]["measured"]["tokens_per_s_per_gpu"] == t.tokens_per_s_per_gpu  # JSON
+    assert data["summary"]["settings"]["measured"].count(shown) == 1
+    assert f"<th>measured</th><td>{data['summary']['settings']['measured']}</td>" in page  # HTML
+    rows = page.split('id="configurations"')[1]
+    assert f"{t.tokens_per_s_per_gpu:,.0f} tokens/s ±" in rows
+
+
+@pytest.mark.usefixtures("gpt_importable")
+@pytest.mark.parametrize("engine", ["fsdp1", "fsdp2"])
+def test_the_reduce_dtype_is_the_candidates_in_every_view(tmp_path: Path, engine: str) -> None:
+    """report.json said ``reduce_dtype_fp32: true`` while FSDP1's ``fsdp_kwargs()`` reduced in
+    bf16: every output reads the candidate's field, and FSDP1's says what it does."""
+    import torch
+
+    from autoshard.sharding import fsdp2_kwargs
+
+    rec = make_rec(candidate(engine=engine))
+    cli, _, data, page = _views(rec, tmp_path)
+    c = rec.chosen.candidate
+    if engine == "fsdp1":
+        reduce = rec.fsdp_kwargs(device=torch.device("cpu"))["mixed_precision"].reduce_dtype
+    else:
+        reduce = fsdp2_kwargs(c, None, pin_memory=False)["mp_policy"].reduce_dtype
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[reduce]  # Python: what torch gets
+    assert c.reduce_dtype_fp32 == (name == "fp32") == (engine == "fsdp2")
+    assert data["recommendation"]["chosen"]["candidate"]["reduce_dtype_fp32"] == c.reduce_dtype_fp32
+    assert data["summary"]["settings"]["gradients reduced in"] == name  # JSON
+    assert re.search(rf"gradients reduced in\s+{name}\b", cli)  # CLI
+    assert f"<th>gradients reduced in</th><td>{name}</td>" in page  # HTML
+
+
+def test_outcomes_are_counted_in_the_same_words_in_every_view(tmp_path: Path) -> None:
+    """``print(rec)`` said "32 ruled out" where ``summary.outcomes`` said skipped 32, ruled
+    out 0: one table of outcomes (results.OUTCOMES) words every view."""
+    rec = _with_skipped(make_rec(), n=5)
+    cli, printed, data, page = _views(rec, tmp_path)
+    counts = data["summary"]["outcomes"]
+    assert counts == {"measured": 4, "failed": 1, "skipped": 5, "ruled out": 1}  # JSON
+    assert rec.outcome_counts() == counts  # Python
+    assert "4 measured (the chosen and 3 runners-up), 1 failed, 5 skipped, 1 ruled out" in printed
+    assert "5 skipped, never launched: offload needs a GPU" in cli  # CLI
+    assert "1 ruled out, never launched: " in cli
+    table = page.split('id="configurations"')[1].split("</table>")[0]  # HTML
+    groups = dict(re.findall(r'data-outcome="([^"]+)" data-count="(\d+)"', table))
+    assert groups == {"skipped": "5", "ruled out": "1"}
+    rows = re.findall(r'<tr[^>]*data-outcome="([^"]+)">', table)
+    assert rows.count("measured") == 4 and rows.count("failed") == 1
