@@ -24,11 +24,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from pathlib import Path
 
 import torch
-
 from results_file import write_results  # benchmarks/, the script's own folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,10 +62,9 @@ def saved_bytes(loss: torch.Tensor) -> int:
                 tensors.append(value)
             elif isinstance(value, (tuple, list)):
                 tensors += [v for v in value if isinstance(v, torch.Tensor)]
-        try:  # a custom Function (a compiled region): its ctx's saved tensors
+        # a custom Function (a compiled region): its ctx's saved tensors
+        with suppress(AttributeError, RuntimeError):
             tensors += [t for t in node.saved_tensors if isinstance(t, torch.Tensor)]
-        except (AttributeError, RuntimeError):
-            pass
         for t in tensors:
             storage = t.untyped_storage()
             if storage.data_ptr() not in seen:
