@@ -359,9 +359,10 @@ def estimate(
     sort: Annotated[
         str,
         typer.Option(
-            help="Order of the fitting candidates: speed (fastest predicted first; predictions "
-            "within 5% are a tie, most headroom first) or headroom (most memory left first). "
-            "Candidates that do not fit always come last."
+            help="Order of the fitting candidates: speed (fastest predicted first; one within 5% "
+            "of a faster one goes first only where that one is near the memory limit or offloads "
+            "to host memory not checked) or headroom (most memory left first). Candidates that "
+            "do not fit always come last."
         ),
     ] = RankOrder.SPEED.value,
     show_all: Annotated[

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -335,7 +335,10 @@ class Candidate(Frozen):
     cpu_offload: bool = Field(False, description="Offload parameters (and grads) to host memory.")
     precision: Precision = Field(Precision.BF16_MIXED, description="Lightning precision name.")
     reduce_dtype_fp32: bool = Field(
-        True, description="Reduce gradients in fp32 under mixed precision (Lightning's default)."
+        True,
+        description="Reduce gradients in fp32 under mixed precision: FSDP2's MixedPrecisionPolicy "
+        "(torchtitan's default). Always False for FSDP1, which reduces in the compute dtype as "
+        "Lightning's FSDPStrategy maps its precision (every output reads it from here).",
     )
     limit_all_gathers: bool = Field(True, description="FSDP1 rate limiter on all-gathers.")
     forward_prefetch: bool = Field(False, description="Prefetch the next unit in forward.")
@@ -360,6 +363,20 @@ class Candidate(Frozen):
         description="float8 matmuls and all-gathers (torchao Float8Linear, FSDP2 only, bf16 "
         "compute, GPUs with fp8 tensor cores).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fsdp1_reduces_in_the_compute_dtype(cls, data: Any) -> Any:
+        """FSDP1 reduces in the compute dtype (Lightning's mapping, which trials and hand-over
+        apply): a candidate says so, records written before it said so included."""
+        if isinstance(data, dict):
+            try:
+                fsdp1 = Engine(data.get("engine", Engine.FSDP1)) is Engine.FSDP1
+            except ValueError:
+                return data  # the field's own validation says what is wrong
+            if fsdp1:
+                return {**data, "reduce_dtype_fp32": False}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> Candidate:

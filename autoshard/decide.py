@@ -5,10 +5,12 @@ One place for every door: :func:`decide` from estimates (``recommend()``, ``esti
 :func:`build_recommendation`, the only place one is made.
 
 With trials, what decides depends on where they ran (:func:`autoshard.measure.speed_basis`): on
-the kind of device planned for, the fastest measured wins, a tie within measurement noise going
-to more memory headroom (:func:`autoshard.measure.rank_trials`); on CPU processes standing in
-for the planned GPUs, the trials only show that a configuration builds, trains and fits, and the
-step-time model's fastest for the planned GPUs wins among those.
+the kind of device planned for, the measurements; on CPU processes standing in for the planned
+GPUs, the trials only show that a configuration builds, trains and fits, and the step-time
+model's predictions for the planned GPUs decide among those. Either way one rule
+(:func:`autoshard.ranking.ranked`): the fastest, unless it is at risk (near the memory limit, or
+offloading to host memory no one checked) and a candidate within the noise of it
+(:func:`autoshard.ranking.tie`, the one seam) is not.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
+from typing import TypeVar
 
 import torch
 
@@ -23,8 +26,6 @@ from autoshard.config import Candidate, Checkpointing, Engine, Hardware, Optimiz
 from autoshard.errors import ConfigError, TrialsFailedError
 from autoshard.measure import (
     compare,
-    is_tie,
-    rank_trials,
     speed_basis,
     spread_of,
     throughput,
@@ -33,6 +34,16 @@ from autoshard.measure import (
 from autoshard.plan import Plan, fits_elsewhere
 from autoshard.predict.factors import SpeedFactors
 from autoshard.predict.step_profile import step_profile
+from autoshard.ranking import (
+    PREDICTED_TIE,
+    Contender,
+    estimate_contender,
+    pair_noise,
+    ranked,
+    speed_key,
+    tie,
+    trial_contender,
+)
 from autoshard.recommendation import Recommendation
 from autoshard.results import (
     MemoryEstimate,
@@ -42,14 +53,10 @@ from autoshard.results import (
     TrialResult,
     TrialStatus,
 )
-from autoshard.space import (
-    PREDICTED_TIE,
-    predicted_rate,
-    predicted_tie,
-    tie_ranked,
-    wrap_reason,
-)
+from autoshard.space import wrap_reason
 from autoshard.units import format_bytes, format_share
+
+T = TypeVar("T")
 
 
 def versions() -> dict[str, str]:
@@ -110,8 +117,8 @@ def host_memory_reason(chosen: Scored, hardware: Hardware) -> list[str]:
 
 def decide(plan: Plan) -> Recommendation:
     """The fitting candidate predicted to be fastest, with one reason per setting."""
-    ranked = plan.ranked()
-    fitting = [e for e in ranked if e.fits]
+    order = plan.ranked()
+    fitting = [e for e in order if e.fits]
     if not fitting:
         raise ConfigError(nothing_fits(plan))
     best = fitting[0]
@@ -121,7 +128,7 @@ def decide(plan: Plan) -> Recommendation:
         plan.workload,
         Scored(candidate=best.candidate, estimate=best),
         runners_up=[Scored(candidate=e.candidate, estimate=e) for e in fitting[1:5]],
-        ruled_out=[Scored(candidate=e.candidate, estimate=e) for e in ranked if not e.fits],
+        ruled_out=[Scored(candidate=e.candidate, estimate=e) for e in order if not e.fits],
         basis="estimate",
         reasons=explain_estimate(best, plan),
         notes=plan.notes,
@@ -226,12 +233,17 @@ def choose_from_trials(
 
     ok_results = [r for r in results if r.status is TrialStatus.OK]
     predicted = any(_predicted_rate(r, by_label) for r in ok_results)
+    checked = hardware.host_memory is not None
     if speed_basis(hardware, results) == "model" and predicted:
-        ok = rank_by_prediction(results, by_label)
+        ok = rank_by_prediction(results, by_label, host_memory_checked=checked)
         why = explain_by_prediction(ok, by_label, hardware, profile)
     else:
-        ok = rank_trials(results)
-        why = explain_trials(ok[0], ok, profile)
+        order = ranked(
+            [trial_contender(r, hardware.usable_gpu_memory, host_memory_checked=checked)
+             for r in ok_results if throughput(r) > 0]
+        )  # fmt: skip
+        ok = [c.item for c in order]
+        why = explain_trials(order, profile)
     return build_recommendation(
         profile,
         hardware,
@@ -244,6 +256,38 @@ def choose_from_trials(
         notes=notes,
         timeline=timeline(by_label.get(ok[0].candidate.label())) if timeline else None,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The first reason: the rule that decided (autoshard.ranking)
+# --------------------------------------------------------------------------------------------
+
+
+def choice_line(order: Sequence[Contender[T]], what: str, described: str) -> str:
+    """The first reason: the rule that put ``order[0]`` first, ``described`` (its rate as the
+    reader needs it); ``what``: "measured" or "predicted"."""
+    best = order[0]
+    n = len(order)
+    top = max(order, key=speed_key)
+    if top is not best:
+        noise = pair_noise(top, best)
+        return (
+            f"within the noise (±{noise:.0%}) of the fastest {what}, {top.label}, which is "
+            f"{top.risk}: chosen as the fastest of {n} {what} configurations without that risk: "
+            f"{described}"
+        )
+    tied = [c for c in order[1:] if tie(best, c)]
+    line = f"fastest of {n} {what} configurations: {described}"
+    if tied:
+        more = "one other" if len(tied) == 1 else f"{len(tied)} others"
+        room = (
+            f"its headroom ({format_bytes(best.headroom)} of {format_bytes(best.usable)}) is enough"
+            if best.usable > 0
+            else "headroom does not decide"
+        )
+        noise = max(pair_noise(best, c) for c in tied)
+        line += f"; {more} within the noise (±{noise:.0%}), not preferred for headroom: {room}"
+    return line
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,16 +320,31 @@ def _differs_only_in(a: Candidate, b: Candidate, name: str) -> bool:
     return da != db and all(da[k] == db[k] for k in da if k not in related)
 
 
-def _tied_with_less_room(other: MemoryEstimate, best: MemoryEstimate) -> bool:
-    # The tie rule of space.rank_candidates, seen from the chosen one.
-    return predicted_tie(predicted_rate(other), predicted_rate(best)) and (
-        other.headroom <= best.headroom
+def _estimate_choice(
+    best: MemoryEstimate,
+    plan: Plan,
+    contender: Callable[[MemoryEstimate], Contender[MemoryEstimate]],
+) -> list[str]:
+    """The rule that put ``best`` first among the fitting candidates (none where it is not
+    first: a reason asked of another candidate)."""
+    order = [contender(e) for e in plan.ranked() if e.fits]
+    if not order or order[0].item != best or best.speed is None:
+        return []
+    tokens = best.speed.tokens_per_s_per_gpu
+    described = f"{best.speed.step_time_s:.3f} s/step" + (
+        f", {tokens:,.0f} tokens/s per GPU" if tokens else ""
     )
+    return [choice_line(order, "predicted", described)]
 
 
 def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
     """Why each setting of ``best``: what its alternatives would need, or cost."""
     c, hardware, profile = best.candidate, plan.hardware, plan.profile
+    checked = hardware.host_memory is not None
+
+    def contender(e: MemoryEstimate) -> Contender[MemoryEstimate]:
+        return estimate_contender(e, host_memory_checked=checked)
+
     b = best.breakdown
     lines = [
         f"predicted peak {format_bytes(best.gpu_peak)} per GPU of "
@@ -297,6 +356,7 @@ def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
         f"allowance {format_bytes(b.allowance)}",
         wrap_reason(c, profile),
     ]
+    lines[1:1] = _estimate_choice(best, plan, contender)
     if profile.tied:
         names = "; ".join(", ".join(g.names) for g in profile.tied)
         lines.append(f"tied parameters ({names}) stay in one FSDP unit (the root)")
@@ -310,17 +370,23 @@ def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
              if not e.fits}
         )  # fmt: skip
         fitting = [e for e in alternatives if e.fits]
-        tied = sorted({_value(e.candidate, name) for e in fitting if _tied_with_less_room(e, best)})
-        slower = sorted({_value(e.candidate, name) for e in fitting} - set(tied))
+        # Faster than the chosen one yet after it: the tie rule passed over them for a risk.
+        at_risk = {
+            f"{_value(e.candidate, name)} ({risk})"
+            for e in fitting
+            if (risk := contender(e).risk) is not None and contender(e).rate > contender(best).rate
+        }
+        faster = {v.split(" (")[0] for v in at_risk}
+        slower = sorted({_value(e.candidate, name) for e in fitting} - faster)
         parts = []
         if too_big:
             parts.append(f"does not fit with {', '.join(too_big)}")
         if slower:
             parts.append(f"fits but predicted slower with {', '.join(slower)}")
-        if tied:
+        if at_risk:
             parts.append(
-                f"predicted within {PREDICTED_TIE:.0%} (a tie) but with less headroom with "
-                f"{', '.join(tied)}"
+                f"predicted within {PREDICTED_TIE:.0%} (a tie) but at risk with "
+                f"{', '.join(sorted(at_risk))}"
             )
         why = "; ".join(parts) or (
             "offload is considered with FULL_SHARD only"
@@ -380,39 +446,26 @@ def _differences(chosen: Candidate, other: Candidate) -> list[str]:
     return diff
 
 
-def explain_trials(
-    best: TrialResult, ok: Sequence[TrialResult], profile: ModelProfile
-) -> list[str]:
-    """One line per chosen setting, with the measurement behind it. A difference within the
-    two trials' noise is called a tie, never a win (:func:`autoshard.measure.compare`)."""
+def explain_trials(order: Sequence[Contender[TrialResult]], profile: ModelProfile) -> list[str]:
+    """One line per chosen setting, with the measurement behind it, ``order`` the trials as
+    :func:`ranked` put them. A difference within the two trials' noise is called a tie, never
+    a win (:func:`autoshard.measure.compare`)."""
+    best = order[0].item
     c = best.candidate
     unit = "tokens" if best.tokens_per_s else "samples"
     measured = (
         f"{best.step_time or 0:.3f} s/step (±{spread_of(best):.0%}), {throughput(best):,.0f} "
         f"{unit}/s on {best.world_size} {best.device} ranks"
     )
-    fastest = max(ok, key=throughput)
-    tied = [r for r in ok if r is not fastest and is_tie(fastest, r)]
-    if fastest is best and not tied:
-        first = f"fastest of {len(ok)} measured configurations: {measured}"
-    else:
-        noise = spread_of(fastest) + max(spread_of(r) for r in [best, *tied])
-        first = (
-            f"tie within noise (±{noise:.0%}) between {len(tied) + 1} of {len(ok)} measured "
-            f"configurations, chosen by headroom (peak {format_bytes(best.max_allocated or 0)}): "
-            f"{measured}"
-        )
-    lines = [first, wrap_reason(c, profile)]
-    for r in ok:
-        if r is best:
-            continue
+    lines = [choice_line(order, "measured", measured), wrap_reason(c, profile)]
+    for r in (x.item for x in order[1:]):
         diff = _differences(c, r.candidate)
         if len(diff) != 1:
             continue
         outcome = compare(best, r)
         if outcome.tie:
             lines.append(f"{diff[0]}: tie within noise (±{outcome.noise:.0%})")
-        elif outcome.winner is best:
+        elif throughput(best) > throughput(r):
             lines.append(f"{diff[0]} measured {outcome.ratio:.2f}x slower")
     return lines
 
@@ -428,30 +481,40 @@ def _predicted_rate(r: TrialResult, by_label: dict[str, MemoryEstimate]) -> floa
 
 
 def rank_by_prediction(
-    results: Sequence[TrialResult], by_label: dict[str, MemoryEstimate]
+    results: Sequence[TrialResult],
+    by_label: dict[str, MemoryEstimate],
+    *,
+    host_memory_checked: bool = False,
 ) -> list[TrialResult]:
-    """Successful trials by predicted speed, with the tie rule of every door
-    (:func:`autoshard.space.tie_ranked`: within the model's resolution, more predicted headroom
-    first); trials without a prediction last, by measured throughput.
+    """Successful trials in the order :func:`decide` puts their estimates (:func:`ranked` on
+    the predictions); trials without a prediction last, by measured throughput.
 
     The headroom is the model's for the planned GPUs, as the speed is: a CPU process's peak is
     not a GPU's (no CUDA context, other kernels), and between two configurations of the same
     memory its resident set differs by noise (the quick start's FULL_SHARD and SHARD_GRAD_OP of
-    one unit, 35.4-35.9 MiB each), which chose between them run by run. So the choice is the
-    one :func:`decide` makes without trials, among the configurations that ran."""
+    one unit, 35.4-35.9 MiB each). So the choice is the one :func:`decide` makes without
+    trials, among the configurations that ran."""
+    order, unpredicted = _by_prediction(results, by_label, host_memory_checked)
+    return [c.item for c in order] + unpredicted
+
+
+def _by_prediction(
+    results: Sequence[TrialResult], by_label: dict[str, MemoryEstimate], checked: bool
+) -> tuple[list[Contender[TrialResult]], list[TrialResult]]:
+    """The successful trials with a prediction as :func:`ranked` orders them (each standing
+    for its estimate), and those without, fastest measured first."""
     ok = [r for r in results if r.status is TrialStatus.OK]
-    predicted = [r for r in ok if _predicted_rate(r, by_label) is not None]
+    predicted = []
+    for r in ok:
+        e = by_label.get(r.candidate.label())
+        if e is not None and e.speed is not None:
+            c = estimate_contender(e, host_memory_checked=checked)
+            predicted.append(Contender(r, c.label, c.rate, None, c.headroom, c.usable,
+                                       c.offload_unchecked))  # fmt: skip
     unpredicted = sorted(
         (r for r in ok if _predicted_rate(r, by_label) is None), key=throughput, reverse=True
     )
-    return (
-        tie_ranked(
-            predicted,
-            lambda r: _predicted_rate(r, by_label) or 0.0,
-            lambda r: by_label[r.candidate.label()].headroom,
-        )
-        + unpredicted
-    )
+    return ranked(predicted), unpredicted
 
 
 def explain_by_prediction(
@@ -473,30 +536,26 @@ def explain_by_prediction(
         )
         mfu = f", MFU {format_share(speed.mfu)}" if speed.mfu else ""
         predicted = f"{speed.step_time_s:.3f} s/step{per_gpu}{mfu}"
-        # The tie rule (autoshard.space.tie_ranked) may have chosen one a little slower than
-        # the fastest predicted: say so rather than call it the fastest.
-        top = max(_predicted_rate(r, by_label) or 0.0 for r in ok)
-        tied = [r for r in ok[1:] if predicted_tie(_predicted_rate(r, by_label) or 0.0, top)]
-        if (rate or 0.0) >= top and not tied:
-            lines.append(f"fastest predicted of {len(ok)} configurations that ran: {predicted}")
-        else:
-            lines.append(
-                f"predicted tie (within {PREDICTED_TIE:.0%}) between {len(tied) + 1} of "
-                f"{len(ok)} configurations that ran, chosen by headroom (predicted peak "
-                f"{format_bytes(by_label[best.candidate.label()].gpu_peak)}): {predicted}"
-            )
+        order, _ = _by_prediction(ok, by_label, hardware.host_memory is not None)
+        lines.append(choice_line(order, "predicted", predicted))
     lines.append(wrap_reason(best.candidate, profile))
+    checked = hardware.host_memory is not None
     for r in ok[1:]:
         diff = _differences(best.candidate, r.candidate)
         other = _predicted_rate(r, by_label)
         if len(diff) == 1 and rate and other:
             ratio = rate / other
+            risk = estimate_contender(by_label[r.candidate.label()], host_memory_checked=checked)
             # A model's few-percent difference is no result: say "about as fast", not "1.00x".
-            lines.append(
-                f"{diff[0]} predicted {ratio:.2f}x slower"
-                if ratio >= 1 + PREDICTED_TIE
-                else f"{diff[0]} predicted about as fast (within {PREDICTED_TIE:.0%})"
-            )
+            if ratio >= 1 + PREDICTED_TIE:
+                lines.append(f"{diff[0]} predicted {ratio:.2f}x slower")
+            elif ratio < 1 and risk.risk is not None:
+                lines.append(
+                    f"{diff[0]} predicted about as fast (within {PREDICTED_TIE:.0%}), but "
+                    f"{risk.risk}"
+                )
+            else:
+                lines.append(f"{diff[0]} predicted about as fast (within {PREDICTED_TIE:.0%})")
     return lines
 
 

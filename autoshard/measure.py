@@ -1,5 +1,5 @@
 """What a measured step time means: how precisely its median is known, when to stop timing, and
-when two trials are a tie.
+when two trials are a tie (what a tie then decides: :func:`autoshard.decide.ranked`).
 
 The spread of a trial is the relative half-width of a distribution-free confidence interval of
 the median step time (order statistics, about 95%). Why this and not the alternatives:
@@ -117,19 +117,13 @@ def spread_of(result: TrialResult) -> float:
     return median_spread(result.step_times) if result.step_times else 0.0
 
 
-def _headroom_key(result: TrialResult) -> float:
-    # Every trial of a study runs under the same cap, so more headroom is a smaller peak.
-    peak = result.max_allocated
-    return -float(peak) if peak is not None else -math.inf
-
-
 @dataclass(frozen=True)
 class Comparison:
-    """The outcome of comparing two measured trials: ``winner`` first.
+    """The outcome of comparing two measured trials: ``winner`` (the higher throughput) first.
 
     ``ratio`` is winner's throughput over loser's; ``noise`` the relative difference that the
-    two spreads together allow; ``tie`` whether the difference is within it (then the winner is
-    the one with more measured memory headroom)."""
+    two spreads together allow; ``tie`` whether the difference is within it. What a tie decides
+    is the decision's rule (:func:`autoshard.decide.ranked`), not this comparison's."""
 
     winner: TrialResult
     loser: TrialResult
@@ -138,78 +132,43 @@ class Comparison:
     tie: bool
 
     def describe(self) -> str:
-        """'1.32x faster' or 'tie within noise (±6%), chosen by headroom'."""
+        """'1.32x faster' or 'tie within noise (±6%)'."""
         if self.tie:
-            return f"tie within noise (±{self.noise:.0%}), chosen by headroom"
+            return f"tie within noise (±{self.noise:.0%})"
         return f"{self.ratio:.2f}x faster"
 
 
 def compare(a: TrialResult, b: TrialResult) -> Comparison:
-    """Which of two successful trials is faster, or whether they tie.
+    """Which of two successful trials is faster, and whether the difference is a tie.
 
     Each throughput is known to within its spread, so the two are a tie when their intervals
-    overlap: ``|r_a - r_b| <= r_a * s_a + r_b * s_b``. A tie goes to more measured headroom
-    (the smaller peak): as fast as far as can be told, and further from an OOM.
+    overlap: ``|r_a - r_b| <= r_a * s_a + r_b * s_b`` (equal throughputs: ``a`` first).
 
     >>> from autoshard import Candidate, TrialResult
-    >>> def run(mbs, step, spread, peak):
+    >>> def run(mbs, step, spread):
     ...     return TrialResult(candidate=Candidate(micro_batch_size=mbs), status="ok",
-    ...                        step_time=step, samples_per_s=mbs / step,
-    ...                        step_time_spread=spread, peak_allocated=(peak,))
-    >>> compare(run(1, 0.100, 0.03, 900), run(2, 0.208, 0.03, 500)).describe()
-    'tie within noise (±6%), chosen by headroom'
-    >>> compare(run(1, 0.100, 0.01, 900), run(2, 0.260, 0.01, 500)).describe()
+    ...                        step_time=step, samples_per_s=mbs / step, step_time_spread=spread)
+    >>> compare(run(1, 0.100, 0.03), run(2, 0.208, 0.03)).describe()
+    'tie within noise (±6%)'
+    >>> compare(run(1, 0.100, 0.01), run(2, 0.260, 0.01)).describe()
     '1.30x faster'
     """
     ra, rb = throughput(a), throughput(b)
     sa, sb = spread_of(a), spread_of(b)
-    tie = abs(ra - rb) <= ra * sa + rb * sb
-    if tie:
-        first, second = (a, b) if _headroom_key(a) >= _headroom_key(b) else (b, a)
-    else:
-        first, second = (a, b) if ra > rb else (b, a)
+    first, second = (a, b) if ra >= rb else (b, a)
     r1, r2 = throughput(first), throughput(second)
     return Comparison(
         winner=first,
         loser=second,
         ratio=r1 / r2 if r2 > 0 else math.inf,
         noise=sa + sb,
-        tie=tie,
+        tie=abs(ra - rb) <= ra * sa + rb * sb,
     )
 
 
 def is_tie(a: TrialResult, b: TrialResult) -> bool:
     """Whether two trials' throughputs differ by less than their spreads together."""
     return compare(a, b).tie
-
-
-def faster(a: TrialResult, b: TrialResult) -> TrialResult:
-    """The better of two successful trials: the faster one, or on a tie the one with more
-    measured memory headroom."""
-    return compare(a, b).winner
-
-
-def rank_trials(results: Sequence[TrialResult]) -> list[TrialResult]:
-    """Successful trials, best first: the fastest measured leads, except that the trials tied
-    with it (within noise) are ordered among themselves by headroom; the rest follow by
-    throughput.
-
-    The tie relation is not transitive (A~B and B~C with A faster than C), so ties are decided
-    against the fastest trial only: every trial placed before a faster one is within noise of
-    the fastest.
-    """
-    ok = sorted(
-        (r for r in results if r.status is TrialStatus.OK and throughput(r) > 0),
-        key=throughput,
-        reverse=True,
-    )
-    if not ok:
-        return []
-    top = ok[0]
-    tied = [r for r in ok if r is top or is_tie(top, r)]
-    rest = [r for r in ok if r not in tied]
-    tied.sort(key=_headroom_key, reverse=True)
-    return tied + rest
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from autoshard.config import (
 )
 from autoshard.errors import ConfigError
 from autoshard.predict.activations import ActivationProfile, precisions_of, profile_activations
-from autoshard.predict.analytic import estimate_all
+from autoshard.predict.analytic import compile_saving, estimate_all
 from autoshard.predict.attention_kernels import attention_device
 from autoshard.predict.calibrate import SpeedModel
 from autoshard.results import MemoryEstimate, ModelProfile
@@ -486,7 +486,9 @@ class Plan:
     def ranked(self, order: RankOrder | str = RankOrder.SPEED) -> list[MemoryEstimate]:
         """Fitting candidates first (fastest predicted, or most headroom), then the rest by
         how far they overshoot."""
-        return rank_candidates(self.estimates, order)
+        return rank_candidates(
+            self.estimates, order, host_memory_checked=self.hardware.host_memory is not None
+        )
 
 
 def make_plan(request: PlanRequest) -> Plan:
@@ -527,17 +529,24 @@ def make_plan(request: PlanRequest) -> Plan:
     estimates = speed.attach(
         estimate_all(profile, candidates, request.hardware, workload, activations=activations)
     )
+    checked = request.hardware.host_memory is not None
     if opts.simulate:
         from autoshard.predict.simulate import refine_with_simulation, simulated_count
 
         simulated_count(opts.simulate, estimates)  # more than there are: one line, not minutes
 
+        def saving(candidate: Candidate) -> int:
+            return compile_saving(
+                profile, candidate, request.hardware, workload, activations=activations
+            )
+
         simulated = refine_with_simulation(
-            request.target, rank_candidates(estimates), request.hardware, workload,
-            block_classes=profile.block_classes, count=opts.simulate,
+            request.target, rank_candidates(estimates, host_memory_checked=checked),
+            request.hardware, workload,
+            block_classes=profile.block_classes, count=opts.simulate, compile_saving=saving,
         )  # fmt: skip
         estimates = speed.attach(simulated)  # simulated peaks can change fit and headroom
-    estimates = rank_candidates(estimates)
+    estimates = rank_candidates(estimates, host_memory_checked=checked)
     host_note = host_memory_note(estimates, request.hardware)
     if host_note:
         notes.append(host_note)

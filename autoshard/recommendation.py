@@ -188,6 +188,9 @@ def _from_json(data: Any, p: Path) -> tuple[Recommendation, list[TrialResult]]:
         raise ResultError(f"{p}: not an autoshard result (a JSON object is expected)")
     if "schema" in data:
         _check_schema(data["schema"], p)
+        if data.get("recommendation") is None:
+            error = data.get("error") or "no configuration ran"
+            raise ResultError(f"{p}: the study ended without a recommendation: {error}")
         rec = Recommendation.model_validate(data["recommendation"])
         return rec, [TrialResult.model_validate(t) for t in data.get("trials", [])]
     if "chosen" in data and "profile" in data:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from enum import Enum
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import Field
 
@@ -352,6 +352,57 @@ class TrialStatus(str, Enum):
         return self not in (TrialStatus.PRUNED, TrialStatus.SKIPPED)
 
 
+class Outcome(NamedTuple):
+    """What became of a candidate, in the words, colour and mark every view gives it (the
+    terminal, ``print(rec)``, report.json's ``summary.outcomes``, report.html's charts and
+    legends, the live view, optuna-dashboard's summary)."""
+
+    word: str  # the one word every view says: "3 skipped"
+    statuses: tuple[TrialStatus, ...]  # the trial statuses it covers
+    says: str  # what a table writes before the reason: "skipped, never launched: ..."
+    colour: str  # its colour in report.html
+    mark: str  # how report.html draws it: "solid", "diamond", "cross", "outline", "hatched"
+
+
+# One row per outcome: a new kind of result is one row here (a TrialStatus without a row of its
+# own counts as failed).
+OUTCOMES: tuple[Outcome, ...] = (
+    Outcome("measured", (TrialStatus.OK,), "measured", "#4e79a7", "solid"),
+    Outcome(
+        "diverged",
+        (TrialStatus.DIVERGED,),
+        "diverged (ran, but the loss became NaN or infinite)",
+        "#6a1b9a",
+        "diamond",
+    ),
+    Outcome(
+        "failed",
+        (TrialStatus.OOM, TrialStatus.ERROR, TrialStatus.TIMEOUT),
+        "failed",
+        "#c62828",
+        "cross",
+    ),
+    Outcome("skipped", (TrialStatus.SKIPPED,), "skipped, never launched", "#9e9e9e", "outline"),
+    Outcome(
+        "ruled out",
+        (TrialStatus.PRUNED,),
+        "predicted not to fit, never launched",
+        "#757575",
+        "hatched",
+    ),
+)
+
+
+def outcome_of(status: TrialStatus) -> Outcome:
+    """The row of :data:`OUTCOMES` a trial status falls under (failed where none names it).
+
+    >>> outcome_of(TrialStatus.PRUNED).word, outcome_of(TrialStatus.OOM).word
+    ('ruled out', 'failed')
+    """
+    failed = next(o for o in OUTCOMES if o.word == "failed")
+    return next((o for o in OUTCOMES if status in o.statuses), failed)
+
+
 class TrialResult(Frozen):
     """What one short real FSDP run measured (one line of ``trials.jsonl`` in a tune's output).
 
@@ -375,8 +426,12 @@ class TrialResult(Frozen):
         description="Relative uncertainty of step_time (e.g. 0.03: the median is known to "
         "within 3%); two trials closer than their spreads are a tie.",
     )
-    samples_per_s: float | None = None
-    tokens_per_s: float | None = None
+    samples_per_s: float | None = Field(
+        None, description="Samples per second, all ranks together (samples_per_s_per_gpu: one's)."
+    )
+    tokens_per_s: float | None = Field(
+        None, description="Tokens per second, all ranks together (tokens_per_s_per_gpu: one's)."
+    )
     peak_allocated: tuple[int, ...] = Field((), description="Per-rank peak allocated bytes.")
     peak_reserved: tuple[int, ...] = Field((), description="Per-rank peak reserved bytes.")
     losses: tuple[float, ...] = Field(
@@ -418,6 +473,22 @@ class TrialResult(Frozen):
     @property
     def max_allocated(self) -> int | None:
         return max(self.peak_allocated) if self.peak_allocated else None
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float | None:
+        """Tokens per second of one rank (one GPU's, or one CPU worker's): the unit every view
+        shows a measured rate in, as the predictions' ``tokens_per_s_per_gpu``."""
+        return self.tokens_per_s / max(self.world_size, 1) if self.tokens_per_s else None
+
+    @property
+    def samples_per_s_per_gpu(self) -> float | None:
+        """Samples per second of one rank (:attr:`tokens_per_s_per_gpu`'s unit)."""
+        return self.samples_per_s / max(self.world_size, 1) if self.samples_per_s else None
+
+    @property
+    def per_gpu(self) -> str:
+        """How a measured rate of one rank is labelled: per GPU, or per rank on CPU workers."""
+        return "per GPU" if self.device == "cuda" else "per rank"
 
 
 class Scored(Frozen):
@@ -481,17 +552,46 @@ class Decision(Frozen):
                     + (f", MFU {format_share(est.speed.mfu)}" if est.speed.mfu is not None else "")
                 )
         if trial is not None and trial.step_time is not None:
+            rate = trial.tokens_per_s_per_gpu or trial.samples_per_s_per_gpu
+            unit = "tokens/s" if trial.tokens_per_s_per_gpu else "samples/s"
             lines.append(
                 f"  measured {trial.step_time:.3f} s/step on {trial.world_size} {trial.device} "
                 "ranks"
+                + (f", {rate:,.0f} {unit} {trial.per_gpu}" if rate else "")
                 + (f", peak {trial.max_allocated / 2**30:.2f} GiB" if trial.max_allocated else "")
             )
         basis = "estimates only" if self.basis == "estimate" else "measured trials"
         lines.append(
-            f"  basis: {basis}; {len(self.runners_up)} runners-up, {len(self.ruled_out)} ruled "
-            "out; rec.reasons says why each setting, rec.strategy() builds it"
+            f"  basis: {basis}; {self.outcome_words()}; rec.reasons says why each setting, "
+            "rec.strategy() builds it"
         )
         return lines
+
+    def outcome_counts(self) -> dict[str, int]:
+        """How many of the candidates this decision lists ended each way (:data:`OUTCOMES`),
+        the words report.json's ``summary.outcomes`` counts in; a candidate that fits and was
+        never tried (an estimate's runner-up) counts as none."""
+        counts = {o.word: 0 for o in OUTCOMES}
+        for s in (self.chosen, *self.runners_up, *self.ruled_out):
+            if s.trial is not None:
+                counts[outcome_of(s.trial.status).word] += 1
+            elif s.estimate is not None and not s.estimate.fits:
+                counts["ruled out"] += 1
+        return counts
+
+    def outcome_words(self) -> str:
+        """``"6 measured (the chosen and 5 runners-up), 32 skipped"``, or for an estimate
+        ``"4 runners-up, 170 ruled out"``: :meth:`outcome_counts` in words."""
+        counts = self.outcome_counts()
+        parts = []
+        if self.basis == "estimate" or not counts["measured"]:
+            parts.append(f"{len(self.runners_up)} runners-up")
+        else:
+            parts.append(
+                f"{counts['measured']} measured (the chosen and {len(self.runners_up)} runners-up)"
+            )
+        parts += [f"{n} {word}" for word, n in counts.items() if n and word != "measured"]
+        return ", ".join(parts)
 
     def __str__(self) -> str:
         return "\n".join(self.summary_lines())

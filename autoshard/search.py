@@ -30,6 +30,7 @@ nothing measured under other settings is reused.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -41,20 +42,25 @@ from pydantic import ValidationError
 
 from autoshard.config import Candidate, Checkpointing, Precision, TuneOptions
 from autoshard.decide import decide_from_trials
-from autoshard.errors import StorageError, StudyNotice
+from autoshard.errors import StorageError, StudyNotice, TrialsFailedError
 from autoshard.measure import speed_basis
 from autoshard.plan import Plan
 from autoshard.predict.calibrate import Calibration, reorder_untried
 from autoshard.predict.speed import SpeedFactors
+from autoshard.ranking import estimate_contender, objective_value, trial_contender
 from autoshard.recommendation import Recommendation
 from autoshard.results import Decision, MemoryEstimate, TrialResult, TrialStatus
 from autoshard.sharding import cpu_workers_cannot_run
-from autoshard.space import rank_candidates
 from autoshard.study.causes import classified, counts_against
 from autoshard.study.loop import run_trials
 from autoshard.study.settings import StudySettings
 from autoshard.trials.group import WorkerGroup
-from autoshard.ui.files import RECOMMENDATION_FILE, write_report, write_text_atomically
+from autoshard.ui.files import (
+    RECOMMENDATION_FILE,
+    write_failure_report,
+    write_report,
+    write_text_atomically,
+)
 
 if TYPE_CHECKING:  # optuna is imported where a study runs
     from autoshard.study.storage import StudyStore
@@ -130,7 +136,7 @@ def trial_order(plan: Plan) -> list[MemoryEstimate]:
     """The order in which the study tries the candidates of ``plan``: fitting ones first, the
     fastest predicted for the planned hardware first (on CPU workers standing in for GPUs too:
     they check that the most promising configurations build, train and fit)."""
-    return rank_candidates(plan.estimates)
+    return plan.ranked()
 
 
 def _notice(line: str) -> None:
@@ -211,8 +217,7 @@ def run_study(plan: Plan, options: TuneOptions | None = None) -> Recommendation:
                 cannot_run=None if torch.cuda.is_available() else cpu_workers_cannot_run,
                 factors_of=factors_of,
             )
-        tried_with, tried_factors = _tried_with(store, results, notice)
-        rec = decide_from_trials(plan, results, tried_with, tried_factors)
+        rec = _decide(plan, out_dir, results, *_tried_with(store, results, notice))
         rec = rec.model_copy(update={"study": store.name})
         store.mark_recommended(rec)  # what optuna-dashboard shows beside its best trial
         write_outputs(rec, out_dir, results)
@@ -277,43 +282,55 @@ def _open_study(store: StudyStore, plan: Plan, opts: TuneOptions) -> None:
 
 def study_objective(plan: Plan) -> tuple[str, Callable[[TrialResult], float], str]:
     """The value a successful trial records in the optuna study, its name, and a line saying
-    what it is: the one the decision ranks by. Trials on the device planned for: the measured
-    tokens/s (else samples/s) per GPU. CPU processes standing in for GPUs: the step-time
-    model's prediction for the planned GPU, as :func:`autoshard.decide.decide_from_trials`
-    ranks them (a CPU's timing says nothing about a GPU's)."""
+    what it is: the decision's own (:func:`autoshard.decide.objective_value`), so that optuna's
+    best trial is the recommended one. Trials on the device planned for: the measured tokens/s
+    (else samples/s) per GPU. CPU processes standing in for GPUs: the step-time model's
+    prediction for the planned GPU, as :func:`autoshard.decide.decide_from_trials` ranks them
+    (a CPU's timing says nothing about a GPU's). Either less its noise where the candidate is
+    at risk (near the memory limit, offloading to host memory not checked)."""
     from autoshard.study.storage import measured_per_rank  # optuna: only when a study runs
 
     tokens = plan.workload.seq_len is not None
     unit = "tokens/s" if tokens else "samples/s"
-    world = plan.hardware.world_size
-    if plan.hardware.backend == "gloo" or torch.cuda.is_available():
+    hardware = plan.hardware
+    checked = hardware.host_memory is not None
+    risk = (
+        "less its noise where the measured peak leaves under 5% of the usable memory or the "
+        "candidate offloads to host memory not checked: the decision passes over those for a "
+        "tied one without the risk, and optuna's best trial is the recommended one"
+    )
+    if hardware.backend == "gloo" or torch.cuda.is_available():
+
+        def measured(result: TrialResult) -> float:
+            usable = hardware.usable_gpu_memory
+            return objective_value(trial_contender(result, usable, host_memory_checked=checked))
+
         return (
             f"measured {unit} per GPU",
-            measured_per_rank,
+            measured,
             f"measured {unit} of one rank (the decision's order: the fastest measured that "
-            "fits, ties within the spread broken by headroom)",
+            f"fits), {risk}",
         )
     by_label = {e.candidate.label(): e for e in plan.estimates}
-    gpu = plan.hardware.gpu or next(
+    gpu = hardware.gpu or next(
         (e.speed.gpu for e in plan.estimates if e.speed is not None and e.speed.gpu), "GPU"
     )
 
     def predicted(result: TrialResult) -> float:
         e = by_label.get(result.candidate.label())
-        speed = e.speed if e is not None else None
-        if speed is None:
+        if e is None or e.speed is None:
             return measured_per_rank(result)
-        if tokens and speed.tokens_per_s_per_gpu:
-            return float(speed.tokens_per_s_per_gpu)
-        return speed.samples_per_s / world
+        value = objective_value(estimate_contender(e, host_memory_checked=checked))
+        # the contender's samples/s are all ranks' (its tokens/s, one GPU's)
+        return value if e.speed.tokens_per_s_per_gpu else value / hardware.world_size
 
     return (
         f"predicted {unit} per GPU ({gpu})",
         predicted,
-        f"predicted {unit} per GPU on {plan.hardware.nodes} x {plan.hardware.gpus_per_node} "
-        f"{gpu}: the trials ran on CPU processes, which checked that each configuration builds, "
-        "trains and fits; their timings (user attribute autoshard_result) say nothing about "
-        "the GPUs, so the decision ranks by this prediction, as the study does",
+        f"predicted {unit} per GPU on {hardware.nodes} x {hardware.gpus_per_node} {gpu}: the "
+        "trials ran on CPU processes, which checked that each configuration builds, trains and "
+        "fits; their timings (user attribute autoshard_result) say nothing about the GPUs, so "
+        f"the decision ranks by this prediction, as the study does; {risk}",
     )
 
 
@@ -347,6 +364,39 @@ def _worker_files(out_dir: Path) -> Iterator[None]:
             f"{out_dir / 'workers'}: {exc.strerror or exc} while running a trial; free space or "
             "fix the folder, then run the same command again to resume"
         ) from None
+
+
+def _decide(
+    plan: Plan,
+    out_dir: Path,
+    results: Sequence[TrialResult],
+    tried_with: dict[str, MemoryEstimate],
+    factors: dict[str, SpeedFactors],
+) -> Recommendation:
+    """The decision on ``results``; where nothing ran, its report all the same (what ran and
+    why it failed), then the one line that says so."""
+    try:
+        return decide_from_trials(plan, results, tried_with, factors)
+    except TrialsFailedError as exc:
+        write_failure(plan, out_dir, results, tried_with, str(exc))
+        raise
+
+
+def write_failure(
+    plan: Plan,
+    out_dir: Path,
+    results: Sequence[TrialResult],
+    tried_with: dict[str, MemoryEstimate],
+    error: str,
+) -> None:
+    """report.json and report.html of a study in which no configuration ran; a full disk or a
+    lost folder leaves the study's own error to be said."""
+    estimates = [tried_with.get(e.candidate.label(), e) for e in plan.estimates]
+    with contextlib.suppress(OSError):
+        write_failure_report(
+            out_dir, target=plan.profile.target, params=plan.profile.total_params,
+            hardware=plan.hardware, estimates=estimates, trials=results, error=error,
+        )  # fmt: skip
 
 
 def write_outputs(rec: Decision, out_dir: Path, results: Sequence[TrialResult]) -> None:

@@ -115,7 +115,9 @@ def fsdp1_kwargs(
         "sharding_strategy": ShardingStrategy[traits(candidate).fsdp1_name],
         "cpu_offload": CPUOffload(offload_params=candidate.cpu_offload),
         "mixed_precision": MixedPrecision(
-            param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype
+            param_dtype=dtype,
+            reduce_dtype=torch.float32 if candidate.reduce_dtype_fp32 else dtype,
+            buffer_dtype=dtype,
         ),
         "use_orig_params": True,
         "limit_all_gathers": candidate.limit_all_gathers,

@@ -10,8 +10,8 @@ tries in a handful of trials.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from autoshard.config import (
     OPTIMIZER_TRAITS,
@@ -28,9 +28,14 @@ from autoshard.config import (
     WorkloadSpec,
 )
 from autoshard.gpus import CATALOGUE, gpu_spec
+from autoshard.ranking import (  # noqa: F401  (PREDICTED_TIE, predicted_tie: read here too)
+    NEAR_LIMIT,
+    PREDICTED_TIE,
+    predicted_tie,
+    rank_estimates,
+    tie_rule_words,
+)
 from autoshard.results import MemoryEstimate, ModelProfile
-
-T = TypeVar("T")
 
 
 def wrap_reason(candidate: Candidate, profile: ModelProfile) -> str:
@@ -274,39 +279,17 @@ def predicted_rate(estimate: MemoryEstimate) -> float:
     return estimate.speed.samples_per_s if estimate.speed is not None else 0.0
 
 
-PREDICTED_TIE = 0.05
-"""Two predicted rates closer than this fraction are a tie, broken by memory headroom. The
-step-time model cannot order candidates more finely than that (its median error against 50
-published runs is 13%, benchmarks/results/step_time_published.md), and a few percent of
-predicted speed is not worth running at the edge of memory."""
-
-
-def predicted_tie(rate: float, top: float) -> bool:
-    """Whether a predicted ``rate`` is a tie with the fastest, ``top`` (:data:`PREDICTED_TIE`)."""
-    return top - rate <= PREDICTED_TIE * top
-
-
-def tie_ranked(
-    items: Sequence[T], rate: Callable[[T], float], headroom: Callable[[T], float]
-) -> list[T]:
-    """Fastest first, except that the fastest left and every item predicted within
-    :data:`PREDICTED_TIE` of it are a tie, which goes to the most headroom; repeated until none
-    is left. (A tie is not transitive, so it is always taken against the fastest left.)"""
-    left = sorted(items, key=lambda x: (-rate(x), -headroom(x)))
-    ranked: list[T] = []
-    while left:
-        top = rate(left[0])
-        tied = [i for i, x in enumerate(left) if predicted_tie(rate(x), top)]
-        ranked.append(left.pop(max(tied, key=lambda i: headroom(left[i]))))
-    return ranked
-
-
 def rank_candidates(
-    estimates: Sequence[MemoryEstimate], by: RankOrder | str = RankOrder.SPEED
+    estimates: Sequence[MemoryEstimate],
+    by: RankOrder | str = RankOrder.SPEED,
+    *,
+    host_memory_checked: bool = False,
 ) -> list[MemoryEstimate]:
-    """Fitting candidates first: by predicted speed, where the fastest left and every candidate
-    within :data:`PREDICTED_TIE` of it are a tie that goes to the most headroom; or with
-    ``by="headroom"`` the most headroom first. Then the rest by how far they overshoot.
+    """Fitting candidates first: by the decision's rule (:func:`autoshard.ranking.ranked`: the
+    fastest predicted, unless it is at risk and a candidate within :data:`PREDICTED_TIE` of it
+    is not); or with ``by="headroom"`` the most headroom first. Then the rest by how far they
+    overshoot. ``host_memory_checked``: whether the estimates checked offload's host memory
+    (a host memory was given); unchecked, offloading is a risk.
 
     One order for every door: ``recommend``, ``estimate``, export and the study's trial order."""
     order = RankOrder(by)
@@ -314,4 +297,4 @@ def rank_candidates(
     rest = sorted((e for e in estimates if not e.fits), key=lambda e: -e.headroom)
     if order is RankOrder.HEADROOM:
         return sorted(fits, key=lambda e: -e.headroom) + rest
-    return tie_ranked(fits, predicted_rate, lambda e: e.headroom) + rest
+    return rank_estimates(fits, host_memory_checked=host_memory_checked) + rest

@@ -68,6 +68,7 @@ def _record(part: str, **fields: Any) -> None:
     print(json.dumps(row), flush=True)
     out = os.environ.get("OUT")
     path = Path(out) / "results.jsonl" if out else Path("offload_gpu_check.jsonl")
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 

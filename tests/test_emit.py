@@ -342,8 +342,12 @@ def test_fsdp2_yaml_says_which_units_reshard(
     block: the YAML comments say the policy and the calls that apply it."""
     rec = make_rec(candidate(engine=Engine.FSDP2, reshard=reshard))
     lightning = rec.to_yaml("lightning")
-    assert f"#   which applies the reshard policy {reshard}:" in lightning
+    assert f"#   (the plan: reshard policy {reshard}:" in lightning
     assert type(parse_like_lightning_cli(lightning).strategy).__name__ == "ModelParallelStrategy"
+    # NO_SHARD keeps every unit gathered: the comment says so in a sentence
+    kept = make_rec(candidate(engine=Engine.FSDP2, sharding="SHARD_GRAD_OP")).to_yaml("lightning")
+    assert "#   (the plan: nothing reshards after forward (SHARD_GRAD_OP: " in kept
+    assert "which applies the nothing" not in kept
     text = rec.to_yaml("accelerate")
     assert f"# reshard policy {reshard}:" in text
     keeps_root = "#   model.get_input_embeddings().set_reshard_after_forward(False)" in text

@@ -13,15 +13,12 @@ from autoshard.decide import choose_from_trials as recommend_from_trials
 from autoshard.measure import (
     compare,
     enough_steps,
-    faster,
     is_tie,
     median_interval,
     median_spread,
-    rank_trials,
     speed_basis,
 )
 from autoshard.results import MemoryEstimate, SpeedEstimate, TrialResult, TrialStatus
-from autoshard.units import format_bytes
 from tests.test_emit import PROFILE, estimate
 
 GIB = 1024**3
@@ -100,27 +97,28 @@ def test_timing_stops_on_spread_or_budget_never_before_the_minimum() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_difference_within_the_spreads_is_a_tie_won_by_headroom() -> None:
+def test_difference_within_the_spreads_is_a_tie() -> None:
     slim = run(0.104, spread=0.03, peak=80 * 2**20)  # 4% slower, less memory
     quick = run(0.100, spread=0.03, peak=120 * 2**20)
     outcome = compare(quick, slim)
     assert outcome.tie and is_tie(slim, quick)
-    assert outcome.winner is slim and faster(quick, slim) is slim and faster(slim, quick) is slim
-    assert outcome.describe() == "tie within noise (±6%), chosen by headroom"
+    # the comparison orders by throughput; what the tie decides is decide.ranked's
+    assert outcome.winner is quick and compare(slim, quick).winner is quick
+    assert outcome.describe() == "tie within noise (±6%)"
 
 
 def test_difference_beyond_the_spreads_is_a_win() -> None:
     slim = run(0.104, spread=0.01, peak=80 * 2**20)
     quick = run(0.100, spread=0.01, peak=120 * 2**20)
     outcome = compare(slim, quick)
-    assert not outcome.tie and outcome.winner is quick and faster(slim, quick) is quick
+    assert not outcome.tie and outcome.winner is quick and compare(quick, slim).winner is quick
     assert outcome.describe() == "1.04x faster"
 
 
 def test_throughput_not_step_time_is_compared() -> None:
     # Twice the micro-batch in 1.5x the time: faster per sample, though each step is slower.
     small, big = run(0.100, mbs=2), run(0.150, mbs=4)
-    assert faster(small, big) is big and not is_tie(small, big)
+    assert compare(small, big).winner is big and not is_tie(small, big)
 
 
 def test_a_record_without_a_spread_uses_its_step_times() -> None:
@@ -132,13 +130,18 @@ def test_a_record_without_a_spread_uses_its_step_times() -> None:
     assert not is_tie(noisy.model_copy(update={"step_times": ()}), other)
 
 
-def test_rank_trials_orders_ties_by_headroom_and_the_rest_by_throughput() -> None:
+def test_the_recommendation_ranks_ties_against_the_fastest_and_the_rest_by_throughput() -> None:
     a = run(0.100, spread=0.02, peak=300)  # the fastest
     b = run(0.102, spread=0.02, peak=100)  # tied with a, least memory
     c = run(0.103, spread=0.02, peak=200)  # tied with a
     d = run(0.200, spread=0.02, peak=50)  # clearly slower
     failed = TrialResult(candidate=Candidate(), status=TrialStatus.OOM)
-    assert rank_trials([d, a, failed, c, b]) == [b, c, a, d]
+    rec = recommend([d, a, failed, c, b])
+    assert [s.trial for s in (rec.chosen, *rec.runners_up)] == [a, b, c, d]
+    # a near the limit: it yields to the fastest tied one that is not
+    edge = a.model_copy(update={"peak_allocated": (int(0.99 * HARDWARE.usable_gpu_memory),)})
+    rec = recommend([d, edge, failed, c, b])
+    assert [s.trial for s in (rec.chosen, *rec.runners_up)] == [b, c, edge, d]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,11 +161,22 @@ def test_recommendation_never_announces_a_win_inside_noise() -> None:
     quick = run(0.100, spread=0.04, peak=150 * 2**20)
     slim = run(0.104, spread=0.04, peak=90 * 2**20, sharding=Sharding.SHARD_GRAD_OP)
     rec = recommend([quick, slim])
-    assert rec.chosen.trial is slim  # as fast as far as can be told, and more headroom
+    # as fast as far as can be told, and the faster one's headroom is enough: no speed is
+    # traded for more headroom
+    assert rec.chosen.trial is quick
     text = "\n".join(rec.reasons)
-    assert "tie within noise (±8%)" in text and "chosen by headroom" in text
+    assert "one other within the noise (±8%), not preferred for headroom" in text, text
     assert not re.search(r"\d\.\d\dx", text), text  # no ratio at all inside noise
-    assert "sharding=FULL_SHARD: tie within noise" in text
+    assert "sharding=SHARD_GRAD_OP: tie within noise" in text
+    # the faster one near the limit (under 5% of the usable memory to spare): the tied one wins,
+    # and the reason names the risk, not "headroom"
+    edge = quick.model_copy(update={"peak_allocated": (int(0.96 * HARDWARE.usable_gpu_memory),)})
+    rec = recommend([edge, slim])
+    assert rec.chosen.trial is slim
+    assert rec.reasons[0].startswith(
+        "within the noise (±8%) of the fastest measured, fsdp1 FULL_SHARD bf16-mixed mbs2, "
+        "which is near the memory limit ("
+    ), rec.reasons[0]
 
 
 def test_recommendation_names_a_real_win() -> None:
@@ -212,32 +226,44 @@ def test_cpu_trials_for_gpus_check_and_the_model_ranks() -> None:
 
 
 def test_cpu_trials_for_gpus_call_a_predicted_tie_a_tie() -> None:
-    """Two configurations predicted within the model's tie: the one with more predicted
-    headroom on the planned GPUs is chosen (not the smaller CPU peak: CPU processes measure
-    neither a GPU's memory nor, between equal configurations, more than noise), and the
-    reasons say it was a tie rather than calling it the fastest."""
+    """Two configurations predicted within the model's tie: the faster prediction is chosen
+    while its predicted headroom on the planned GPUs is enough (not the smaller CPU peak: CPU
+    processes measure neither a GPU's memory nor, between equal configurations, more than
+    noise), and the reasons say it was a tie that headroom did not decide."""
     gpus = Hardware(gpus_per_node=8, gpu_memory=80 * GIB, gpu="h100-sxm")
     quick = run(0.100, spread=0.01, peak=90 * 2**20)
     slim = run(0.100, spread=0.01, peak=150 * 2**20, sharding=Sharding.SHARD_GRAD_OP)
     estimates = [with_speed(estimate(quick.candidate), 1020.0)]
     estimates.append(with_speed(estimate(slim.candidate, scale=0.5), 1000.0))
     rec = recommend([quick, slim], gpus, estimates)
-    assert rec.chosen.trial is slim
-    peak = format_bytes(estimates[1].gpu_peak)
-    assert rec.reasons[1].startswith(
-        "predicted tie (within 5%) between 2 of 2 configurations that ran, chosen by headroom "
-        f"(predicted peak {peak})"
-    ), rec.reasons[1]
-    assert not any("fastest predicted" in line for line in rec.reasons)
+    assert rec.chosen.trial is quick
+    assert rec.reasons[1].startswith("fastest of 2 predicted configurations: "), rec.reasons[1]
+    assert (
+        "one other within the noise (±5%), not preferred for headroom: its headroom ("
+        in (rec.reasons[1])
+    )
+    assert "sharding=SHARD_GRAD_OP predicted about as fast (within 5%)" in rec.reasons
     # the same estimates without trials choose the same configuration: one answer
     from autoshard.space import rank_candidates
 
-    assert rank_candidates(estimates)[0].candidate == slim.candidate
+    assert rank_candidates(estimates)[0].candidate == quick.candidate
+    # the faster prediction near the limit: the tie goes to the one that is not, here and there
+    edge = estimates[0].model_copy(update={"headroom": estimates[0].gpu_peak // 50})
+    rec = recommend([quick, slim], gpus, [edge, estimates[1]])
+    assert rec.chosen.trial is slim
+    assert rec.reasons[1].startswith("within the noise (±5%) of the fastest predicted"), rec.reasons
+    assert (
+        "sharding=FULL_SHARD predicted about as fast (within 5%), but near the memory limit ("
+        in ("\n".join(rec.reasons))
+    )
+    assert rank_candidates([edge, estimates[1]])[0].candidate == slim.candidate
     # 1.25x apart: no tie, and the fastest predicted is named as such
     estimates[1] = with_speed(estimate(slim.candidate), 1275.0)
     rec = recommend([quick, slim], gpus, estimates)
     assert rec.chosen.trial is slim
-    assert rec.reasons[1].startswith("fastest predicted of 2 configurations that ran")
+    assert rec.reasons[1] == "fastest of 2 predicted configurations: " + (
+        f"{4 / 1275.0:.3f} s/step"
+    ), rec.reasons[1]
 
 
 def test_the_module_examples_run() -> None:
@@ -312,10 +338,10 @@ def test_equal_throughputs_tie_and_the_first_keeps_it_at_equal_headroom() -> Non
 
 
 def test_a_trial_without_a_measured_peak_loses_a_tie() -> None:
-    measured = run(0.100, spread=0.05)
-    unmeasured = measured.model_copy(update={"peak_allocated": ()})
-    assert compare(unmeasured, measured).winner is measured
-    assert compare(measured, unmeasured).winner is measured
+    measured = run(0.101, spread=0.05)
+    unmeasured = run(0.100, spread=0.05).model_copy(update={"peak_allocated": ()})
+    assert recommend([unmeasured, measured]).chosen.trial is measured
+    assert recommend([measured, unmeasured]).chosen.trial is measured
 
 
 def test_slow_rates_and_trials_without_rates() -> None:
@@ -331,7 +357,8 @@ def test_slow_rates_and_trials_without_rates() -> None:
     assert compare(slow, slower).ratio == pytest.approx(2.0)  # rates below 1 sample/s
     assert compare(slow, none).ratio == float("inf")
     oom = rated(3.0, TrialStatus.OOM)
-    assert rank_trials([none, slower, oom, slow]) == [slow, slower]
+    rec = recommend([none, slower, oom, slow])
+    assert [s.trial for s in (rec.chosen, *rec.runners_up)] == [slow, slower]
     # the planned GPU is named when known
     hw = Hardware(gpus_per_node=8, gpu_memory=80 * GIB)
     assert trials_checked_line(hw).endswith("the model's for 8 x the planned GPU")

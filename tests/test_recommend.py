@@ -140,7 +140,9 @@ def test_recommend_checkpoints_when_memory_is_short() -> None:
     assert tight.chosen.candidate.checkpointing.value == "every_k"
     line = next(r for r in tight.reasons if r.startswith("checkpointing"))
     assert "does not fit with" in line and "none (" in line
-    # 2.5 GiB: only checkpointing every block fits (2.2 GiB; every 2nd block 2.6 GiB)
+    # 2.5 GiB: every 2nd block no longer fits (2.6 GiB); every block (2.06 GiB) and selective,
+    # op-level (2.08 GiB) do. Selective recomputes less, so it is predicted faster (within the
+    # 5% tie) and its headroom (12% of the usable memory) is enough: speed is not traded for more.
     tighter = recommend(
         build_tied,
         gpus=2,
@@ -151,7 +153,10 @@ def test_recommend_checkpoints_when_memory_is_short() -> None:
         compile=False,
     )
     assert tighter.chosen.estimate is not None and tighter.chosen.estimate.fits
-    assert tighter.chosen.candidate.checkpointing.value == "all"
+    assert tighter.chosen.candidate.checkpointing.value == "selective"
+    every_block = [s for s in tighter.runners_up if s.candidate.checkpointing.value == "all"]
+    assert every_block and all(s.estimate is not None and s.estimate.fits for s in every_block)
+    assert all(s.candidate.checkpointing.value in ("all", "selective") for s in tighter.runners_up)
 
 
 def test_nothing_fits_is_one_clear_error() -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from autoshard.config import Hardware
+from autoshard.config import Hardware, Sharding
 from autoshard.errors import ResultError
 from autoshard.recommendation import Recommendation, load_result
 from autoshard.results import Decision, Scored, SpeedEstimate, TrialResult, TrialStatus
@@ -24,7 +24,15 @@ from autoshard.ui.files import write_report
 from autoshard.ui.html import render_html
 from autoshard.ui.report import SCHEMA, listed_rows, print_summary, report_data
 from autoshard.units import parse_size
-from tests.test_emit import GiB, all_trials, candidate, estimate, make_rec, trial
+from tests.test_emit import (  # noqa: F401  (gpt_importable: a fixture)
+    GiB,
+    all_trials,
+    candidate,
+    estimate,
+    gpt_importable,
+    make_rec,
+    trial,
+)
 
 FILES = {"report.json", "report.html", "lightning.yaml", "accelerate.yaml"}
 
@@ -42,10 +50,9 @@ def test_summary_says_what_won_why_and_what_was_ruled_out() -> None:
     assert table.count("runner-up") == 3 and "1,123 ±2%" in table.split("runner-up")[0]
     # each says what kept it out: it ran and failed, or was never launched
     assert "failed (oom): CUDA out of memory" in table  # the OOM trial
-    assert "predicted not to fit: needs more than the usable GPU memory" in table  # pruned
-    assert [line.split()[1] for line in table.splitlines() if "fsdp1" in line][-2:] == [
-        "failed", "ruled",
-    ]  # fmt: skip
+    # the pruned one: never launched, one line after the table
+    assert "1 ruled out, never launched: needs more than the usable GPU memory" in table
+    assert [line.split()[1] for line in table.splitlines() if "fsdp1" in line][-1] == "failed"
     # CPU trials measure without the CUDA allowance the prediction carries: both say so.
     assert "858 MiB of it the allowance for the CUDA context" in text
     assert "measured peak (cpu)" in text
@@ -138,7 +145,9 @@ def test_progress_lines_name_each_number_and_star_only_a_ranking_measurement() -
         assert lines[1].endswith("1,280 tok/s per rank" + (" ★" if stars else ""))
 
 
-def test_the_terminal_says_a_repeated_reason_once_per_fold() -> None:
+def test_the_terminal_says_a_repeated_reason_once() -> None:
+    """Candidates never launched for one reason are one line after the table, with how many
+    (a row each repeated a 5-line reason 32 times); what ran keeps its row."""
     rec = make_rec()
     why = "offload needs a GPU"
     skipped = [
@@ -155,11 +164,13 @@ def test_the_terminal_says_a_repeated_reason_once_per_fold() -> None:
     rec = rec.model_copy(update={"ruled_out": [*rec.ruled_out, *skipped]})
     console = Console(record=True, width=250)
     print_summary(rec, console, trials=all_trials(rec))
-    table = console.export_text().split("Configurations")[1]
-    assert table.count(why) == 3  # two of them, then "... and 3 more" with the reason once
-    assert "... and 3 more" in table
-    assert "(oom): CUDA out of memory" in table and "usable GPU memory" in table  # not folded
-    assert "skipped" in table.split("... and 3 more")[0].splitlines()[-1]  # the fold says which
+    text = console.export_text()
+    assert text.count(why) == 1
+    assert "5 skipped, never launched: offload needs a GPU" in text
+    # the pruned candidate too: one line in the outcome's word, after the table
+    assert "1 ruled out, never launched: needs more than the usable GPU memory" in text
+    table = text.split("Configurations")[1].split("└")[0]
+    assert "(oom): CUDA out of memory" in table and "usable GPU memory" not in table
 
 
 def test_write_report_and_load_it_back(tmp_path: Path) -> None:
@@ -257,9 +268,15 @@ def test_html_is_self_contained_with_wellformed_charts() -> None:
         ln for ln in charts["chart-memory"].iter(f"{ns}line") if ln.find(f"{ns}title") is not None
     ]
     assert len(ticks) == sum(1 for t in all_trials(rec) if t.status is TrialStatus.OK)
-    # throughput: one point per successful trial, the chosen one marked
-    points = list(charts["chart-throughput"].iter(f"{ns}circle"))
+    # throughput: one point per successful trial, the chosen one marked; each outcome drawn has
+    # its legend entry with its own mark
+    throughput = charts["chart-throughput"]
+    points = [c for c in throughput.iter(f"{ns}circle") if c.get("data-outcome") == "measured"]
     assert len(points) == 4 and sum(p.get("r") == "8" for p in points) == 1
+    legend = {t.get("data-legend") for t in throughput.iter(f"{ns}text") if t.get("data-legend")}
+    assert legend == {"measured", "failed"}
+    marks = {m.get("data-mark") for m in throughput.iter() if m.get("data-mark")}
+    assert marks == {"measured", "failed"}
 
 
 NS = "{http://www.w3.org/2000/svg}"
@@ -465,7 +482,7 @@ def _with_skipped(rec: Decision, n: int = 5) -> Decision:
 def test_report_in_chromium_draws_skipped_candidates_apart_from_failures(tmp_path: Path) -> None:
     """Measured, failed (ran: an OOM), skipped (never launched) and ruled out (predicted not to
     fit) are four different things in every chart and table of the rendered page."""
-    rec = _with_skipped(make_rec())
+    rec = with_speeds(_with_skipped(make_rec()), "h100-sxm")
     trials = all_trials(rec)
     write_report(rec, tmp_path / "out", trials)
     url = (tmp_path / "out" / "report.html").as_uri()
@@ -480,17 +497,102 @@ def test_report_in_chromium_draws_skipped_candidates_apart_from_failures(tmp_pat
     # Only the OOM trial is a failure; the five skipped and the pruned one never ran.
     assert "1 failed (oom / error / timeout)" in scatter
     assert scatter.count('data-outcome="failed"') == 2  # its mark and the count
-    assert "5 skipped and 1 predicted not to fit: never launched, not drawn" in scatter
+    assert "1 ruled out and 5 skipped: never launched, not drawn" in scatter
     memory = dom.split('id="chart-memory"')[1].split("</svg>")[0]
     assert memory.count('data-outcome="skipped"') == 5
     assert memory.count("(skipped, never launched)") == 5
     assert memory.count('fill-opacity="0.35"') >= 5 * 4  # faint bars: an estimate, no run
+    # each outcome its own mark on its rows and in the legend
+    for word, rows in (("measured", 4), ("failed", 1), ("skipped", 5), ("ruled out", 1)):
+        assert memory.count(f'data-mark="{word}"') == rows + 1, word
+        assert f'data-legend="{word}"' in memory, word
+    speed = dom.split('id="chart-speed"')[1].split("</svg>")[0]
+    # a skipped candidate's prediction is hollow, never the measured bars' solid colour
+    assert speed.count('data-kind="predicted, never launched"') == 5
+    assert 'data-key="predicted, never launched"' in speed
     table = dom.split('id="configurations"')[1].split("</table>")[0]
-    outcomes = re.findall(r'data-outcome="([^"]+)"', table)
-    assert outcomes.count("skipped") == 5 and outcomes.count("failed") == 1
-    assert outcomes.count("ruled out") == 1 and outcomes.count("measured") == 4
-    assert table.count("skipped, never launched: offload needs a GPU") == 5
+    outcomes = re.findall(r'<tr[^>]*data-outcome="([^"]+)"', table)
+    assert outcomes.count("failed") == 1 and outcomes.count("measured") == 4
+    # those never launched: a row per reason, the reason once, their labels folded under it
+    assert outcomes.count("skipped") == 1 and outcomes.count("ruled out") == 1
+    assert 'data-count="5"' in table and table.count("offload needs a GPU") == 1
+    assert "5 skipped, never launched: offload needs a GPU" in table
     assert "model error" not in table  # CPU trials: no model error to show, no empty column
+
+
+BOXES = """<script>
+addEventListener("load", () => {
+  const out = [];
+  for (const svg of document.querySelectorAll("svg")) {
+    const vb = svg.viewBox.baseVal;
+    for (const t of svg.querySelectorAll("text")) {
+      const b = t.getBBox();
+      out.push({svg: svg.id, cls: t.getAttribute("class") || "", text: t.textContent,
+                x: b.x, y: b.y, w: b.width, h: b.height, vbw: vb.width, vbh: vb.height});
+    }
+  }
+  document.body.setAttribute("data-boxes", JSON.stringify(out));
+});
+</script>"""
+
+
+def _long_labels(rec: Decision) -> Decision:
+    """``rec`` with candidates whose labels are as long as a tune's get, never launched."""
+    long = [
+        candidate(checkpointing="selective", cpu_offload=True, compile=True, micro_batch_size=16),
+        candidate(sharding=Sharding.HYBRID_SHARD, hybrid_mesh=(2, 1), checkpointing="every_k",
+                  checkpoint_every=2, compile=True, precision="32-true"),
+    ]  # fmt: skip
+    kept = [
+        Scored(candidate=c, estimate=estimate(c), trial=TrialResult(
+            candidate=c, status=TrialStatus.SKIPPED, error="offload needs a GPU"))
+        for c in long
+    ]  # fmt: skip
+    return rec.model_copy(update={"ruled_out": [*rec.ruled_out, *kept]})
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
+def test_report_labels_are_never_clipped_in_chromium(tmp_path: Path) -> None:
+    """The page in a real browser, a screenshot taken, and every text of every chart measured
+    by the browser (``getBBox``): inside its chart, labels left of the plot; a candidate
+    predicted not to fit is drawn past the usable line (the labels were cut on the left:
+    "D_GRAD_OP bf16-mixed nowrap...")."""
+    rec = with_speeds(_long_labels(_with_skipped(make_rec())), "h100-sxm")
+    write_report(rec, tmp_path / "out", all_trials(rec))
+    page = (tmp_path / "out" / "report.html").read_text()
+    measured = tmp_path / "measured.html"
+    measured.write_text(page.replace("</body>", BOXES + "</body>"))
+    run = [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1300,3000"]
+    shot = tmp_path / "shot.png"
+    subprocess.run([*run, f"--screenshot={shot}", (tmp_path / "out" / "report.html").as_uri()],
+                   capture_output=True, timeout=60, check=True)  # fmt: skip
+    assert float(read_png(shot).std()) > 20  # it rendered
+    dom = subprocess.run(
+        [*run, "--virtual-time-budget=5000", "--dump-dom", measured.as_uri()],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    found = re.search(r'data-boxes="([^"]*)"', dom)
+    assert found, dom[:500]
+    import html as html_module
+
+    boxes = json.loads(html_module.unescape(found.group(1)))
+    labels = [b for b in boxes if "label" in b["cls"].split()]
+    longest = max(c.label() for c in (s.candidate for _, s in listed_rows(rec)))
+    assert any(b["text"] == longest for b in labels)
+    assert len(labels) >= 2 * 12  # the memory and the speed chart's rows
+    for b in boxes:
+        where = f"{b['svg']}: {b['text']!r} at x {b['x']:.1f}..{b['x'] + b['w']:.1f} of {b['vbw']}"
+        assert b["x"] >= 0 and b["x"] + b["w"] <= b["vbw"] + 0.5, where
+        assert b["y"] >= 0 and b["y"] + b["h"] <= b["vbh"] + 0.5, where
+    # every label ends before its chart's bars begin (the mark's column between them)
+    memory = chart(page, "chart-memory")
+    bars_start = min(float(r.get("x")) for r in memory.iter(f"{NS}rect") if r.get("data-kind"))
+    assert all(b["x"] + b["w"] <= bars_start for b in labels if b["svg"] == "chart-memory")
+    # a candidate predicted not to fit ends past the usable line
+    usable = next(ln for ln in memory.iter(f"{NS}line") if ln.get("data-limit") == "usable")
+    ruled = [r for r in memory.iter(f"{NS}rect") if r.get("data-bar") == "ruled out"]
+    assert ruled and all(float(r.get("data-end")) > float(usable.get("x1")) for r in ruled)
 
 
 def test_report_json_counts_the_four_outcomes() -> None:
@@ -656,3 +758,145 @@ def test_estimate_timeline_prints_the_chosen_steps_events(cli, planned_rec) -> N
     assert planned_rec.timeline.peak_event.name in marked and "optimizer step" in text
     assert "accumulating" in text  # the second micro-batch's events
     assert re.search(r"step [\d.]+ m?s \(speed model\); off the turns:", " ".join(text.split()))
+
+
+@pytest.mark.slow
+def test_a_study_in_which_nothing_ran_writes_its_report(tmp_path: Path) -> None:
+    """Every trial fails (the model raises in every rank's forward): ``tune`` ends with one line
+    and exit code 1, and still writes report.json and report.html, which say the same line and
+    list every trial with what kept it out; reading the folder back says it in one line."""
+    import os
+    import sys
+
+    from tests.conftest import ROOT, TARGETS
+
+    out = tmp_path / "out"
+    args = [
+        sys.executable, "-m", "autoshard", "tune", f"{TARGETS}/faults.py:build",
+        "--arg", "fault=raise", "--arg", "rank=-1", "--arg", "message=broken on purpose",
+        "--seq-len", "16", "--gpu-memory", "4GiB", "--precision", "32-true", "--trials", "3",
+        "--warmup", "1", "--steps", "2", "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert "no configuration ran successfully" in line and "broken on purpose" in line
+    data = json.loads((out / "report.json").read_text())
+    assert data["recommendation"] is None and data["error"] in line
+    failed = [t for t in data["trials"] if t["status"] == "error"]
+    assert failed and data["summary"]["outcomes"]["failed"] == len(failed)
+    page = (out / "report.html").read_text()
+    assert "no configuration ran" in page and "broken on purpose" in page
+    table = page.split('id="configurations"')[1].split("</table>")[0]
+    assert table.count('data-outcome="failed"') == len(failed)
+    assert not (out / "lightning.yaml").exists()  # nothing to train with
+    with pytest.raises(ResultError, match="ended without a recommendation: no configuration ran"):
+        load_result(out)
+
+
+def test_an_uncalibrated_prediction_is_not_shown_as_a_peer_of_calibrated_ones() -> None:
+    """GPU trials each put against the prediction they were tried with: the first, made before
+    any trial calibrated the model, says so beside its error (the GPU run's "model +2999%"
+    stood beside calibrated ones as if it were one of them)."""
+    gpus = Hardware(gpus_per_node=2, gpu_memory=2 * GiB, gpu="h100-sxm")
+    rec = with_speeds(make_rec(hardware=gpus), "h100-sxm")
+
+    def on_cuda(s: Scored, calibrated: bool) -> Scored:
+        trial = s.trial.model_copy(update={"device": "cuda"}) if s.trial else None
+        speed = s.estimate.speed.model_copy(update={"calibrated": calibrated})
+        return s.model_copy(update={"trial": trial, "estimate": s.estimate.model_copy(
+            update={"speed": speed})})  # fmt: skip
+
+    rec = rec.model_copy(update={
+        "chosen": on_cuda(rec.chosen, True),
+        "runners_up": tuple(on_cuda(s, i != 0) for i, s in enumerate(rec.runners_up)),
+        "ruled_out": tuple(on_cuda(s, True) for s in rec.ruled_out),
+    })  # fmt: skip
+    console = Console(record=True, width=250)
+    print_summary(rec, console, all_trials(rec))
+    text = console.export_text()
+    assert text.count(", uncalibrated)") == 1 and text.count("(model ") == 4
+    first = rec.runners_up[0].candidate.label()
+    assert ", uncalibrated)" in next(line for line in text.splitlines() if first in line)
+    table = render_html(rec, all_trials(rec)).split('id="configurations"')[1]
+    assert table.count(", uncalibrated<") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# One number, one unit, in every view: the command line, Python, report.json, report.html
+# ---------------------------------------------------------------------------------------------
+
+
+def _views(rec: Decision, tmp_path: Path) -> tuple[str, str, dict, str]:
+    """What the command line prints, ``print(rec)``, report.json and report.html of ``rec``."""
+    console = Console(record=True, width=250)
+    print_summary(rec, console, all_trials(rec))
+    write_report(rec, tmp_path, all_trials(rec))
+    data = json.loads((tmp_path / "report.json").read_text())
+    return console.export_text(), str(rec), data, (tmp_path / "report.html").read_text()
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_measured_rate_is_one_rank_s_in_every_view(tmp_path: Path, device: str) -> None:
+    """``rec.chosen.trial.tokens_per_s`` was the ranks summed (8,237) where the command line
+    said 4,119 per rank: every view now shows one rank's, labelled."""
+    rec = make_rec()
+    trials = {"chosen": rec.chosen.trial.model_copy(update={"device": device})}
+    rec = rec.model_copy(
+        update={"chosen": rec.chosen.model_copy(update=dict(trial=trials["chosen"]))}
+    )
+    cli, printed, data, page = _views(rec, tmp_path)
+    t = rec.chosen.trial
+    per = "per GPU" if device == "cuda" else "per rank"
+    shown = f"{t.tokens_per_s_per_gpu:,.0f} tokens/s {per}"
+    assert t.tokens_per_s_per_gpu == t.tokens_per_s / t.world_size  # Python: one rank's
+    assert shown in next(line for line in cli.splitlines() if line.startswith("measured"))  # CLI
+    assert shown in printed  # print(rec)
+    assert data["summary"]["measured"]["tokens_per_s_per_gpu"] == t.tokens_per_s_per_gpu  # JSON
+    assert data["summary"]["settings"]["measured"].count(shown) == 1
+    assert f"<th>measured</th><td>{data['summary']['settings']['measured']}</td>" in page  # HTML
+    rows = page.split('id="configurations"')[1]
+    assert f"{t.tokens_per_s_per_gpu:,.0f} tokens/s ±" in rows
+
+
+@pytest.mark.usefixtures("gpt_importable")
+@pytest.mark.parametrize("engine", ["fsdp1", "fsdp2"])
+def test_the_reduce_dtype_is_the_candidates_in_every_view(tmp_path: Path, engine: str) -> None:
+    """report.json said ``reduce_dtype_fp32: true`` while FSDP1's ``fsdp_kwargs()`` reduced in
+    bf16: every output reads the candidate's field, and FSDP1's says what it does."""
+    import torch
+
+    from autoshard.sharding import fsdp2_kwargs
+
+    rec = make_rec(candidate(engine=engine))
+    cli, _, data, page = _views(rec, tmp_path)
+    c = rec.chosen.candidate
+    if engine == "fsdp1":
+        reduce = rec.fsdp_kwargs(device=torch.device("cpu"))["mixed_precision"].reduce_dtype
+    else:
+        reduce = fsdp2_kwargs(c, None, pin_memory=False)["mp_policy"].reduce_dtype
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[reduce]  # Python: what torch gets
+    assert c.reduce_dtype_fp32 == (name == "fp32") == (engine == "fsdp2")
+    assert data["recommendation"]["chosen"]["candidate"]["reduce_dtype_fp32"] == c.reduce_dtype_fp32
+    assert data["summary"]["settings"]["gradients reduced in"] == name  # JSON
+    assert re.search(rf"gradients reduced in\s+{name}\b", cli)  # CLI
+    assert f"<th>gradients reduced in</th><td>{name}</td>" in page  # HTML
+
+
+def test_outcomes_are_counted_in_the_same_words_in_every_view(tmp_path: Path) -> None:
+    """``print(rec)`` said "32 ruled out" where ``summary.outcomes`` said skipped 32, ruled
+    out 0: one table of outcomes (results.OUTCOMES) words every view."""
+    rec = _with_skipped(make_rec(), n=5)
+    cli, printed, data, page = _views(rec, tmp_path)
+    counts = data["summary"]["outcomes"]
+    assert counts == {"measured": 4, "failed": 1, "skipped": 5, "ruled out": 1}  # JSON
+    assert rec.outcome_counts() == counts  # Python
+    assert "4 measured (the chosen and 3 runners-up), 1 failed, 5 skipped, 1 ruled out" in printed
+    assert "5 skipped, never launched: offload needs a GPU" in cli  # CLI
+    assert "1 ruled out, never launched: " in cli
+    table = page.split('id="configurations"')[1].split("</table>")[0]  # HTML
+    groups = dict(re.findall(r'data-outcome="([^"]+)" data-count="(\d+)"', table))
+    assert groups == {"skipped": "5", "ruled out": "1"}
+    rows = re.findall(r'<tr[^>]*data-outcome="([^"]+)">', table)
+    assert rows.count("measured") == 4 and rows.count("failed") == 1

@@ -16,9 +16,9 @@ import pytest
 from autoshard.analyze import analyze_target
 from autoshard.api import tune
 from autoshard.config import Engine, Hardware, Precision, WorkloadSpec
-from autoshard.measure import rank_trials
 from autoshard.predict.activations import profile_activations
 from autoshard.predict.analytic import estimate_all
+from autoshard.ranking import ranked, trial_contender
 from autoshard.results import Decision, TrialResult, TrialStatus
 from autoshard.search import dominated_by
 from autoshard.space import enumerate_candidates
@@ -59,8 +59,10 @@ def test_study_prunes_by_estimate_and_picks_the_fastest_measured(tmp_path, examp
     ok = [t for t in trials if t["status"] == "ok"]
     assert pruned and all("GiB per GPU" in t["error"] for t in pruned)
     assert 1 <= len(ok) <= 3
-    # the fastest measured, or among those tied with it within noise the most headroom
-    best = rank_trials([TrialResult.model_validate(t) for t in ok])[0]
+    # the decision's rule on what was measured (decide.ranked)
+    results = [TrialResult.model_validate(t) for t in ok]
+    usable = rec.hardware.usable_gpu_memory
+    best = ranked([trial_contender(r, usable) for r in results])[0].item
     assert rec.basis == "trials"
     assert rec.chosen.trial == best
     assert all(t["step_time_spread"] is not None for t in ok)

@@ -81,7 +81,7 @@ def describe_evidence(rec: Decision) -> list[str]:
     )
     t = c.trial
     if t is not None and t.step_time is not None:
-        rate = f", {t.tokens_per_s:,.0f} tokens/s" if t.tokens_per_s else ""
+        rate = f", {t.tokens_per_s_per_gpu:,.0f} tokens/s {t.per_gpu}" if t.tokens_per_s else ""
         peak = f", peak {format_bytes(t.max_allocated)} allocated/rank" if t.max_allocated else ""
         lines.append(
             f"measured {t.started_at.strftime('%Y-%m-%d %H:%M UTC')} on {t.world_size} "

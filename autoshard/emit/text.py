@@ -133,7 +133,7 @@ def lightning_cli_yaml(rec: Decision) -> str:
         lines.append("FSDP2: in configure_model() apply the plan (autoshard-out: tune's --out)")
         lines.append('  rec = autoshard.load("autoshard-out")')
         lines.append('  rec.fsdp2_plan()(self.model, self.device_mesh["data_parallel"])')
-        lines.append(f"  which applies the {describe_reshard(rec.chosen.candidate)}")
+        lines.append(f"  (the plan: {describe_reshard(rec.chosen.candidate)})")
     lines.extend(compile_float8_notes(rec.chosen.candidate, Stack.LIGHTNING))
     lines.extend(filter(None, [optimizer_note(rec.chosen.candidate, Stack.LIGHTNING)]))
     note = selective_note(rec.chosen.candidate, Stack.LIGHTNING)

@@ -251,6 +251,30 @@ def memory_events(
     return walk_step(t, hardware, workload)
 
 
+def compile_saving(
+    profile: ModelProfile,
+    candidate: Candidate,
+    hardware: Hardware,
+    workload: WorkloadSpec,
+    *,
+    activations: ActivationProfile | None = None,
+) -> int:
+    """What torch.compile takes off the forward and backward's peak of ``candidate`` (0 where
+    it does not compile): its eager twin's largest live bytes outside the optimizer step less
+    its own (:func:`~autoshard.predict.recipe.recipe_activations`: AOTAutograd's partitioner
+    recomputes element-wise results instead of saving them). The simulation runs eager FSDP code
+    on fake tensors, never inductor, and takes this off its forward-and-backward phase."""
+    if not candidate.compile:
+        return 0
+
+    def loop_peak(c: Candidate) -> int:
+        events = memory_events(profile, c, hardware, workload, activations=activations)
+        return max((e.live.total for e in events if e.stage != "step"), default=0)
+
+    eager = candidate.model_copy(update={"compile": False})
+    return max(loop_peak(eager) - loop_peak(candidate), 0)
+
+
 def estimate_reserved(
     profile: ModelProfile,
     candidate: Candidate,

@@ -196,7 +196,8 @@ def checkpointed_backward_peaks(
         return None
     index = max(runnable, key=lambda i: saved[i])
     block, (args, kwargs) = blocks[index], calls[index]
-    kwargs = without_cache(kwargs)
+    # GPT-2's model passes its cache positionally (GPT2Block(hidden_states, cache, mask, ...))
+    args, kwargs = tuple(None if _is_cache(a) else a for a in args), without_cache(kwargs)
     counting = block.__dict__.get("forward")
     if counting is not None and hasattr(counting, "__wrapped__"):
         block.forward = counting.__wrapped__

@@ -21,7 +21,7 @@ tensors cannot run backward on a CPU-only build), so offload candidates are refu
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -156,10 +156,16 @@ def simulate_memory(
     block_classes: tuple[str, ...] = (),
     extrapolate: bool = True,
     pools: int = 0,
+    compile_saving: int = 0,
 ) -> MemoryEstimate:
     """Predict the per-rank GPU peak of ``candidate`` by running it on fake tensors; ``pools``:
     what FSDP2's communication streams keep reserved beside it
     (:func:`autoshard.predict.analytic.stream_pools_of`), added to the allowance.
+
+    A compiled candidate runs here as eager code (inductor's kernels cannot run on fake
+    tensors): ``compile_saving``, what compile no longer saves for backward
+    (:func:`autoshard.predict.analytic.compile_saving`), is taken off the activations of its
+    forward-and-backward phase.
 
     ``block_classes`` (the analyzer's ``profile.block_classes``) enables depth extrapolation for
     models deeper than :data:`EXTRAPOLATE_ABOVE` blocks. Seconds per candidate for small
@@ -203,8 +209,18 @@ def simulate_memory(
         }
 
     phases, how = extrapolate_depth(run, deep) if deep else (run({}), "simulated")
+    if compile_saving and LOOP_PHASE in phases:
+        phases = {**phases, LOOP_PHASE: _less_activations(phases[LOOP_PHASE], compile_saving)}
+        how += ", eager, less what torch.compile does not save"
     kinds = max(phases.values(), key=lambda kinds: kinds.get("Total", 0))
     return _estimate(candidate, hardware, kinds, how, pools)
+
+
+def _less_activations(kinds: dict[str, int], saving: int) -> dict[str, int]:
+    """A phase's kinds with ``saving`` bytes fewer activations (never below none)."""
+    taken = min(saving, kinds.get("Activation", 0))
+    return {**kinds, "Activation": kinds.get("Activation", 0) - taken,
+            "Total": kinds.get("Total", 0) - taken}  # fmt: skip
 
 
 def ranks_to_simulate(model: nn.Module, candidate: Candidate, hardware: Hardware) -> list[int]:
@@ -284,16 +300,20 @@ def refine_with_simulation(
     *,
     block_classes: tuple[str, ...] = (),
     count: int = 3,
+    compile_saving: Callable[[Candidate], int] | None = None,
 ) -> list[MemoryEstimate]:
     """Replace the analytic estimates of the ``count`` best fitting candidates of ``ranked``
     that it :func:`simulates` with simulated ones; the order is kept, so a candidate the
-    simulation finds not to fit stays where it was, marked as such."""
+    simulation finds not to fit stays where it was, marked as such. ``compile_saving``: what a
+    compiled candidate's activations lose to compile (:func:`simulate_memory`)."""
     out = list(ranked)
     chosen = [i for i, e in enumerate(out) if e.fits and simulates(e.candidate)][:count]
     for i in chosen:
         pools = stream_pools_of(out[i], hardware)  # as the analytic estimate planned them
+        saving = compile_saving(out[i].candidate) if compile_saving else 0
         simulated = simulate_memory(
-            target, out[i].candidate, hardware, workload, block_classes=block_classes, pools=pools
-        )
+            target, out[i].candidate, hardware, workload, block_classes=block_classes,
+            pools=pools, compile_saving=saving,
+        )  # fmt: skip
         out[i] = simulated.model_copy(update={"host_peak": out[i].host_peak})
     return out

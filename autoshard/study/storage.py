@@ -85,6 +85,11 @@ ESTIMATE_ATTR = "estimate"
 # absent on trials of an older autoshard and on trials restored from the journal.
 FACTORS_ATTR = "autoshard_factors"
 OWNER_ATTR = "autoshard_driver"
+# A candidate never launched (predicted not to fit, skipped) is no optuna trial: optuna-dashboard
+# would show it as a pruned one. Its result is a system attribute of the study, one per label
+# (not shown, read with the trials); the user attribute NOT_LAUNCHED_ATTR counts them by reason.
+NOT_LAUNCHED_PREFIX = "autoshard_not_launched:"
+NOT_LAUNCHED_ATTR = "not_launched"
 SETTINGS_ATTR = "autoshard_settings"
 HEARTBEAT_S = 5
 GRACE_S = 30  # a driver silent this long is taken for gone
@@ -598,6 +603,11 @@ class StudyStore:
 
     def _read(self) -> StudyView:
         view = StudyView(since=self.opened_at)
+        # never launched first: each turn records them before it claims anything
+        for key, raw in self.storage.get_study_system_attrs(self.study_id).items():
+            if key.startswith(NOT_LAUNCHED_PREFIX) and isinstance(raw, str):
+                with contextlib.suppress(ValidationError):
+                    view.add(TrialResult.model_validate_json(raw))
         for t in self.storage.get_all_trials(self.study_id, deepcopy=False):
             if t.state is TrialState.RUNNING:
                 label = t.user_attrs.get(LABEL_ATTR, t.params.get(PARAM))
@@ -656,11 +666,15 @@ class StudyStore:
         label = result.candidate.label()
         if label not in self.distribution.choices:
             return  # not a candidate of this study (cannot happen for its own records)
+        if not result.status.launched:
+            self.storage.set_study_system_attr(
+                self.study_id, NOT_LAUNCHED_PREFIX + label, result.model_dump_json()
+            )
+            return
         if result.status is TrialStatus.OK:
             state, value = TrialState.COMPLETE, self.objective(result)
         else:
-            state = TrialState.FAIL if result.status.launched else TrialState.PRUNED
-            value = None
+            state, value = TrialState.FAIL, None
         self.study.add_trial(
             optuna.trial.create_trial(
                 state=state,
@@ -728,11 +742,13 @@ class StudyStore:
                     "candidate": label,
                     "basis": rec.basis,
                     "reasons": list(rec.reasons[:3]),
-                    "best_trial": "optuna's best trial has the highest objective; autoshard "
-                    "takes predictions or measurements within their spread as a tie and breaks "
-                    "it by memory headroom, so the two may differ",
+                    "best_trial": "the objective is the decision's: the recommended trial is "
+                    "optuna's best (a rate within the noise of a faster one near the memory "
+                    "limit, or offloading to host memory not checked, scores that one's rate "
+                    "less its noise)",
                 },
             )
+            self.study.set_user_attr(NOT_LAUNCHED_ATTR, not_launched_summary(self._read()))
             _dashboard_note(self.study, number, label, rec)
 
 
@@ -749,6 +765,23 @@ def _dashboard_note(study: optuna.Study, number: int | None, label: str, rec: De
         f"## autoshard recommends trial {number}: {label}\n\n(by {rec.basis}; the study's "
         f"user attribute `recommended` has it)\n\n{reasons}\n",
     )
+
+
+def not_launched_summary(view: StudyView) -> dict[str, Any]:
+    """How many candidates were never launched, by what kept them out and why (one line per
+    reason): what the dashboard shows instead of a pruned trial for each."""
+    from autoshard.ui.report import NEVER_LAUNCHED, grouped_reasons
+
+    out: dict[str, Any] = {}
+    kept_out = [r for r in view.settled().values() if not r.status.launched]
+    for status, word in NEVER_LAUNCHED.items():
+        mine = [r for r in kept_out if r.status is status]
+        if mine:
+            out[word] = {
+                "count": len(mine),
+                "reasons": grouped_reasons(r.error or "" for r in mine),
+            }
+    return out
 
 
 def _throughput(result: TrialResult) -> float:

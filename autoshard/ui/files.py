@@ -14,12 +14,14 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from autoshard.config import Hardware
 from autoshard.emit.formats import FORMATS, report_files
 from autoshard.errors import AutoshardError
-from autoshard.results import Decision, TrialResult
+from autoshard.results import Decision, MemoryEstimate, Scored, TrialResult
 from autoshard.trials.protocol import write_text_atomically
-from autoshard.ui.html import render_html
-from autoshard.ui.report import report_data
+from autoshard.ui.charts import Page
+from autoshard.ui.html import render_failed_html, render_html
+from autoshard.ui.report import failure_data, outcome, report_data
 
 # Every file a study leaves in its output folder (besides the workers' logs), named once: the
 # study writes them, the command line lists them, the README's table describes them.
@@ -57,4 +59,39 @@ def write_report(
         path = out / name
         write_text_atomically(path, text)
         written[name] = path
+    return written
+
+
+def write_failure_report(
+    out_dir: Path | str,
+    *,
+    target: str,
+    params: int,
+    hardware: Hardware,
+    estimates: Sequence[MemoryEstimate],
+    trials: Sequence[TrialResult],
+    error: str,
+) -> dict[str, Path]:
+    """report.json and report.html of a study in which no configuration ran (``error``: the
+    line that says why): every trial with the estimate of its candidate. No YAML: there is no
+    configuration to train with."""
+    from datetime import datetime, timezone
+
+    by_label = {e.candidate.label(): e for e in estimates}
+    rows = []
+    for t in trials:
+        s = Scored(candidate=t.candidate, estimate=by_label.get(t.candidate.label()), trial=t)
+        rows.append((outcome(s) or "failed", s))
+    page = Page(hardware, rows, list(trials), None)
+    created = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    texts = {
+        "report.json": json.dumps(failure_data(hardware, rows, error), indent=2) + "\n",
+        "report.html": render_failed_html(target, params, page, error, created),
+    }
+    written = {}
+    for name, text in texts.items():
+        write_text_atomically(out / name, text)
+        written[name] = out / name
     return written

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -13,10 +14,18 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from autoshard.config import Engine, Hardware
+from autoshard.config import Candidate, Engine, Hardware
 from autoshard.emit.prose import describe_fsdp2_precision, describe_reshard
 from autoshard.measure import speed_basis, spread_of, trials_checked_line
-from autoshard.results import Decision, Scored, SpeedBreakdown, TrialResult, TrialStatus
+from autoshard.results import (
+    OUTCOMES,
+    Decision,
+    Scored,
+    SpeedBreakdown,
+    TrialResult,
+    TrialStatus,
+    outcome_of,
+)
 from autoshard.ui.fit import Column, fitted_table
 from autoshard.units import format_bytes
 
@@ -34,45 +43,106 @@ KIND_COLOURS: dict[str, str] = {
     "buffers": "#b07aa1",
     "allowance": "#bab0ac",
 }
-STATUS_COLOURS = {
-    TrialStatus.OK: "#2e7d32",
-    TrialStatus.OOM: "#e65100",
-    TrialStatus.ERROR: "#c62828",
-    TrialStatus.TIMEOUT: "#c62828",
-    TrialStatus.DIVERGED: "#6a1b9a",
-    TrialStatus.PRUNED: "#757575",
-    TrialStatus.SKIPPED: "#9e9e9e",
-}
-
-
-# What became of a candidate, five different things that every view keeps apart.
-MEASURED = "measured"  # a trial ran and measured it
-# a trial ran every step, but its loss became NaN or infinite: the model's step, usually
-DIVERGED = "diverged"
-FAILED = "failed"  # a trial ran and ended in an OOM, an error or a timeout
-SKIPPED = "skipped"  # never launched: a failure or the workers rule it out
-RULED_OUT = "ruled out"  # never launched: predicted not to fit
-OUTCOMES = (MEASURED, DIVERGED, FAILED, SKIPPED, RULED_OUT)
+# What became of a candidate: the words, colours and marks of results.OUTCOMES, which every view
+# keeps apart (measured; diverged: ran every step, the loss became NaN or infinite; failed: ran,
+# and ended in an OOM, an error or a timeout; skipped and ruled out: never launched, a failure or
+# the workers, or the estimate, kept them out).
+MEASURED, DIVERGED, FAILED, SKIPPED, RULED_OUT = (o.word for o in OUTCOMES)
+OUTCOME_BY_WORD = {o.word: o for o in OUTCOMES}
+NEVER_LAUNCHED = {
+    status: o.word for o in OUTCOMES for status in o.statuses if not status.launched
+}  # fmt: skip
 
 
 def outcome(s: Scored) -> str | None:
-    """Which of :data:`OUTCOMES` befell ``s``; None for a candidate that fits and was never
-    tried (an estimate-only decision's runners-up)."""
+    """Which outcome (:data:`autoshard.results.OUTCOMES`) befell ``s``; None for a candidate
+    that fits and was never tried (an estimate-only decision's runners-up)."""
     t = s.trial
     if t is None:
         return RULED_OUT if s.estimate is not None and not s.estimate.fits else None
-    return {
-        TrialStatus.OK: MEASURED,
-        TrialStatus.DIVERGED: DIVERGED,
-        TrialStatus.PRUNED: RULED_OUT,
-        TrialStatus.SKIPPED: SKIPPED,
-    }.get(t.status, FAILED)
+    return outcome_of(t.status).word
+
+
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def reason_key(text: str) -> str:
+    """A reason with its numbers blanked: "needs 80.1 GiB per GPU" and "needs 133 GiB per GPU"
+    are one reason, said once with how many share it."""
+    return NUMBER.sub("#", " ".join(text.split()))
+
+
+def grouped_reasons(reasons: Iterable[str]) -> dict[str, int]:
+    """Each distinct reason (numbers aside, :func:`reason_key`) with how many candidates share
+    it, the most shared first; a number that differs among them is given as its range.
+
+    >>> grouped_reasons(["needs 80 GiB of 76", "offload needs a GPU", "needs 133 GiB of 76"])
+    {'needs 80-133 GiB of 76': 2, 'offload needs a GPU': 1}
+    """
+    return {text: n for _, text, n in _reason_groups(reasons)}
+
+
+def _reason_groups(reasons: Iterable[str]) -> list[tuple[str, str, int]]:
+    """(key, the reason with its varying numbers as ranges, how many) per distinct reason."""
+    numbers: dict[str, list[list[str]]] = {}
+    for text in reasons:
+        flat = " ".join(text.split())
+        numbers.setdefault(reason_key(flat), []).append(NUMBER.findall(flat))
+    out = []
+    for key, seen in sorted(numbers.items(), key=lambda kv: -len(kv[1])):
+        spans = []
+        for values in zip(*seen, strict=True):
+            low = min(values, key=lambda v: float(v.replace(",", "")))
+            high = max(values, key=lambda v: float(v.replace(",", "")))
+            spans.append(low if low == high else f"{low}-{high}")
+        parts = key.split("#")
+        text = "".join(p + (spans[i] if i < len(spans) else "") for i, p in enumerate(parts))
+        out.append((key, text, len(seen)))
+    return out
+
+
+def never_launched(s: Scored) -> tuple[str, str] | None:
+    """(outcome, reason) of a candidate never launched: skipped, or ruled out (predicted not to
+    fit, as a trial record or an estimate); None for one that ran or fits."""
+    t = s.trial
+    if t is not None and not t.status.launched:
+        return NEVER_LAUNCHED[t.status], t.error or ""
+    if t is None and s.estimate is not None and not s.estimate.fits:
+        return RULED_OUT, s.estimate.reason
+    return None
+
+
+def group_line(word: str, n: int, why: str) -> str:
+    """One line for ``n`` candidates never launched for one reason, in the outcome's word.
+
+    >>> group_line("skipped", 32, "offload needs a GPU")
+    '32 skipped, never launched: offload needs a GPU'
+    """
+    return f"{n} {word}, never launched: {why}"
+
+
+def never_launched_groups(
+    rows: Iterable[tuple[str, Scored]],
+) -> list[tuple[str, int, str, list[str]]]:
+    """The candidates of ``rows`` never launched, as (outcome, how many, the reason they share:
+    :func:`grouped_reasons`, their labels): one line each in the terminal and report.html's
+    table, instead of a row per candidate with the same reason."""
+    by_word: dict[str, list[tuple[str, str]]] = {}
+    for _, s in rows:
+        if (kept := never_launched(s)) is not None:
+            by_word.setdefault(kept[0], []).append((kept[1], s.candidate.label()))
+    out = []
+    for word, kept_out in by_word.items():
+        for key, why, n in _reason_groups(reason for reason, _ in kept_out):
+            labels = [label for reason, label in kept_out if reason_key(reason) == key]
+            out.append((word, n, why, labels))
+    return out
 
 
 def outcome_counts(rec: Decision, trials: Iterable[TrialResult] = ()) -> dict[str, int]:
     """How many candidates ended each way (report.json, the throughput chart): the trials
     given and every candidate the recommendation lists."""
-    counts = dict.fromkeys(OUTCOMES, 0)
+    counts = {o.word: 0 for o in OUTCOMES}
     for _, s in listed_rows(rec, trials):
         if (kind := outcome(s)) is not None:
             counts[kind] += 1
@@ -119,11 +189,12 @@ def trial_rate(t: TrialResult | None) -> tuple[float | None, str]:
 
 
 def rate_per_rank(t: TrialResult | None) -> tuple[float | None, str]:
-    """The trial's measured tokens/s (else samples/s) of one rank."""
-    rate, unit = trial_rate(t)
-    if t is None or rate is None or t.status is not TrialStatus.OK:
-        return None, unit
-    return rate / max(t.world_size, 1), unit
+    """The trial's measured tokens/s (else samples/s) of one rank: its ``*_per_gpu``."""
+    if t is None or t.status is not TrialStatus.OK:
+        return None, trial_rate(t)[1]
+    if t.tokens_per_s_per_gpu:
+        return t.tokens_per_s_per_gpu, "tokens/s"
+    return t.samples_per_s_per_gpu, "samples/s"
 
 
 def predicted_per_rank(s: Scored, hardware: Hardware) -> tuple[float | None, str]:
@@ -148,12 +219,30 @@ def prediction_error(s: Scored, hardware: Hardware) -> float | None:
     return predicted / measured - 1
 
 
+def error_text(s: Scored, error: float, rows: Iterable[tuple[str, Scored]]) -> str:
+    """The model's error as every view writes it: ``model +12%``, and ``uncalibrated`` where
+    this prediction was made before any trial calibrated the model while others were after
+    (SpeedEstimate.calibrated): not a peer of the calibrated ones."""
+    text = f"model {error:+.0%}"
+    speed = s.estimate.speed if s.estimate else None
+    others = [o.estimate.speed for _, o in rows if o.estimate and o.estimate.speed]
+    if speed is not None and not speed.calibrated and any(o.calibrated for o in others):
+        text += ", uncalibrated"
+    return text
+
+
 def predicted_device(rec: Decision) -> str:
     """What the predictions are for: the catalogue id they name, or the planned hardware's."""
-    for _, s in scored_rows(rec):
+    return predicted_device_of([s for _, s in scored_rows(rec)], rec.hardware)
+
+
+def predicted_device_of(scored: Iterable[Scored], hardware: Hardware) -> str:
+    """:func:`predicted_device` of any candidates (a study in which nothing ran has no
+    recommendation)."""
+    for s in scored:
         if s.estimate is not None and s.estimate.speed is not None and s.estimate.speed.gpu:
             return s.estimate.speed.gpu
-    return rec.hardware.gpu or ("cpu-gloo" if rec.hardware.backend == "gloo" else "GPU")
+    return hardware.gpu or ("cpu-gloo" if hardware.backend == "gloo" else "GPU")
 
 
 def trials_note(rec: Decision, trials: Sequence[TrialResult] = ()) -> str | None:
@@ -167,38 +256,13 @@ def trials_note(rec: Decision, trials: Sequence[TrialResult] = ()) -> str | None
     return trials_checked_line(rec.hardware, predicted_device(rec))
 
 
-FOLD_AFTER = 2  # never-launched candidates listed per reason in the terminal; report.html has all
-
-
-def _fold_not_launched(
-    rows: list[tuple[str, Scored]],
-) -> tuple[list[tuple[str, Scored]], dict[tuple[str, str], int]]:
-    """The rows with at most FOLD_AFTER never-launched (pruned, skipped) candidates per reason,
-    and how many more each reason had: a dozen identical "needs a GPU" rows say it once."""
-    kept: list[tuple[str, Scored]] = []
-    seen: dict[tuple[str, str], int] = {}
-    for kind, s in rows:
-        if kind in (SKIPPED, RULED_OUT) and s.trial is not None and not s.trial.status.launched:
-            key = (kind, why_ruled_out(s))
-            seen[key] = seen.get(key, 0) + 1
-            if seen[key] > FOLD_AFTER:
-                continue
-        kept.append((kind, s))
-    return kept, {key: n - FOLD_AFTER for key, n in seen.items() if n > FOLD_AFTER}
-
-
 def why_ruled_out(s: Scored) -> str:
     """What kept ``s`` out, saying which of the four it was: ``failed (oom): ...``, ``skipped,
     never launched: ...``, ``predicted not to fit, never launched: ...``."""
     t = s.trial
     if t is not None and t.status is not TrialStatus.OK:
-        kind = outcome(s)
-        said = {
-            FAILED: f"failed ({t.status.value})",
-            DIVERGED: "diverged (ran, but the loss became NaN or infinite)",
-            SKIPPED: "skipped, never launched",
-            RULED_OUT: "predicted not to fit, never launched",
-        }[kind or FAILED]
+        row = outcome_of(t.status)
+        said = f"{row.says} ({t.status.value})" if t.status.launched else row.says
         return f"{said}: {t.error}" if t.error else said
     if s.estimate is not None and not s.estimate.fits:
         return "predicted not to fit: " + (
@@ -237,16 +301,18 @@ def print_summary(
         console.print(f"  • {escape(line)}", highlight=False)
     rows = listed_rows(rec, trials)
     if len(rows) > 1:
-        rows, folded = _fold_not_launched(rows)
+        groups = never_launched_groups(rows)
+        rows = [(k, s) for k, s in rows if never_launched(s) is None]
         ran = {s.trial.device for _, s in rows if s.trial and s.trial.status is TrialStatus.OK}
-        where = f" ({ran.pop()})" if len(ran) == 1 else ""
+        where = f" ({next(iter(ran))})" if len(ran) == 1 else ""
         unit = next((u for _, s in rows for u in [rate_per_rank(s.trial)[1]] if u), "tokens/s")
+        per = "per GPU" if ran == {"cuda"} else "per rank"
         columns = [
             Column("", keep=7), Column("configuration", keep=9, wrap=True),
             Column("predicted peak", "right", keep=4),
             Column(f"measured peak{where}", "right", keep=6),
             Column(f"predicted {unit} per GPU ({predicted_device(rec)})", "right", keep=5),
-            Column(f"measured {unit} per rank{where}", "right", keep=8),
+            Column(f"measured {unit} {per}{where}", "right", keep=8),
             Column("why not", keep=8, wrap=True),
         ]  # fmt: skip
         cells = []
@@ -259,7 +325,7 @@ def print_summary(
             if measured is not None and s.trial is not None:
                 measured_text = f"{measured:,.0f} ±{spread_of(s.trial):.0%}"
                 if error is not None:
-                    measured_text += f" (model {error:+.0%})"
+                    measured_text += f" ({error_text(s, error, rows)})"
             cells.append([
                 kind,
                 s.candidate.label(),
@@ -269,8 +335,6 @@ def print_summary(
                 measured_text,
                 "" if ok or kind == "chosen" else escape(why_ruled_out(s)),
             ])  # fmt: skip
-        for (kind, why), more in folded.items():
-            cells.append([kind, f"... and {more} more", "", "", "", "", escape(why)])
         console.print(
             fitted_table(
                 columns,
@@ -281,6 +345,8 @@ def print_summary(
                 caption_justify="left",
             )
         )
+        for word, n, why, _ in groups:
+            console.print(escape(group_line(word, n, why)), highlight=False)
     n = sum(1 for t in trials_of(rec, trials) if t.status.launched)
     if n:
         console.print(f"[dim]{n} trials ran; see report.html for charts[/]")
@@ -346,6 +412,7 @@ def settings_of(rec: Decision) -> dict[str, str]:
         }
     out.update(
         {
+            "gradients reduced in": reduce_dtype_of(c),
             "optimizer": f"{c.optimizer.value} ({c.optimizer_impl.value})",
             "micro_batch_size": str(c.micro_batch_size),
             "devices x nodes": f"{rec.hardware.gpus_per_node} x {rec.hardware.nodes}",
@@ -371,11 +438,42 @@ def settings_of(rec: Decision) -> dict[str, str]:
         rate, unit = rate_per_rank(t)
         ranks = f" ({t.world_size} ranks)" if t.world_size > 1 else ""
         out["measured"] = f"{t.step_time:.3f} s/step" + (
-            f", {rate:,.0f} {unit} per rank{ranks}" if rate else ""
+            f", {rate:,.0f} {unit} {t.per_gpu}{ranks}" if rate else ""
         )
         if t.max_allocated:
             out["measured"] += f", peak {format_bytes(t.max_allocated)} per rank on {t.device}"
     return out
+
+
+def reduce_dtype_of(c: Candidate) -> str:
+    """The dtype gradients are reduced in, read from the candidate (``reduce_dtype_fp32``, which
+    FSDP1's and FSDP2's kwargs apply): fp32 under mixed precision where it says so, else the
+    compute dtype.
+
+    >>> from autoshard import Candidate
+    >>> reduce_dtype_of(Candidate()), reduce_dtype_of(Candidate(engine="fsdp2"))
+    ('bf16', 'fp32')
+    """
+    if c.precision.mixed and c.reduce_dtype_fp32:
+        return "fp32"
+    value = c.precision.value
+    return "bf16" if value.startswith("bf16") else "fp16" if value.startswith("16") else "fp32"
+
+
+def measured_of(rec: Decision) -> dict[str, Any] | None:
+    """The chosen configuration's measurement in report.json, each number in the unit every
+    view shows it in (one rank's: per GPU); None where no trial ran."""
+    t = rec.chosen.trial
+    if t is None or t.step_time is None:
+        return None
+    return {
+        "step_time_s": t.step_time,
+        "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu,
+        "samples_per_s_per_gpu": t.samples_per_s_per_gpu,
+        "peak_allocated_per_gpu": t.max_allocated,
+        "device": t.device,
+        "ranks": t.world_size,
+    }
 
 
 def speed_terms(b: SpeedBreakdown, step_time_s: float) -> str:
@@ -418,14 +516,36 @@ def report_data(rec: Decision, trials: Sequence[TrialResult] = ()) -> dict[str, 
             "outcomes": outcome_counts(rec, trials_of(rec, trials)),
             "basis": rec.basis,
             "settings": settings_of(rec),
+            "measured": measured_of(rec),
             "state_dict_type": kind,
             "state_dict_reason": why,
         },
     }
 
 
+def failure_data(hardware: Hardware, rows: list[tuple[str, Scored]], error: str) -> dict[str, Any]:
+    """report.json of a study in which no configuration ran: no recommendation, the one line
+    that says why, every trial, the outcomes counted in the same words."""
+    counts = {o.word: 0 for o in OUTCOMES}
+    for _, s in rows:
+        if (kind := outcome(s)) is not None:
+            counts[kind] += 1
+    return {
+        "schema": SCHEMA,
+        "recommendation": None,
+        "error": error,
+        "trials": [s.trial.model_dump(mode="json") for _, s in rows if s.trial is not None],
+        "summary": {
+            "outcomes": counts,
+            "basis": None,
+            "hardware": hardware.model_dump(mode="json"),
+        },
+    }
+
+
 __all__ = [
     "SCHEMA",
+    "failure_data",
     "print_summary",
     "report_data",
 ]

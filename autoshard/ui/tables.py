@@ -11,7 +11,7 @@ from rich.table import Table
 from autoshard.config import Candidate, Hardware, RankOrder
 from autoshard.predict.analytic import ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES
 from autoshard.results import Decision, MemoryEstimate, ModelProfile
-from autoshard.space import PREDICTED_TIE
+from autoshard.space import tie_rule_words
 from autoshard.ui.fit import Column, fitted_table
 from autoshard.units import format_bytes, format_count, format_share
 
@@ -143,11 +143,7 @@ def estimates_table(
 ) -> Table:
     """Every candidate in the order given (fitting ones first, then by ``order``), the first
     ``limit`` of them, no wider than ``width``; ``chosen`` (the decision's) is marked."""
-    by = (
-        "most headroom first"
-        if order is RankOrder.HEADROOM
-        else (f"fastest predicted first (within {PREDICTED_TIE:.0%}, a tie: most headroom first)")
-    )
+    by = "most headroom first" if order is RankOrder.HEADROOM else tie_rule_words()
     title = "Per-GPU memory"
     if hardware is not None:
         title += (

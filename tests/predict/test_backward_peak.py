@@ -155,6 +155,21 @@ def test_a_hugging_face_cache_is_taken_out_whatever_its_argument_is_called() -> 
     assert without_cache({"x": 1}) == {"x": 1}
 
 
+def test_a_positional_cache_is_taken_out_too() -> None:
+    """GPT-2's model passes the cache positionally (``block(hidden_states, cache, mask, ...)``):
+    left in, the measured block's backward ran through the profile's freed graph, and the GPT-2
+    example printed a 4-line warning quoting "Trying to backward through the graph a second
+    time" and estimated its checkpointed peak by rule instead."""
+    pytest.importorskip("transformers")
+    target = TargetSpec(spec=f"{EXAMPLES}/hf_gpt2.py:build", kwargs={"size": "tiny"})
+    profile, built = analyze_target(target)
+    acts = profile_activations(
+        built.model, profile, WorkloadSpec(seq_len=32), batch=built.batch, precisions=("32-true",)
+    )
+    assert "backward did not run" not in acts.note, acts.note
+    assert acts.checkpointed_backward[0] > 0 and acts.selective_backward[0] > 0
+
+
 def test_a_block_backward_that_fails_on_fake_tensors_leaves_the_forward_measured(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
