@@ -125,6 +125,11 @@ def evaluate(
                     "error": row["step_time_s"] / speed.step_time_s - 1,
                     "speed": speed,
                     "memory": memory,
+                    "params": float(
+                        _profiles(run["model"]["size"], run["seq_len"], cache)[0].total_params
+                    ),
+                    "gpu": data["gpu"],
+                    "precision": row["candidate"]["precision"],
                 }
             )
     return rows

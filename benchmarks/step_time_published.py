@@ -176,7 +176,7 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
     from autoshard.predict.analytic import estimate_memory, estimate_reserved
     from autoshard.predict.flops import profile_flops
     from autoshard.predict.recipe import linear_shapes
-    from autoshard.predict.speed import predict_speed, under_pressure
+    from autoshard.predict.speed import default_factors, predict_speed, under_pressure
 
     model = record["model"]
     precision = precision_of(record)
@@ -226,9 +226,14 @@ def predict(record: dict[str, Any], cache: dict[Any, Any]) -> dict[str, Any]:
     # what the source's framework does with accumulation (Composer reduces every micro-batch)
     sync = record["gradient_sync"]
     skip_sync = None if sync is None else sync == "last_micro_batch"
+    # a run without FSDP (one GPU, the trainer's plain strategy) runs no FSDP hooks
+    factors = default_factors(gpu)
+    if record["engine"].startswith("none"):
+        factors = factors.model_copy(update={"unit_host_scale": 0.0})
     speed = predict_speed(
-        profile, flops, candidate, hardware, workload, skip_sync=skip_sync, linears=linears
-    )
+        profile, flops, candidate, hardware, workload, factors, skip_sync=skip_sync,
+        linears=linears,
+    )  # fmt: skip
     assert speed.tokens_per_s_per_gpu is not None
     memory = estimate_memory(profile, candidate, hardware, workload, activations=acts)
     reserved = estimate_reserved(profile, candidate, hardware, workload, activations=acts)
@@ -589,6 +594,50 @@ def miss_breakdowns(rows: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
+def held_out_bands(published: list[dict[str, Any]], gpu_rows: list[dict[str, Any]]) -> list[str]:
+    """Each class's band on the held-out rows (published and GPU): the lowest and highest
+    measured / predicted step time, the median absolute error and the rows, for every class
+    of :func:`autoshard.predict.intervals.model_class` and each coarser one ("*"), as the
+    dictionary ``autoshard.predict.intervals.HELD_OUT_BANDS`` holds."""
+    from autoshard.gpus import gpu_spec
+    from autoshard.predict.intervals import model_class
+
+    errors: dict[tuple[str, ...], list[float]] = {}
+    held = [
+        (r["record"]["gpu"], precision_of(r["record"]), r["record"]["model"]["params"], r["error"])
+        for r in published
+        if r["set"] == "held-out" and not r["why_not"]
+    ] + [
+        (r["gpu"], r["precision"], r["params"], r["error"])
+        for r in gpu_rows
+        if r["set"] == "held-out"
+    ]
+    for gpu, precision, params, error in held:
+        generation, kind, size = model_class(gpu_spec(gpu).generation, precision, params)
+        for key in (
+            (generation, kind, size),
+            (generation, kind, "*"),
+            (generation, "*", "*"),
+            ("*", "*", "*"),
+        ):
+            errors.setdefault(key, []).append(error)
+    lines = [
+        "### Held-out bands (autoshard/predict/intervals.py HELD_OUT_BANDS)",
+        "",
+        "Measured / predicted step time on the held-out rows of each class (GPU generation, "
+        "precision, model size; '*' every value): what `SpeedEstimate.interval_s` carries.",
+        "",
+        "```python",
+        "HELD_OUT_BANDS: dict[tuple[str, str, str], Band] = {",
+    ]
+    for key in sorted(errors):
+        errs = errors[key]
+        low, high = min(errs) + 1, max(errs) + 1
+        median = statistics.median(abs(e) for e in errs)
+        lines.append(f"    {key!r}: Band({low:.3f}, {high:.3f}, {median:.3f}, {len(errs)}),")
+    return [*lines, "}", "```", ""]
+
+
 def _load_profiles(path: Path | None) -> dict[Any, Any]:
     if path is None or not path.exists():
         return {}
@@ -649,6 +698,7 @@ def main() -> None:
             *split_lines,
             *sections,
             *gpu_sections,
+            *held_out_bands(rows, gpu_rows),
             *miss_breakdowns(
                 [
                     row

@@ -149,6 +149,14 @@ class SpeedFactors(Frozen):
 
 DEFAULT_FACTORS = SpeedFactors()
 
+# How much slower a GPU server's host issues a step than the constants measured on this
+# project's VM (op_overhead_s, host_bound's per-unit and per-recipe costs) say: fitted on the
+# host-bound rows of the fitting set of autoshard's H200 measurements (a 1B GPT eager and a
+# tiny GPT compiled, world size 1: benchmarks/data/measured_gpu.json; 1.4 with
+# host_bound.COMPILED_STEP_HOST_S, least squares on log step times), the one GPU host measured.
+# The trials calibrate both factors on the machine they run on.
+GPU_HOST_SCALE = 1.4
+
 
 def default_factors(gpu: GPUSpec) -> SpeedFactors:
     """The uncalibrated factors for ``gpu``: one set for every GPU but its compute efficiency
@@ -157,10 +165,15 @@ def default_factors(gpu: GPUSpec) -> SpeedFactors:
     nothing overlaps, and issuing an operation costs what was measured here. The trials
     calibrate the rest."""
     if not gpu.host_is_device:
-        # the GPU's own share of its achievable rate (catalogue: A100 0.75, H100/H200 0.6)
-        if gpu.step_efficiency == DEFAULT_FACTORS.compute_efficiency:
-            return DEFAULT_FACTORS
-        return DEFAULT_FACTORS.model_copy(update={"compute_efficiency": gpu.step_efficiency})
+        # the GPU's own share of its achievable rate (catalogue: A100 0.75, H100/H200 0.6), and
+        # a GPU server's host
+        return DEFAULT_FACTORS.model_copy(
+            update={
+                "compute_efficiency": gpu.step_efficiency,
+                "op_overhead_s": DEFAULT_FACTORS.op_overhead_s * GPU_HOST_SCALE,
+                "unit_host_scale": DEFAULT_FACTORS.unit_host_scale * GPU_HOST_SCALE,
+            }
+        )
     # Profiled here (torch.profiler, the tiny GPT's fp32 step on one thread, the machine
     # otherwise idle): its matrix products ran at 130 GFLOP/s against the 256 x 256 product's
     # 185, and torch's CPU AdamW streamed its 20 passes at 14 GB/s against a 54 GB/s copy.
