@@ -181,10 +181,8 @@ def llama() -> dict[str, Any]:
 
 def speed_of(llama: dict[str, Any], gpu: str = "h100-sxm", spec: Any = None, **fields: Any) -> Any:
     from autoshard.config import Hardware
-    from autoshard.predict.speed import predict_speed
-
     from autoshard.gpus import gpu_spec
-    from autoshard.predict.speed import default_factors
+    from autoshard.predict.speed import default_factors, predict_speed
 
     p = llama["profile"]
     # device-bound: no host costs (the host floor has its own tests, predict/test_host_bound.py)
