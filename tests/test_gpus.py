@@ -205,3 +205,12 @@ def test_an_unknown_device_name_says_which_entries_exist() -> None:
     assert "\n" not in line and "'NVIDIA GH200 480GB'" in line
     assert all(gpu_id in line for gpu_id in CATALOGUE if gpu_id != "cpu-gloo")
     assert "--gpu" in line
+
+
+def test_of_the_entries_a_name_fits_the_most_specific_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = CATALOGUE["a100-40gb-sxm"]
+    plain = base.model_copy(update={"id": "x", "matches": (("X100",),), "unless": ()})
+    large = base.model_copy(update={"id": "x-80", "matches": (("X100", "80GB"),), "unless": ()})
+    monkeypatch.setattr(gpus, "CATALOGUE", {"x": plain, "x-80": large})
+    assert match_gpu_name("NVIDIA X100 80GB") == "x-80"
+    assert match_gpu_name("NVIDIA X100") == "x"
