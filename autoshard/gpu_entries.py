@@ -558,18 +558,12 @@ ENTRIES: tuple[dict[str, object], ...] = (
         tf32_flops=0.15 * TFLOPS,
         fp32_flops=0.15 * TFLOPS,
         hbm_bandwidth=15 * GB,
-        # In CPU seconds, as CPU trials time their steps (autoshard.trials.worker.time_steps),
-        # in processes started as the workers are (glibc's mmap threshold fixed): a 2-8 MiB
-        # all-gather between 2 processes into a reused output, 0.95-1.01 GB/s received
-        # (benchmarks/cpu_gloo_probe.py). FSDP gathers into a new tensor each time, whose
-        # pages fault in as gloo writes them (0.65-0.69 GB/s measured), which the step-time
-        # model adds at fresh_page_bandwidth. (Reused outputs at glibc's defaults: 1-1.7 GB/s.)
+        # measured: benchmarks/results/measured_constants.md, "The cpu-gloo entry's links"
         intra_node_bandwidth=1.0 * GB,
         intra_node_link="gloo over loopback TCP between processes on one host",
         inter_node_bandwidth=10 * Gbit,
         host_link_bandwidth=15 * GB,
-        # mmap'ed and written pages, one thread: 3.6-3.8 GB/s here (a resident fill: 25-27);
-        # measured at run time (autoshard.predict.hardware.measured_cpu)
+        # measured again at run time (autoshard.predict.hardware.measure_cpu)
         fresh_page_bandwidth=3.6 * GB,
         notes="Not a GPU: autoshard's CPU trials (one process per rank, one thread each, gloo). "
         "Every speed here is a PLACEHOLDER, measured at run time / calibrated by trials. The "

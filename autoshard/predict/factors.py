@@ -151,10 +151,8 @@ DEFAULT_FACTORS = SpeedFactors()
 
 # How much slower a GPU server's host issues a step than the constants measured on this
 # project's VM (op_overhead_s, host_bound's per-unit and per-recipe costs) say: fitted on the
-# host-bound rows of the fitting set of autoshard's H200 measurements (a 1B GPT eager and a
-# tiny GPT compiled, world size 1: benchmarks/data/measured_gpu.json; 1.4 with
-# host_bound.COMPILED_STEP_HOST_S, least squares on log step times), the one GPU host measured.
-# The trials calibrate both factors on the machine they run on.
+# host-bound rows of the fitting set of autoshard's H200 measurements, the one GPU host
+# measured (benchmarks/results/measured_constants.md). Trials calibrate both factors there.
 GPU_HOST_SCALE = 1.4
 
 
@@ -174,17 +172,8 @@ def default_factors(gpu: GPUSpec) -> SpeedFactors:
                 "unit_host_scale": DEFAULT_FACTORS.unit_host_scale * GPU_HOST_SCALE,
             }
         )
-    # Profiled here (torch.profiler, the tiny GPT's fp32 step on one thread, the machine
-    # otherwise idle): its matrix products ran at 130 GFLOP/s against the 256 x 256 product's
-    # 185, and torch's CPU AdamW streamed its 20 passes at 14 GB/s against a 54 GB/s copy.
-    # A collective's fixed cost is FSDP's per unit, not gloo's: CPU trials time CPU seconds
-    # (autoshard.trials.worker.time_steps), in which a bare 1 KB gloo all-gather costs 0.075 ms,
-    # but each FSDP1 unit of a stack of Linear(64, 64) layers (2 ranks, batch 1) costs a step
-    # 2.1-2.7 ms under FULL_SHARD and 1.5-2.0 under SHARD_GRAD_OP: 0.7-1.0 ms per collective
-    # (hooks, flat-parameter views, the gloo calls and their copies; benchmarks/
-    # cpu_gloo_probe.py, results/cpu_gloo_probe.txt). With the bare gloo call's 0.1 ms, three
-    # CPU trials at one micro-batch could not tell it from compute, and the calibrated model
-    # missed per-block micro-batch 1 trials by 27-36% (benchmarks/speed_calibration_cpu.py).
+    # measured here, profiled and against the CPU trials (benchmarks/results/
+    # measured_constants.md, "CPU processes' factors")
     return SpeedFactors(
         compute_efficiency=0.7,
         memory_efficiency=0.25,

@@ -57,10 +57,9 @@ FSDP_UNIT_HOST_S = {
     (Engine.FSDP2, False, True): 2.25e-3,  # reshard_after_forward=False
     (Engine.FSDP2, False, False): 2.25e-3,  # replicated: no measurement of its own
 }
-# On one rank (benchmarks/host_overhead_probe.py units-one-rank, three runs at load 8-17 on the
-# shared VM, results/host_overhead_probe.txt): FSDP1's unit (NO_SHARD there, whatever the
-# strategy) cost 0.6-1.2x what FSDP2's resharding unit did in the same run, median 1.1; the
-# two-rank table's NO_SHARD entry (1.6 ms) is a replicated unit reducing over gloo, not this.
+# On one rank FSDP1's unit (NO_SHARD there, whatever the strategy) costs about what FSDP2's
+# resharding unit does (benchmarks/results/measured_constants.md, "Host costs of a step on one
+# rank"); the two-rank table's NO_SHARD entry is a replicated unit reducing over gloo, not this.
 ONE_RANK_FSDP1_AS = (Engine.FSDP2, True, True)
 
 
@@ -68,10 +67,9 @@ ONE_RANK_FSDP1_AS = (Engine.FSDP2, True, True)
 # kernel runs the recipes' Python that much slower too.
 MEASURED_OP_S = 14e-6
 
-# Host seconds of eager recipes beyond the kernels they issue, measured like the units (this
-# project's VM, one thread, the 16-block width-16 decoder under bf16 autocast, the least of
-# three runs; benchmarks/host_overhead_probe.py checkpoint-float8 and units-one-rank, results/
-# host_overhead_probe.txt):
+# Host seconds of eager recipes beyond the kernels they issue, measured like the units
+# (benchmarks/host_overhead_probe.py checkpoint-float8 and units-one-rank; benchmarks/results/
+# measured_constants.md, "Host costs of a step on one rank"):
 # - a checkpointed block (non-reentrant torch.utils.checkpoint, as apply_checkpointing wraps
 #   it), beyond its recomputed kernels, per kernel of the block's forward: the saved-tensor
 #   hooks, the RNG and autocast state kept and restored, the recompute's bookkeeping;
@@ -97,9 +95,8 @@ FLOAT8_GATHER_HOST_S = 0.4e-3
 # What a compiled step costs its host beyond its kernels, FSDP's hooks and the recipes above:
 # no measurement separates its parts (dynamo's guards, AOTAutograd's runtime wrappers and
 # Inductor's launchers on every call run on a GPU only). Fitted on the fitting set's three
-# compiled rows of autoshard's H200 measurements (the tiny GPT, one FSDP1 unit: 17-20 ms a step
-# against 4 ms of kernels and hooks; benchmarks/data/measured_gpu.json); the five held-out
-# compiled rows (1B FSDP2, tiny FSDP1 of five units) check it.
+# compiled rows of autoshard's H200 measurements (benchmarks/step_time_gpu.py; results/
+# measured_constants.md); the five held-out compiled rows check it.
 COMPILED_STEP_HOST_S = 8e-3
 
 

@@ -77,9 +77,9 @@ from autoshard.results import ModelProfile, SpeedBreakdown, SpeedEstimate
 # Bytes one optimizer step streams per parameter, per 4-byte element: a fused AdamW reads the
 # parameter, its gradient and two states and writes three (7 passes); torch's foreach (and
 # for-loop) AdamW runs one kernel per operation (weight decay, lerp, mul, addcmul, sqrt, div,
-# add, addcdiv: 20 tensor passes, torch/optim/adam.py `_multi_tensor_adam`). Measured here on
-# one CPU thread: foreach AdamW moved 3.5-4.5 GB/s counted at 7 passes against a 13.4 GB/s copy,
-# the 7/20 the pass count predicts. SGD with momentum: 5 passes fused, 8 as separate kernels.
+# add, addcdiv: 20 tensor passes, torch/optim/adam.py `_multi_tensor_adam`; measured:
+# benchmarks/results/measured_constants.md, "Optimizer passes"). SGD with momentum: 5 passes
+# fused, 8 as separate kernels.
 _OPTIMIZER_PASSES = {
     Optimizer.ADAMW: (7, 20),
     Optimizer.ADAM: (7, 20),

@@ -16,10 +16,8 @@ from autoshard.predict.factors import SpeedFactors
 from autoshard.predict.flops import FlopProfile
 
 # Host seconds per kernel under autocast (bf16-mixed, 16-mixed) over its op_overhead_s: every
-# operation passes autocast's dispatch key (a dtype check, a cast where an input is fp32),
-# measured on this project's VM (the 16-block width-16 decoder, bf16 parameters under bf16
-# autocast against fp32 without, interleaved, the least of five medians: 32.8 against 23.7 CPU
-# ms; results/host_overhead_probe.txt).
+# operation passes autocast's dispatch key (a dtype check, a cast where an input is fp32);
+# measured: benchmarks/results/measured_constants.md, "Host costs of a step on one rank".
 AUTOCAST_HOST_RATIO = 1.38
 
 
