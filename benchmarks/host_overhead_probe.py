@@ -14,12 +14,17 @@ two and what is timed is what the host does for each operation and each FSDP uni
   not), minus the same step without FSDP: FSDP's hooks, parameter views, the collectives' calls
   and their copies of 16-wide tensors, per unit and step;
 - **CPU AdamW**: one step of ``torch.optim.AdamW`` over 64 Mi fp32 parameters (for-loop,
-  foreach), as bytes of the fused kernel's 7 passes per second: CPU offload's optimizer step.
+  foreach), as bytes of the fused kernel's 7 passes per second: CPU offload's optimizer step;
+- **per FSDP unit on one rank** (``units-one-rank``, issue 33: autoshard wraps one GPU in FSDP
+  too), and FSDP2's float8 all-gather hooks per weight and all-gather;
+- **per checkpointed block and per float8 layer** (``checkpoint-float8``): the same decoder
+  under bf16 autocast, each block checkpointed as autoshard applies it (full, op-level
+  selective), or its linear layers converted to torchao's ``Float8Linear``.
 
 CPU seconds of the calling process (``time.process_time``), the median of 20 steps after 5 (for
 the FSDP cases the least of three such medians: other jobs only add).
 
-    python benchmarks/host_overhead_probe.py
+    python benchmarks/host_overhead_probe.py [kernels units units-one-rank checkpoint-float8 adamw]
 """
 
 from __future__ import annotations

@@ -634,7 +634,8 @@ def held_out_bands(published: list[dict[str, Any]], gpu_rows: list[dict[str, Any
         errs = errors[key]
         low, high = min(errs) + 1, max(errs) + 1
         median = statistics.median(abs(e) for e in errs)
-        lines.append(f"    {key!r}: Band({low:.3f}, {high:.3f}, {median:.3f}, {len(errs)}),")
+        name = "(" + ", ".join(f'"{part}"' for part in key) + ")"  # as ruff formats it
+        lines.append(f"    {name}: Band({low:.3f}, {high:.3f}, {median:.3f}, {len(errs)}),")
     return [*lines, "}", "```", ""]
 
 
