@@ -18,12 +18,12 @@ from autoshard.ui.report import (
     RULED_OUT,
     SKIPPED,
     STATUS_COLOURS,
+    error_text,
     listed_rows,
     outcome,
     outcome_counts,
     predicted_device,
     predicted_per_rank,
-    prediction_error,
     rate_per_rank,
     settings_of,
     trial_rate,
@@ -426,8 +426,7 @@ def _speed_bars(
             f"{value:,.0f} {_esc(unit)}</title></rect>"
         )
     end = min(max([v for _, v, _, _ in bars] + [0.0]), top)
-    error = prediction_error(s, rec.hardware) if what == "both" else None
-    text = f"model {error:+.0%}" if error is not None else ""
+    text = error_text(s, rec.hardware) if what == "both" else ""
     if clipped:
         text = f"▸ {max(v for _, v, _, _ in bars):,.0f}"
     if what == "measured" and s.trial is not None and measured:
@@ -532,7 +531,7 @@ def _failure_marks(failed: list[TrialResult], left: float, y: float) -> list[str
 def _table(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
     device = predicted_device(rec)
     listed = listed_rows(rec, trials)
-    errors = [prediction_error(s, rec.hardware) for _, s in listed]
+    errors = [error_text(s, rec.hardware) or None for _, s in listed]
     # The model's error exists only where trials ran on the device predicted for.
     with_error = any(e is not None for e in errors)
     head = ["", "configuration", "predicted peak / rank", "measured peak / rank",
@@ -555,7 +554,7 @@ def _table(rec: Decision, trials: Sequence[TrialResult] = ()) -> str:
             format_bytes(t.max_allocated) if t and t.max_allocated else "",
             f"{predicted:,.0f} {p_unit}" if predicted else "",
             f"{measured:,.0f} {m_unit} ±{spread_of(t):.0%}" if measured and t else "",
-            *([f"{error:+.0%}" if error is not None else ""] if with_error else []),
+            *([(error or "").removeprefix("model ")] if with_error else []),
             f"{t.step_time:.3f}" if t and t.step_time else "",
             status,
         ]

@@ -143,6 +143,19 @@ def prediction_error(s: Scored, hardware: Hardware) -> float | None:
     return predicted / measured - 1
 
 
+def error_text(s: Scored, hardware: Hardware) -> str:
+    """The model's error beside a measured rate ("model +12%"), marked "uncalibrated" where no
+    trial of the candidate's calibration class had calibrated its prediction: such a
+    prediction is not a peer of the calibrated ones (the first GPU tune showed "model +2999%"
+    beside calibrated rows); "" where there is no error to show."""
+    error = prediction_error(s, hardware)
+    if error is None:
+        return ""
+    speed = s.estimate.speed if s.estimate is not None else None
+    calibrated = speed is not None and speed.calibrated
+    return f"model {error:+.0%}" + ("" if calibrated else ", uncalibrated")
+
+
 def predicted_device(rec: Decision) -> str:
     """What the predictions are for: the catalogue id they name, or the planned hardware's."""
     for _, s in scored_rows(rec):
@@ -247,13 +260,13 @@ def print_summary(
         for kind, s in rows:
             predicted, _ = predicted_per_rank(s, rec.hardware)
             measured, _ = rate_per_rank(s.trial)
-            error = prediction_error(s, rec.hardware)
+            error = error_text(s, rec.hardware)
             ok = s.trial is not None and s.trial.status is TrialStatus.OK
             measured_text = ""
             if measured is not None and s.trial is not None:
                 measured_text = f"{measured:,.0f} ±{spread_of(s.trial):.0%}"
-                if error is not None:
-                    measured_text += f" (model {error:+.0%})"
+                if error:
+                    measured_text += f" ({error})"
             cells.append([
                 kind,
                 s.candidate.label(),
