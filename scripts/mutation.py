@@ -40,6 +40,7 @@ MODULES: dict[str, list[str]] = {
     "study/journal": ["tests/test_journal.py", "tests/test_study.py"],
     "emit": ["tests/test_emit.py", "tests/test_handover.py"],
     "predict/speed": ["tests/predict/test_speed.py", "tests/test_calibrate.py"],
+    "predict/host_bound": ["tests/predict/test_host_bound.py"],
     "predict/analytic": ["tests/predict/test_analytic.py", "tests/test_estimate.py"],
     "predict/step_memory": ["tests/predict/test_timeline.py", "tests/predict/test_analytic.py"],
     "predict/timeline": ["tests/predict/test_timeline.py"],
