@@ -286,7 +286,7 @@ def test_a_tuned_decision_times_its_timeline_with_the_calibrated_model(
     assert predicted.calibrated and predicted.step_time_s > 0.2
     assert [r.estimate for r in again.runners_up] == [r.estimate for r in rec.runners_up]
     resumed = (tmp_path / "report.html").read_text()
-    assert "on the calibrated speed model" in resumed and "uncalibrated" not in resumed
+    assert "on the calibrated speed model" in resumed and "uncalibrated speed model" not in resumed
 
 
 def test_a_study_recorded_without_its_predictions_resumes_on_the_plans(
