@@ -54,6 +54,7 @@ from autoshard.results import (
     TrialStatus,
 )
 from autoshard.space import wrap_reason
+from autoshard.switches import proven_switches
 from autoshard.units import format_bytes, format_share
 
 T = TypeVar("T")
@@ -121,16 +122,20 @@ def decide(plan: Plan) -> Recommendation:
     fitting = [e for e in order if e.fits]
     if not fitting:
         raise ConfigError(nothing_fits(plan))
-    best = fitting[0]
+    # a torch.compile or float8 gain the model cannot tell from its own error is not proposed
+    best, switch_lines = proven_switches(fitting[0], fitting)
+    said = {line.split(" ", 1)[0] for line in switch_lines}  # their lines replace the plain ones
+    reasons = [r for r in explain_estimate(best, plan) if r.split(" ", 1)[0] not in said]
+    others = [Scored(candidate=e.candidate, estimate=e) for e in fitting if e is not best]
     return build_recommendation(
         plan.profile,
         plan.hardware,
         plan.workload,
         Scored(candidate=best.candidate, estimate=best),
-        runners_up=[Scored(candidate=e.candidate, estimate=e) for e in fitting[1:5]],
+        runners_up=others[:4],
         ruled_out=[Scored(candidate=e.candidate, estimate=e) for e in order if not e.fits],
         basis="estimate",
-        reasons=explain_estimate(best, plan),
+        reasons=[*reasons, *switch_lines],
         notes=plan.notes,
         timeline=timeline_of(plan, best),
     )

@@ -218,6 +218,12 @@ class SpeedBreakdown(Frozen):
         "gradients (already in compute_s and recompute_s). Its gathers, in 1 byte: in "
         "exposed_comm_s.",
     )
+    mfu_cap_s: float = Field(
+        0.0,
+        description="Seconds added to a step predicted faster than any published run of its "
+        "model size on its GPU generation reached: the step at the best published MFU "
+        "(:mod:`autoshard.predict.ceilings`); 0 below it.",
+    )
 
 
 class SpeedEstimate(Frozen):
@@ -229,7 +235,52 @@ class SpeedEstimate(Frozen):
     mfu: float | None = Field(None, description="Model FLOPs utilisation (0-1).")
     breakdown: SpeedBreakdown = Field(default_factory=SpeedBreakdown)
     gpu: str = Field("", description="Catalogue id of the GPU the prediction is for.")
-    calibrated: bool = Field(False, description="Whether measured trials calibrated the model.")
+    calibrated: bool = Field(
+        False,
+        description="Whether measured trials of this candidate's calibration class (its "
+        "precision, torch.compile and float8) calibrated the prediction.",
+    )
+    interval_s: tuple[float, float] | None = Field(
+        None,
+        description="Where the measured step time is expected to fall: the step time times the "
+        "range of measured / predicted that the model's class of this prediction (GPU "
+        "generation, precision, model size) showed on the held-out benchmark rows, or, once "
+        "calibrated, that the calibration's own trials showed (:mod:`autoshard.predict."
+        "intervals`). Two candidates whose intervals overlap are a tie for the model.",
+    )
+    interval_class: str = Field(
+        "", description="The class whose errors give ``interval_s``, and how many rows it had."
+    )
+    mfu_capped: bool = Field(
+        False,
+        description="Whether the prediction was capped at the best published MFU of its model "
+        "size and GPU generation (``breakdown.mfu_cap_s``).",
+    )
+
+    def describe(self) -> str:
+        """One line: the predicted step, its interval and class, tokens/s and MFU, and whether
+        it is calibrated or capped.
+
+        >>> line = SpeedEstimate(step_time_s=0.2, samples_per_s=5.0, mfu=0.43, mfu_capped=True,
+        ...     interval_s=(0.18, 0.3), interval_class="hopper 16-bit (held-out, 9 rows)"
+        ... ).describe()
+        >>> for part in line.split("), "):
+        ...     print(part)
+        predicted 0.200 s/step (0.180-0.300 s: hopper 16-bit (held-out, 9 rows)
+        MFU 43% (capped at the best published for this model size and GPU generation
+        uncalibrated
+        """
+        text = f"predicted {self.step_time_s:.3f} s/step"
+        if self.interval_s is not None:
+            low, high = self.interval_s
+            text += f" ({low:.3f}-{high:.3f} s: {self.interval_class})"
+        if self.tokens_per_s_per_gpu:
+            text += f", {self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
+        if self.mfu is not None:
+            text += f", MFU {format_share(self.mfu)}"
+            if self.mfu_capped:
+                text += " (capped at the best published for this model size and GPU generation)"
+        return text + (", calibrated" if self.calibrated else ", uncalibrated")
 
 
 class TimedEvent(Frozen):
@@ -545,12 +596,7 @@ class Decision(Frozen):
                 f"{hw.usable_gpu_memory / 2**30:.1f} GiB usable)"
             )
             if est.speed is not None:
-                tokens = est.speed.tokens_per_s_per_gpu
-                lines.append(
-                    f"  predicted {est.speed.step_time_s:.3f} s/step"
-                    + (f", {tokens:,.0f} tokens/s per GPU" if tokens else "")
-                    + (f", MFU {format_share(est.speed.mfu)}" if est.speed.mfu is not None else "")
-                )
+                lines.append("  " + est.speed.describe())
         if trial is not None and trial.step_time is not None:
             rate = trial.tokens_per_s_per_gpu or trial.samples_per_s_per_gpu
             unit = "tokens/s" if trial.tokens_per_s_per_gpu else "samples/s"

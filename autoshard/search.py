@@ -53,6 +53,7 @@ from autoshard.results import Decision, MemoryEstimate, TrialResult, TrialStatus
 from autoshard.sharding import cpu_workers_cannot_run
 from autoshard.study.causes import classified, counts_against
 from autoshard.study.loop import run_trials
+from autoshard.study.order import study_order
 from autoshard.study.settings import StudySettings
 from autoshard.trials.group import WorkerGroup
 from autoshard.ui.files import (
@@ -135,8 +136,10 @@ def dominated_by(candidate: Candidate, done: Sequence[TrialResult]) -> TrialResu
 def trial_order(plan: Plan) -> list[MemoryEstimate]:
     """The order in which the study tries the candidates of ``plan``: fitting ones first, the
     fastest predicted for the planned hardware first (on CPU workers standing in for GPUs too:
-    they check that the most promising configurations build, train and fit)."""
-    return plan.ranked()
+    they check that the most promising configurations build, train and fit), those the model
+    cannot tell from the fastest before the rest, each torch.compile or float8 candidate with
+    its twin without the switch (:func:`autoshard.study.order.study_order`)."""
+    return study_order(plan.ranked())
 
 
 def _notice(line: str) -> None:
@@ -341,15 +344,19 @@ def reorder_remaining(
 ) -> tuple[list[MemoryEstimate], Calibration[SpeedFactors] | None]:
     """The untried candidates in the order to try them after the trials ``done``: the step-time
     model calibrated on the measured ones, fastest predicted first
-    (:func:`autoshard.predict.calibrate.reorder_untried`).
+    (:func:`autoshard.predict.calibrate.reorder_untried`), predicted ties first and each recipe
+    switch with its twin (:func:`autoshard.study.order.study_order`).
 
-    Only when the trials ran on the kind of device planned for: CPU processes standing in for
-    GPUs say nothing about the GPUs' speed, so their order stays the uncalibrated model's."""
-    if speed_basis(plan.hardware, done) == "model" or not any(
-        r.status is TrialStatus.OK for r in done
-    ):
+    Only when the trials run on the kind of device planned for: CPU processes standing in for
+    GPUs say nothing about the GPUs' speed (nor about a switch's), so their order stays the
+    uncalibrated model's."""
+    on_planned = plan.hardware.backend == "gloo" or torch.cuda.is_available()
+    if not on_planned or speed_basis(plan.hardware, done) == "model":
         return list(queue), None
-    return reorder_untried(queue, done, plan.speed.predict, plan.speed.prior)
+    if not any(r.status is TrialStatus.OK for r in done):
+        return study_order(queue, done), None
+    order, calibration = reorder_untried(queue, done, plan.speed.predict, plan.speed.prior)
+    return study_order(order, done), calibration
 
 
 @contextmanager

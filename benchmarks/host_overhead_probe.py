@@ -14,12 +14,17 @@ two and what is timed is what the host does for each operation and each FSDP uni
   not), minus the same step without FSDP: FSDP's hooks, parameter views, the collectives' calls
   and their copies of 16-wide tensors, per unit and step;
 - **CPU AdamW**: one step of ``torch.optim.AdamW`` over 64 Mi fp32 parameters (for-loop,
-  foreach), as bytes of the fused kernel's 7 passes per second: CPU offload's optimizer step.
+  foreach), as bytes of the fused kernel's 7 passes per second: CPU offload's optimizer step;
+- **per FSDP unit on one rank** (``units-one-rank``, issue 33: autoshard wraps one GPU in FSDP
+  too), and FSDP2's float8 all-gather hooks per weight and all-gather;
+- **per checkpointed block and per float8 layer** (``checkpoint-float8``): the same decoder
+  under bf16 autocast, each block checkpointed as autoshard applies it (full, op-level
+  selective), or its linear layers converted to torchao's ``Float8Linear``.
 
 CPU seconds of the calling process (``time.process_time``), the median of 20 steps after 5 (for
 the FSDP cases the least of three such medians: other jobs only add).
 
-    python benchmarks/host_overhead_probe.py
+    python benchmarks/host_overhead_probe.py [kernels units units-one-rank checkpoint-float8 adamw]
 """
 
 from __future__ import annotations
@@ -176,16 +181,125 @@ def _unit_costs(rank: int, world: int, port: int) -> None:
         "FSDP2 reshard_after_forward=True": lambda: fsdp2(True),
         "FSDP2 reshard_after_forward=False": lambda: fsdp2(False),
     }
+    measured = {}
     for name, make in cases.items():
-        seconds = timed(make())
+        seconds = measured[name] = timed(make())
         if rank == 0:
             per_unit = (seconds - plain) / (blocks + 1)  # the blocks and the root
             print(
                 f"{name}, {world} ranks, {blocks} blocks: {seconds * 1e3:.1f} CPU ms per step "
                 f"(without FSDP {plain * 1e3:.1f}): {per_unit * 1e3:.2f} ms per unit"
             )
+    if world == 1:
+        _float8_gathers(blocks, timed, measured["FSDP2 reshard_after_forward=True"] - plain)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _float8_gathers(blocks: int, timed: Callable[[nn.Module], float], fsdp_s: float) -> None:
+    """FSDP2's float8 all-gather on one rank: what its hooks add per converted weight and
+    all-gather (each weight cast before its gather, wrapped after it, gathered again in
+    backward), beyond FSDP2's own cost (``fsdp_s``) and the float8 layers' own."""
+    from autoshard.config import Candidate
+    from autoshard.sharding import apply_float8, float8_linears
+    from examples.gpt import Block
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+
+    candidate = Candidate(engine="fsdp2", wrap_classes=("examples.gpt.Block",), float8=True)
+
+    def float8_model(shard: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = _gpt(blocks)
+        apply_float8(model, candidate)
+        if shard:
+            for block in model.modules():
+                if isinstance(block, Block):
+                    fully_shard(block)
+            fully_shard(model)
+        return model
+
+    layers = len(float8_linears(_gpt(blocks), candidate))
+    alone, sharded = timed(float8_model(False)), timed(float8_model(True))
+    gathers = 2 * layers  # each weight gathered in forward and again in backward
+    hooks = (sharded - alone - fsdp_s) / gathers
+    print(
+        f"FSDP2 float8 all-gather, 1 rank, {layers} float8 layers: {sharded * 1e3:.1f} CPU ms "
+        f"(float8 without FSDP {alone * 1e3:.1f}, FSDP2's own {fsdp_s * 1e3:.1f}): "
+        f"{hooks * 1e3:.3f} ms per weight and all-gather"
+    )
+
+
+def _counted(make: Callable[[], nn.Module]) -> tuple[int, int]:
+    """(forward kernels of one block, kernels of one forward and backward) as the FLOP profile
+    counts them."""
+    from autoshard.analyze import analyze_model
+    from autoshard.config import WorkloadSpec
+    from autoshard.predict.flops import profile_flops
+
+    with torch.device("meta"):
+        meta = make()
+    profile = analyze_model(meta)
+    flops = profile_flops(meta, profile, WorkloadSpec(seq_len=SEQ))
+    total = sum(flops.block_forward_ops) + sum(flops.block_backward_ops)
+    return flops.block_forward_ops[0], total + flops.other_forward_ops + flops.other_backward_ops
+
+
+def checkpoint_and_float8() -> None:
+    """Per checkpointed block (non-reentrant, as autoshard applies it: full, and op-level
+    selective), beyond its recomputed kernels; and per float8 linear layer (torchao's
+    Float8Linear, eager): the host seconds of one forward and backward under bf16 autocast, on
+    the 16-block decoder, as :func:`autoshard.sharding.apply_checkpointing` and
+    :func:`autoshard.sharding.apply_float8` set them up."""
+    from autoshard.config import Candidate
+    from autoshard.sharding import apply_checkpointing, apply_float8, float8_linears
+
+    torch.set_num_threads(1)
+    blocks = 16
+    x = torch.randint(0, 64, (1, SEQ))
+    fwd_block, kernels = _counted(lambda: _gpt(blocks))
+
+    def timed(model: nn.Module) -> float:
+        def step() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().mean()
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return min(_median_step(step) for _ in range(3))
+
+    torch.manual_seed(0)
+    plain = timed(_gpt(blocks))
+    per_kernel = plain / kernels
+    print(
+        f"bf16 autocast forward+backward, {blocks} blocks: {plain * 1e3:.1f} CPU ms, {kernels} "
+        f"counted kernels, {per_kernel * 1e6:.1f} us per kernel"
+    )
+    wrap = ("examples.gpt.Block",)
+    for how in ("all", "selective"):
+        torch.manual_seed(0)
+        model = _gpt(blocks)
+        apply_checkpointing(model, Candidate(checkpointing=how, checkpoint_classes=wrap))
+        seconds = timed(model)
+        extra = (seconds - plain) / blocks - fwd_block * per_kernel  # beyond the recompute
+        print(
+            f"checkpointing {how}, {blocks} blocks: {seconds * 1e3:.1f} CPU ms: "
+            f"{extra * 1e3:.2f} ms per block beyond its {fwd_block} recomputed kernels, "
+            f"{extra / fwd_block * 1e6:.0f} us per forward kernel"
+        )
+    torch.manual_seed(0)
+    model = _gpt(blocks)
+    candidate = Candidate(engine="fsdp2", wrap_classes=wrap, float8=True)
+    linears = len(float8_linears(model, candidate))
+    apply_float8(model, candidate)
+    seconds = timed(model)
+    print(
+        f"float8 (torchao Float8Linear, eager), {linears} converted linear layers: "
+        f"{seconds * 1e3:.1f} CPU ms: {(seconds - plain) / linears * 1e3:.2f} ms per layer"
+    )
 
 
 def cpu_adamw() -> None:
@@ -204,13 +318,25 @@ def cpu_adamw() -> None:
         )
 
 
+PARTS = ("kernels", "units", "units-one-rank", "checkpoint-float8", "adamw")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="*", choices=PARTS, help="default: all of them")
+    parts = parser.parse_args().parts or PARTS
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, 1 thread")
-    per_kernel()
-    mp.spawn(_unit_costs, args=(2, 29631), nprocs=2)
-    cpu_adamw()
+    if "kernels" in parts:
+        per_kernel()
+    if "units" in parts:
+        mp.spawn(_unit_costs, args=(2, 29631), nprocs=2)
+    if "units-one-rank" in parts:
+        mp.spawn(_unit_costs, args=(1, 29632), nprocs=1)
+    if "checkpoint-float8" in parts:
+        checkpoint_and_float8()
+    if "adamw" in parts:
+        cpu_adamw()
 
 
 if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     main()

@@ -48,6 +48,7 @@ MODULES: dict[str, list[str]] = {
         "tests/emit/test_torchtitan.py",
     ],
     "predict/speed": ["tests/predict/test_speed.py", "tests/test_calibrate.py"],
+    "predict/host_bound": ["tests/predict/test_host_bound.py"],
     "predict/analytic": ["tests/predict/test_analytic.py", "tests/test_estimate.py"],
     "predict/step_memory": ["tests/predict/test_timeline.py", "tests/predict/test_analytic.py"],
     "predict/timeline": ["tests/predict/test_timeline.py"],

@@ -354,3 +354,30 @@ def test_the_study_recalibrates_on_its_own_device_only(gpt_tiny, monkeypatch) ->
             assert all(e.speed is not None and e.speed.calibrated for e in again)
         else:
             assert calibration is None and again == queue
+
+
+def test_a_class_without_a_trial_of_its_own_is_not_marked_calibrated() -> None:
+    # the README's GPU tune showed an uncalibrated 0.8 ms prediction as a peer of calibrated
+    # ones ("model +2999%"): a candidate whose recipe (precision, compile, float8) no trial
+    # ran is predicted with the others' factors, but is not calibrated, and keeps the
+    # held-out interval; a measured class gets its own trials' interval
+    cands = [c for c in grid() if not c.cpu_offload]
+    tried = cands[:3]
+    done = [
+        TrialResult(candidate=c, status=TrialStatus.OK, step_time=model(c, TRUE).step_time_s,
+                    step_time_spread=0.02)
+        for c in tried
+    ]  # fmt: skip
+    eager = [estimate(c) for c in cands[3:6]]
+    compiled = [estimate(c.model_copy(update={"compile": True})) for c in cands[3:6]]
+    again, calibration = reorder_untried(eager + compiled, done, model, Factors())
+    assert calibration.fitted
+    for e in again:
+        assert e.speed is not None
+        assert e.speed.calibrated is (not e.candidate.compile)
+        if e.speed.calibrated:
+            low, high = e.speed.interval_s or (0, 0)
+            assert low <= e.speed.step_time_s <= high
+            assert e.speed.interval_class == "calibrated on 3 trials"
+        else:
+            assert e.speed.interval_class != "calibrated on 3 trials"

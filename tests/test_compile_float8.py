@@ -52,7 +52,7 @@ def unmodelled(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_catalogue_says_which_gpus_have_fp8() -> None:
     with_fp8 = {i for i, spec in CATALOGUE.items() if spec.fp8_flops}
-    assert with_fp8 == {"h100-sxm", "h100-pcie", "h200", "l4", "l40s", "mi300x"}
+    assert with_fp8 == {"h100-sxm", "h100-pcie", "h200", "h200-nvl", "b200", "l4", "l40s", "mi300x"}
     for i in with_fp8:  # the dense rate, and where it comes from
         spec = CATALOGUE[i]
         assert spec.fp8_flops is not None and spec.fp8_flops >= 1.9 * spec.bf16_flops
@@ -181,15 +181,19 @@ def llama() -> dict[str, Any]:
 
 def speed_of(llama: dict[str, Any], gpu: str = "h100-sxm", spec: Any = None, **fields: Any) -> Any:
     from autoshard.config import Hardware
-    from autoshard.predict.speed import predict_speed
+    from autoshard.gpus import gpu_spec
+    from autoshard.predict.speed import default_factors, predict_speed
 
     p = llama["profile"]
-    # device-bound (below, a GPU waits for the launches and FSDP's hooks: predict/host_bound.py)
+    # device-bound: no host costs (the host floor has its own tests, predict/test_host_bound.py)
     fields.setdefault("micro_batch_size", 256)
     candidate = Candidate(engine=Engine.FSDP2, wrap_classes=p.wrap_policy, **fields)
     hardware = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30, gpu=gpu)
+    factors = default_factors(spec or gpu_spec(gpu)).model_copy(
+        update={"op_overhead_s": 0.0, "unit_host_scale": 0.0}
+    )
     return predict_speed(
-        p, llama["flops"], candidate, hardware, llama["workload"], gpu=spec,
+        p, llama["flops"], candidate, hardware, llama["workload"], factors, gpu=spec,
         linears=llama["linears"],
     )  # fmt: skip
 

@@ -92,7 +92,9 @@ def test_cpu_entry_says_its_speeds_are_placeholders() -> None:
         ("NVIDIA H100 PCIe", "h100-pcie"),
         ("NVIDIA H100 NVL", None),
         ("NVIDIA H200", "h200"),
-        ("NVIDIA H200 NVL", None),
+        ("NVIDIA H200 NVL", "h200-nvl"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA GB200", None),
         ("NVIDIA GH200 480GB", None),
         ("NVIDIA A100-SXM4-40GB", "a100-40gb-sxm"),
         ("NVIDIA A100-SXM4-80GB", "a100-80gb-sxm"),
@@ -153,3 +155,62 @@ def test_achievable_rates_are_the_published_measurements() -> None:
     assert any("2407.08608" in s for s in h100.sources)  # the FlashAttention-3 paper
     for spec in CATALOGUE.values():  # every GPU: a share of its peak, attention the smaller
         assert 0 < spec.attention_fraction <= spec.matmul_fraction <= 1
+
+
+def test_a_gpu_is_one_entry_carrying_its_own_facts() -> None:
+    # every fact the planner reads of a GPU is a field of its entry: no table keyed by GPU id
+    # beside the entries (issue 35: a new GPU was one entry plus four tables and a branch)
+    from autoshard import gpu_entries
+
+    assert not any(
+        isinstance(value, dict) and set(value) & set(CATALOGUE)
+        for module in (gpus, gpu_entries)
+        for name, value in vars(module).items()
+        if name not in {"CATALOGUE", "__builtins__"}
+    )
+    assert len(gpu_entries.ENTRIES) == len(CATALOGUE)
+    for spec in CATALOGUE.values():
+        if spec.id == "cpu-gloo":
+            assert spec.matches == ()  # never a device name
+            continue
+        assert spec.generation and spec.matches, spec.id
+        # each entry is found by its own name tokens
+        for match in spec.matches:
+            assert match_gpu_name(" ".join(("NVIDIA", *match))) == spec.id, spec.id
+
+
+@pytest.mark.parametrize(
+    ("gpu_id", "dense", "source"),
+    [
+        ("h200-nvl", {"bf16_flops": 835.5e12, "fp8_flops": 1670.5e12, "fp32_flops": 60e12},
+         "H200 NVL: 141 GB HBM3e, 4.8 TB/s"),
+        ("b200", {"bf16_flops": 2250e12, "fp8_flops": 4500e12, "fp32_flops": 75e12},
+         "FP8/FP6 9*, FP16/BF16 4.5*"),
+    ],
+)  # fmt: skip
+def test_the_h200_nvl_and_the_b200_are_entries_with_their_datasheets(
+    gpu_id: str, dense: dict[str, float], source: str
+) -> None:
+    spec = CATALOGUE[gpu_id]
+    for field, value in dense.items():
+        assert getattr(spec, field) == pytest.approx(value), field
+    assert any(source in s for s in spec.sources)
+    assert spec.fp8_flops is not None and spec.fp8_flops == pytest.approx(
+        2 * spec.bf16_flops, rel=1e-3
+    )
+
+
+def test_an_unknown_device_name_says_which_entries_exist() -> None:
+    line = gpus.unknown_gpu("NVIDIA GH200 480GB")
+    assert "\n" not in line and "'NVIDIA GH200 480GB'" in line
+    assert all(gpu_id in line for gpu_id in CATALOGUE if gpu_id != "cpu-gloo")
+    assert "--gpu" in line
+
+
+def test_of_the_entries_a_name_fits_the_most_specific_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = CATALOGUE["a100-40gb-sxm"]
+    plain = base.model_copy(update={"id": "x", "matches": (("X100",),), "unless": ()})
+    large = base.model_copy(update={"id": "x-80", "matches": (("X100", "80GB"),), "unless": ()})
+    monkeypatch.setattr(gpus, "CATALOGUE", {"x": plain, "x-80": large})
+    assert match_gpu_name("NVIDIA X100 80GB") == "x-80"
+    assert match_gpu_name("NVIDIA X100") == "x"

@@ -288,8 +288,11 @@ def chart(page: str, name: str) -> ET.Element:
     return ET.fromstring(svg.group(0))
 
 
-def with_speeds(rec: Recommendation, gpu: str, step: float = 0.1) -> Recommendation:
-    """The recommendation with a speed prediction on every estimate."""
+def with_speeds(
+    rec: Recommendation, gpu: str, step: float = 0.1, uncalibrated: tuple[str, ...] = ()
+) -> Recommendation:
+    """The recommendation with a speed prediction on every estimate, calibrated but for the
+    candidates labelled in ``uncalibrated``."""
 
     def predicted(s: Scored) -> Scored:
         if s.estimate is None:
@@ -297,7 +300,8 @@ def with_speeds(rec: Recommendation, gpu: str, step: float = 0.1) -> Recommendat
         mbs = s.candidate.micro_batch_size
         t = step / mbs**0.8
         speed = SpeedEstimate(step_time_s=t, samples_per_s=2 * mbs / t,
-                              tokens_per_s_per_gpu=mbs * 128 / t, gpu=gpu)  # fmt: skip
+                              tokens_per_s_per_gpu=mbs * 128 / t, gpu=gpu,
+                              calibrated=s.candidate.label() not in uncalibrated)  # fmt: skip
         return s.model_copy(update={"estimate": s.estimate.model_copy(update={"speed": speed})})
 
     return rec.model_copy(
@@ -359,6 +363,28 @@ def test_speed_chart_puts_predicted_against_measured() -> None:
     assert "trials ran on CPU processes" not in page
     table = re.search(r'<table id="configurations">.*?</table>', page, flags=re.S).group(0)
     assert f"{expected:+.0%}" in table
+
+
+def test_an_uncalibrated_prediction_beside_measured_ones_says_so() -> None:
+    """A measured candidate whose prediction no trial of its class calibrated is marked, in the
+    terminal and in the report's chart and table, and the calibrated ones are not."""
+    hardware = Hardware(gpus_per_node=2, gpu_memory=2 * GiB, backend="gloo")
+    plain = with_speeds(make_rec(hardware=hardware), "cpu-gloo")
+    measured = [s for s in (plain.chosen, *plain.runners_up) if s.trial and s.trial.step_time]
+    odd = measured[1].candidate.label()
+    rec = with_speeds(make_rec(hardware=hardware), "cpu-gloo", uncalibrated=(odd,))
+    page = render_html(rec, all_trials(rec))
+    labels = [t.text for t in chart(page, "chart-speed").iter(f"{NS}text")]
+    errors = [t for t in labels if (t or "").startswith("model ")]
+    assert len(errors) == 4 and sum(t.endswith(", uncalibrated") for t in errors) == 1
+    table = re.search(r'<table id="configurations">.*?</table>', page, flags=re.S).group(0)
+    assert table.count(", uncalibrated") == 1
+    console = Console(record=True, width=300)
+    print_summary(rec, console=console, trials=all_trials(rec))
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if odd in line)
+    assert "uncalibrated)" in row
+    assert text.count("uncalibrated)") == 1
 
 
 def test_cpu_trials_for_gpus_show_two_scales_and_say_why() -> None:

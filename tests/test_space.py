@@ -155,7 +155,7 @@ def test_shardings_and_precisions_for_the_hardware() -> None:
 
 
 def test_why_float8_cannot_be_planned_word_for_word() -> None:
-    fp8 = "h100-pcie, h100-sxm, h200, l4, l40s, mi300x"
+    fp8 = "b200, h100-pcie, h100-sxm, h200, h200-nvl, l4, l40s, mi300x"
     assert float8_blocker(ONE_NODE, "fsdp1") == (
         "FSDP1 has no float8 all-gather (torchao's float8 weights hook into FSDP2's "
         "fully_shard): use engine fsdp2"

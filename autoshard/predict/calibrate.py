@@ -50,6 +50,7 @@ from autoshard.config import Candidate, Hardware, RankOrder, WorkloadSpec
 from autoshard.gpus import GPUSpec
 from autoshard.predict.flops import FlopProfile, profile_flops
 from autoshard.predict.hardware import speed_for
+from autoshard.predict.intervals import Band, calibrated_band
 from autoshard.predict.least_squares import (
     MIN_CHI2_DROP,
     F,
@@ -250,18 +251,48 @@ def repredict(
     predict: Predict[F],
     factors: Callable[[Candidate], F],
     *,
-    calibrated: bool,
+    calibrated: bool | Callable[[Candidate], bool],
+    band: Callable[[Candidate], Band | None] | None = None,
 ) -> list[MemoryEstimate]:
     """The estimates with their speed predicted again with each candidate's ``factors``, slowed
     where their predicted peak is near the usable memory
-    (:func:`~autoshard.predict.speed.under_pressure`)."""
+    (:func:`~autoshard.predict.speed.under_pressure`); ``calibrated`` (for each candidate,
+    where a function) marks them, and ``band`` gives a calibrated candidate its interval
+    (None: the held-out band the model gave it)."""
     out = []
     for e in estimates:
         speed = predict(e.candidate, factors(e.candidate))
-        speed = speed.model_copy(update={"calibrated": calibrated})
+        mark = calibrated(e.candidate) if callable(calibrated) else calibrated
+        own = band(e.candidate) if band is not None and mark else None
+        if own is not None:
+            step = speed.step_time_s
+            speed = speed.model_copy(
+                update={
+                    "interval_s": (step * own.low, step * own.high),
+                    "interval_class": f"calibrated on {own.rows} trials",
+                }
+            )
+        speed = speed.model_copy(update={"calibrated": mark})
         speed = under_pressure(speed, e.gpu_peak, e.gpu_peak + e.headroom)
         out.append(e.model_copy(update={"speed": speed}))
     return out
+
+
+def class_band(calibration: Calibration[Any], candidate: Candidate) -> Band | None:
+    """The band of ``candidate``'s calibration class: its group's trials' measured / predicted
+    after the fit (:func:`~autoshard.predict.intervals.calibrated_band`); None where no trial
+    of its group ran (precision, compile and float8: :func:`group_of`)."""
+    group = group_of(candidate)
+    pairs = [
+        (p, predicted)
+        for p, predicted in zip(calibration.points, calibration.predicted, strict=True)
+        if group_of(p.candidate) == group and predicted > 0
+    ]
+    if not pairs:
+        return None
+    ratios = [p.step_time / predicted for p, predicted in pairs]
+    spreads = [p.spread for p, _ in pairs]  # relative already
+    return calibrated_band(ratios, spreads)
 
 
 def order_by_speed(estimates: Sequence[MemoryEstimate]) -> list[MemoryEstimate]:
@@ -337,5 +368,15 @@ def reorder_untried(
     """
     calibration = fit_grouped(points_of(trials), predict, prior)
     fitted = bool(calibration.fitted or calibration.groups)
-    again = repredict(untried, predict, calibration.factors_for, calibrated=fitted)
+    measured = {group_of(p.candidate) for p in calibration.points}
+
+    def calibrated(candidate: Candidate) -> bool:
+        # a class without a trial of its own is predicted with the others' factors, but what
+        # its recipe changes was never measured: not a peer of the measured classes
+        return fitted and group_of(candidate) in measured
+
+    again = repredict(
+        untried, predict, calibration.factors_for, calibrated=calibrated,
+        band=lambda c: class_band(calibration, c),
+    )  # fmt: skip
     return order_by_speed(again), calibration

@@ -149,6 +149,12 @@ class SpeedFactors(Frozen):
 
 DEFAULT_FACTORS = SpeedFactors()
 
+# How much slower a GPU server's host issues a step than the constants measured on this
+# project's VM (op_overhead_s, host_bound's per-unit and per-recipe costs) say: fitted on the
+# host-bound rows of the fitting set of autoshard's H200 measurements, the one GPU host
+# measured (benchmarks/results/measured_constants.md). Trials calibrate both factors there.
+GPU_HOST_SCALE = 1.4
+
 
 def default_factors(gpu: GPUSpec) -> SpeedFactors:
     """The uncalibrated factors for ``gpu``: one set for every GPU but its compute efficiency
@@ -157,21 +163,17 @@ def default_factors(gpu: GPUSpec) -> SpeedFactors:
     nothing overlaps, and issuing an operation costs what was measured here. The trials
     calibrate the rest."""
     if not gpu.host_is_device:
-        # the GPU's own share of its achievable rate (catalogue: A100 0.75, H100/H200 0.6)
-        if gpu.step_efficiency == DEFAULT_FACTORS.compute_efficiency:
-            return DEFAULT_FACTORS
-        return DEFAULT_FACTORS.model_copy(update={"compute_efficiency": gpu.step_efficiency})
-    # Profiled here (torch.profiler, the tiny GPT's fp32 step on one thread, the machine
-    # otherwise idle): its matrix products ran at 130 GFLOP/s against the 256 x 256 product's
-    # 185, and torch's CPU AdamW streamed its 20 passes at 14 GB/s against a 54 GB/s copy.
-    # A collective's fixed cost is FSDP's per unit, not gloo's: CPU trials time CPU seconds
-    # (autoshard.trials.worker.time_steps), in which a bare 1 KB gloo all-gather costs 0.075 ms,
-    # but each FSDP1 unit of a stack of Linear(64, 64) layers (2 ranks, batch 1) costs a step
-    # 2.1-2.7 ms under FULL_SHARD and 1.5-2.0 under SHARD_GRAD_OP: 0.7-1.0 ms per collective
-    # (hooks, flat-parameter views, the gloo calls and their copies; benchmarks/
-    # cpu_gloo_probe.py, results/cpu_gloo_probe.txt). With the bare gloo call's 0.1 ms, three
-    # CPU trials at one micro-batch could not tell it from compute, and the calibrated model
-    # missed per-block micro-batch 1 trials by 27-36% (benchmarks/speed_calibration_cpu.py).
+        # the GPU's own share of its achievable rate (catalogue: A100 0.75, H100/H200 0.6), and
+        # a GPU server's host
+        return DEFAULT_FACTORS.model_copy(
+            update={
+                "compute_efficiency": gpu.step_efficiency,
+                "op_overhead_s": DEFAULT_FACTORS.op_overhead_s * GPU_HOST_SCALE,
+                "unit_host_scale": DEFAULT_FACTORS.unit_host_scale * GPU_HOST_SCALE,
+            }
+        )
+    # measured here, profiled and against the CPU trials (benchmarks/results/
+    # measured_constants.md, "CPU processes' factors")
     return SpeedFactors(
         compute_efficiency=0.7,
         memory_efficiency=0.25,

@@ -88,11 +88,13 @@ _ELEMENTS_PER_SQRT_PARAM = 5.5
 @dataclass(frozen=True)
 class LinearShapes:
     """The linear layers float8 converts, per block on average (:func:`linear_shapes`):
-    elements per token of their inputs and of their outputs, and their weights."""
+    elements per token of their inputs and of their outputs, their weights, and how many
+    there are (a Llama block's seven where the layers are not known)."""
 
     inputs: float
     outputs: float
     params: float
+    count: float = 7.0
 
 
 def linear_shapes(model: nn.Module, profile: ModelProfile) -> LinearShapes | None:
@@ -109,6 +111,7 @@ def linear_shapes(model: nn.Module, profile: ModelProfile) -> LinearShapes | Non
         inputs=sum(m.in_features for m in linears) / n,
         outputs=sum(m.out_features for m in linears) / n,
         params=sum(m.in_features * m.out_features for m in linears) / n,
+        count=len(linears) / n,
     )
 
 

@@ -49,11 +49,13 @@ from autoshard.engine import (
     policy_of,
 )
 from autoshard.gpus import GPUSpec
+from autoshard.predict.ceilings import mfu_cap_seconds
 from autoshard.predict.collectives import Collectives
 from autoshard.predict.factors import DEFAULT_FACTORS, SpeedFactors, default_factors
 from autoshard.predict.flops import FlopProfile
 from autoshard.predict.hardware import dense_flops, speed_for
 from autoshard.predict.host_bound import host_bound_seconds
+from autoshard.predict.intervals import model_class, with_interval
 from autoshard.predict.recipe import LinearShapes, RecipeStep
 from autoshard.predict.timeline import (
     MicroBatch,
@@ -328,7 +330,7 @@ def predict_speed(
     >>> one_unit = predict_speed(profile, flops, Candidate(), nodes, workload)
     >>> one_unit.breakdown.exposed_comm_s > 3 * full.breakdown.exposed_comm_s  # hides nothing
     True
-    >>> 0.2 < full.mfu < 0.55
+    >>> 0.1 < full.mfu < 0.55
     True
     """
     s = _Set.up(profile, flops, candidate, hardware, factors, gpu, tf32, linears)
@@ -339,14 +341,20 @@ def predict_speed(
     )
     samples = mbs * accumulate
     tokens = workload.seq_len
-    return SpeedEstimate(
+    work = accumulate * mbs * flops.total
+    params = float(profile.total_params)
+    cap_s = mfu_cap_seconds(total, work / peak, gpu, candidate, params)
+    total += cap_s
+    estimate = SpeedEstimate(
         step_time_s=total,
         samples_per_s=samples * hardware.world_size / total,
         tokens_per_s_per_gpu=samples * tokens / total if tokens else None,
-        mfu=accumulate * mbs * flops.total / (total * peak),
-        breakdown=breakdown,
+        mfu=work / (total * peak),
+        breakdown=breakdown.model_copy(update={"mfu_cap_s": cap_s}) if cap_s else breakdown,
         gpu=gpu.id,
+        mfu_capped=cap_s > 0,
     )
+    return with_interval(estimate, model_class(gpu.generation, candidate.precision, params))
 
 
 def _step_time(
@@ -386,7 +394,7 @@ def _step_time(
     host_bound_s = host_bound_seconds(
         step, profile, run, candidate, hardware, op_s=factors.op_overhead_s,
         unit_scale=factors.unit_host_scale, device_s=total - offload_s, tail_s=optimizer_s,
-        host_is_device=gpu.host_is_device,
+        host_is_device=gpu.host_is_device, float8_layers=recipe.linears.count,
     )  # fmt: skip
     total += host_bound_s
 
@@ -442,6 +450,9 @@ def under_pressure(
                 None if speed.tokens_per_s_per_gpu is None else speed.tokens_per_s_per_gpu * scale
             ),
             "mfu": None if speed.mfu is None else speed.mfu * scale,
+            "interval_s": None
+            if speed.interval_s is None
+            else (speed.interval_s[0] / scale, speed.interval_s[1] / scale),
             "breakdown": speed.breakdown.model_copy(update={"pressure_s": extra}),
         }
     )

@@ -9,11 +9,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autoshard.config import Candidate
+from autoshard.config import Candidate, Precision
 from autoshard.engine import element_bytes
 from autoshard.gpus import GPUSpec
 from autoshard.predict.factors import SpeedFactors
 from autoshard.predict.flops import FlopProfile
+
+# Host seconds per kernel under autocast (bf16-mixed, 16-mixed) over its op_overhead_s: every
+# operation passes autocast's dispatch key (a dtype check, a cast where an input is fp32);
+# measured: benchmarks/results/measured_constants.md, "Host costs of a step on one rank".
+AUTOCAST_HOST_RATIO = 1.38
+
+
+def op_host_seconds(candidate: Candidate, op_s: float) -> float:
+    """Host seconds to issue one kernel of ``candidate``'s step: ``op_s``, under autocast
+    :data:`AUTOCAST_HOST_RATIO` times it."""
+    return op_s * AUTOCAST_HOST_RATIO if candidate.precision.mixed else op_s
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,16 @@ def _block_seconds(
     return per_analysed_block(fwd, count), per_analysed_block(bwd, count)
 
 
+def _fp32_share(candidate: Candidate, gpu: GPUSpec, peak: float) -> float:
+    """How much more of its achievable rate an fp32 step on the CUDA cores reaches than a
+    tensor-core step (``GPUSpec.fp32_step_efficiency`` over ``step_efficiency``; 1 where the
+    entry has no fp32 figure, and for TF32, whose peak is the tensor cores')."""
+    cuda_cores = candidate.precision is Precision.FP32 and peak == gpu.fp32_flops
+    if not cuda_cores or gpu.fp32_step_efficiency is None:
+        return 1.0
+    return gpu.fp32_step_efficiency / gpu.step_efficiency
+
+
 def work_rates(candidate: Candidate, gpu: GPUSpec, factors: SpeedFactors, peak: float) -> WorkRates:
     """Seconds per profiled FLOP, byte of memory traffic and new tensor byte (fp32, at micro-batch
     1: FLOPs and traffic are linear in it) at the candidate's micro-batch.
@@ -86,8 +107,9 @@ def work_rates(candidate: Candidate, gpu: GPUSpec, factors: SpeedFactors, peak: 
     The shares were measured in bf16; fp32 and TF32 steps get the same shares of their peaks
     (no catalogued measurement), which the trials' calibration corrects."""
     mbs = candidate.micro_batch_size
-    flop_s = peak * gpu.matmul_fraction * factors.compute_efficiency / mbs
-    attention_s = peak * gpu.attention_fraction * factors.compute_efficiency / mbs
+    efficiency = factors.compute_efficiency * _fp32_share(candidate, gpu, peak)
+    flop_s = peak * gpu.matmul_fraction * efficiency / mbs
+    attention_s = peak * gpu.attention_fraction * efficiency / mbs
     _, cb = element_bytes(candidate.precision)
     if gpu.host_is_device:
         # CPU kernels compute bf16 element-wise work in fp32 and convert: no fewer bytes/s
@@ -95,8 +117,13 @@ def work_rates(candidate: Candidate, gpu: GPUSpec, factors: SpeedFactors, peak: 
     byte_s = gpu.hbm_bandwidth * factors.memory_efficiency * 4 / cb / mbs
     # New tensors, written into fresh pages where the process maps them afresh (CPU workers).
     fresh_s = gpu.fresh_page_bandwidth * 4 / cb / mbs if gpu.fresh_page_bandwidth else None
+    op_s = (
+        op_host_seconds(candidate, factors.op_overhead_s)
+        if not gpu.host_is_device
+        else (factors.op_overhead_s)
+    )
     return WorkRates(
-        flop_s, attention_s, byte_s, factors.op_overhead_s,
+        flop_s, attention_s, byte_s, op_s,
         host_is_device=gpu.host_is_device, fresh_s=fresh_s,
     )  # fmt: skip
 

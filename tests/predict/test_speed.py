@@ -32,6 +32,7 @@ from autoshard.predict.speed import (
     predict_speed,
     under_pressure,
 )
+from autoshard.predict.work_seconds import AUTOCAST_HOST_RATIO
 from autoshard.results import MemoryBreakdown, MemoryEstimate, SpeedEstimate
 from autoshard.space import rank_candidates
 
@@ -88,6 +89,9 @@ GPU = CATALOGUE["h100-sxm"].model_copy(
         "hbm_bandwidth": 1e12,
         "matmul_fraction": 1.0,
         "attention_fraction": 1.0,
+        # the arithmetic by hand: no fp32 share of its own, no published MFU ceiling
+        "fp32_step_efficiency": None,
+        "generation": "",
     }
 )
 EXACT = SpeedFactors(
@@ -311,7 +315,9 @@ def test_a_small_model_is_bound_by_launching_its_operations(net) -> None:
     slow_host = EXACT.model_copy(update={"op_overhead_s": 1e-3})
     candidate = Candidate(wrap_classes=WRAP, micro_batch_size=4)
     on_gpu = predict_speed(profile, flops, candidate, ONE_NODE, WorkloadSpec(), slow_host, gpu=GPU)
-    assert on_gpu.breakdown.compute_s == pytest.approx(ops * 1e-3, rel=1e-9)
+    # under bf16 autocast every kernel passes its dispatch key too (on a GPU's host; a CPU
+    # process's measured op cost already holds it)
+    assert on_gpu.breakdown.compute_s == pytest.approx(ops * 1e-3 * AUTOCAST_HOST_RATIO, rel=1e-9)
     device = predict_speed(profile, flops, candidate, ONE_NODE, WorkloadSpec(), EXACT, gpu=GPU)
     cpu = GPU.model_copy(update={"id": "cpu-gloo"})
     on_cpu = predict_speed(profile, flops, candidate, ONE_NODE, WorkloadSpec(), slow_host, gpu=cpu)
@@ -857,27 +863,21 @@ def test_a_short_step_of_many_blocks_waits_on_its_host_and_a_long_one_does_not()
     assert long.step_time_s > 1.0
 
 
-def test_fsdps_host_cost_per_unit_is_zero_on_one_gpu_and_present_on_two(net) -> None:
-    from autoshard.predict.host_bound import FSDP_UNIT_HOST_S, unit_host_seconds
+def test_fsdps_host_cost_per_unit_is_on_the_step_on_one_gpu_and_on_two(net) -> None:
+    from autoshard.predict.host_bound import unit_host_seconds
 
-    full = Candidate(wrap_classes=WRAP, sharding="FULL_SHARD")
+    full = Candidate(wrap_classes=WRAP, sharding="FULL_SHARD", precision="32-true")
     one = Hardware(gpus_per_node=1, gpu_memory=80 * 2**30)
     two = Hardware(gpus_per_node=2, gpu_memory=80 * 2**30)
-    assert unit_host_seconds(full, one) == 0.0
-    assert unit_host_seconds(full, two) == FSDP_UNIT_HOST_S[("fsdp1", True, True)] > 0
-    # gathering again in backward costs FSDP more hooks than keeping the unit gathered
-    grad_op = full.model_copy(update={"sharding": "SHARD_GRAD_OP"})
-    assert unit_host_seconds(grad_op, two) < unit_host_seconds(full, two)
-    # on the step: the toy net's 5 units on a GPU whose work is nothing wait for the host alone
+    # the toy net's 5 units on a GPU whose work is nothing wait for the host alone, on one GPU
+    # too (autoshard wraps the model in FSDP there as well)
     profile, flops = net
     hooks_only = EXACT.model_copy(update={"unit_host_scale": 1.0})
-    speeds = {
-        hw.world_size: predict_speed(profile, flops, full, hw, WorkloadSpec(), hooks_only, gpu=GPU)
-        for hw in (one, two)
-    }
-    assert speeds[1].breakdown.host_bound_s == 0.0
-    hooks = (BLOCKS + 1) * unit_host_seconds(full, two)
-    assert speeds[2].step_time_s == pytest.approx(hooks + speeds[2].breakdown.optimizer_s)
+    for hw in (one, two):
+        speed = predict_speed(profile, flops, full, hw, WorkloadSpec(), hooks_only, gpu=GPU)
+        hooks = (BLOCKS + 1) * unit_host_seconds(full, hw)
+        assert hooks > 0
+        assert speed.step_time_s == pytest.approx(hooks + speed.breakdown.optimizer_s)
     # CPU processes: the host is the device, its costs are in every piece already
     cpu = GPU.model_copy(update={"id": "cpu-gloo"})
     on_cpu = predict_speed(profile, flops, full, two, WorkloadSpec(), hooks_only, gpu=cpu)
@@ -894,20 +894,25 @@ def test_the_host_bound_term_is_in_the_report_and_the_json() -> None:
 
 
 def test_the_host_issues_every_kernel_of_the_step_recompute_included(net) -> None:
-    from autoshard.predict.host_bound import host_seconds
+    from autoshard.predict.host_bound import (
+        CHECKPOINT_HOST_S_PER_KERNEL,
+        MEASURED_OP_S,
+        host_seconds,
+    )
     from autoshard.predict.timeline import step_timeline
 
     profile, flops = net
-    one = Hardware(gpus_per_node=1, gpu_memory=80 * 2**30)  # no FSDP hooks: kernels only
+    one = Hardware(gpus_per_node=1, gpu_memory=80 * 2**30)
 
     def host(candidate: Candidate, accumulate: int = 1) -> float:
         step = step_timeline(
             candidate, one, WorkloadSpec(accumulate=accumulate), blocks=BLOCKS,
             params=float(profile.total_params), block_params=float(profile.block_params),
         )  # fmt: skip
-        return host_seconds(step, profile, flops, candidate, one, op_s=1e-3)
+        # FSDP's hooks at nothing: the kernels (and checkpointing's own Python)
+        return host_seconds(step, profile, flops, candidate, one, op_s=1e-3, unit_scale=0.0)
 
-    plain = Candidate(wrap_classes=WRAP)
+    plain = Candidate(wrap_classes=WRAP, precision="32-true")  # fp32: no autocast per kernel
     kernels = (
         sum(flops.block_forward_ops) + sum(flops.block_backward_ops)
         + flops.other_forward_ops + flops.other_backward_ops
@@ -917,4 +922,64 @@ def test_the_host_issues_every_kernel_of_the_step_recompute_included(net) -> Non
     assert host(plain, accumulate=3) == pytest.approx(3 * kernels * 1e-3)
     # checkpointing every block issues each block's forward again in backward
     every = plain.model_copy(update={"checkpointing": "all", "checkpoint_classes": WRAP})
-    assert host(every) == pytest.approx((kernels + sum(flops.block_forward_ops)) * 1e-3)
+    wrapper = CHECKPOINT_HOST_S_PER_KERNEL[every.checkpointing] * 1e-3 / MEASURED_OP_S
+    forward = sum(flops.block_forward_ops)
+    assert host(every) == pytest.approx((kernels + forward) * 1e-3 + forward * wrapper)
+
+
+def test_recompute_seconds_grow_with_accumulation_under_checkpointing(net) -> None:
+    # every micro-batch's backward recomputes its checkpointed blocks again (a mutation that
+    # dropped the factor in speed._busy_seconds survived every other test)
+    profile, flops = net
+    ckpt = Candidate(wrap_classes=WRAP, checkpointing="all", checkpoint_classes=WRAP)
+
+    def recompute(accumulate: int) -> float:
+        workload = WorkloadSpec(accumulate=accumulate)
+        speed = predict_speed(profile, flops, ckpt, ONE_NODE, workload, EXACT, gpu=GPU)
+        return speed.breakdown.recompute_s
+
+    assert recompute(1) > 0
+    assert recompute(3) == pytest.approx(3 * recompute(1))
+    assert recompute(3) == pytest.approx(3 * recompute(1))
+
+
+def test_one_gpu_runs_no_collective_and_no_copies_around_them(net) -> None:
+    profile, flops = net
+    one = Hardware(gpus_per_node=1, gpu_memory=80 * 2**30)
+    for engine in ("fsdp1", "fsdp2"):
+        candidate = Candidate(engine=engine, wrap_classes=WRAP)
+        speed = predict_speed(profile, flops, candidate, one, WorkloadSpec(), gpu=GPU)
+        part = speed.breakdown
+        assert part.exposed_comm_s == part.contention_s == part.distributed_s == 0.0
+        assert part.compute_s > 0
+
+
+def test_fp32_on_hopper_reaches_its_own_share_tf32_and_16_bit_do_not(net) -> None:
+    from autoshard.predict.work_seconds import work_rates
+
+    h200 = CATALOGUE["h200"]
+    assert h200.fp32_step_efficiency is not None
+    assert h200.fp32_step_efficiency > h200.step_efficiency
+    factors = default_factors(h200)
+    fp32 = Candidate(wrap_classes=WRAP, precision="32-true")
+    bf16 = Candidate(wrap_classes=WRAP)
+    cuda_cores = work_rates(fp32, h200, factors, h200.fp32_flops)
+    share = h200.fp32_step_efficiency / h200.step_efficiency
+    expected = h200.fp32_flops * h200.matmul_fraction * factors.compute_efficiency * share
+    assert cuda_cores.flop_s == pytest.approx(expected)
+    # TF32 runs on the tensor cores: the tensor cores' share
+    tf32 = work_rates(fp32, h200, factors, h200.tf32_flops)
+    assert tf32.flop_s == pytest.approx(
+        h200.tf32_flops * h200.matmul_fraction * factors.compute_efficiency
+    )
+    tensor = work_rates(bf16, h200, factors, h200.bf16_flops)
+    assert tensor.flop_s == pytest.approx(
+        h200.bf16_flops * h200.matmul_fraction * factors.compute_efficiency
+    )
+    # an entry without an fp32 figure: the same share as 16-bit
+    a100 = CATALOGUE["a100-80gb-sxm"]
+    assert a100.fp32_step_efficiency is None
+    plain = work_rates(fp32, a100, default_factors(a100), a100.fp32_flops)
+    assert plain.flop_s == pytest.approx(
+        a100.fp32_flops * a100.matmul_fraction * default_factors(a100).compute_efficiency
+    )
