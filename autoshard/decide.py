@@ -126,6 +126,11 @@ def decide(plan: Plan) -> Recommendation:
     best, switch_lines = proven_switches(fitting[0], fitting)
     said = {line.split(" ", 1)[0] for line in switch_lines}  # their lines replace the plain ones
     reasons = [r for r in explain_estimate(best, plan) if r.split(" ", 1)[0] not in said]
+    if best is not fitting[0]:  # the rule's first line, for the twin the switches left first
+        reasons.insert(1, (
+            f"fastest of {len(fitting)} predicted configurations once a torch.compile or float8 "
+            f"gain the model cannot tell from its own error is left out: {_described(best)}"
+        ))  # fmt: skip
     others = [Scored(candidate=e.candidate, estimate=e) for e in fitting if e is not best]
     return build_recommendation(
         plan.profile,
@@ -335,11 +340,17 @@ def _estimate_choice(
     order = [contender(e) for e in plan.ranked() if e.fits]
     if not order or order[0].item != best or best.speed is None:
         return []
-    tokens = best.speed.tokens_per_s_per_gpu
-    described = f"{best.speed.step_time_s:.3f} s/step" + (
+    return [choice_line(order, "predicted", _described(best))]
+
+
+def _described(e: MemoryEstimate) -> str:
+    """A predicted step as the first reason gives it: seconds per step, tokens/s per GPU."""
+    if e.speed is None:
+        return "no step time predicted"
+    tokens = e.speed.tokens_per_s_per_gpu
+    return f"{e.speed.step_time_s:.3f} s/step" + (
         f", {tokens:,.0f} tokens/s per GPU" if tokens else ""
     )
-    return [choice_line(order, "predicted", described)]
 
 
 def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:

@@ -323,6 +323,12 @@ def test_the_readme_70b_example_chooses_the_fastest_that_fits_not_offload() -> N
     fitting = [e for e in plan.estimates if e.fits and e.speed is not None]
     fastest = max(fitting, key=lambda e: e.speed.samples_per_s)
     assert not rec.chosen.candidate.cpu_offload
-    assert rec.chosen.estimate == fastest  # its headroom is enough: nothing traded for more
+    # its headroom is enough: nothing traded for more; a compile gain within the model's own
+    # error is not proposed (autoshard.switches): then its eager twin
+    eager = fastest.candidate.model_copy(update={"compile": False})
+    assert rec.chosen.candidate in (fastest.candidate, eager)
+    assert rec.chosen.candidate == fastest.candidate or any(
+        r.startswith("compile off: ") for r in rec.reasons
+    )
     assert rec.chosen.estimate.headroom >= 0.05 * plan.hardware.usable_gpu_memory
-    assert rec.reasons[1].startswith(f"fastest of {len(fitting)} predicted configurations: ")
+    assert rec.reasons[1].startswith(f"fastest of {len(fitting)} predicted configurations")

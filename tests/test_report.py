@@ -916,7 +916,7 @@ def test_outcomes_are_counted_in_the_same_words_in_every_view(tmp_path: Path) ->
     rec = _with_skipped(make_rec(), n=5)
     cli, printed, data, page = _views(rec, tmp_path)
     counts = data["summary"]["outcomes"]
-    assert counts == {"measured": 4, "failed": 1, "skipped": 5, "ruled out": 1}  # JSON
+    assert counts == {"measured": 4, "diverged": 0, "failed": 1, "skipped": 5, "ruled out": 1}
     assert rec.outcome_counts() == counts  # Python
     assert "4 measured (the chosen and 3 runners-up), 1 failed, 5 skipped, 1 ruled out" in printed
     assert "5 skipped, never launched: offload needs a GPU" in cli  # CLI

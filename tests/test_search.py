@@ -147,7 +147,8 @@ def test_dominance_rules() -> None:
         {"wrap_classes": ("x.B",)},  # per-block units against the whole model as one unit
         {"min_num_params": 100_000},
         {"optimizer_impl": "fused"},
-        {"engine": "fsdp2", "reshard": "keep_root"},
+        {"engine": "fsdp1"},
+        {"reshard": "keep_root"},
         {"forward_prefetch": True},
         {"backward_prefetch": "BACKWARD_POST"},
         {"limit_all_gathers": False},
@@ -159,7 +160,7 @@ def test_dominance_never_skips_a_candidate_that_differs_elsewhere(differs) -> No
     the one-unit layout's run must not skip the per-block-wrapped candidates (and back)."""
     from autoshard.config import Candidate
 
-    base = Candidate(precision="32-true")
+    base = Candidate(engine="fsdp2", precision="bf16-mixed")  # FSDP1 always reduces in bf16
     ckpt = {"checkpointing": "all", "checkpoint_classes": ("x.B",)}
     other = Candidate.model_validate({**base.model_dump(), **differs})
     for ran, candidate in [(base, other), (other, base)]:
