@@ -12,7 +12,8 @@ from torch import nn
 import autoshard.decide as decide_module
 from autoshard.config import Candidate, Checkpointing, Hardware, Sharding
 from autoshard.decide import _differences, decide, explain_estimate, versions
-from autoshard.plan import Plan, PlanOptions, make_plan, make_request
+from autoshard.options import PlanOptions
+from autoshard.plan import Plan, make_plan, make_request
 from autoshard.results import Scored
 from autoshard.units import format_bytes
 from tests.test_emit import estimate
