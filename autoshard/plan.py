@@ -36,6 +36,7 @@ from autoshard.predict.calibrate import SpeedModel
 from autoshard.results import MemoryEstimate, ModelProfile
 from autoshard.space import (
     BF16_COMPUTE,
+    Knobs,
     default_precisions,
     enumerate_candidates,
     float8_blocker,
@@ -134,17 +135,8 @@ def make_plan(request: PlanRequest) -> Plan:
     workload, notes = resolve_workload(
         built, opts, request.label or str(request.target), profile=profile
     )
-    compiles, float8s, precisions = planned_switches(opts, request.hardware)
     candidates = enumerate_candidates(
-        profile,
-        request.hardware,
-        workload,
-        engine=opts.engine,
-        optimizer=opts.optimizer,
-        precisions=precisions,
-        micro_batch_sizes=micro_batch_sizes(built, opts),
-        compiles=compiles,
-        float8s=float8s,
+        profile, request.hardware, workload, knobs_for(opts, built, request.hardware)
     )
     activations = profile_activations(
         built.model, profile, workload, batch=built.batch, precisions=precisions_of(candidates),
@@ -196,6 +188,19 @@ def make_plan(request: PlanRequest) -> Plan:
         estimates=tuple(estimates),
         speed=speed,
         notes=tuple(notes),
+    )
+
+
+def knobs_for(options: PlanOptions, built: BuiltModel, hardware: Hardware) -> Knobs:
+    """What the user's options fix or narrow in the space, on ``hardware``."""
+    compiles, float8s, precisions = planned_switches(options, hardware)
+    return Knobs(
+        engine=options.engine,
+        optimizer=options.optimizer,
+        precisions=precisions,
+        micro_batch_sizes=micro_batch_sizes(built, options),
+        compiles=compiles,
+        float8s=float8s,
     )
 
 
@@ -288,12 +293,9 @@ def fits_elsewhere(plan: Plan, *, max_nodes: int = 1024) -> tuple[int, MemoryEst
 
     def first_fitting(nodes: int) -> MemoryEstimate | None:
         hardware = plan.hardware.model_copy(update={"nodes": nodes})
-        compiles, float8s, precisions = planned_switches(opts, hardware)
         candidates = enumerate_candidates(
-            plan.profile, hardware, plan.workload, engine=opts.engine, optimizer=opts.optimizer,
-            precisions=precisions, micro_batch_sizes=micro_batch_sizes(plan.built, opts),
-            compiles=compiles, float8s=float8s,
-        )  # fmt: skip
+            plan.profile, hardware, plan.workload, knobs_for(opts, plan.built, hardware)
+        )
         estimates = estimate_all(
             plan.profile, candidates, hardware, plan.workload, activations=plan.activations
         )

@@ -66,7 +66,7 @@ def collect() -> dict[str, Any]:
     from autoshard.predict.attention_kernels import attention_device
     from autoshard.predict.flops import profile_flops
     from autoshard.predict.speed import SpeedFactors, predict_speed
-    from autoshard.space import enumerate_candidates
+    from autoshard.space import Knobs, enumerate_candidates
     from autoshard.target.resolve import TargetSpec
 
     out: dict[str, Any] = {}
@@ -95,9 +95,7 @@ def collect() -> dict[str, Any]:
                         profile,
                         hardware,
                         base,
-                        engine=engine,
-                        micro_batch_sizes=(1, 4),
-                        offload=True,
+                        Knobs(engine=engine, micro_batch_sizes=(1, 4), offload=True),
                     )
                 cands = _variants(cands)
                 for loop in (Loop.LIGHTNING, Loop.PLAIN):

@@ -13,6 +13,7 @@ from autoshard.config import Candidate, Checkpointing, Engine, Precision, Reshar
 from autoshard.results import ModelProfile
 from autoshard.space import (
     PREDICTED_TIE,
+    Knobs,
     default_precisions,
     enumerate_candidates,
     float8_blocker,
@@ -40,7 +41,7 @@ def gpt() -> ModelProfile:
 
 def _space(profile: ModelProfile, hardware: Hardware = ONE_NODE, **kwargs) -> list[Candidate]:
     kwargs = {"precisions": ("bf16-mixed",), "micro_batch_sizes": (1,)} | kwargs
-    return enumerate_candidates(profile, hardware, WORKLOAD, **kwargs)
+    return enumerate_candidates(profile, hardware, WORKLOAD, Knobs(**kwargs))
 
 
 def test_checkpointing_every_second_block_is_proposed_from_four_blocks_on(gpt) -> None:
