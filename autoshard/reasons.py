@@ -129,6 +129,33 @@ def described(e: MemoryEstimate) -> str:
     )
 
 
+def _defaults_lines(c: Candidate) -> list[str]:
+    """The settings left at the stack's defaults (prefetching, the optimizer's implementation),
+    and the optimizer where the user gave one."""
+    lines: list[str] = []
+    # the optimizer is the user's (--optimizer); AdamW unless given, and then one of the defaults
+    default = c.optimizer is Optimizer.ADAMW
+    optimizer = f"{c.optimizer.value} ({c.optimizer_impl.value})"
+    if c.engine is Engine.FSDP2:  # fully_shard has no limit_all_gathers or backward_prefetch
+        lines.append(
+            "fully_shard's own prefetching (the next unit's all-gather issued ahead on its own "
+            "stream, forward and backward)" + (f", {optimizer}" if default else "") + ": "
+            "the defaults; the optimizer's implementation changes speed a little; measure it "
+            "with trials"
+        )
+    else:
+        lines.append(
+            f"limit_all_gathers={c.limit_all_gathers}, forward_prefetch={c.forward_prefetch}, "
+            f"backward_prefetch={c.backward_prefetch.value}"
+            + (f", {optimizer}" if default else "")
+            + ": Lightning's defaults; they change speed a little, memory by at most one unit; "
+            "measure them with trials"
+        )
+    if not default:
+        lines.append(f"{optimizer}: the optimizer given (--optimizer / optimizer=), planned as is")
+    return lines
+
+
 def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
     """Why each setting of ``best``: what its alternatives would need, or cost."""
     c, hardware, profile = best.candidate, plan.hardware, plan.profile
@@ -190,26 +217,7 @@ def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
         if name == "checkpointing" and c.checkpoint_classes:
             chosen += f" of {{{', '.join(c.checkpoint_classes)}}}"
         lines.append(f"{name} {chosen}: {why}")
-    # the optimizer is the user's (--optimizer); AdamW unless given, and then one of the defaults
-    default = c.optimizer is Optimizer.ADAMW
-    optimizer = f"{c.optimizer.value} ({c.optimizer_impl.value})"
-    if c.engine is Engine.FSDP2:  # fully_shard has no limit_all_gathers or backward_prefetch
-        lines.append(
-            "fully_shard's own prefetching (the next unit's all-gather issued ahead on its own "
-            "stream, forward and backward)" + (f", {optimizer}" if default else "") + ": "
-            "the defaults; the optimizer's implementation changes speed a little; measure it "
-            "with trials"
-        )
-    else:
-        lines.append(
-            f"limit_all_gathers={c.limit_all_gathers}, forward_prefetch={c.forward_prefetch}, "
-            f"backward_prefetch={c.backward_prefetch.value}"
-            + (f", {optimizer}" if default else "")
-            + ": Lightning's defaults; they change speed a little, memory by at most one unit; "
-            "measure them with trials"
-        )
-    if not default:
-        lines.append(f"{optimizer}: the optimizer given (--optimizer / optimizer=), planned as is")
+    lines += _defaults_lines(c)
     lines.append(
         "basis: estimates only (no trial ran); run with trials to measure the leading candidates"
     )

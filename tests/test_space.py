@@ -87,6 +87,22 @@ def test_offload_pinned_on_or_off(gpt) -> None:
     assert pinned and all(c.cpu_offload for c in pinned)
 
 
+def test_the_knobs_narrow_the_space_to_what_they_name(gpt) -> None:
+    default = enumerate_candidates(gpt, ONE_NODE, WORKLOAD)
+    assert {c.precision for c in default} == set(default_precisions(ONE_NODE))
+    assert {c.micro_batch_size for c in default} == {WORKLOAD.micro_batch_size}
+    pinned = enumerate_candidates(
+        gpt, ONE_NODE, WORKLOAD, Knobs(precisions=("32-true",), micro_batch_sizes=[2, 8])
+    )
+    assert {c.precision for c in pinned} == {Precision.FP32}
+    assert {c.micro_batch_size for c in pinned} == {2, 8}
+    assert len(pinned) == len(default) // len(default_precisions(ONE_NODE)) * 2
+    with pytest.raises(ValueError, match="precisions"):
+        Knobs(precisions=("fp7",))
+    with pytest.raises(ValueError, match="extra"):
+        Knobs(sharding="FULL_SHARD")  # not a knob: the space enumerates it
+
+
 def test_the_optimizer_is_every_candidates_in_its_first_implementation(gpt) -> None:
     # a setting of the workload, not a dimension: the space is as large with any of them
     adamw, adafactor = _space(gpt), _space(gpt, optimizer="adafactor")
