@@ -13,9 +13,10 @@ try:
 
     from autoshard.analyze import analyze_model, analyze_target
     from autoshard.api import Estimates, estimate, recommend, tune
-    from autoshard.config import Candidate, Hardware, TuneOptions, WorkloadSpec
-    from autoshard.errors import AutoshardError, HandoverNotice
-    from autoshard.plan import NoGPUWarning, PlanOptions, PlanWarning, detect_hardware
+    from autoshard.config import Candidate, Hardware, WorkloadSpec
+    from autoshard.detect import detect_hardware
+    from autoshard.errors import AutoshardError, HandoverNotice, NoGPUWarning, PlanWarning
+    from autoshard.options import PlanOptions, TuneOptions
     from autoshard.predict.activations import ActivationProfile, profile_activations
     from autoshard.predict.analytic import estimate_all, estimate_memory, peak_moments
     from autoshard.predict.simulate import simulate_memory

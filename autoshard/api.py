@@ -2,7 +2,7 @@
 
 They take the model as the user has it (a model object, real or on the meta device, a Hugging
 Face model, a LightningModule, a factory, or a ``"path/to/file.py:build"`` target; see
-:mod:`autoshard.target.adapters`) and the options of :class:`~autoshard.plan.PlanOptions` (the
+:mod:`autoshard.target.adapters`) and the options of :class:`~autoshard.options.PlanOptions` (the
 same as the command line's flags, validated in one place), and go through the one pipeline:
 the same inputs give the same answer as ``autoshard estimate`` / ``export`` / ``tune``.
 """
@@ -13,10 +13,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from autoshard.config import RankOrder, TuneOptions
+from autoshard.config import RankOrder
 from autoshard.decide import decide
 from autoshard.errors import ConfigError
-from autoshard.plan import Plan, PlanOptions, make_plan, make_request, options_from
+from autoshard.options import PlanOptions, TuneOptions, options_from, split_options
+from autoshard.plan import Plan, make_plan, make_request
 from autoshard.recommendation import Recommendation
 from autoshard.results import MemoryEstimate
 
@@ -75,14 +76,6 @@ class Estimates(list[MemoryEstimate]):
         return self.recommendation.chosen.candidate if self.recommendation else None
 
 
-def _split_options(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Keyword arguments of a door: TuneOptions' fields, the rest PlanOptions'."""
-    tune_fields = set(TuneOptions.model_fields)
-    tune_values = {k: v for k, v in values.items() if k in tune_fields}
-    plan_values = {k: v for k, v in values.items() if k not in tune_fields}
-    return plan_values, tune_values
-
-
 def estimate(
     model: Any,
     *,
@@ -97,7 +90,7 @@ def estimate(
 
     Takes the same model and options as :func:`recommend` (``gpus``, ``nodes``, ``gpu``,
     ``gpu_memory``, ``seq_len``, ``batch_size``, ``loop``, ``accumulate``, ``engine``,
-    ``precision``, ``simulate``...: see :class:`~autoshard.plan.PlanOptions`). The list's
+    ``precision``, ``simulate``...: see :class:`~autoshard.options.PlanOptions`). The list's
     ``recommendation`` is what :func:`recommend` chooses for the same inputs.
 
     Example (runs on a CPU in a few seconds)::
@@ -162,10 +155,10 @@ def recommend(
             positional ones; Hugging Face models get ``labels`` and return ``.loss``).
         trials: 0 decides from estimates alone (seconds); N > 0 runs up to N short real trials
             (:func:`tune`).
-        options: what to plan for, as :class:`~autoshard.plan.PlanOptions` (``gpus``,
+        options: what to plan for, as :class:`~autoshard.options.PlanOptions` (``gpus``,
             ``nodes``, ``gpu``, ``gpu_memory``, ``host_memory``, ``seq_len``, ``batch_size``,
             ``loop``, ``accumulate``, ``engine``, ``precision``, ``simulate``...) and, with
-            trials, how to run them, as :class:`~autoshard.config.TuneOptions` (``out_dir``,
+            trials, how to run them, as :class:`~autoshard.options.TuneOptions` (``out_dir``,
             ``trial_timeout``, ``warmup``, ``steps``, ``nproc``, ``storage``...).
 
     Returns:
@@ -191,7 +184,7 @@ def recommend(
         raise ConfigError(f"trials={trials}: give 0 (estimate only) or a number of trials")
     if trials > 0:
         return tune(model, kwargs=kwargs, batch=batch, trials=trials, **options)
-    plan_values, tune_values = _split_options(options)
+    plan_values, tune_values = split_options(options)
     out_dir = tune_values.pop("out_dir", None)  # also where model objects are saved
     if tune_values:
         names = ", ".join(f"{k}=" for k in tune_values)
@@ -226,7 +219,7 @@ def tune(
     >>> rec.basis, rec.chosen.trial.status.value, rec.chosen.trial.world_size
     ('trials', 'ok', 2)
     """
-    plan_values, tune_values = _split_options(options)
+    plan_values, tune_values = split_options(options)
     opts = options_from(PlanOptions, plan_values)
     tune_opts = options_from(TuneOptions, tune_values)
     if tune_opts.node_rank > 0:
@@ -290,7 +283,7 @@ def serve_study(
 ) -> None:
     """A node other than node 0 of a study on several machines: its worker group serves the
     trials node 0 drives, until node 0 ends the study."""
-    from autoshard.plan import detect_hardware
+    from autoshard.detect import detect_hardware
     from autoshard.target.adapters import to_target
     from autoshard.trials.group import WorkerGroup
 

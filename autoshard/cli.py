@@ -1,7 +1,7 @@
 """The ``autoshard`` command: a thin table over the library.
 
 The flags of ``estimate`` and ``tune`` are not written here: they are derived from the fields of
-:class:`~autoshard.plan.PlanOptions` and :class:`~autoshard.config.TuneOptions` (name, help,
+:class:`~autoshard.options.PlanOptions` and :class:`~autoshard.options.TuneOptions` (name, help,
 default), the same objects the Python doors validate, the way litgpt derives its flags from its
 functions' signatures. Every flag reaches this module as text and is validated by pydantic in
 one place, so a bad value is one line naming the flag and exit code 1 (``--debug`` shows the
@@ -31,10 +31,10 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 
-from autoshard.config import RankOrder, TuneOptions
+from autoshard.config import RankOrder
 from autoshard.emit.formats import format_help
 from autoshard.errors import AutoshardError, ConfigError
-from autoshard.plan import PlanOptions
+from autoshard.options import PlanOptions, TuneOptions
 
 app = typer.Typer(
     name="autoshard",
@@ -314,14 +314,6 @@ def _target_kwargs(arg: list[str] | None) -> dict[str, Any]:
     return parse_kwargs(arg or [])
 
 
-def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    tune_fields = set(TuneOptions.model_fields)
-    return (
-        {k: v for k, v in options.items() if k not in tune_fields},
-        {k: v for k, v in options.items() if k in tune_fields},
-    )
-
-
 # --------------------------------------------------------------------------------------------
 # Commands
 # --------------------------------------------------------------------------------------------
@@ -390,7 +382,7 @@ def estimate(
 
     def work() -> None:
         from autoshard.api import estimates_for
-        from autoshard.plan import options_from
+        from autoshard.options import options_from
 
         opts = options_from(PlanOptions, options, cli=True)
         estimates = estimates_for(
@@ -444,7 +436,7 @@ def tune(
 
     def work() -> None:
         from autoshard.api import serve_study, tune_with
-        from autoshard.plan import options_from
+        from autoshard.options import options_from, split_options
         from autoshard.recommendation import load_result
         from autoshard.slurm import slurm_settings
         from autoshard.ui.files import OUTPUT_FILES
@@ -456,7 +448,7 @@ def tune(
         if slurm is not None:
             for name in ("nodes", "node_rank", "rdzv_endpoint"):
                 options.setdefault(name, str(slurm[name]))
-        plan_values, tune_values = _split(options)
+        plan_values, tune_values = split_options(options)
         opts = options_from(PlanOptions, plan_values, cli=True)
         tune_opts = options_from(TuneOptions, tune_values, cli=True)
         kwargs = _target_kwargs(arg)

@@ -6,13 +6,11 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Frozen(BaseModel):
@@ -472,6 +470,16 @@ class Candidate(Frozen):
 # --------------------------------------------------------------------------------------------
 
 
+# The two links, declared once: Hardware holds them, PlanOptions takes them from the user (its
+# --intra-node-bandwidth and --inter-node-bandwidth also read "450GB/s").
+IntraNodeBandwidth = Annotated[float | None, Field(gt=0, allow_inf_nan=False, description=(
+    "Bytes/s of one GPU's link inside a node, e.g. 450GB (per s) (default: the GPU model's)."
+))]  # fmt: skip
+InterNodeBandwidth = Annotated[float | None, Field(gt=0, allow_inf_nan=False, description=(
+    "Bytes/s of one node's network between nodes, e.g. 400GB (per s) (default: the GPU model's)."
+))]  # fmt: skip
+
+
 class Hardware(Frozen):
     """The machines to plan for (not necessarily the ones at hand).
 
@@ -500,18 +508,8 @@ class Hardware(Frozen):
         description="GPU catalogue id (autoshard.gpus), e.g. 'h100-sxm': sets speed facts; None: "
         "the detected GPU's entry, or an assumed one (said in a warning).",
     )
-    intra_node_bandwidth: float | None = Field(
-        None,
-        gt=0,
-        allow_inf_nan=False,
-        description="Bytes/s of one GPU's link inside a node (None: the catalogue's).",
-    )
-    inter_node_bandwidth: float | None = Field(
-        None,
-        gt=0,
-        allow_inf_nan=False,
-        description="Bytes/s of one node's network between nodes (None: the catalogue's).",
-    )
+    intra_node_bandwidth: IntraNodeBandwidth = None
+    inter_node_bandwidth: InterNodeBandwidth = None
     backend: Literal["nccl", "gloo"] = Field(
         "nccl",
         description=(
@@ -570,10 +568,6 @@ DEFAULT_MAX_STEPS = 40
 DEFAULT_MAX_SECONDS = 30.0
 # Bytes of worker output a trial's log keeps (its first and last halves; autoshard.trials.logcap).
 DEFAULT_WORKER_LOG_CAP = 16 * 2**20
-# The longest --trial-timeout (11.6 days): the workers' collective timeout is the start timeout
-# plus this, in milliseconds, and must stay below 2**31 ms, the most a C int of milliseconds
-# holds (poll, socket timeouts); 1e30 s was an OverflowError in every worker group.
-MAX_TRIAL_TIMEOUT = 1_000_000
 
 
 class RankOrder(str, Enum):
@@ -590,115 +584,3 @@ class ProgressEvent(str, Enum):
     RESUMED = "resumed"  # a finished trial found in the storage
     START = "start"  # a trial is launched
     DONE = "done"  # a trial finished, or a candidate was ruled out by its estimate
-
-
-class TuneOptions(Frozen):
-    """How to run the study: its trials, their length and where results go.
-
-    >>> from autoshard import TuneOptions
-    >>> options = TuneOptions(out_dir="runs/gpt-1b", trials=8, trial_timeout=120)
-    >>> options.out_dir, options.storage is None  # the study goes to runs/gpt-1b/study.db
-    (PosixPath('runs/gpt-1b'), True)
-    """
-
-    out_dir: Path = Field(Path("autoshard-out"), description="Output folder.")
-    storage: str | None = Field(
-        None, description="optuna storage URL (default: SQLite in the output folder)."
-    )
-    trials: int = Field(12, ge=1, description="Most real trials to launch.")
-    trial_timeout: float = Field(
-        300.0,
-        gt=0,
-        le=MAX_TRIAL_TIMEOUT,
-        allow_inf_nan=False,
-        description="Seconds before a trial counts as hung.",
-    )
-    warmup: int = Field(2, ge=0, description="Untimed steps per trial.")
-    steps: int = Field(
-        3, ge=1, description="Timed steps per trial at least; more until the spread is met."
-    )
-    target_spread: float = Field(
-        DEFAULT_TARGET_SPREAD,
-        gt=0,
-        lt=1,
-        allow_inf_nan=False,
-        description="Time steps until the median step time is known to within this (relative, "
-        "95% confidence), e.g. 0.05.",
-    )
-    max_steps: int = Field(DEFAULT_MAX_STEPS, ge=1, description="Most timed steps per trial.")
-    max_seconds: float = Field(
-        DEFAULT_MAX_SECONDS,
-        gt=0,
-        allow_inf_nan=False,
-        description="Most seconds of timed steps per trial.",
-    )
-    nproc: int | None = Field(
-        None,
-        ge=1,
-        description="Worker processes per node (default: the planned GPUs per node).",
-    )
-    worker_log_cap: int = Field(
-        DEFAULT_WORKER_LOG_CAP,
-        gt=0,
-        description="Bytes of worker output kept per trial in the logs under workers/, e.g. "
-        "16MiB: its first and last halves, with a line saying how much was left out "
-        "(default: 16MiB).",
-    )
-    node_rank: int = Field(
-        0, ge=0, description="This node's rank; node 0 drives the study, others serve it."
-    )
-    rdzv_endpoint: str | None = Field(
-        None, description="host:port on node 0 for the workers' rendezvous (several nodes)."
-    )
-    memory_cap: int | None = Field(
-        None, description="Cap on a CPU worker's measured memory (default: usable GPU memory)."
-    )
-    skip_dominated: bool = Field(
-        True, description="Skip candidates a measured one makes pointless (False: full grid)."
-    )
-    wait: bool = Field(
-        False, description="Another run holds the output folder: wait for it instead of refusing."
-    )
-    on_event: Callable[..., None] | None = Field(
-        None, exclude=True, description="Called with (ProgressEvent, Scored) as trials go."
-    )
-
-    @field_validator("worker_log_cap", mode="before")
-    @classmethod
-    def _size(cls, value: object) -> object:
-        from autoshard.units import parse_size
-
-        return parse_size(value, flag="--worker-log-cap") if isinstance(value, str) else value
-
-    on_notice: Callable[[str], None] | None = Field(
-        None,
-        exclude=True,
-        description="Called with one line about the study's storage (a repaired journal, a "
-        "rebuilt database, a wait for a lock); default: a StudyNotice warning.",
-    )
-
-
-def document_fields(model: type[BaseModel]) -> None:
-    """Append every field of ``model``, with its type, default and description, to its
-    docstring: ``help(PlanOptions)`` then says what each keyword does before pydantic's methods
-    (the command line's ``--help`` takes the same descriptions)."""
-    import textwrap
-
-    def kind(annotation: object) -> str:
-        if isinstance(annotation, type):
-            return annotation.__name__
-        text = str(annotation).replace("typing.", "").replace("collections.abc.", "")
-        return text.replace("autoshard.config.", "").replace("pathlib.", "")
-
-    lines = ["", "", "Fields (keyword arguments; flags of the command line with dashes):", ""]
-    for name, field in model.model_fields.items():
-        default = getattr(field.default, "value", field.default)
-        shown = "" if field.is_required() else f" = {default!r}"
-        lines.append(f"{name}: {kind(field.annotation)}{shown}")
-        lines += textwrap.wrap(field.description or "", 88, initial_indent="    ",
-                               subsequent_indent="    ")  # fmt: skip
-    body = textwrap.indent("\n".join(lines), "    ")
-    model.__doc__ = (model.__doc__ or "").rstrip() + body + "\n"
-
-
-document_fields(TuneOptions)

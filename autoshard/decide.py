@@ -17,32 +17,35 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import TypeVar
+from typing import Literal
 
 import torch
 
-from autoshard.config import Candidate, Checkpointing, Engine, Hardware, Optimizer, WorkloadSpec
+from autoshard.config import Hardware, WorkloadSpec
 from autoshard.errors import ConfigError, TrialsFailedError
 from autoshard.measure import (
-    compare,
     speed_basis,
-    spread_of,
     throughput,
-    trials_checked_line,
 )
 from autoshard.plan import Plan, fits_elsewhere
 from autoshard.predict.factors import SpeedFactors
 from autoshard.predict.step_profile import step_profile
 from autoshard.ranking import (
-    PREDICTED_TIE,
     Contender,
     estimate_contender,
-    pair_noise,
     ranked,
-    speed_key,
-    tie,
     trial_contender,
+)
+from autoshard.reasons import (
+    described,
+    diverged_reason,
+    explain_by_prediction,
+    explain_estimate,
+    explain_trials,
+    host_memory_reason,
+    predicted_rate,
 )
 from autoshard.recommendation import Recommendation
 from autoshard.results import (
@@ -53,11 +56,8 @@ from autoshard.results import (
     TrialResult,
     TrialStatus,
 )
-from autoshard.space import wrap_reason
 from autoshard.switches import proven_switches
-from autoshard.units import format_bytes, format_share
-
-T = TypeVar("T")
+from autoshard.units import format_bytes
 
 
 def versions() -> dict[str, str]:
@@ -69,21 +69,30 @@ def versions() -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What a decision chose, from which basis, and why: the candidate first, the others that
+    fit or ran (``runners_up``), those that did not (``ruled_out``), one reason per line."""
+
+    chosen: Scored
+    runners_up: Sequence[Scored]
+    ruled_out: Sequence[Scored]
+    basis: Literal["estimate", "trials"]
+    reasons: Sequence[str]
+
+
 def build_recommendation(
     profile: ModelProfile,
     hardware: Hardware,
     workload: WorkloadSpec,
-    chosen: Scored,
+    choice: Choice,
     *,
-    runners_up: Sequence[Scored],
-    ruled_out: Sequence[Scored],
-    basis: str,
-    reasons: Sequence[str],
     notes: Sequence[str] = (),
     timeline: StepTimeline | None = None,
 ) -> Recommendation:
     """The only place a :class:`Recommendation` is made (``notes``: what the plan assumed;
     ``timeline``: the chosen configuration's step as memory over time)."""
+    chosen = choice.chosen
     return Recommendation(
         profile=profile,
         hardware=hardware,
@@ -91,29 +100,13 @@ def build_recommendation(
             update={"micro_batch_size": chosen.candidate.micro_batch_size}
         ),
         chosen=chosen,
-        runners_up=tuple(runners_up),
-        ruled_out=tuple(ruled_out),
-        basis=basis,
-        reasons=(*reasons, *host_memory_reason(chosen, hardware), *notes),
+        runners_up=tuple(choice.runners_up),
+        ruled_out=tuple(choice.ruled_out),
+        basis=choice.basis,
+        reasons=(*choice.reasons, *host_memory_reason(chosen, hardware), *notes),
         versions=versions(),
         timeline=timeline,
     )
-
-
-def host_memory_reason(chosen: Scored, hardware: Hardware) -> list[str]:
-    """What an offloading choice needs of the host, and whether that was checked."""
-    if not chosen.candidate.cpu_offload or chosen.estimate is None:
-        return []
-    need = format_bytes(chosen.estimate.host_peak)
-    if hardware.host_memory is None:
-        return [
-            f"CPU offload needs {need} of host memory per node (parameters, gradients and "
-            "optimizer states of the node's ranks): not checked, no host memory given"
-        ]
-    return [
-        f"CPU offload needs {need} of host memory per node (parameters, gradients and optimizer "
-        f"states of the node's ranks), of {format_bytes(hardware.host_memory)}"
-    ]
 
 
 def decide(plan: Plan) -> Recommendation:
@@ -129,18 +122,20 @@ def decide(plan: Plan) -> Recommendation:
     if best is not fitting[0]:  # the rule's first line, for the twin the switches left first
         reasons.insert(1, (
             f"fastest of {len(fitting)} predicted configurations once a torch.compile or float8 "
-            f"gain the model cannot tell from its own error is left out: {_described(best)}"
+            f"gain the model cannot tell from its own error is left out: {described(best)}"
         ))  # fmt: skip
     others = [Scored(candidate=e.candidate, estimate=e) for e in fitting if e is not best]
     return build_recommendation(
         plan.profile,
         plan.hardware,
         plan.workload,
-        Scored(candidate=best.candidate, estimate=best),
-        runners_up=others[:4],
-        ruled_out=[Scored(candidate=e.candidate, estimate=e) for e in order if not e.fits],
-        basis="estimate",
-        reasons=[*reasons, *switch_lines],
+        Choice(
+            Scored(candidate=best.candidate, estimate=best),
+            runners_up=others[:4],
+            ruled_out=[Scored(candidate=e.candidate, estimate=e) for e in order if not e.fits],
+            basis="estimate",
+            reasons=[*reasons, *switch_lines],
+        ),
         notes=plan.notes,
         timeline=timeline_of(plan, best),
     )
@@ -242,11 +237,12 @@ def choose_from_trials(
         return Scored(candidate=r.candidate, estimate=by_label.get(r.candidate.label()), trial=r)
 
     ok_results = [r for r in results if r.status is TrialStatus.OK]
-    predicted = any(_predicted_rate(r, by_label) for r in ok_results)
+    predicted = any(predicted_rate(r, by_label) for r in ok_results)
     checked = hardware.host_memory is not None
     if speed_basis(hardware, results) == "model" and predicted:
         ok = rank_by_prediction(results, by_label, host_memory_checked=checked)
-        why = explain_by_prediction(ok, by_label, hardware, profile)
+        order, _ = _by_prediction(ok, by_label, checked)
+        why = explain_by_prediction(ok, order, by_label, hardware, profile)
     else:
         order = ranked(
             [trial_contender(r, hardware.usable_gpu_memory, host_memory_checked=checked)
@@ -258,242 +254,21 @@ def choose_from_trials(
         profile,
         hardware,
         workload,
-        scored(ok[0]),
-        runners_up=[scored(r) for r in ok[1:]],  # all of them: the report lists every trial
-        ruled_out=[scored(r) for r in results if r.status is not TrialStatus.OK],
-        basis="trials",
-        reasons=[*why, *diverged_reason(results)],
+        Choice(
+            scored(ok[0]),
+            runners_up=[scored(r) for r in ok[1:]],  # all of them: the report lists every trial
+            ruled_out=[scored(r) for r in results if r.status is not TrialStatus.OK],
+            basis="trials",
+            reasons=[*why, *diverged_reason(results)],
+        ),
         notes=notes,
         timeline=timeline(by_label.get(ok[0].candidate.label())) if timeline else None,
     )
 
 
 # --------------------------------------------------------------------------------------------
-# The first reason: the rule that decided (autoshard.ranking)
-# --------------------------------------------------------------------------------------------
-
-
-def choice_line(order: Sequence[Contender[T]], what: str, described: str) -> str:
-    """The first reason: the rule that put ``order[0]`` first, ``described`` (its rate as the
-    reader needs it); ``what``: "measured" or "predicted"."""
-    best = order[0]
-    n = len(order)
-    top = max(order, key=speed_key)
-    if top is not best:
-        noise = pair_noise(top, best)
-        return (
-            f"within the noise (±{noise:.0%}) of the fastest {what}, {top.label}, which is "
-            f"{top.risk}: chosen as the fastest of {n} {what} configurations without that risk: "
-            f"{described}"
-        )
-    tied = [c for c in order[1:] if tie(best, c)]
-    line = f"fastest of {n} {what} configurations: {described}"
-    if tied:
-        more = "one other" if len(tied) == 1 else f"{len(tied)} others"
-        room = (
-            f"its headroom ({format_bytes(best.headroom)} of {format_bytes(best.usable)}) is enough"
-            if best.usable > 0
-            else "headroom does not decide"
-        )
-        noise = max(pair_noise(best, c) for c in tied)
-        line += f"; {more} within the noise (±{noise:.0%}), not preferred for headroom: {room}"
-    return line
-
-
-# --------------------------------------------------------------------------------------------
-# Reasons: one line per chosen setting
-# --------------------------------------------------------------------------------------------
-
-_SETTINGS = (
-    "sharding", "checkpointing", "cpu_offload", "precision", "micro_batch_size", "compile",
-    "float8",
-)  # fmt: skip
-# Explained only where planned: a plan that never proposed them has nothing to say about them.
-_SWITCHES = ("compile", "float8")
-
-
-def _value(candidate: Candidate, name: str) -> str:
-    value = getattr(candidate, name)
-    if name == "checkpointing" and candidate.checkpointing is Checkpointing.EVERY_K:
-        return f"every {candidate.checkpoint_every} blocks"
-    if name == "checkpointing" and candidate.checkpointing is Checkpointing.SELECTIVE:
-        return "selective (op-level)"
-    return str(getattr(value, "value", value))
-
-
-def _differs_only_in(a: Candidate, b: Candidate, name: str) -> bool:
-    related = {
-        "sharding": {"sharding", "hybrid_mesh"},
-        "checkpointing": {"checkpointing", "checkpoint_every", "checkpoint_classes"},
-    }.get(name, {name})
-    da, db = a.model_dump(), b.model_dump()
-    return da != db and all(da[k] == db[k] for k in da if k not in related)
-
-
-def _estimate_choice(
-    best: MemoryEstimate,
-    plan: Plan,
-    contender: Callable[[MemoryEstimate], Contender[MemoryEstimate]],
-) -> list[str]:
-    """The rule that put ``best`` first among the fitting candidates (none where it is not
-    first: a reason asked of another candidate)."""
-    order = [contender(e) for e in plan.ranked() if e.fits]
-    if not order or order[0].item != best or best.speed is None:
-        return []
-    return [choice_line(order, "predicted", _described(best))]
-
-
-def _described(e: MemoryEstimate) -> str:
-    """A predicted step as the first reason gives it: seconds per step, tokens/s per GPU."""
-    if e.speed is None:
-        return "no step time predicted"
-    tokens = e.speed.tokens_per_s_per_gpu
-    return f"{e.speed.step_time_s:.3f} s/step" + (
-        f", {tokens:,.0f} tokens/s per GPU" if tokens else ""
-    )
-
-
-def explain_estimate(best: MemoryEstimate, plan: Plan) -> list[str]:
-    """Why each setting of ``best``: what its alternatives would need, or cost."""
-    c, hardware, profile = best.candidate, plan.hardware, plan.profile
-    checked = hardware.host_memory is not None
-
-    def contender(e: MemoryEstimate) -> Contender[MemoryEstimate]:
-        return estimate_contender(e, host_memory_checked=checked)
-
-    b = best.breakdown
-    lines = [
-        f"predicted peak {format_bytes(best.gpu_peak)} per GPU of "
-        f"{format_bytes(hardware.usable_gpu_memory)} usable ({hardware.world_size} x "
-        f"{format_bytes(hardware.gpu_memory)}, {hardware.margin:.0%} margin): params "
-        f"{format_bytes(b.sharded_params)}, grads {format_bytes(b.gradients)}, optimizer "
-        f"{format_bytes(b.optimizer)}, gathered units {format_bytes(b.unsharded_params)}, "
-        f"activations {format_bytes(b.activations)}, temporaries {format_bytes(b.temporaries)}, "
-        f"allowance {format_bytes(b.allowance)}",
-        wrap_reason(c, profile),
-    ]
-    lines[1:1] = _estimate_choice(best, plan, contender)
-    if profile.tied:
-        names = "; ".join(", ".join(g.names) for g in profile.tied)
-        lines.append(f"tied parameters ({names}) stay in one FSDP unit (the root)")
-    for name in _SETTINGS:
-        if name in _SWITCHES and not any(getattr(e.candidate, name) for e in plan.estimates):
-            continue
-        alternatives = [e for e in plan.estimates if _differs_only_in(e.candidate, c, name)]
-        chosen = _value(c, name)
-        too_big = sorted(
-            {f"{_value(e.candidate, name)} ({format_bytes(e.gpu_peak)})" for e in alternatives
-             if not e.fits}
-        )  # fmt: skip
-        fitting = [e for e in alternatives if e.fits]
-        # Faster than the chosen one yet after it: the tie rule passed over them for a risk.
-        at_risk = {
-            f"{_value(e.candidate, name)} ({risk})"
-            for e in fitting
-            if (risk := contender(e).risk) is not None and contender(e).rate > contender(best).rate
-        }
-        faster = {v.split(" (")[0] for v in at_risk}
-        slower = sorted({_value(e.candidate, name) for e in fitting} - faster)
-        parts = []
-        if too_big:
-            parts.append(f"does not fit with {', '.join(too_big)}")
-        if slower:
-            parts.append(f"fits but predicted slower with {', '.join(slower)}")
-        if at_risk:
-            parts.append(
-                f"predicted within {PREDICTED_TIE:.0%} (a tie) but at risk with "
-                f"{', '.join(sorted(at_risk))}"
-            )
-        why = "; ".join(parts) or (
-            "offload is considered with FULL_SHARD only"
-            if name == "cpu_offload"
-            else "the only value considered (give batch_size to compare others)"
-            if name == "micro_batch_size"
-            else "the only value considered"
-        )
-        if name == "checkpointing" and c.checkpoint_classes:
-            chosen += f" of {{{', '.join(c.checkpoint_classes)}}}"
-        lines.append(f"{name} {chosen}: {why}")
-    # the optimizer is the user's (--optimizer); AdamW unless given, and then one of the defaults
-    default = c.optimizer is Optimizer.ADAMW
-    optimizer = f"{c.optimizer.value} ({c.optimizer_impl.value})"
-    if c.engine is Engine.FSDP2:  # fully_shard has no limit_all_gathers or backward_prefetch
-        lines.append(
-            "fully_shard's own prefetching (the next unit's all-gather issued ahead on its own "
-            "stream, forward and backward)" + (f", {optimizer}" if default else "") + ": "
-            "the defaults; the optimizer's implementation changes speed a little; measure it "
-            "with trials"
-        )
-    else:
-        lines.append(
-            f"limit_all_gathers={c.limit_all_gathers}, forward_prefetch={c.forward_prefetch}, "
-            f"backward_prefetch={c.backward_prefetch.value}"
-            + (f", {optimizer}" if default else "")
-            + ": Lightning's defaults; they change speed a little, memory by at most one unit; "
-            "measure them with trials"
-        )
-    if not default:
-        lines.append(f"{optimizer}: the optimizer given (--optimizer / optimizer=), planned as is")
-    lines.append(
-        "basis: estimates only (no trial ran); run with trials to measure the leading candidates"
-    )
-    return lines
-
-
-def _differences(chosen: Candidate, other: Candidate) -> list[str]:
-    """The explained settings in which ``other`` differs from ``chosen``, as name=value."""
-    diff = [
-        f"{name}={_value(other, name)}"
-        for name in _SETTINGS
-        if getattr(other, name) != getattr(chosen, name)
-    ]
-    if (other.wrap_classes, other.min_num_params) != (chosen.wrap_classes, chosen.min_num_params):
-        # in the engine's own terms: FSDP2 has no auto_wrap_policy, it shards chosen modules
-        units = "fully_shard units" if other.engine is Engine.FSDP2 else "auto_wrap_policy"
-        diff.append(
-            f"{units}="
-            + (
-                "none (one unit)"
-                if other.one_unit
-                else ",".join(c.rsplit(".", 1)[-1] for c in other.wrap_classes)
-                or f"size>={other.min_num_params:,}"
-            )
-        )
-    return diff
-
-
-def explain_trials(order: Sequence[Contender[TrialResult]], profile: ModelProfile) -> list[str]:
-    """One line per chosen setting, with the measurement behind it, ``order`` the trials as
-    :func:`ranked` put them. A difference within the two trials' noise is called a tie, never
-    a win (:func:`autoshard.measure.compare`)."""
-    best = order[0].item
-    c = best.candidate
-    unit = "tokens" if best.tokens_per_s else "samples"
-    measured = (
-        f"{best.step_time or 0:.3f} s/step (±{spread_of(best):.0%}), {throughput(best):,.0f} "
-        f"{unit}/s on {best.world_size} {best.device} ranks"
-    )
-    lines = [choice_line(order, "measured", measured), wrap_reason(c, profile)]
-    for r in (x.item for x in order[1:]):
-        diff = _differences(c, r.candidate)
-        if len(diff) != 1:
-            continue
-        outcome = compare(best, r)
-        if outcome.tie:
-            lines.append(f"{diff[0]}: tie within noise (±{outcome.noise:.0%})")
-        elif throughput(best) > throughput(r):
-            lines.append(f"{diff[0]} measured {outcome.ratio:.2f}x slower")
-    return lines
-
-
-# --------------------------------------------------------------------------------------------
 # CPU trials for GPUs: the trials check, the model ranks
 # --------------------------------------------------------------------------------------------
-
-
-def _predicted_rate(r: TrialResult, by_label: dict[str, MemoryEstimate]) -> float | None:
-    e = by_label.get(r.candidate.label())
-    return e.speed.samples_per_s if e is not None and e.speed is not None else None
 
 
 def rank_by_prediction(
@@ -528,65 +303,9 @@ def _by_prediction(
             predicted.append(Contender(r, c.label, c.rate, None, c.headroom, c.usable,
                                        c.offload_unchecked))  # fmt: skip
     unpredicted = sorted(
-        (r for r in ok if _predicted_rate(r, by_label) is None), key=throughput, reverse=True
+        (r for r in ok if predicted_rate(r, by_label) is None), key=throughput, reverse=True
     )
     return ranked(predicted), unpredicted
-
-
-def explain_by_prediction(
-    ok: Sequence[TrialResult],
-    by_label: dict[str, MemoryEstimate],
-    hardware: Hardware,
-    profile: ModelProfile,
-) -> list[str]:
-    """Why the chosen one, when CPU trials checked the configurations and the model ranked."""
-    best = ok[0]
-    rate = _predicted_rate(best, by_label)
-    speed = by_label[best.candidate.label()].speed if rate is not None else None
-    lines = [trials_checked_line(hardware, speed.gpu if speed else None)]
-    if speed is not None:
-        per_gpu = (
-            f", {speed.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
-            if speed.tokens_per_s_per_gpu
-            else ""
-        )
-        mfu = f", MFU {format_share(speed.mfu)}" if speed.mfu else ""
-        predicted = f"{speed.step_time_s:.3f} s/step{per_gpu}{mfu}"
-        order, _ = _by_prediction(ok, by_label, hardware.host_memory is not None)
-        lines.append(choice_line(order, "predicted", predicted))
-    lines.append(wrap_reason(best.candidate, profile))
-    checked = hardware.host_memory is not None
-    for r in ok[1:]:
-        diff = _differences(best.candidate, r.candidate)
-        other = _predicted_rate(r, by_label)
-        if len(diff) == 1 and rate and other:
-            ratio = rate / other
-            risk = estimate_contender(by_label[r.candidate.label()], host_memory_checked=checked)
-            # A model's few-percent difference is no result: say "about as fast", not "1.00x".
-            if ratio >= 1 + PREDICTED_TIE:
-                lines.append(f"{diff[0]} predicted {ratio:.2f}x slower")
-            elif ratio < 1 and risk.risk is not None:
-                lines.append(
-                    f"{diff[0]} predicted about as fast (within {PREDICTED_TIE:.0%}), but "
-                    f"{risk.risk}"
-                )
-            else:
-                lines.append(f"{diff[0]} predicted about as fast (within {PREDICTED_TIE:.0%})")
-    return lines
-
-
-def diverged_reason(results: Sequence[TrialResult]) -> list[str]:
-    """One line naming the trials whose loss became NaN or infinite: none of them is
-    recommended, and their configuration is rarely why."""
-    diverged = [r for r in results if r.status is TrialStatus.DIVERGED]
-    if not diverged:
-        return []
-    named = "; ".join(f"{r.candidate.label()} ({r.error or 'loss not finite'})" for r in diverged)
-    return [
-        f"{len(diverged)} diverged, not recommended: {named}. The model's training step (its "
-        "learning rate, loss scaling, an fp16 overflow), not the configuration, is usually why: "
-        "check the step before trusting any choice"
-    ]
 
 
 def nothing_ran(results: Sequence[TrialResult]) -> str:

@@ -1,4 +1,4 @@
-"""autoshard's exceptions.
+"""autoshard's exceptions, and the warnings that say what it assumed.
 
 Every error a user can cause is an :class:`AutoshardError` subclass whose message is one line
 that says what is wrong and how to fix it. The CLI prints that line and exits 1; tracebacks are
@@ -90,4 +90,32 @@ class HandoverNotice(UserWarning):
     >>> import autoshard
     >>> issubclass(autoshard.HandoverNotice, UserWarning)
     True
+    """
+
+
+class PlanWarning(UserWarning):
+    """A number autoshard had to assume or guess: it says which and how to give the real one.
+
+    >>> import warnings
+    >>> import autoshard
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     _ = autoshard.estimate("examples/gpt.py:build", kwargs={"size": "tiny"}, gpus=8)
+    >>> [str(w.message).split(":")[0] for w in caught if w.category is autoshard.PlanWarning]
+    ['no GPU visible and no gpu/gpu_memory given', 'seq_len 256']
+    """
+
+
+class NoGPUWarning(PlanWarning):
+    """No CUDA GPU is visible: trials run on CPU processes, and the GPUs are the ones given.
+
+    Silence it where planning for GPUs that are not at hand is the point:
+
+    >>> import warnings
+    >>> from autoshard import NoGPUWarning, detect_hardware
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", NoGPUWarning)
+    ...     cluster = detect_hardware(gpus=8, nodes=4, gpu_memory="80GiB")
+    >>> cluster.world_size
+    32
     """

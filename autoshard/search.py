@@ -40,10 +40,11 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import ValidationError
 
-from autoshard.config import Candidate, Checkpointing, Precision, TuneOptions
+from autoshard.config import Candidate, Checkpointing, Precision
 from autoshard.decide import decide_from_trials
 from autoshard.errors import StorageError, StudyNotice, TrialsFailedError
 from autoshard.measure import speed_basis
+from autoshard.options import TuneOptions
 from autoshard.plan import Plan
 from autoshard.predict.calibrate import Calibration, reorder_untried
 from autoshard.predict.speed import SpeedFactors

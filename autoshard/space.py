@@ -19,6 +19,7 @@ from autoshard.config import (
     Candidate,
     Checkpointing,
     Engine,
+    Frozen,
     Hardware,
     Optimizer,
     Precision,
@@ -142,55 +143,64 @@ def reshards_for(
     return (Reshard.ALL,)
 
 
+class Knobs(Frozen):
+    """What a caller fixes or narrows in the space (:func:`enumerate_candidates`); the rest the
+    space derives from the model and the hardware."""
+
+    engine: Engine = Engine.FSDP1
+    # a setting of the workload, not searched: every candidate runs it
+    optimizer: Optimizer = Optimizer.ADAMW
+    precisions: tuple[Precision, ...] | None = None  # None: default_precisions(hardware)
+    micro_batch_sizes: tuple[int, ...] | None = None  # None: the workload's
+    offload: bool | None = None  # None: both
+    reshards: tuple[Reshard, ...] | None = None  # None: every policy that differs (FSDP2)
+    compiles: tuple[bool, ...] = (False,)
+    float8s: tuple[bool, ...] = (False,)
+
+
 def enumerate_candidates(
     profile: ModelProfile,
     hardware: Hardware,
     workload: WorkloadSpec,
-    *,
-    engine: Engine = Engine.FSDP1,
-    optimizer: Optimizer = Optimizer.ADAMW,
-    precisions: Sequence[Precision] | None = None,
-    micro_batch_sizes: Sequence[int] | None = None,
-    offload: bool | None = None,
-    reshards: Sequence[Reshard] | None = None,
-    compiles: Sequence[bool] = (False,),
-    float8s: Sequence[bool] = (False,),
+    knobs: Knobs | None = None,
 ) -> list[Candidate]:
     """All candidates for ``profile`` on ``hardware``: the analyzer's wrap policy with every
     sharding strategy, checkpointing none / every 2nd block / op-level (selective) / every
     block, CPU offload (with FULL_SHARD only: it is the last resort), for FSDP2 each reshard
-    policy (:func:`reshards_for`; ``reshards`` pins some), and each precision and micro-batch
-    size; and the whole model as one unit (Lightning's default) with each sharding, precision
-    and micro-batch size. Each of them with every ``compiles`` value (torch.compile off, on),
-    and with every ``float8s`` value where float8 goes (FSDP2 and bf16 compute; the hardware is
-    the caller's to check,
-    :func:`float8_blocker`). All with ``optimizer`` (a setting of the workload, not searched) in
-    its first implementation (torch's foreach where it has one).
+    policy (:func:`reshards_for`; ``knobs.reshards`` pins some), and each precision and
+    micro-batch size; and the whole model as one unit (Lightning's default) with each sharding,
+    precision and micro-batch size. Each of them with every ``knobs.compiles`` value
+    (torch.compile off, on), and with every ``knobs.float8s`` value where float8 goes (FSDP2 and
+    bf16 compute; the hardware is the caller's to check, :func:`float8_blocker`). All with
+    ``knobs.optimizer`` in its first implementation (torch's foreach where it has one).
 
     >>> from autoshard import Hardware, TargetSpec, WorkloadSpec, analyze_target
     >>> from autoshard import enumerate_candidates
+    >>> from autoshard.space import Knobs
     >>> profile, _ = analyze_target(
     ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
     >>> candidates = enumerate_candidates(
     ...     profile, Hardware(gpus_per_node=8, nodes=2, gpu_memory=80 * 2**30),
-    ...     WorkloadSpec(seq_len=128), precisions=("bf16-mixed",), micro_batch_sizes=(1,))
+    ...     WorkloadSpec(seq_len=128), Knobs(precisions=("bf16-mixed",), micro_batch_sizes=(1,)))
     >>> sorted({c.sharding.value for c in candidates})
     ['FULL_SHARD', 'HYBRID_SHARD', 'NO_SHARD', 'SHARD_GRAD_OP']
     >>> {c.hybrid_mesh for c in candidates if c.sharding.value == "HYBRID_SHARD"}
     {(2, 8)}
     >>> fsdp2 = enumerate_candidates(
     ...     profile, Hardware(gpus_per_node=8, gpu_memory=80 * 2**30), WorkloadSpec(seq_len=128),
-    ...     engine="fsdp2", precisions=("bf16-mixed",), micro_batch_sizes=(1,))
+    ...     Knobs(engine="fsdp2", precisions=("bf16-mixed",), micro_batch_sizes=(1,)))
     >>> sorted({c.reshard.value for c in fsdp2 if c.sharding.value == "FULL_SHARD"})
     ['all', 'keep_root', 'keep_root_and_last']
     """
+    knobs = knobs or Knobs()
+    engine, optimizer, reshards = knobs.engine, knobs.optimizer, knobs.reshards
     blocks = profile.checkpoint_policy
     checkpointing = _checkpointing_options(profile)
-    offloads = [False, True] if offload is None else [offload]
-    sizes = tuple(micro_batch_sizes or (workload.micro_batch_size,))
+    offloads = [False, True] if knobs.offload is None else [knobs.offload]
+    sizes = tuple(knobs.micro_batch_sizes or (workload.micro_batch_size,))
     steps = {"optimizer": optimizer, "optimizer_impl": OPTIMIZER_TRAITS[optimizer].impls[0]}
     out: list[Candidate] = []
-    for precision in precisions or default_precisions(hardware):
+    for precision in knobs.precisions or default_precisions(hardware):
         for sharding, mesh in shardings_for(hardware, engine):
             for ckpt, every in checkpointing:
                 for off in offloads:
@@ -221,7 +231,7 @@ def enumerate_candidates(
                         )
         if profile.wrap_policy or profile.wrap_min_params:
             out += _one_unit_candidates(hardware, engine, precision, sizes, steps)
-    return _with_recipes(out, engine, compiles, float8s)
+    return _with_recipes(out, engine, knobs.compiles, knobs.float8s)
 
 
 def _checkpointing_options(profile: ModelProfile) -> list[tuple[Checkpointing, int]]:

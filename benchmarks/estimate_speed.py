@@ -107,7 +107,7 @@ def _stages() -> list[str]:
     from autoshard.predict.flops import profile_flops
     from autoshard.predict.hardware import speed_for
     from autoshard.predict.speed import default_factors
-    from autoshard.space import enumerate_candidates
+    from autoshard.space import Knobs, enumerate_candidates
     from autoshard.target.resolve import TargetSpec, build_target
 
     target = TargetSpec(spec=f"{ROOT}/{TARGET}", kwargs={"size": "70b"})
@@ -117,7 +117,9 @@ def _stages() -> list[str]:
     hardware = Hardware(gpus_per_node=8, nodes=128, gpu_memory=80 * 1024**3)
     candidates = timed(
         "enumerate candidates",
-        lambda: enumerate_candidates(profile, hardware, workload, micro_batch_sizes=(1, 2, 4)),
+        lambda: enumerate_candidates(
+            profile, hardware, workload, Knobs(micro_batch_sizes=(1, 2, 4))
+        ),
     )
     precisions = precisions_of(candidates)
     names = ", ".join(p.value for p in precisions)

@@ -66,7 +66,7 @@ def collect() -> dict[str, Any]:
     from autoshard.predict.attention_kernels import attention_device
     from autoshard.predict.flops import profile_flops
     from autoshard.predict.speed import SpeedFactors, predict_speed
-    from autoshard.space import enumerate_candidates
+    from autoshard.space import Knobs, enumerate_candidates
     from autoshard.target.resolve import TargetSpec
 
     out: dict[str, Any] = {}
@@ -95,9 +95,7 @@ def collect() -> dict[str, Any]:
                         profile,
                         hardware,
                         base,
-                        engine=engine,
-                        micro_batch_sizes=(1, 4),
-                        offload=True,
+                        Knobs(engine=engine, micro_batch_sizes=(1, 4), offload=True),
                     )
                 cands = _variants(cands)
                 for loop in (Loop.LIGHTNING, Loop.PLAIN):
@@ -138,6 +136,7 @@ def main() -> None:
         args.write.write_text(text)
         return
     want = json.loads(args.check.read_text())
+    got = json.loads(text)  # as written: a tuple (interval_s) reads back as a list
     moved = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
     for key in moved[:10]:
         a, b = want.get(key, {}), got.get(key, {})

@@ -36,7 +36,7 @@ def _estimates(labels: set[str]) -> dict[str, tuple[int, str, bool, int, int]]:
     from autoshard.predict.activations import precisions_of, profile_activations
     from autoshard.predict.analytic import estimate_memory, estimate_reserved
     from autoshard.predict.attention_kernels import attention_device
-    from autoshard.space import enumerate_candidates
+    from autoshard.space import Knobs, enumerate_candidates
     from autoshard.target.resolve import TargetSpec
 
     target = TargetSpec(spec=f"{ROOT}/examples/gpt.py:build", kwargs={"size": "1b"})
@@ -47,9 +47,9 @@ def _estimates(labels: set[str]) -> dict[str, tuple[int, str, bool, int, int]]:
         c
         for engine in (Engine.FSDP1, Engine.FSDP2)
         for c in enumerate_candidates(
-            profile, hardware, workload, engine=engine,
+            profile, hardware, workload, Knobs(engine=engine,
             precisions=(Precision.BF16_MIXED, Precision.FP32), micro_batch_sizes=(1,),
-            offload=None,
+            offload=None),
         )
         if not c.compile and c.label() in labels
     ]  # fmt: skip

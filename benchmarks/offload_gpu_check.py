@@ -194,7 +194,7 @@ def trial(label: str) -> None:
     from autoshard.predict.flops import profile_flops
     from autoshard.predict.hardware import detected_gpu, speed_for
     from autoshard.predict.speed import predict_speed
-    from autoshard.space import enumerate_candidates
+    from autoshard.space import Knobs, enumerate_candidates
     from autoshard.target.resolve import TargetSpec
     from autoshard.trials.group import WorkerGroup
 
@@ -213,10 +213,9 @@ def trial(label: str) -> None:
             profile,
             hardware,
             workload,
-            engine=engine,
-            precisions=(Precision.FP32,),
-            micro_batch_sizes=(1,),
-            offload=None,
+            Knobs(
+                engine=engine, precisions=(Precision.FP32,), micro_batch_sizes=(1,), offload=None
+            ),
         )
         if c.label() == label and not c.compile
     ]

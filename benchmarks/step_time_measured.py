@@ -86,7 +86,7 @@ def main() -> None:
     from autoshard.predict.hardware import detected_gpu, speed_for
     from autoshard.predict.speed import predict_speed
     from autoshard.results import TrialStatus
-    from autoshard.space import enumerate_candidates
+    from autoshard.space import Knobs, enumerate_candidates
     from autoshard.target.resolve import TargetSpec
     from autoshard.trials.group import default_nproc
 
@@ -107,10 +107,12 @@ def main() -> None:
         profile,
         hardware,
         workload,
-        precisions=precisions,
-        micro_batch_sizes=(1, 4),
-        # FSDP1's CPU offload pins host memory: it needs CUDA (design notes)
-        offload=None if device == "cuda" else False,
+        Knobs(
+            precisions=precisions,
+            micro_batch_sizes=(1, 4),
+            # FSDP1's CPU offload pins host memory: it needs CUDA (design notes)
+            offload=None if device == "cuda" else False,
+        ),
     )
     # A spread of the grid: every k-th candidate, so each dimension varies.
     stride = max(1, len(candidates) // args.max)

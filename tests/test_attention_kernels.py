@@ -136,7 +136,8 @@ def test_a_plan_profiles_attention_as_its_device_runs_it(gpu: str, math: bool) -
     kernel, a plan for CPU worker processes (whose trials measure the CPU's kernel) does not."""
     import warnings
 
-    from autoshard.plan import PlanOptions, make_plan, make_request
+    from autoshard.options import PlanOptions
+    from autoshard.plan import make_plan, make_request
 
     options = PlanOptions(gpus=1, gpu=gpu, gpu_memory="4GiB", batch_size="1",
                           precision="32-true", seq_len=64, engine="fsdp2")  # fmt: skip

@@ -15,7 +15,6 @@ from torch import nn
 from typer.testing import CliRunner
 
 import autoshard
-from autoshard import predict
 from autoshard.cli import app
 from autoshard.config import Candidate, Engine, Precision, WorkloadSpec
 from autoshard.errors import ConfigError, HandoverNotice
@@ -38,13 +37,6 @@ def plan(gpu: str, **options: Any) -> list[Candidate]:
     return [e.candidate for e in estimates]
 
 
-@pytest.fixture
-def unmodelled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The predictors declaring neither compile nor float8 (as before predict/recipe.py): what
-    the plan does with a dimension it cannot predict."""
-    monkeypatch.setattr(predict, "MODELLED_DIMENSIONS", frozenset(), False)
-
-
 # ---------------------------------------------------------------------------------------------
 # Where they are planned
 # ---------------------------------------------------------------------------------------------
@@ -57,18 +49,6 @@ def test_the_catalogue_says_which_gpus_have_fp8() -> None:
         spec = CATALOGUE[i]
         assert spec.fp8_flops is not None and spec.fp8_flops >= 1.9 * spec.bf16_flops
         assert any("FP8" in s for s in spec.sources) and any("torchao" in s for s in spec.sources)
-
-
-def test_the_predictors_model_compile_and_float8() -> None:
-    assert {"compile", "float8"} <= predict.MODELLED_DIMENSIONS
-
-
-@pytest.mark.usefixtures("unmodelled")
-def test_unmodelled_dimensions_are_not_proposed() -> None:
-    """Until predict models them, a compiled or float8 candidate would be predicted exactly as
-    the eager one: the space leaves them out rather than pick between equals."""
-    candidates = plan("h100-sxm", engine="fsdp2")
-    assert not any(c.compile or c.float8 for c in candidates)
 
 
 def test_float8_is_planned_only_where_it_goes() -> None:
@@ -85,8 +65,7 @@ def test_float8_is_planned_only_where_it_goes() -> None:
     assert not any(c.float8 or c.compile for c in pinned)
 
 
-@pytest.mark.usefixtures("unmodelled")
-def test_pinned_compile_and_float8_plan_them_and_say_they_are_not_modelled() -> None:
+def test_pinned_compile_and_float8_plan_them_and_only_them() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         estimates = autoshard.estimate(
@@ -97,8 +76,8 @@ def test_pinned_compile_and_float8_plan_them_and_say_they_are_not_modelled() -> 
     # float8 pinned keeps the bf16 precisions of the default bf16-mixed, 32-true
     assert {e.candidate.precision for e in estimates} == {Precision.BF16_MIXED}
     lines = [str(w.message) for w in caught if issubclass(w.category, autoshard.PlanWarning)]
-    assert any(line.startswith("torch.compile: its effect") for line in lines)
-    assert any(line.startswith("float8: its effect") for line in lines)
+    # both are modelled (predict/recipe.py): no line says their effect is not
+    assert not any("not modelled" in line for line in lines)
 
 
 @pytest.mark.parametrize(
@@ -137,7 +116,8 @@ def test_float8_is_never_planned_on_a_gpu_without_fp8() -> None:
     """Every catalogue GPU, FSDP2 and bf16 allowed: float8 planned exactly where fp8 tensor
     cores are (the catalogue's ``fp8_flops``), compile wherever torch compiles."""
     from autoshard.config import Hardware
-    from autoshard.plan import PlanOptions, planned_switches
+    from autoshard.options import PlanOptions
+    from autoshard.plan import planned_switches
 
     options = PlanOptions(engine="fsdp2")
     for gpu_id, spec in CATALOGUE.items():

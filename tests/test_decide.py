@@ -10,11 +10,11 @@ import pytest
 from torch import nn
 
 import autoshard.decide as decide_module
-from autoshard.config import Candidate, Checkpointing, Hardware, Sharding
-from autoshard.decide import _differences, decide, explain_estimate, versions
-from autoshard.plan import Plan, PlanOptions, make_plan, make_request
-from autoshard.results import Scored
-from autoshard.units import format_bytes
+from autoshard.config import Checkpointing, Hardware, Sharding
+from autoshard.decide import decide, versions
+from autoshard.options import PlanOptions
+from autoshard.plan import Plan, make_plan, make_request
+from autoshard.reasons import explain_estimate
 from tests.test_emit import estimate
 from tests.test_measure import recommend, run, with_speed
 
@@ -119,19 +119,6 @@ def test_an_optimizer_given_is_said_as_given_not_as_a_default() -> None:
     assert "adafactor" not in defaults and defaults.endswith("measure them with trials")
 
 
-def test_a_wrap_difference_is_said_in_the_engines_own_terms() -> None:
-    blocks = Candidate(wrap_classes=("gpt.Block", "gpt.Head"))
-    assert _differences(Candidate(), blocks) == ["auto_wrap_policy=Block,Head"]
-    assert _differences(blocks, Candidate()) == ["auto_wrap_policy=none (one unit)"]
-    assert _differences(Candidate(), Candidate(min_num_params=10_000)) == [
-        "auto_wrap_policy=size>=10,000"
-    ]
-    fsdp2 = Candidate(engine="fsdp2", wrap_classes=("gpt.Block",))
-    assert "fully_shard units=Block" in _differences(Candidate(engine="fsdp2"), fsdp2)
-    every2 = Candidate(checkpointing="every_k", checkpoint_every=2, checkpoint_classes=("a.B",))
-    assert _differences(Candidate(), every2) == ["checkpointing=every 2 blocks"]
-
-
 def test_trial_reasons_say_which_rate_was_measured() -> None:
     quick = run(0.100, spread=0.01)
     slow = run(0.130, spread=0.01, sharding=Sharding.SHARD_GRAD_OP)
@@ -158,25 +145,6 @@ def test_cpu_trials_without_a_prediction_come_last_fastest_measured_first() -> N
     ]
     rec = recommend([slow, predicted, fast], gpus, estimates)
     assert [s.trial for s in (rec.chosen, *rec.runners_up)] == [predicted, fast, slow]
-
-
-def test_an_offloading_choice_says_what_it_needs_of_the_host() -> None:
-    offload = estimate(Candidate(cpu_offload=True, wrap_classes=("gpt.Block",)))
-    need = format_bytes(offload.host_peak)
-    hardware = Hardware(gpus_per_node=2, gpu_memory=2 * GIB)
-    chosen = Scored(candidate=offload.candidate, estimate=offload)
-    assert decide_module.host_memory_reason(chosen, hardware) == [
-        f"CPU offload needs {need} of host memory per node (parameters, gradients and "
-        "optimizer states of the node's ranks): not checked, no host memory given"
-    ]
-    with_host = hardware.model_copy(update={"host_memory": 64 * GIB})
-    assert decide_module.host_memory_reason(chosen, with_host) == [
-        f"CPU offload needs {need} of host memory per node (parameters, gradients and optimizer "
-        "states of the node's ranks), of 64 GiB"
-    ]
-    kept = estimate(Candidate(wrap_classes=("gpt.Block",)))
-    assert decide_module.host_memory_reason(Scored(candidate=kept.candidate, estimate=kept),
-                                            with_host) == []  # fmt: skip
 
 
 def test_an_exports_versions_name_each_package_installed(monkeypatch) -> None:

@@ -16,7 +16,7 @@ from autoshard.predict.analytic import (
     estimate_memory,
     peak_moments,
 )
-from autoshard.space import enumerate_candidates
+from autoshard.space import Knobs, enumerate_candidates
 from autoshard.target.resolve import TargetSpec, build_target
 
 from .conftest import EXAMPLES
@@ -161,7 +161,9 @@ def test_one_gpu_candidates_skip_what_fsdp1_would_run_alike(stack) -> None:
     w = WorkloadSpec()
 
     def shardings(hw: Hardware, engine: Engine) -> set[str]:
-        return {c.sharding.value for c in enumerate_candidates(profile, hw, w, engine=engine)}
+        return {
+            c.sharding.value for c in enumerate_candidates(profile, hw, w, Knobs(engine=engine))
+        }
 
     assert shardings(one, Engine.FSDP1) == {"FULL_SHARD"}
     assert shardings(one, Engine.FSDP2) == {"FULL_SHARD", "SHARD_GRAD_OP"}

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from autoshard.config import TuneOptions
-from autoshard.plan import PlanOptions, make_plan, make_request
+from autoshard.options import PlanOptions, TuneOptions
+from autoshard.plan import make_plan, make_request
 from autoshard.search import study_settings
 from autoshard.study.journal import read_records
 

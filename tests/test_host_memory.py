@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import autoshard
-from autoshard import plan as plan_module
+from autoshard import detect as detect_module
+from autoshard.detect import detect_hardware, machine_memory
 from autoshard.errors import ConfigError
-from autoshard.plan import detect_hardware, machine_memory
 
 from .conftest import EXAMPLES
 
@@ -127,7 +127,7 @@ def test_this_machines_ram_is_the_host_limit(monkeypatch):
         assert detect_hardware(gpus=8, gpu_memory="80GiB").host_memory is None
         assert detect_hardware(gpus=8, host_memory="2TiB").host_memory == 2 * TIB
     # GPUs visible and none given: the plan is for this machine
-    monkeypatch.setattr(plan_module, "_visible_gpus", lambda: 8)
+    monkeypatch.setattr(detect_module, "_visible_gpus", lambda: 8)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda *_: SimpleNamespace(total_memory=80 * 2**30)

@@ -370,7 +370,8 @@ def test_slow_rates_and_trials_without_rates() -> None:
 def test_hybrid_shard_differs_from_full_shard_only_in_sharding_and_no_trial_ran_is_one_line() -> (
     None
 ):
-    from autoshard.decide import _differs_only_in, nothing_ran
+    from autoshard.decide import nothing_ran
+    from autoshard.reasons import _differs_only_in
 
     hybrid = Candidate(sharding=Sharding.HYBRID_SHARD, hybrid_mesh=(2, 4))
     assert _differs_only_in(hybrid, Candidate(), "sharding")  # its mesh comes with it

@@ -14,7 +14,9 @@ import yaml
 
 import autoshard
 from autoshard.config import Sharding
-from autoshard.plan import PlanOptions, PlanWarning, make_plan, make_request
+from autoshard.errors import PlanWarning
+from autoshard.options import PlanOptions
+from autoshard.plan import make_plan, make_request
 from autoshard.results import TrialStatus
 from autoshard.search import trial_order
 
@@ -249,8 +251,8 @@ def test_the_default_seq_len_is_the_models_context_capped_at_4096() -> None:
         plan = make_plan(make_request(_LongContextLM(), options))
     assert plan.workload.seq_len == 4096 and plan.activations.seq_len == 4096
     # a shorter context is taken as it is, none at all assumes the cap; a given one is kept
-    from autoshard.plan import DEFAULT_SEQ_LEN_CAP, resolve_workload
     from autoshard.target.resolve import BuiltModel
+    from autoshard.workload import DEFAULT_SEQ_LEN_CAP, resolve_workload
 
     assert DEFAULT_SEQ_LEN_CAP == 4096
     for context, seq_len, note in ((1024, 1024, "context (1024);"), (None, 4096, "assumed")):

@@ -1,248 +1,46 @@
-"""The planning pipeline's own rules (autoshard.plan): how what a user says becomes options (and a
-mistake one line naming the flag or keyword), which hardware is planned for, which switches
-(torch.compile, float8) are planned, and the defaults a plan assumes. Quick: no trial runs."""
+"""The planning pipeline's own rules (autoshard.plan): which switches (torch.compile, float8) are
+planned, the defaults a plan assumes, its notes, and the fewest nodes on which something fits.
+Options are tests/test_options.py's, hardware tests/test_detect.py's, the workload
+tests/test_workload.py's. Quick: no trial runs."""
 
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
+import autoshard.detect as detect_module
 import autoshard.plan as plan_module
-from autoshard.config import Engine, Hardware, Optimizer, Precision, TuneOptions
-from autoshard.errors import ConfigError
-from autoshard.plan import (
-    DEFAULT_MICRO_BATCH_SIZES,
-    NoGPUWarning,
-    PlanOptions,
-    PlanWarning,
-    detect_hardware,
-    make_plan,
-    make_request,
-    micro_batch_sizes,
-    options_from,
-    planned_switches,
-    plans_this_machine,
-    unmodelled_notes,
-)
+from autoshard.config import Hardware, Precision
+from autoshard.errors import ConfigError, PlanWarning
+from autoshard.options import PlanOptions
+from autoshard.plan import make_plan, make_request, planned_switches
 from autoshard.target.resolve import BuiltModel, TargetSpec
+from autoshard.workload import resolve_workload
 
 GIB = 2**30
 
 
-def _message(model: type, values: dict, *, cli: bool = True) -> str:
-    with pytest.raises(ConfigError) as caught:
-        options_from(model, values, cli=cli)
-    return str(caught.value)
-
-
-# --------------------------------------------------------------------------------------------
-# A mistake is one line naming the flag (or keyword) and how to fix it
-# --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("model", "values", "cli", "line"),
-    [
-        (PlanOptions, {"gpuz": 2}, True,
-         "unknown option gpuz=; see help(autoshard.PlanOptions) for the options"),
-        (PlanOptions, {"gpus": 0}, True, "--gpus 0: give 1 or more"),
-        (PlanOptions, {"gpus": 0}, False, "gpus= 0: give 1 or more"),
-        (PlanOptions, {"gpu_memory": 0}, True, "--gpu-memory 0: give more than 0"),
-        (TuneOptions, {"trial_timeout": 0}, False, "trial_timeout= 0: give more than 0.0"),
-        (TuneOptions, {"warmup": -1}, True, "--warmup -1: give 0 or more"),
-        (PlanOptions, {"intra_node_bandwidth": float("nan")}, False,
-         "intra_node_bandwidth= nan: give a finite number (inf and nan are not a time or a size)"),
-        (PlanOptions, {"engine": "fsdp3"}, True, "--engine fsdp3: choose one of fsdp1, fsdp2"),
-        (PlanOptions, {"precision": "bf17"}, True,
-         "--precision bf17: choose one of 32-true, bf16-mixed, 16-mixed, bf16-true"),
-        (PlanOptions, {"batch_size": "0,1"}, True,
-         "--batch-size 0,1: give positive integers, e.g. 1 or 1,2,4"),
-        (PlanOptions, {"batch_size": ""}, True,
-         "--batch-size : give positive integers, e.g. 1 or 1,2,4"),
-        (TuneOptions, {"target_spread": 1}, True, "--target-spread 1: give less than 1.0"),
-        (PlanOptions, {"gpu_memory": "12 potatoes"}, True,
-         "--gpu-memory 12 potatoes: cannot read '12 potatoes' as a size; write it like 80GiB, "
-         "40GB or 24000MiB"),
-        (PlanOptions, {"host_memory": "0GiB"}, False,
-         "host_memory= 0GiB: size must be positive, got '0GiB'"),
-        (PlanOptions, {"optimizer": "lion"}, True,
-         "--optimizer lion: choose one of " + ", ".join(o.value for o in Optimizer)),
-        (PlanOptions, {"engine": "fsdp2", "optimizer": "adafactor"}, True,
-         "--optimizer adafactor: adafactor steps the parameters of engine fsdp1 only: give "
-         "--engine fsdp1 (engine= in code)"),
-    ],
-)  # fmt: skip
-def test_a_bad_option_is_one_line_naming_the_flag_or_keyword(model, values, cli, line) -> None:
-    assert _message(model, values, cli=cli) == line
-
-
-def test_an_unknown_gpu_lists_the_catalogue() -> None:
-    message = _message(PlanOptions, {"gpu": "h900"})
-    assert message.startswith("unknown GPU 'h900': use one of ") and "h100-sxm" in message
-
-
-def test_sizes_rates_and_lists_are_read_as_a_user_writes_them() -> None:
-    options = PlanOptions(
-        gpu_memory="40GB",
-        host_memory="1TiB",
-        intra_node_bandwidth="450GB/s",
-        inter_node_bandwidth="400GBps",
-        batch_size="1, 2,,4",
-        precision="bf16-mixed,32-true",
-    )
-    assert options.gpu_memory == 40 * 10**9 and options.host_memory == 2**40
-    assert options.intra_node_bandwidth == 450e9 and options.inter_node_bandwidth == 400e9
-    assert PlanOptions(intra_node_bandwidth="1GiB").intra_node_bandwidth == float(GIB)
-    assert options.batch_size == (1, 2, 4)
-    assert options.precision == (Precision.BF16_MIXED, Precision.FP32)
-    # one value is a list of one; numbers already numbers stay as they are
-    assert PlanOptions(batch_size=4).batch_size == (4,)
-    assert PlanOptions(precision=Precision.FP32).precision == (Precision.FP32,)
-    assert PlanOptions(gpu_memory=GIB, intra_node_bandwidth=1e9).gpu_memory == GIB
-    # the defaults a user gets by saying nothing
-    default = PlanOptions()
-    assert (default.nodes, default.accumulate, default.engine) == (1, 1, Engine.FSDP1)
-    assert default.batch_size is None and default.precision is None and default.simulate == 0
-
-
-# --------------------------------------------------------------------------------------------
-# The hardware planned for
-# --------------------------------------------------------------------------------------------
-
-
-def _hardware(trials: bool = False, **values) -> tuple[Hardware, list[str]]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        hardware = detect_hardware(trials=trials, **values)
-    return hardware, [f"{w.category.__name__}: {w.message}" for w in caught]
-
-
 @pytest.fixture
 def no_gpu(monkeypatch) -> None:
-    monkeypatch.setattr(plan_module, "_visible_gpus", lambda: 0)
-
-
-def test_without_a_gpu_the_gpus_given_are_planned_and_the_assumed_model_said(no_gpu) -> None:
-    hardware, said = _hardware(gpus=4)
-    assert (hardware.gpus_per_node, hardware.nodes, hardware.gpu) == (4, 1, "h100-sxm")
-    assert hardware.gpu_memory == 80 * GIB and hardware.backend == "nccl"
-    assert hardware.host_memory is None and hardware.bf16_supported
-    assert said == [
-        "PlanWarning: no GPU visible and no gpu/gpu_memory given: planning for NVIDIA H100 "
-        "SXM5 80GB (h100-sxm); give --gpu or --gpu-memory for yours",
-        "NoGPUWarning: no GPU visible: planning for 1 x 4 GPUs of 80 GiB",
-    ]
-    # a GPU model named: its memory, no assumption to warn about
-    hardware, said = _hardware(gpus=2, nodes=3, gpu="a100-40gb-sxm")
-    assert (hardware.gpu_memory, hardware.nodes, hardware.gpu) == (40 * GIB, 3, "a100-40gb-sxm")
-    assert said == ["NoGPUWarning: no GPU visible: planning for 3 x 2 GPUs of 40 GiB"]
-    # a memory given: that memory, no model assumed; trials run on CPU processes
-    hardware, said = _hardware(trials=True, gpus=4, gpu_memory="40GB", host_memory="1TiB",
-                               intra_node_bandwidth="100GB", inter_node_bandwidth="25GB")  # fmt: skip
-    assert hardware.gpu is None and hardware.gpu_memory == 40 * 10**9
-    assert hardware.host_memory == 2**40
-    assert (hardware.intra_node_bandwidth, hardware.inter_node_bandwidth) == (100e9, 25e9)
-    assert said == [
-        "NoGPUWarning: no GPU visible: planning for 1 x 4 GPUs of 37.3 GiB; trials run on CPU "
-        "processes with gloo"
-    ]
-
-
-def test_without_a_gpu_planning_needs_gpus_and_trials_default_to_two_processes(no_gpu) -> None:
-    with pytest.raises(ConfigError, match=r"^no GPU visible here: give gpus \(--gpus N"):
-        detect_hardware(nodes=2)
-    hardware, _ = _hardware(trials=True)
-    assert hardware.gpus_per_node == 2 == plan_module.DEFAULT_CPU_WORKERS
-
-
-def test_the_cpu_gloo_entry_plans_this_machines_processes(no_gpu) -> None:
-    hardware, said = _hardware(trials=True, gpu="cpu-gloo")
-    assert hardware.backend == "gloo" and hardware.gpus_per_node == 2
-    # offload there goes to this machine's memory, the one the processes share
-    assert hardware.host_memory == plan_module.machine_memory() is not None
-    assert not any(s.startswith("PlanWarning") for s in said)
-    # on several nodes it is not this machine: the host memory is unknown
-    assert _hardware(trials=True, gpu="cpu-gloo", nodes=2)[0].host_memory is None
-
-
-def test_visible_gpus_are_planned_as_they_are(monkeypatch) -> None:
-    class Properties:
-        total_memory = 79 * GIB
-
-    monkeypatch.setattr(plan_module, "_visible_gpus", lambda: 8)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _=0: "NVIDIA A100-SXM4-80GB")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _=0: Properties())
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    hardware, said = _hardware()
-    assert said == []
-    assert (hardware.gpus_per_node, hardware.gpu, hardware.gpu_memory) == (
-        8, "a100-80gb-sxm", 79 * GIB)  # fmt: skip
-    assert not hardware.bf16_supported
-    assert hardware.host_memory == plan_module.machine_memory()  # these GPUs' own host
-    # fewer GPUs than are here: still this machine; a named model or more GPUs: not
-    assert _hardware(gpus=4)[0].host_memory == plan_module.machine_memory()
-    assert _hardware(gpus=16)[0].host_memory is None
-    named, _ = _hardware(gpu="h100-sxm")
-    assert named.host_memory is None and named.gpu_memory == 80 * GIB
-    assert _hardware(gpu_memory="40GiB")[0].gpu_memory == 40 * GIB
-
-
-def test_which_plans_are_for_this_machine() -> None:
-    assert plans_this_machine(PlanOptions(), 8, "h100-sxm")
-    assert plans_this_machine(PlanOptions(gpus=8), 8, "h100-sxm")
-    assert not plans_this_machine(PlanOptions(gpus=9), 8, "h100-sxm")
-    assert not plans_this_machine(PlanOptions(gpu="h100-sxm"), 8, "h100-sxm")
-    assert not plans_this_machine(PlanOptions(), 0, "h100-sxm")
-    assert plans_this_machine(PlanOptions(gpus=4), 0, "cpu-gloo")
-    assert not plans_this_machine(PlanOptions(nodes=2), 0, "cpu-gloo")
-
-
-def test_the_machines_memory_is_its_containers_limit_where_lower(monkeypatch) -> None:
-    monkeypatch.setattr(plan_module.os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096,
-                        "SC_PHYS_PAGES": 4 * GIB // 4096}[name])  # fmt: skip
-    limits: dict[str, str] = {}
-
-    def read_text(self: Path, *args, **kwargs) -> str:
-        if str(self) not in limits:
-            raise OSError(str(self))
-        return limits[str(self)]
-
-    monkeypatch.setattr(Path, "read_text", read_text)
-    assert plan_module.machine_memory() == 4 * GIB  # no cgroup limit readable
-    limits["/sys/fs/cgroup/memory.max"] = "max\n"
-    limits["/sys/fs/cgroup/memory/memory.limit_in_bytes"] = f"{GIB}\n"
-    assert plan_module.machine_memory() == GIB  # cgroup v1's limit, v2's "max"
-    limits["/sys/fs/cgroup/memory.max"] = f"{2 * GIB}\n"
-    assert plan_module.machine_memory() == GIB  # the lowest of all
-    limits["/sys/fs/cgroup/memory/memory.limit_in_bytes"] = f"{8 * GIB}"
-    assert plan_module.machine_memory() == 2 * GIB  # a limit above the RAM is no limit
-    monkeypatch.setattr(plan_module.os, "sysconf", lambda name: (_ for _ in ()).throw(
-        ValueError(name)))  # fmt: skip
-    assert plan_module.machine_memory() is None
+    monkeypatch.setattr(detect_module, "_visible_gpus", lambda: 0)
 
 
 # --------------------------------------------------------------------------------------------
-# torch.compile and float8: planned where they go and are modelled, a pin taken or refused
+# torch.compile and float8: planned where they go, a pin taken or refused
 # --------------------------------------------------------------------------------------------
 
 H100 = Hardware(gpus_per_node=8, gpu_memory=80 * GIB, gpu="h100-sxm")
 
 
 @pytest.fixture
-def modelled(monkeypatch) -> set[str]:
-    dims: set[str] = set()
-    monkeypatch.setattr(plan_module, "modelled_dimensions", lambda: frozenset(dims))
+def compiles(monkeypatch) -> None:
     monkeypatch.setattr(plan_module, "compile_supported", lambda: None)
-    return dims
 
 
-def test_unpinned_switches_are_planned_only_where_modelled_and_possible(modelled, monkeypatch):
+def test_unpinned_switches_are_planned_where_they_go(compiles, monkeypatch):
     fsdp2 = PlanOptions(engine="fsdp2")
-    assert planned_switches(fsdp2, H100) == ((False,), (False,), None)
-    modelled.update({"compile", "float8"})
     assert planned_switches(fsdp2, H100) == ((False, True), (False, True), None)
     # float8 needs FSDP2 and fp8 tensor cores; compile needs a torch that compiles here
     assert planned_switches(PlanOptions(), H100)[1] == (False,)
@@ -252,7 +50,7 @@ def test_unpinned_switches_are_planned_only_where_modelled_and_possible(modelled
     assert planned_switches(fsdp2, H100)[0] == (False,)
 
 
-def test_pinned_switches_are_taken_or_refused_in_one_line(modelled, monkeypatch) -> None:
+def test_pinned_switches_are_taken_or_refused_in_one_line(compiles, monkeypatch) -> None:
     off = PlanOptions(engine="fsdp2", compile=False, float8=False)
     assert planned_switches(off, H100) == ((False,), (False,), None)
     # float8 pinned on keeps only the bf16-compute precisions of the defaults
@@ -276,22 +74,6 @@ def test_pinned_switches_are_taken_or_refused_in_one_line(modelled, monkeypatch)
         "compile (--compile) is pinned on, but no dynamo here: leave it unpinned"
     )
     assert planned_switches(PlanOptions(compile=False), H100)[0] == (False,)
-
-
-def test_a_planned_switch_the_predictors_do_not_model_is_said(modelled) -> None:
-    from autoshard.config import Candidate
-
-    plain = Candidate(engine="fsdp2", precision="bf16-mixed")
-    both = [plain, plain.model_copy(update={"compile": True, "float8": True})]
-    notes = unmodelled_notes(both)
-    assert notes == [
-        f"{what}: its effect on speed and memory is not modelled yet, so its candidates are "
-        "estimated as without it; trials on GPUs measure it"
-        for what in ("torch.compile", "float8")
-    ]
-    assert unmodelled_notes([plain]) == []
-    modelled.add("float8")
-    assert [n.split(":")[0] for n in unmodelled_notes(both)] == ["torch.compile"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,21 +104,6 @@ def test_the_optimizer_given_is_planned_in_every_candidate(no_gpu) -> None:
             assert 0 < adafactor[label] < 0.01 * states
         else:  # FSDP1's sharded flat views: one state where AdamW keeps two
             assert 2 * adafactor[label] == states
-
-
-def test_micro_batch_sizes_come_from_the_options_the_batch_or_the_default() -> None:
-    model = torch.nn.Linear(4, 4)
-    assert micro_batch_sizes(BuiltModel(model), PlanOptions()) == DEFAULT_MICRO_BATCH_SIZES
-    assert DEFAULT_MICRO_BATCH_SIZES == (1, 2, 4, 8)
-    batch = torch.zeros(3, 4)
-    assert micro_batch_sizes(BuiltModel(model, batch=batch), PlanOptions()) == (3,)
-    asked = PlanOptions(batch_size="2,6")
-    assert micro_batch_sizes(BuiltModel(model, batch=batch), asked) == (2, 6)
-
-    class Fixed:  # a loader that makes its batches itself
-        fixed, samples = True, 5
-
-    assert micro_batch_sizes(BuiltModel(model, batch=batch, data=Fixed()), asked) == (5,)
 
 
 def test_a_plan_is_labelled_as_the_user_named_the_model() -> None:
@@ -374,10 +141,6 @@ def test_an_offloading_answer_without_host_memory_says_what_it_assumes() -> None
     fitting = [first.model_copy(update={"candidate": first.candidate.model_copy(
         update={"cpu_offload": False})})]  # fmt: skip
     assert plan_module.host_memory_note(fitting, H100) is None
-
-
-def test_no_gpu_warning_is_a_plan_warning() -> None:
-    assert issubclass(NoGPUWarning, PlanWarning)
 
 
 def test_the_fewest_nodes_on_which_something_fits(monkeypatch) -> None:
@@ -418,40 +181,7 @@ def test_simulate_refines_the_best_candidates_by_simulation() -> None:
     assert methods.count("simulated") == 1 and methods.count("analytic") == len(methods) - 1
 
 
-def test_a_seq_len_that_contradicts_the_batch_is_refused_word_for_word() -> None:
-    from autoshard.plan import resolve_workload
-
-    built = BuiltModel(torch.nn.Embedding(100, 4), batch=torch.zeros(2, 32, dtype=torch.long))
-    with pytest.raises(ConfigError) as refused:
-        resolve_workload(built, PlanOptions(seq_len=64), "the target")
-    assert str(refused.value) == (
-        "seq_len 64 but the batch the target returns has 32 tokens per sample, and that batch is "
-        "what is measured: build it with 64 (e.g. --arg seq_len=64, or kwargs={'seq_len': 64} in "
-        "code) or leave out --seq-len / seq_len="
-    )
-
-
-def test_a_loader_that_makes_its_batches_says_which_size_is_planned() -> None:
-    from autoshard.plan import resolve_workload
-
-    class Fixed:  # a DataLoader with its own batch_sampler
-        fixed, samples, origin = True, 5, "the DataLoader"
-
-    built = BuiltModel(torch.nn.Linear(4, 4), batch=torch.zeros(5, 4), data=Fixed())
-    workload, notes = resolve_workload(built, PlanOptions(batch_size="2,6"))
-    assert workload.micro_batch_size == 5
-    assert notes == [
-        "micro-batch 5, not --batch-size 2,6: the DataLoader makes its batches itself (its own "
-        "batch_sampler, batch_size=None or made batches), so trials and estimates use its size; "
-        "give a DataLoader with batch_size= to compare sizes"
-    ]
-    _, notes = resolve_workload(built, PlanOptions(batch_size="5"))
-    assert notes[0].startswith("micro-batch 5: the DataLoader makes its batches itself")
-
-
 def test_a_request_for_trials_without_a_gpu_plans_two_processes_and_the_vocabulary(no_gpu):
-    from autoshard.plan import resolve_workload
-
     model = torch.nn.Sequential(torch.nn.Embedding(100, 4), torch.nn.Linear(4, 100))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

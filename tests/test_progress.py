@@ -14,7 +14,8 @@ from rich.console import Console
 import autoshard
 import autoshard.api
 import autoshard.search
-from autoshard.config import ProgressEvent, TuneOptions
+from autoshard.config import ProgressEvent
+from autoshard.options import TuneOptions
 from autoshard.results import Scored, TrialResult, TrialStatus
 from tests.test_emit import make_rec
 

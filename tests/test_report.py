@@ -88,7 +88,7 @@ def test_settings_use_the_chosen_engines_own_terms() -> None:
 
 
 def test_reasons_name_the_units_in_the_engines_terms() -> None:
-    from autoshard.decide import _differences
+    from autoshard.reasons import differences as _differences
     from autoshard.space import wrap_reason
     from tests.test_emit import PROFILE
 

@@ -12,7 +12,7 @@ from autoshard.engine import reshard_after_forward
 from autoshard.predict.activations import profile_activations
 from autoshard.predict.analytic import estimate_memory
 from autoshard.predict.simulate import simulate_memory
-from autoshard.space import enumerate_candidates
+from autoshard.space import Knobs, enumerate_candidates
 from autoshard.target.resolve import TargetSpec
 
 from .conftest import EXAMPLES
@@ -60,7 +60,7 @@ def gpt_tiny():
 def test_space_enumerates_the_policies_where_they_differ(gpt_tiny) -> None:
     _, profile, workload, _ = gpt_tiny
     hw = Hardware(gpus_per_node=8, nodes=2, gpu_memory=80 * GIB)
-    fsdp2 = enumerate_candidates(profile, hw, workload, engine=Engine.FSDP2)
+    fsdp2 = enumerate_candidates(profile, hw, workload, Knobs(engine=Engine.FSDP2))
     by_sharding: dict[Sharding, set[Reshard]] = {}
     for c in fsdp2:
         if not c.one_unit and not c.cpu_offload:
@@ -72,7 +72,7 @@ def test_space_enumerates_the_policies_where_they_differ(gpt_tiny) -> None:
     assert all(c.reshard is Reshard.ALL for c in fsdp2 if c.cpu_offload or c.one_unit)
     assert len({c.key() for c in fsdp2}) == len(fsdp2)  # no duplicates
     pinned = enumerate_candidates(
-        profile, hw, workload, engine=Engine.FSDP2, reshards=("keep_root",)
+        profile, hw, workload, Knobs(engine=Engine.FSDP2, reshards=("keep_root",))
     )
     kept = {
         c.reshard

@@ -21,7 +21,7 @@ from autoshard.predict.analytic import estimate_all
 from autoshard.ranking import ranked, trial_contender
 from autoshard.results import Decision, TrialResult, TrialStatus
 from autoshard.search import dominated_by
-from autoshard.space import enumerate_candidates
+from autoshard.space import Knobs, enumerate_candidates
 from autoshard.ui.files import DATABASE_FILE
 
 from .conftest import EXAMPLES, ROOT
@@ -41,7 +41,7 @@ def test_study_prunes_by_estimate_and_picks_the_fastest_measured(tmp_path, examp
     profile, built = analyze_target(examples_gpt_tiny)
     acts = profile_activations(built.model, profile, workload)
     probe = Hardware(gpus_per_node=2, gpu_memory=80 * GIB, backend="gloo")
-    cands = enumerate_candidates(profile, probe, workload, precisions=(Precision.FP32,))
+    cands = enumerate_candidates(profile, probe, workload, Knobs(precisions=(Precision.FP32,)))
     estimates = estimate_all(profile, cands, probe, workload, activations=acts)
     # A GPU just big enough for the three smallest candidates without offload (FSDP1's CPU
     # offload cannot run on a CPU-only torch): the others must be pruned, never launched.

@@ -396,7 +396,8 @@ def test_compiled_candidates_simulate_what_compile_saves_where_activations_hold_
     plan's simulated estimate is the compiled one, not the eager one."""
     import warnings
 
-    from autoshard.plan import PlanOptions, make_plan, make_request
+    from autoshard.options import PlanOptions
+    from autoshard.plan import make_plan, make_request
     from autoshard.predict.analytic import compile_saving
 
     target = TargetSpec(

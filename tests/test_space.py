@@ -13,6 +13,7 @@ from autoshard.config import Candidate, Checkpointing, Engine, Precision, Reshar
 from autoshard.results import ModelProfile
 from autoshard.space import (
     PREDICTED_TIE,
+    Knobs,
     default_precisions,
     enumerate_candidates,
     float8_blocker,
@@ -40,7 +41,7 @@ def gpt() -> ModelProfile:
 
 def _space(profile: ModelProfile, hardware: Hardware = ONE_NODE, **kwargs) -> list[Candidate]:
     kwargs = {"precisions": ("bf16-mixed",), "micro_batch_sizes": (1,)} | kwargs
-    return enumerate_candidates(profile, hardware, WORKLOAD, **kwargs)
+    return enumerate_candidates(profile, hardware, WORKLOAD, Knobs(**kwargs))
 
 
 def test_checkpointing_every_second_block_is_proposed_from_four_blocks_on(gpt) -> None:
@@ -84,6 +85,22 @@ def test_offload_pinned_on_or_off(gpt) -> None:
     assert not any(c.cpu_offload for c in _space(gpt, offload=False))
     pinned = [c for c in _space(gpt, offload=True) if c.wrap_classes]
     assert pinned and all(c.cpu_offload for c in pinned)
+
+
+def test_the_knobs_narrow_the_space_to_what_they_name(gpt) -> None:
+    default = enumerate_candidates(gpt, ONE_NODE, WORKLOAD)
+    assert {c.precision for c in default} == set(default_precisions(ONE_NODE))
+    assert {c.micro_batch_size for c in default} == {WORKLOAD.micro_batch_size}
+    pinned = enumerate_candidates(
+        gpt, ONE_NODE, WORKLOAD, Knobs(precisions=("32-true",), micro_batch_sizes=[2, 8])
+    )
+    assert {c.precision for c in pinned} == {Precision.FP32}
+    assert {c.micro_batch_size for c in pinned} == {2, 8}
+    assert len(pinned) == len(default) // len(default_precisions(ONE_NODE)) * 2
+    with pytest.raises(ValueError, match="precisions"):
+        Knobs(precisions=("fp7",))
+    with pytest.raises(ValueError, match="extra"):
+        Knobs(sharding="FULL_SHARD")  # not a knob: the space enumerates it
 
 
 def test_the_optimizer_is_every_candidates_in_its_first_implementation(gpt) -> None:

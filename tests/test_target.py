@@ -68,7 +68,8 @@ def test_a_seq_len_that_contradicts_the_targets_batch_is_one_line(cli) -> None:
     """The target's batch is what is measured: counted at its length and reported at another,
     tokens/s and memory would describe different steps (the README's Llama command once
     reported 68,000 tokens/s per GPU at 2% MFU for Llama-8B this way)."""
-    from autoshard.plan import PlanOptions, resolve_workload
+    from autoshard.options import PlanOptions
+    from autoshard.workload import resolve_workload
 
     target = f"{EXAMPLES}/lightning_transformer.py:build"  # its batch: 32 tokens per sample
     code, out, err = cli("estimate", target, "--gpus", "2", "--gpu-memory", "8GiB",

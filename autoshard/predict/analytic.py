@@ -322,11 +322,13 @@ def estimate_all(
 
     >>> from autoshard import Hardware, TargetSpec, WorkloadSpec, analyze_target
     >>> from autoshard import enumerate_candidates, estimate_all, profile_activations
+    >>> from autoshard.space import Knobs
     >>> profile, built = analyze_target(
     ...     TargetSpec(spec="examples/gpt.py:build", kwargs={"size": "tiny"}))
     >>> gpus = Hardware(gpus_per_node=8, gpu_memory=2 * 2**30)
     >>> workload = WorkloadSpec(seq_len=128)
-    >>> candidates = enumerate_candidates(profile, gpus, workload, micro_batch_sizes=(1, 256))
+    >>> sizes = Knobs(micro_batch_sizes=(1, 256))
+    >>> candidates = enumerate_candidates(profile, gpus, workload, sizes)
     >>> acts = profile_activations(built.model, profile, workload)
     >>> estimates = estimate_all(profile, candidates, gpus, workload, activations=acts)
     >>> 0 < sum(e.fits for e in estimates) < len(candidates)  # some of micro-batch 256 overflow

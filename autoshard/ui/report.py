@@ -17,15 +17,8 @@ from rich.text import Text
 from autoshard.config import Candidate, Engine, Hardware
 from autoshard.emit.prose import describe_fsdp2_precision, describe_reshard
 from autoshard.measure import speed_basis, spread_of, trials_checked_line
-from autoshard.results import (
-    OUTCOMES,
-    Decision,
-    Scored,
-    SpeedBreakdown,
-    TrialResult,
-    TrialStatus,
-    outcome_of,
-)
+from autoshard.outcomes import OUTCOMES, TrialStatus, outcome_of
+from autoshard.results import Decision, Scored, SpeedBreakdown, TrialResult
 from autoshard.ui.fit import Column, fitted_table
 from autoshard.units import format_bytes
 
@@ -43,7 +36,7 @@ KIND_COLOURS: dict[str, str] = {
     "buffers": "#b07aa1",
     "allowance": "#bab0ac",
 }
-# What became of a candidate: the words, colours and marks of results.OUTCOMES, which every view
+# What became of a candidate: the words, colours and marks of outcomes.OUTCOMES, which every view
 # keeps apart (measured; diverged: ran every step, the loss became NaN or infinite; failed: ran,
 # and ended in an OOM, an error or a timeout; skipped and ruled out: never launched, a failure or
 # the workers, or the estimate, kept them out).
@@ -55,7 +48,7 @@ NEVER_LAUNCHED = {
 
 
 def outcome(s: Scored) -> str | None:
-    """Which outcome (:data:`autoshard.results.OUTCOMES`) befell ``s``; None for a candidate
+    """Which outcome (:data:`autoshard.outcomes.OUTCOMES`) befell ``s``; None for a candidate
     that fits and was never tried (an estimate-only decision's runners-up)."""
     t = s.trial
     if t is None:

@@ -17,7 +17,7 @@ from autoshard.predict.activations import profile_activations
 from autoshard.predict.analytic import estimate_all
 from autoshard.predict.flops import profile_flops
 from autoshard.predict.speed import predict_speed
-from autoshard.space import enumerate_candidates
+from autoshard.space import Knobs, enumerate_candidates
 from autoshard.target.resolve import TargetSpec
 
 from ..conftest import EXAMPLES
@@ -54,7 +54,7 @@ def _answers(profiles: dict[str, tuple[Any, Any, Any]], model: str, gpu: str) ->
     profile, flops, acts = profiles[model]
     hardware = GPUS[gpu]
     candidates = enumerate_candidates(
-        profile, hardware, WORKLOAD, micro_batch_sizes=(1, 4), compiles=(False, True)
+        profile, hardware, WORKLOAD, Knobs(micro_batch_sizes=(1, 4), compiles=(False, True))
     )
     memory = estimate_all(profile, candidates, hardware, WORKLOAD, activations=acts)
     return [

@@ -774,7 +774,8 @@ def test_memory_pressure_slows_a_candidate_at_the_limit_and_only_there() -> None
 def test_the_plan_warns_when_its_first_candidate_is_at_the_memory_limit() -> None:
     import warnings as _warnings
 
-    from autoshard.plan import PlanWarning, memory_pressure_note
+    from autoshard.errors import PlanWarning
+    from autoshard.plan import memory_pressure_note
 
     with torch.device("meta"):
         model = Net()

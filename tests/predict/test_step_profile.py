@@ -165,7 +165,7 @@ def test_a_decision_from_trials_carries_the_timeline_of_the_candidate_that_won()
     import autoshard
     from autoshard.api import estimates_for
     from autoshard.decide import decide_from_trials
-    from autoshard.plan import PlanOptions, options_from
+    from autoshard.options import PlanOptions, options_from
     from autoshard.results import TrialResult, TrialStatus
 
     warnings.simplefilter("ignore", autoshard.PlanWarning)
