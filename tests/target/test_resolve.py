@@ -13,7 +13,7 @@ from torch import nn
 from autoshard.errors import ModelError, TargetError
 from autoshard.target.resolve import BuildFallbackWarning, TargetSpec, build_target, parse_kwargs
 
-from .conftest import EXAMPLES, TARGETS
+from ..conftest import EXAMPLES, TARGETS
 
 BAD = TARGETS / "bad_targets.py"
 
