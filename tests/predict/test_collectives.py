@@ -46,7 +46,11 @@ def test_hybrid_shard_adds_an_all_reduce_of_the_shard_across_nodes() -> None:
     hw = hardware(2)
     full = Collectives(Candidate(sharding="FULL_SHARD"), hw, H100, latency_s=0.0, efficiency=1.0)
     hybrid = Collectives(
-        Candidate(sharding="HYBRID_SHARD", hybrid_mesh=(2, 8)), hw, H100, latency_s=0.0, efficiency=1.0
+        Candidate(sharding="HYBRID_SHARD", hybrid_mesh=(2, 8)),
+        hw,
+        H100,
+        latency_s=0.0,
+        efficiency=1.0,
     )
     assert (full.shard, full.replicas) == (16, 1)
     assert (hybrid.shard, hybrid.replicas) == (8, 2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from autoshard.ui.ticks import byte_ticks, nice_ticks
@@ -28,7 +30,7 @@ def test_ticks_never_pass_the_top_and_stay_few(top: float) -> None:
     ticks = nice_ticks(top)
     assert ticks[0] == 0 and ticks[-1] <= top
     assert 3 <= len(ticks) <= 11
-    steps = {round(b - a, 12) for a, b in zip(ticks, ticks[1:], strict=False)}
+    steps = {round(b - a, 12) for a, b in itertools.pairwise(ticks)}
     assert len(steps) == 1
 
 
