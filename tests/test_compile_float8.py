@@ -349,37 +349,3 @@ def test_a_compiled_trial_trains_on_two_gloo_processes(tmp_path: Path) -> None:
     assert result.status is TrialStatus.OK, result.error
     assert result.losses and all(torch.isfinite(torch.tensor(result.losses)))
     print(f"compiled trial: {time.monotonic() - start:.1f} s")
-
-
-def test_the_run_flops_are_computed_once_for_the_candidates_that_share_them(
-    llama: dict[str, Any],
-) -> None:
-    """RecipeStep.flops is shared by candidates that differ only where it does not look (batch
-    size, sharding) and equal to a fresh computation for every recipe, engine, precision, GPU
-    and breakdown switch."""
-    from autoshard.predict import recipe
-
-    p, flops, linears = llama["profile"], llama["flops"], llama["linears"]
-    switches = [{}, {"float8": False}, {"casts": False}, {"compile": False}]
-    for gpu in ("h100-sxm", "a100-80gb-sxm", "cpu-gloo"):
-        for compile_, float8, engine, precision, wrap in [
-            (True, False, Engine.FSDP1, Precision.BF16_MIXED, True),
-            (True, False, Engine.FSDP2, Precision.BF16_MIXED, True),
-            (True, False, Engine.FSDP2, Precision.BF16_MIXED, False),
-            (True, False, Engine.FSDP2, Precision.FP32, True),
-            (False, True, Engine.FSDP2, Precision.BF16_MIXED, True),
-            (True, True, Engine.FSDP2, Precision.BF16_TRUE, True),
-        ]:
-            candidate = Candidate(
-                engine=engine, precision=precision, compile=compile_, float8=float8,
-                wrap_classes=p.wrap_policy if wrap else (),
-            )  # fmt: skip
-            if float8 and not CATALOGUE[gpu].fp8_flops:
-                continue
-            step = recipe.RecipeStep.of(candidate, flops, CATALOGUE[gpu], p, linears)
-            for flags in switches:
-                fresh = step._run_flops(**{"compile": True, "float8": True, "casts": True, **flags})
-                assert step.flops(**flags) == fresh, (gpu, candidate, flags)
-            bigger = candidate.model_copy(update={"micro_batch_size": 4, "sharding": "NO_SHARD"})
-            again = recipe.RecipeStep.of(bigger, flops, CATALOGUE[gpu], p, linears)
-            assert again.flops() is step.flops()  # shared, not recomputed

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from autoshard.config import Candidate, Engine, WorkloadSpec
+from autoshard.config import Candidate, Engine, Precision, WorkloadSpec
 from autoshard.gpus import CATALOGUE
 from autoshard.sharding import float8_linears
 
@@ -210,3 +210,37 @@ def test_compile_saves_fewer_activations_and_float8_the_same(llama: dict[str, An
     # checkpointed blocks keep their inputs only: compile changes nothing there
     every = {"checkpointing": "all", "checkpoint_classes": p.wrap_policy}
     assert activations(**every) == activations(compile=True, **every)
+
+
+def test_the_run_flops_are_computed_once_for_the_candidates_that_share_them(
+    llama: dict[str, Any],
+) -> None:
+    """RecipeStep.flops is shared by candidates that differ only where it does not look (batch
+    size, sharding) and equal to a fresh computation for every recipe, engine, precision, GPU
+    and breakdown switch."""
+    from autoshard.predict import recipe
+
+    p, flops, linears = llama["profile"], llama["flops"], llama["linears"]
+    switches = [{}, {"float8": False}, {"casts": False}, {"compile": False}]
+    for gpu in ("h100-sxm", "a100-80gb-sxm", "cpu-gloo"):
+        for compile_, float8, engine, precision, wrap in [
+            (True, False, Engine.FSDP1, Precision.BF16_MIXED, True),
+            (True, False, Engine.FSDP2, Precision.BF16_MIXED, True),
+            (True, False, Engine.FSDP2, Precision.BF16_MIXED, False),
+            (True, False, Engine.FSDP2, Precision.FP32, True),
+            (False, True, Engine.FSDP2, Precision.BF16_MIXED, True),
+            (True, True, Engine.FSDP2, Precision.BF16_TRUE, True),
+        ]:
+            candidate = Candidate(
+                engine=engine, precision=precision, compile=compile_, float8=float8,
+                wrap_classes=p.wrap_policy if wrap else (),
+            )  # fmt: skip
+            if float8 and not CATALOGUE[gpu].fp8_flops:
+                continue
+            step = recipe.RecipeStep.of(candidate, flops, CATALOGUE[gpu], p, linears)
+            for flags in switches:
+                fresh = step._run_flops(**{"compile": True, "float8": True, "casts": True, **flags})
+                assert step.flops(**flags) == fresh, (gpu, candidate, flags)
+            bigger = candidate.model_copy(update={"micro_batch_size": 4, "sharding": "NO_SHARD"})
+            again = recipe.RecipeStep.of(bigger, flops, CATALOGUE[gpu], p, linears)
+            assert again.flops() is step.flops()  # shared, not recomputed
