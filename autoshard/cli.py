@@ -524,11 +524,11 @@ def export(
 
 
 def main() -> None:
-    # Import-time objects (torch's: about a million) live as long as the process: frozen, no
-    # collection walks them again, nor the one at exit (0.3 s of CPU of a short command).
+    # Import-time objects live as long as the process: frozen, no collection walks them again,
+    # nor the one at exit. An estimate makes hundreds of thousands of short-lived objects: the
+    # young generation collected every 10,000 allocations, not 700. Both measured in
+    # benchmarks/results/estimate_speed.md ("The CLI freezes its import-time objects").
     gc.freeze()
-    # The young generation collected every 10,000 allocations, not 700: an estimate makes
-    # hundreds of thousands of short-lived objects (0.05 s of collections of a 2.7 s command).
     gc.set_threshold(10_000, *gc.get_threshold()[1:])
     app()
 

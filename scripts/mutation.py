@@ -28,17 +28,17 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULES: dict[str, list[str]] = {
     "units": ["tests/test_units.py"],
     "space": ["tests/test_space.py", "tests/test_estimate.py", "tests/test_search.py"],
-    "decide": ["tests/test_decide.py", "tests/test_measure.py", "tests/test_recommend.py"],
+    "decide": ["tests/test_decide.py", "tests/test_measure.py", "tests/test_api.py"],
     "measure": ["tests/test_measure.py"],
     "sharding": ["tests/test_sharding.py", "tests/test_sharding_applied.py", "tests/test_emit.py"],
     "analyze": ["tests/test_analyze.py"],
-    "plan": ["tests/test_plan.py", "tests/test_parity.py", "tests/test_target.py"],
-    "target/step": ["tests/test_target.py"],
+    "plan": ["tests/test_plan.py", "tests/test_parity.py", "tests/target/test_resolve.py"],
+    "target/step": ["tests/target/test_resolve.py"],
     "trials/worker": ["tests/test_group_logic.py"],
     "trials/protocol": ["tests/test_group_logic.py"],
     "trials/isolation": ["tests/test_isolation.py"],
     "study/lessons": ["tests/test_study.py"],
-    "study/causes": ["tests/test_causes.py"],
+    "study/causes": ["tests/study/test_causes.py"],
     "study/journal": ["tests/test_journal.py", "tests/test_study.py"],
     "emit": [
         "tests/test_emit.py",
@@ -47,13 +47,13 @@ MODULES: dict[str, list[str]] = {
         "tests/emit/test_text.py",
         "tests/emit/test_torchtitan.py",
     ],
-    "predict/speed": ["tests/predict/test_speed.py", "tests/test_calibrate.py"],
+    "predict/speed": ["tests/predict/test_speed.py", "tests/predict/test_calibrate.py"],
     "predict/host_bound": ["tests/predict/test_host_bound.py"],
     "predict/analytic": ["tests/predict/test_analytic.py", "tests/test_estimate.py"],
     "predict/step_memory": ["tests/predict/test_timeline.py", "tests/predict/test_analytic.py"],
     "predict/timeline": ["tests/predict/test_timeline.py"],
     "child_env": ["tests/test_child_env.py"],
-    "predict/attention_kernels": ["tests/test_attention_kernels.py"],
+    "predict/attention_kernels": ["tests/predict/test_attention_kernels.py"],
 }
 # Where a module's job for this purpose is only part of it: trials/worker's result accounting
 # (what a rank counts and how the ranks' reports become the trial's result, its status and its

@@ -2,7 +2,7 @@
 estimate, for nothing a forward on fake tensors uses; torch 2.13): :func:`without_dynamo` runs a
 profile with a stand-in module that gives dynamo's config and a no-op ``disable``, and runs it
 again with the real dynamo if it asked for anything more, so the result is the real one's
-either way. Tests: ``tests/predict/test_without_dynamo.py`` (fresh interpreters)."""
+either way. Tests: ``tests/predict/test_dynamo_stand_in.py`` (fresh interpreters)."""
 
 from __future__ import annotations
 

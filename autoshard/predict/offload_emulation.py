@@ -1,6 +1,6 @@
 """FSDP1's CPU offload run for real on CPU processes, its device bytes told apart from its host
 bytes: what the estimate of an offloading FSDP1 candidate is checked against where there is no
-GPU (``tests/test_offload_fsdp1.py``, ``benchmarks/offload_fsdp1.py``).
+GPU (``tests/predict/test_offload_emulation.py``, ``benchmarks/offload_fsdp1.py``).
 
 torch runs FSDP1's offload only with an accelerator (torch 2.13, CPU-only build). Three places
 differ on a CPU process, each set right for the duration of :func:`offload_on_cpu`:

@@ -73,7 +73,7 @@ def test_saved_module_round_trip(tmp_path) -> None:
 
 def test_factory_spec() -> None:
     # a class in this test module (a package module) is imported by name
-    assert factory_spec(build_tied) == "tests.test_recommend:build_tied"
+    assert factory_spec(build_tied) == "tests.test_api:build_tied"
     assert factory_spec(lambda: None) is None
     with pytest.raises(ConfigError, match="cannot be imported by name"):
         to_target(lambda: TiedLM())

@@ -19,7 +19,7 @@ from autoshard.options import TuneOptions
 from autoshard.results import Scored, TrialResult, TrialStatus
 from tests.test_emit import make_rec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(kwargs={"size": "tiny"}, seq_len=64, batch_size=1, gpu_memory="2GiB", trials=2)
 
 

@@ -16,7 +16,7 @@ from autoshard.plan import make_plan, make_request
 from autoshard.search import study_settings
 from autoshard.study.journal import read_records
 
-from .conftest import ROOT
+from ..conftest import ROOT
 
 SOURCE = (ROOT / "tests" / "targets" / "faults.py").read_text()
 ONCE = "            x = block(x)\n"

@@ -19,7 +19,7 @@ from autoshard.target.step import forward, make_batch, resize_batch
 
 pytest.importorskip("lightning")
 
-from .targets import data_targets as dt
+from ..targets import data_targets as dt
 
 FILE = Path(dt.__file__).resolve()
 LOADER = f"{FILE}:token_loader"

@@ -16,7 +16,7 @@ from autoshard.search import dominated_by
 from autoshard.study.causes import CAUSES, Cause, cause_of, classified
 from autoshard.study.lessons import learn
 
-from .test_study import Runner, space, study
+from ..test_study import Runner, space, study
 
 DISK_FULL = (
     "workers exited: rank 0 exited with code 1: OSError: [Errno 28] No space left on device: "
@@ -146,7 +146,7 @@ def test_a_trials_log_is_cut_to_its_cap_when_the_trial_ends(tmp_path, end: str) 
 
 
 def test_a_deleted_journal_is_written_again_from_the_study_database(tmp_path) -> None:
-    from .test_study import journal
+    from ..test_study import journal
 
     cands = space(sizes=(1, 2), precisions=("32-true",))
     name, first = study(tmp_path, cands, Runner(), n_trials=3)

@@ -15,7 +15,7 @@ from autoshard.predict.analytic import estimate_memory
 from autoshard.predict.simulate import block_lists, simulate_memory, truncate_blocks
 from autoshard.target.resolve import TargetSpec
 
-from .conftest import EXAMPLES, TARGETS
+from ..conftest import EXAMPLES, TARGETS
 
 GIB = 1024**3
 STACK = TargetSpec(spec=f"{TARGETS}/stack.py:build", kwargs={"width": 256, "depth": 8})

@@ -24,7 +24,7 @@ from autoshard.predict.calibrate import (
 from autoshard.results import SpeedBreakdown, SpeedEstimate, TrialResult, TrialStatus
 from tests.test_emit import estimate
 
-from .conftest import EXAMPLES
+from ..conftest import EXAMPLES
 
 
 class Factors(Frozen):

@@ -20,7 +20,7 @@ import pytest
 from autoshard.config import Candidate, Hardware, WorkloadSpec
 from autoshard.engine import OffloadCopies, policy_of
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TARGET = {"spec": f"{ROOT}/examples/gpt.py:build", "kwargs": {"size": "tiny"}}
 SEQ = 128
 EVERY2 = {"checkpointing": "every_k", "checkpoint_every": 2}
