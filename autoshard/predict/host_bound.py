@@ -42,15 +42,8 @@ from autoshard.predict.work_seconds import op_host_seconds, per_analysed_block
 from autoshard.results import ModelProfile
 
 # Host seconds FSDP adds to one step per unit (hooks, parameter views, the collectives' calls),
-# measured on this project's VM (Xeon, one thread, torch 2.13): a 16-block Llama-style decoder
-# at width 16 on 2 gloo ranks, each block a unit, minus the same step without FSDP, per unit
-# (benchmarks/host_overhead_probe.py; results/host_overhead_probe.txt: the least of three runs
-# on the shared machine, where other jobs only add). Keyed by (engine, gathers again in
-# backward, shards parameters). The gloo calls' own CPU work (a bare 1 KB all-gather: 0.075 ms,
-# results/cpu_gloo_probe.txt) is in it: under NCCL a call is a launch, so this overstates a GPU
-# rank's cost by up to 0.2 ms per unit. The same order as FSDP2's 'FSDP::pre_forward calls take
-# 50% of the step time ... 1 ms launches' on 'a standard over-provisioned Xeon machine'
-# (pytorch/pytorch issue #173680).
+# keyed by (engine, gathers again in backward, shards parameters). Measured:
+# benchmarks/results/measured_constants.md, "FSDP's host cost per unit".
 FSDP_UNIT_HOST_S = {
     (Engine.FSDP1, True, True): 2.3e-3,  # FULL_SHARD, HYBRID_SHARD
     (Engine.FSDP1, False, True): 1.7e-3,  # SHARD_GRAD_OP
