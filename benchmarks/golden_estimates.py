@@ -138,6 +138,7 @@ def main() -> None:
         args.write.write_text(text)
         return
     want = json.loads(args.check.read_text())
+    got = json.loads(text)  # compared as written: a tuple reads back as a list
     moved = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
     for key in moved[:10]:
         a, b = want.get(key, {}), got.get(key, {})
