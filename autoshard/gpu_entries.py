@@ -33,21 +33,15 @@ _PCIE4 = 32 * GB  # PCIe Gen4 x16: "64 GB/s" bidirectional on every Ampere/Ada d
 _PCIE5 = 64 * GB  # PCIe Gen5 x16: "128 GB/s" bidirectional on the Hopper datasheets
 
 # A training step's share of the achievable rate, per GPU generation: the published hardware
-# FLOPs utilisation (recompute counted) of the fitting set's runs over the achievable fraction:
-# A100 median 0.69 (80GB, 15 runs: llm-foundry, IBM/PyTorch FSDP blog) and 0.79 (40GB, 14:
-# llm-foundry); H100 SXM 0.54 (24 runs at <= 4,096 tokens, where attention is a small share:
-# llm-foundry, IBM) with attention at its own rate, about 0.6 of the matrix rate. H200: the
-# H100's die (no run published with its HFU). Held-out check: benchmarks/results/
-# step_time_published.md ("Terms", first).
+# FLOPs utilisation of the fitting set's runs over the achievable fraction (the runs:
+# benchmarks/results/measured_constants.md, "Step efficiency per GPU generation").
 _STEP_EFFICIENCY = {"ampere": 0.75, "hopper": 0.6}
 
 # fp32 steps on Hopper (CUDA cores: torch multiplies fp32 at "highest" precision unless told
 # otherwise, and Lightning's 32-true does not tell it) reach more of their achievable rate than
 # tensor-core steps: the same launch gaps and memory-bound work are a far smaller share of a
-# step 15x slower per FLOP, as on the A100 (0.75). Fitted on the two fp32 rows of the fitting
-# set of autoshard's own H200 measurements (benchmarks/step_time_gpu.py; 1B GPT at 2,048
-# tokens: 379 and 472 ms measured against 498 and 573 ms at 0.6), 0.77; the held-out fp32 row
-# checks it (benchmarks/results/step_time_published.md).
+# step many times slower per FLOP, as on the A100. Fitted on autoshard's own H200 rows:
+# measured_constants.md, "Step efficiency per GPU generation".
 _HOPPER_FP32_STEP_EFFICIENCY = 0.77
 
 

@@ -23,7 +23,6 @@ from autoshard.results import Decision, Scored, SpeedEstimate, TrialResult, Tria
 from autoshard.ui.files import write_report
 from autoshard.ui.html import render_html
 from autoshard.ui.report import SCHEMA, listed_rows, print_summary, report_data
-from autoshard.units import parse_size
 from tests.test_emit import (  # noqa: F401  (gpt_importable: a fixture)
     GiB,
     all_trials,
@@ -311,94 +310,6 @@ def with_speeds(
             "ruled_out": tuple(map(predicted, rec.ruled_out)),
         }
     )
-
-
-def test_memory_chart_has_a_byte_axis_and_keeps_the_allowance_from_crowding_out_the_rest() -> None:
-    rec = make_rec()  # a CPU-size model: 146 MiB of the chosen 1,004 MiB peak, the rest allowance
-    memory = chart(render_html(rec, all_trials(rec)), "chart-memory")
-    ticks = [
-        (float(t.get("x")), 0 if t.text == "0 B" else parse_size(t.text.replace(" ", "")))
-        for t in memory.iter(f"{NS}text")
-        if "tick" in (t.get("class") or "")
-    ]
-    assert len(ticks) >= 3 and [v for _, v in ticks] == sorted(v for _, v in ticks)
-    # the ticks lie on one linear scale, starting at 0 B
-    (x0, v0), (x1, v1) = ticks[0], ticks[-1]
-    assert v0 == 0
-    scale = (x1 - x0) / v1
-    assert all(abs(x - (x0 + v * scale)) < 0.6 for x, v in ticks)
-    # the measured peaks sit on that scale
-    marks = [ln for ln in memory.iter(f"{NS}line") if ln.find(f"{NS}title") is not None]
-    measured = sorted(t.max_allocated for t in all_trials(rec) if t.max_allocated)
-    assert sorted(float(ln.get("x1")) for ln in marks) == pytest.approx(
-        [x0 + m * scale for m in measured], abs=0.6
-    )
-    # the chosen bar: what the CPU measured is readable (today's 15% of the bar: now > 20%),
-    # the allowance hatched, and the compressed part of the axis said in words
-    rects = [r for r in memory.iter(f"{NS}rect") if r.get("data-kind")]
-    per_bar = len([v for v in rec.chosen.estimate.breakdown.model_dump().values() if v > 0])
-    chosen = rects[:per_bar]
-    allowance = [r for r in chosen if r.get("data-kind") == "allowance"]
-    assert len(allowance) == 1 and allowance[0].get("fill") == "url(#hatch)"
-    width = {r.get("data-kind"): float(r.get("width")) for r in chosen}
-    rest = sum(w for k, w in width.items() if k != "allowance")
-    assert rest / (rest + width["allowance"]) > 0.2
-    assert "compressed beyond the break" in ET.tostring(memory, encoding="unicode")
-
-
-def test_speed_chart_puts_predicted_against_measured() -> None:
-    """Trials on the device planned for: one axis, the model's error beside each trial."""
-    rec = with_speeds(make_rec(hardware=Hardware(gpus_per_node=2, gpu_memory=2 * GiB,
-                                                 backend="gloo")), "cpu-gloo")  # fmt: skip
-    page = render_html(rec, all_trials(rec))
-    speed = chart(page, "chart-speed")
-    bars = [r for r in speed.iter(f"{NS}rect") if r.get("data-kind")]
-    tried = [s for s in (rec.chosen, *rec.runners_up, *rec.ruled_out) if s.trial is not None]
-    assert sum(r.get("data-kind") == "measured" for r in bars) == 4  # the OK trials
-    assert sum(r.get("data-kind") == "predicted" for r in bars) == len(tried)
-    labels = [t.text for t in speed.iter(f"{NS}text") if (t.text or "").startswith("model ")]
-    s = rec.chosen
-    expected = s.estimate.speed.tokens_per_s_per_gpu / (s.trial.tokens_per_s / 2) - 1
-    assert labels[0] == f"model {expected:+.0%}" and len(labels) == 4
-    assert "trials ran on CPU processes" not in page
-    table = re.search(r'<table id="configurations">.*?</table>', page, flags=re.S).group(0)
-    assert f"{expected:+.0%}" in table
-
-
-def test_an_uncalibrated_prediction_beside_measured_ones_says_so() -> None:
-    """A measured candidate whose prediction no trial of its class calibrated is marked, in the
-    terminal and in the report's chart and table, and the calibrated ones are not."""
-    hardware = Hardware(gpus_per_node=2, gpu_memory=2 * GiB, backend="gloo")
-    plain = with_speeds(make_rec(hardware=hardware), "cpu-gloo")
-    measured = [s for s in (plain.chosen, *plain.runners_up) if s.trial and s.trial.step_time]
-    odd = measured[1].candidate.label()
-    rec = with_speeds(make_rec(hardware=hardware), "cpu-gloo", uncalibrated=(odd,))
-    page = render_html(rec, all_trials(rec))
-    labels = [t.text for t in chart(page, "chart-speed").iter(f"{NS}text")]
-    errors = [t for t in labels if (t or "").startswith("model ")]
-    assert len(errors) == 4 and sum(t.endswith(", uncalibrated") for t in errors) == 1
-    table = re.search(r'<table id="configurations">.*?</table>', page, flags=re.S).group(0)
-    assert table.count(", uncalibrated") == 1
-    console = Console(record=True, width=300)
-    print_summary(rec, console=console, trials=all_trials(rec))
-    text = console.export_text()
-    row = next(line for line in text.splitlines() if odd in line)
-    assert "uncalibrated)" in row
-    assert text.count("uncalibrated)") == 1
-
-
-def test_cpu_trials_for_gpus_show_two_scales_and_say_why() -> None:
-    rec = with_speeds(make_rec(hardware=Hardware(gpus_per_node=2, gpu_memory=2 * GiB,
-                                                 gpu="h100-sxm")), "h100-sxm", step=0.001)  # fmt: skip
-    page = render_html(rec, all_trials(rec))
-    assert "the speed order is the model&#x27;s for 2 x h100-sxm" in page
-    text = ET.tostring(chart(page, "chart-speed"), encoding="unicode")
-    assert "predicted for h100-sxm" in text and "measured on cpu (own scale)" in text
-    assert "model " not in text  # a GPU prediction is no error of a CPU measurement
-    console = Console(record=True, width=200)
-    print_summary(rec, console, trials=all_trials(rec))
-    summary = console.export_text()
-    assert summary.count("the speed order is the model's for 2 x h100-sxm") == 1
 
 
 def test_every_trial_is_listed_even_if_the_recommendation_keeps_only_some() -> None:

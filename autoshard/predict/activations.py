@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -293,34 +294,31 @@ def _profile_once(
     dtype = compute_dtype(precision)
     fakes = fake_model(meta_model, profile.checkpoint_policy, batch, dtype)
     model, blocks = fakes.model, fakes.blocks
-    params = {p.untyped_storage()._cdata for p in model.parameters() if not p.is_meta}
-    seen: dict[int, int] = {}  # storage -> bytes, each saved storage counted once
     stack: list[int] = []
-    per_block = [0] * len(blocks)
     finished: set[int] = set()
-    other = after = 0
-    keeps = SelectiveKeeps(stack, len(blocks))
+    counts = _Counts(
+        per_block=[0] * len(blocks),
+        keeps=SelectiveKeeps(stack, len(blocks)),
+        params={p.untyped_storage()._cdata for p in model.parameters() if not p.is_meta},
+    )
+    per_block, keeps, seen = counts.per_block, counts.keeps, counts.seen
     digest = ForwardDigest()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal other, after
         keeps.saving()  # every save, parameters' and repeated ones' included
         key = t.untyped_storage()._cdata
-        if key in params or key in seen:
+        if key in counts.params or key in seen:
             return t
         nbytes = seen[key] = t.untyped_storage().nbytes()
         if stack:
             per_block[stack[-1]] += nbytes
         else:
-            other += nbytes
+            counts.other += nbytes
             if blocks and len(finished) == len(blocks):
                 # after the last block (the final norm, the head): backward frees it before it
                 # reaches any block
-                after += nbytes
+                counts.after += nbytes
         return t
-
-    # (signature, input shapes) -> (saved, kept, kept and saved, output)
-    counted: dict[Any, tuple[int, int, int, Any]] = {}
 
     autocast = (
         torch.autocast("cpu", dtype=dtype)
@@ -328,7 +326,7 @@ def _profile_once(
         else contextlib.nullcontext()
     )
     for index, block in enumerate(blocks):
-        block.forward = _counting(index, block, fakes, counted, per_block, keeps, seen, params)
+        block.forward = _counting(index, block, fakes, counts)
 
     def on_enter() -> None:
         keeps.enter()
@@ -341,12 +339,12 @@ def _profile_once(
     with fakes.mode, hooks as inputs, autocast, as_run, first_calls(blocks) as calls:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keeps, digest:
             out = forward(model, fakes.batch)
-        loss, in_forward = _loss_bytes(out)
-        if in_forward:
+        loss = _loss_bytes(out)
+        if loss[1]:
             # The model computed its loss in forward (a Hugging Face model given labels): what
             # the loss saved is counted outside the blocks already; it is the loss's.
-            other = max(0, other - loss)
-            after = max(0, after - loss)
+            counts.other = max(0, counts.other - loss[0])
+            counts.after = max(0, counts.after - loss[0])
     note = fakes.note
     try:  # one block's backward, run again with its first call's input
         with fakes.mode, autocast, kernels.replayed() if kernels else contextlib.nullcontext():
@@ -360,25 +358,35 @@ def _profile_once(
     measured = {
         **_backward_fields(peaks), "math_attention": ran_math, "forward_digest": digest.hexdigest()
     }  # fmt: skip
-    return _profile_of(
-        seq, precision, per_block, inputs[: len(blocks)], keeps, other, after, loss, in_forward,
-        note,
-    ).model_copy(update=measured)  # fmt: skip
+    return _profile_of(seq, precision, counts, inputs[: len(blocks)], loss, note).model_copy(
+        update=measured
+    )
+
+
+@dataclass
+class _Counts:
+    """One fake forward's tallies: bytes saved in each block, by none (``other``) and after the
+    last (``after``); what selective checkpointing would keep; each saved storage's bytes,
+    counted once (``seen``); the parameters' storages (never counted); and each repeated
+    block's first call, by (signature, input shapes): (saved, kept, kept and saved, output)."""
+
+    per_block: list[int]
+    keeps: SelectiveKeeps
+    params: set[int]
+    seen: dict[int, int] = field(default_factory=dict)
+    counted: dict[Any, tuple[int, int, int, Any]] = field(default_factory=dict)
+    other: int = 0
+    after: int = 0
 
 
 def _counting(
-    index: int,
-    block: nn.Module,
-    fakes: FakeModel,
-    counted: dict[Any, tuple[int, int, int, Any]],
-    per_block: list[int],
-    keeps: SelectiveKeeps,
-    seen: dict[int, int],
-    params: set[int],
+    index: int, block: nn.Module, fakes: FakeModel, counts: _Counts
 ) -> Callable[..., Any]:
-    """``block``'s forward for the profile: what it saves adds to ``per_block[index]`` (through
-    the saved-tensors hook); a repeated block met again with the same signature and input
-    shapes adds its first call's count from ``counted`` and returns a fresh output unrun."""
+    """``block``'s forward for the profile: what it saves adds to ``counts.per_block[index]``
+    (through the saved-tensors hook); a repeated block met again with the same signature and
+    input shapes adds its first call's count from ``counts.counted`` and returns a fresh output
+    unrun."""
+    per_block, keeps, seen, counted = counts.per_block, counts.keeps, counts.seen, counts.counted
     original = block.forward
     signature = fakes.signatures[id(block)]
 
@@ -391,7 +399,7 @@ def _counting(
             keeps.overlap[index] += overlap
             return fresh_like(output)
         if fakes.materialize(block):  # a repeat with a new input
-            params.update(p.untyped_storage()._cdata for p in block.parameters())
+            counts.params.update(p.untyped_storage()._cdata for p in block.parameters())
         before, seen_before = per_block[index], set(seen)
         kept_before, overlap_before = keeps.kept[index], keeps.overlap[index]
         output = original(*args, **kwargs)
@@ -435,16 +443,14 @@ def _loss_bytes(out: Any) -> tuple[int, bool]:
 def _profile_of(
     seq: int | None,
     precision: Precision,
-    per_block: list[int],
+    counts: _Counts,
     inputs: list[int],
-    keeps: SelectiveKeeps,
-    other: int,
-    after: int,
-    loss: int,
-    in_forward: bool,
+    loss: tuple[int, bool],
     note: str,
 ) -> ActivationProfile:
-    """The profile of one fake forward's counts; ``inputs``: each block's input bytes."""
+    """The profile of one fake forward's ``counts``; ``inputs``: each block's input bytes;
+    ``loss``: the bytes the loss saves, and whether the model computed it in forward."""
+    per_block, keeps = counts.per_block, counts.keeps
     block_inputs = tuple(inputs)
     blocks = len(per_block)
     return ActivationProfile(
@@ -458,10 +464,10 @@ def _profile_of(
         selective_recomputed_bytes=tuple(
             max(0, b - o) for b, o in zip(per_block, keeps.overlap, strict=True)
         ),
-        other_bytes=other,
-        after_blocks_bytes=after,
-        loss_bytes=loss,
-        loss_in_forward=in_forward,
+        other_bytes=counts.other,
+        after_blocks_bytes=counts.after,
+        loss_bytes=loss[0],
+        loss_in_forward=loss[1],
         note=note,
     )
 

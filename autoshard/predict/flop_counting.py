@@ -37,22 +37,29 @@ aten = torch.ops.aten
 
 
 def _cpu_flash_forward(
-    query: Any, key: Any, value: Any, dropout_p: float = 0.0, is_causal: bool = False,
-    *args: Any, out_shape: Any = None, **kwargs: Any,
-) -> int:  # fmt: skip
+    query: Any, key: Any, value: Any, *rest: Any, out_shape: Any = None, **kwargs: Any
+) -> int:
+    """The forward's FLOPs: ``rest`` is the schema's (dropout_p, is_causal)."""
     key, value = _query_heads(query, key), _query_heads(query, value)
     flops = sdpa_flop_count(query, key, value)
-    return flops // 2 if is_causal else flops
+    return flops // 2 if _causal(rest, kwargs, at=1) else flops
 
 
 def _cpu_flash_backward(
-    grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsumexp: Any,
-    dropout_p: float = 0.0, is_causal: bool = False, *args: Any, out_shape: Any = None,
+    grad_out: Any, query: Any, key: Any, value: Any, *rest: Any, out_shape: Any = None,
     **kwargs: Any,
 ) -> int:  # fmt: skip
+    """The backward's FLOPs: ``rest`` is the schema's (out, logsumexp, dropout_p, is_causal)."""
     key, value = _query_heads(query, key), _query_heads(query, value)
     flops = sdpa_backward_flop_count(grad_out, query, key, value)
-    return flops // 2 if is_causal else flops
+    return flops // 2 if _causal(rest, kwargs, at=3) else flops
+
+
+def _causal(rest: tuple[Any, ...], kwargs: dict[str, Any], *, at: int) -> bool:
+    """The call's ``is_causal``: ``rest[at]`` as the schema places it, by name if the call named
+    it, False (its default) where the call left it out. Torch's own formulas name only the
+    shapes they read, the rest in ``*args``: these do the same."""
+    return bool(rest[at]) if len(rest) > at else bool(kwargs.get("is_causal", False))
 
 
 def _query_heads(query: Any, kv: Any) -> Any:

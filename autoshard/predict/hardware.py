@@ -66,9 +66,9 @@ def measured_cpu(ranks: int = 1) -> GPUSpec:
     """The ``cpu-gloo`` entry with this CPU's speeds, as one of ``ranks`` one-thread processes
     sharing the machine's cores sees them (more ranks than cores share them)."""
     flops32, flops16, bandwidth, _, fresh = measure_cpu()
-    # A bare bf16 product can outrun fp32 (AMX: 3.6x here), but a bf16-autocast step casts
-    # every weight and activation (1,068 copies in the tiny GPT's step) and ran 25% slower than
-    # its fp32 step here: bf16 is given no more than the fp32 rate.
+    # A bf16-autocast step casts every weight and activation, so a CPU's faster bf16 products
+    # do not make its step faster: bf16 is given no more than the fp32 rate (measured:
+    # benchmarks/results/measured_constants.md, "bf16 on CPU processes").
     flops16 = min(flops16, flops32)
     share = min(1.0, (os.cpu_count() or 1) / max(ranks, 1))
     return CATALOGUE["cpu-gloo"].model_copy(

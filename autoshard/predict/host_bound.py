@@ -32,6 +32,8 @@ its ``collective_latency_s``, so the floor is not applied there.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from autoshard.config import Candidate, Checkpointing, Engine, Hardware
 from autoshard.engine import as_run, traits
 from autoshard.predict.flops import FlopProfile
@@ -40,15 +42,8 @@ from autoshard.predict.work_seconds import op_host_seconds, per_analysed_block
 from autoshard.results import ModelProfile
 
 # Host seconds FSDP adds to one step per unit (hooks, parameter views, the collectives' calls),
-# measured on this project's VM (Xeon, one thread, torch 2.13): a 16-block Llama-style decoder
-# at width 16 on 2 gloo ranks, each block a unit, minus the same step without FSDP, per unit
-# (benchmarks/host_overhead_probe.py; results/host_overhead_probe.txt: the least of three runs
-# on the shared machine, where other jobs only add). Keyed by (engine, gathers again in
-# backward, shards parameters). The gloo calls' own CPU work (a bare 1 KB all-gather: 0.075 ms,
-# results/cpu_gloo_probe.txt) is in it: under NCCL a call is a launch, so this overstates a GPU
-# rank's cost by up to 0.2 ms per unit. The same order as FSDP2's 'FSDP::pre_forward calls take
-# 50% of the step time ... 1 ms launches' on 'a standard over-provisioned Xeon machine'
-# (pytorch/pytorch issue #173680).
+# keyed by (engine, gathers again in backward, shards parameters). Measured:
+# benchmarks/results/measured_constants.md, "FSDP's host cost per unit".
 FSDP_UNIT_HOST_S = {
     (Engine.FSDP1, True, True): 2.3e-3,  # FULL_SHARD, HYBRID_SHARD
     (Engine.FSDP1, False, True): 1.7e-3,  # SHARD_GRAD_OP
@@ -173,22 +168,26 @@ class _Kernels:
         return sum(ops[i] for i in blocks if i < len(ops))
 
 
+class HostStep(NamedTuple):
+    """What a rank's host issues in one step: the ``step``'s micro-batches of the model
+    (``profile``) with the kernels ``flops`` counts, ``candidate`` on ``hardware``."""
+
+    step: list[MicroBatch]
+    profile: ModelProfile
+    flops: FlopProfile
+    candidate: Candidate
+    hardware: Hardware
+
+
 def host_seconds(
-    step: list[MicroBatch],
-    profile: ModelProfile,
-    flops: FlopProfile,
-    candidate: Candidate,
-    hardware: Hardware,
-    *,
-    op_s: float,
-    unit_scale: float = 1.0,
-    float8_layers: float = 0.0,
+    issued: HostStep, *, op_s: float, unit_scale: float = 1.0, float8_layers: float = 0.0
 ) -> float:
-    """Host seconds of one step: every micro-batch's kernels at ``op_s`` each
+    """Host seconds of the ``issued`` step: every micro-batch's kernels at ``op_s`` each
     (:func:`op_host_seconds`), its FSDP units' hooks (a unit is a turn of the forward: the
     root, each block) ``unit_scale`` times their measured cost, and the eager recipes' Python
     (:func:`recipe_host_seconds`, ``float8_layers`` converted layers per block) as much slower
     than measured as ``op_s`` is than :data:`MEASURED_OP_S`."""
+    step, profile, flops, candidate, hardware = issued
     kernels = _Kernels(profile, flops, selective=candidate.checkpointing is Checkpointing.SELECTIVE)
     unit_s = unit_scale * unit_host_seconds(candidate, hardware)
     kernel_s = op_host_seconds(candidate, op_s)
@@ -199,8 +198,8 @@ def host_seconds(
     seconds = 0.0
     for mb in step:
         units = sum(1 for turn in mb.forward if turn.name != "root work")
-        issued = sum(turn_seconds(t) for t in (*mb.forward, *mb.backward))
-        seconds += mb.count * (issued + units * unit_s)
+        kernels_s = sum(turn_seconds(t) for t in (*mb.forward, *mb.backward))
+        seconds += mb.count * (kernels_s + units * unit_s)
     forward = kernels.per_block[Pass.FORWARD]
     recipes = recipe_host_seconds(step, forward, candidate, float8_layers)
     recipes += COMPILED_STEP_HOST_S if candidate.compile else 0.0
@@ -208,11 +207,7 @@ def host_seconds(
 
 
 def host_bound_seconds(
-    step: list[MicroBatch],
-    profile: ModelProfile,
-    flops: FlopProfile,
-    candidate: Candidate,
-    hardware: Hardware,
+    issued: HostStep,
     *,
     op_s: float,
     unit_scale: float = 1.0,
@@ -221,10 +216,10 @@ def host_bound_seconds(
     host_is_device: bool,
     float8_layers: float = 0.0,
 ) -> float:
-    """Seconds a step waits on its host beyond ``device_s``, the GPU's seconds of it: what the
-    host's issuing (:func:`host_seconds`) and then ``tail_s`` (the GPU's optimizer step) take
-    longer than the GPU's work. 0 where the host is the device (CPU processes: their host work
-    is in every piece already).
+    """Seconds the ``issued`` step waits on its host beyond ``device_s``, the GPU's seconds of
+    it: what the host's issuing (:func:`host_seconds`) and then ``tail_s`` (the GPU's optimizer
+    step) take longer than the GPU's work. 0 where the host is the device (CPU processes: their
+    host work is in every piece already).
 
     The optimizer's kernels are issued last, once backward has returned, so a host-bound GPU
     runs them after the host is done; the next step's host work would hide them only without
@@ -243,15 +238,12 @@ def host_bound_seconds(
     >>> step = step_timeline(candidate, two, WorkloadSpec(seq_len=128),
     ...                      blocks=profile.block_count, params=float(profile.total_params),
     ...                      block_params=float(profile.block_params))
-    >>> waits = host_bound_seconds(step, profile, flops, candidate, two, op_s=14e-6,
+    >>> waits = host_bound_seconds(HostStep(step, profile, flops, candidate, two), op_s=14e-6,
     ...                            device_s=0.001, tail_s=0.0, host_is_device=False)
     >>> round(waits * 1e3)  # ms: 5 units' hooks (11.5) and 180 kernels, less the GPU's 1
     13
     """
     if host_is_device:
         return 0.0
-    host = host_seconds(
-        step, profile, flops, candidate, hardware, op_s=op_s, unit_scale=unit_scale,
-        float8_layers=float8_layers,
-    )  # fmt: skip
+    host = host_seconds(issued, op_s=op_s, unit_scale=unit_scale, float8_layers=float8_layers)
     return max(0.0, host + tail_s - device_s)

@@ -50,34 +50,20 @@ COMPILE_TRAFFIC_KEPT = 0.4
 # ``memory_efficiency`` of HBM, at the compute dtype). compile fuses all of it (to
 # COMPILE_TRAFFIC_KEPT), but the model's eager step carries the rest inside
 # ``compute_efficiency`` (set on eager runs' MFU: bf16-mixed norms, RoPE and the loss run in
-# fp32, small reductions miss the HBM rate), so with the traffic term alone compile saved at
-# most 4-12% of a Llama step, against +16-27% published. Set on the fitting set's torchtitan
-# Llama 3.1 8B pair (8 and 128 H100, FSDP2, selective checkpointing: compile +15.7% and +16.2%
-# published, benchmarks/data/published_fsdp.json): 3.0 gives +16.2% and +16.3%; there the
-# traffic term is ~8% of the eager step, so ~23% of it is memory-bound. Sources it agrees
-# with: data movement, not arithmetic, bounds eager transformer training, and fusing the
-# normalisations and element-wise operators gave a BERT layer 1.30x, the whole BERT 1.19x
-# (Ivanov et al., "Data Movement Is All You Need", MLSys 2021); a Llama training step on one
-# GPU, eager 0.3166 s, compiled 0.2596 s: 1.22x (torchao's bench_llama_train.py, gist
-# vkuzo/83656e4a, May 2024);
-# non-GEMM operators 15-48% of latency even after fusion (NonGEMM Bench, arXiv:2404.11788).
+# fp32, small reductions miss the HBM rate). Set on published compile gains:
+# benchmarks/results/measured_constants.md, "torch.compile and float8".
 # GPUs only: CPU trials' memory-bound work has its own rates (and compile there is only checked).
 EAGER_MEMORY_BOUND_OVER_TRAFFIC = 3.0
 # Share of a non-checkpointed block's saved activations (beyond its input) kept under compile:
 # AOTAutograd's min-cut partitioner saves the inputs of fused element-wise chains and recomputes
-# their outputs in backward. Published: thunder PR 940 (Llama 2 7B, 8 H100, FSDP2, no
-# checkpointing) 47.45 -> 40.21 GB, torchtune's README (Llama 3.2 3B, A100, no checkpointing)
-# 60 -> 51 GiB: about 30% of the activations each, so 0.7 is kept.
+# their outputs in backward. Published savings: measured_constants.md, "torch.compile and float8".
 COMPILE_SAVED_KEPT = 0.7
 # Compute-dtype passes of one float8 cast of a tensor: an amax reads it (1), the cast reads it
 # again (1) and writes 1-byte elements (0.5): torchao's float8 README, "fp8_overhead_time" (the
 # amax and casts, bound by memory bandwidth).
 CAST_PASSES = 2.5
-# Share of the bf16 achievable matmul rate that fp8 GEMMs reach, per FLOP at twice the peak:
-# torchao's float8 README measures one large linear (M, K, N = 4096, 8192, 16384, forward and
-# backward, H100) 1.39x faster than bf16; with this model's casts of that layer (input and
-# weight twice, output gradient once, CAST_PASSES each at 80% of HBM) the GEMMs must run at
-# 2 x 0.93 the bf16 rate to give 1.39.
+# Share of the bf16 achievable matmul rate that fp8 GEMMs reach, per FLOP at twice the peak
+# (torchao's measured linear: measured_constants.md, "torch.compile and float8").
 FP8_MATMUL_EFFICIENCY = 0.93
 # float8 linear layers' fallback cast elements per token, per sqrt(linear parameters) of a
 # block, when the layers themselves are not known: Llama's (6d + f) inputs and (2.5d + 2f)

@@ -154,7 +154,6 @@ def simulate_memory(
     workload: WorkloadSpec,
     *,
     block_classes: tuple[str, ...] = (),
-    extrapolate: bool = True,
     pools: int = 0,
     compile_saving: int = 0,
 ) -> MemoryEstimate:
@@ -168,8 +167,8 @@ def simulate_memory(
     forward-and-backward phase.
 
     ``block_classes`` (the analyzer's ``profile.block_classes``) enables depth extrapolation for
-    models deeper than :data:`EXTRAPOLATE_ABOVE` blocks. Seconds per candidate for small
-    models, tens of seconds for a 70B one.
+    models deeper than :data:`EXTRAPOLATE_ABOVE` blocks (none: the whole depth is simulated).
+    Seconds per candidate for small models, tens of seconds for a 70B one.
 
     >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec, simulate_memory
     >>> est = simulate_memory(
@@ -194,7 +193,7 @@ def simulate_memory(
     built = build_target(target, device="meta")
     module = sys.modules.get(load_callable(target.spec).__module__)
     loss_fn = find_loss_fn(module)
-    deep = deep_lists(block_lists(built.model, block_classes)) if extrapolate else {}
+    deep = deep_lists(block_lists(built.model, block_classes))
     ranks = ranks_to_simulate(built.model, candidate, hardware)
 
     def run(depths: dict[str, int]) -> Phases:

@@ -34,7 +34,7 @@ The factors (:class:`SpeedFactors`) say how much of each peak is reached; trials
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from autoshard.config import (
     OPTIMIZER_TRAITS,
@@ -54,9 +54,10 @@ from autoshard.predict.collectives import Collectives
 from autoshard.predict.factors import DEFAULT_FACTORS, SpeedFactors, default_factors
 from autoshard.predict.flops import FlopProfile
 from autoshard.predict.hardware import dense_flops, speed_for
-from autoshard.predict.host_bound import host_bound_seconds
+from autoshard.predict.host_bound import HostStep, host_bound_seconds
 from autoshard.predict.intervals import model_class, with_interval
-from autoshard.predict.recipe import LinearShapes, RecipeStep
+from autoshard.predict.recipe import RecipeStep
+from autoshard.predict.speed_inputs import SpeedInputs, SpeedOptions
 from autoshard.predict.timeline import (
     MicroBatch,
     Pass,
@@ -70,6 +71,9 @@ from autoshard.predict.timeline import (
 )
 from autoshard.predict.work_seconds import WorkRates, piece_seconds, work_rates
 from autoshard.results import ModelProfile, SpeedBreakdown, SpeedEstimate
+
+if TYPE_CHECKING:  # typing.Unpack: Python 3.11; the annotations are never evaluated
+    from typing import Unpack
 
 
 def optimizer_bytes_per_param(candidate: Candidate) -> int:
@@ -171,23 +175,27 @@ def _distributed_seconds(
 HOST_OPTIMIZER_THREADS = 4
 
 
+class ShardStep(NamedTuple):
+    """What one step's optimizer and offload move and hide behind: the model's ``params``,
+    sharded over ``shard`` ranks, ``accumulate`` micro-batches, and ``compute_s`` busy seconds
+    of compute and recompute."""
+
+    params: float
+    shard: int
+    accumulate: int
+    compute_s: float
+
+
 def _optimizer_and_offload(
-    candidate: Candidate,
-    hardware: Hardware,
-    gpu: GPUSpec,
-    factors: SpeedFactors,
-    *,
-    params: float,
-    shard: int,
-    accumulate: int,
-    compute_s: float,
+    candidate: Candidate, hardware: Hardware, gpu: GPUSpec, factors: SpeedFactors, step: ShardStep
 ) -> tuple[float, float]:
-    """(offload seconds, optimizer seconds) of one step: the optimizer on the GPU, bound by its
-    memory bandwidth; or, with CPU offload, the copies of the parameter shard to the GPU and of
-    the gradient shard back that the ``compute_s`` does not hide (the engine's rules:
+    """(offload seconds, optimizer seconds) of one ``step``: the optimizer on the GPU, bound by
+    its memory bandwidth; or, with CPU offload, the copies of the parameter shard to the GPU and
+    of the gradient shard back that the ``compute_s`` does not hide (the engine's rules:
     :meth:`~autoshard.engine.EnginePolicy.offload_transfers`), and each rank's optimizer
     stepping its shard in host memory after the backward, all ranks of a node at once, each on
     :data:`HOST_OPTIMIZER_THREADS` threads."""
+    params, shard, accumulate, compute_s = step
     stored, _ = element_bytes(candidate.precision)
     shard_params = params / max(shard, 1)
     step_bytes = shard_params * optimizer_bytes_per_param(candidate)
@@ -262,35 +270,32 @@ class _Set(NamedTuple):
     peak: float
 
     @classmethod
-    def up(
-        cls, profile: ModelProfile, flops: FlopProfile, candidate: Candidate, hardware: Hardware,
-        factors: SpeedFactors | None, gpu: GPUSpec | None, tf32: bool,
-        linears: LinearShapes | None,
-    ) -> _Set:  # fmt: skip
-        if gpu is None:
-            gpu = speed_for(hardware)[0]
-        factors = factors or default_factors(gpu)
+    def up(cls, inputs: SpeedInputs, candidate: Candidate) -> _Set:
+        hardware = inputs.hardware
+        gpu = speed_for(hardware)[0] if inputs.gpu is None else inputs.gpu
+        factors = inputs.factors or default_factors(gpu)
         candidate = as_run(candidate, hardware)
-        peak = dense_flops(gpu, candidate.precision, tf32=tf32)
+        peak = dense_flops(gpu, candidate.precision, tf32=inputs.tf32)
         comm = Collectives(
             candidate, hardware, gpu,
             latency_s=factors.collective_latency_s, efficiency=factors.comm_efficiency,
         )  # fmt: skip
         rates = work_rates(candidate, gpu, factors, peak)
         # torch.compile and float8: the work the step runs, its gathers' bytes (predict/recipe.py)
-        recipe = RecipeStep.of(candidate, flops, gpu, profile, linears)
+        recipe = RecipeStep.of(candidate, inputs.flops, gpu, inputs.profile, inputs.linears)
         comm.gather_bytes *= recipe.gather_scale
         return cls(gpu, factors, candidate, comm, rates, recipe, peak)
 
 
 def _turns_of(
-    profile: ModelProfile, candidate: Candidate, hardware: Hardware, workload: WorkloadSpec,
-    blocks: int, skip_sync: bool | None,
-) -> tuple[list[MicroBatch], bool]:  # fmt: skip
+    inputs: SpeedInputs, candidate: Candidate, blocks: int
+) -> tuple[list[MicroBatch], bool]:
     """The step's micro-batches over ``blocks`` timed blocks, and whether backward prefetches."""
+    profile = inputs.profile
     step = step_timeline(
-        candidate, hardware, workload, blocks=blocks, params=float(profile.total_params),
-        block_params=float(profile.block_params) if blocks else 0.0, skip_sync=skip_sync,
+        candidate, inputs.hardware, inputs.workload, blocks=blocks,
+        params=float(profile.total_params),
+        block_params=float(profile.block_params) if blocks else 0.0, skip_sync=inputs.skip_sync,
     )  # fmt: skip
     return step, policy_of(candidate).prefetches_backward(candidate)
 
@@ -302,20 +307,12 @@ def predict_speed(
     hardware: Hardware,
     workload: WorkloadSpec,
     factors: SpeedFactors | None = None,
-    *,
-    gpu: GPUSpec | None = None,
-    tf32: bool = False,
-    skip_sync: bool | None = None,
-    linears: LinearShapes | None = None,
+    **options: Unpack[SpeedOptions],
 ) -> SpeedEstimate:
-    """Predict one optimizer step of ``candidate`` on ``hardware`` (``gpu``: the resolved
-    catalogue entry, :func:`~autoshard.predict.hardware.speed_for`'s when None), with
-    ``factors`` (the defaults for that GPU when None). ``skip_sync``: whether the micro-batches
-    before the last skip the gradient sync; None: as ``workload.loop`` does
-    (:func:`~autoshard.engine.skips_gradient_sync`). Other trainers differ: Composer reduces
-    every micro-batch under FSDP. ``linears``: the layers float8 converts
-    (:func:`~autoshard.predict.recipe.linear_shapes`); torch.compile and float8 change the
-    step's work through :class:`~autoshard.predict.recipe.RecipeStep`.
+    """Predict one optimizer step of ``candidate`` on ``hardware`` with ``factors`` (the
+    defaults for the GPU when None) and the keyword ``options`` (``gpu``, ``tf32``,
+    ``skip_sync``, ``linears``): :func:`speed_of` on these
+    :class:`~autoshard.predict.speed_inputs.SpeedInputs`.
 
     >>> from autoshard import Candidate, Hardware, TargetSpec, WorkloadSpec, analyze_target
     >>> from autoshard.predict.flops import profile_flops
@@ -333,16 +330,24 @@ def predict_speed(
     >>> 0.1 < full.mfu < 0.55
     True
     """
-    s = _Set.up(profile, flops, candidate, hardware, factors, gpu, tf32, linears)
-    gpu, factors, candidate, comm, rates, recipe, peak = s
+    return speed_of(SpeedInputs(profile, flops, hardware, workload, factors, **options), candidate)
+
+
+def speed_of(inputs: SpeedInputs, candidate: Candidate) -> SpeedEstimate:
+    """One optimizer step of ``candidate`` on the ``inputs``' hardware (whether the micro-batches
+    before the last skip the gradient sync: ``inputs.skip_sync``, None as ``workload.loop``
+    does, :func:`~autoshard.engine.skips_gradient_sync`; other trainers differ: Composer
+    reduces every micro-batch under FSDP). torch.compile and float8 change the step's work
+    through :class:`~autoshard.predict.recipe.RecipeStep`."""
+    s = _Set.up(inputs, candidate)
+    gpu, candidate, peak = s.gpu, s.candidate, s.peak
+    hardware, workload = inputs.hardware, inputs.workload
     mbs, accumulate = candidate.micro_batch_size, workload.accumulate
-    total, breakdown = _step_time(
-        profile, recipe, candidate, hardware, workload, gpu, factors, comm, rates, skip_sync
-    )
+    total, breakdown = _step_time(inputs, s)
     samples = mbs * accumulate
     tokens = workload.seq_len
-    work = accumulate * mbs * flops.total
-    params = float(profile.total_params)
+    work = accumulate * mbs * inputs.flops.total
+    params = float(inputs.profile.total_params)
     cap_s = mfu_cap_seconds(total, work / peak, gpu, candidate, params)
     total += cap_s
     estimate = SpeedEstimate(
@@ -357,29 +362,27 @@ def predict_speed(
     return with_interval(estimate, model_class(gpu.generation, candidate.precision, params))
 
 
-def _step_time(
-    profile: ModelProfile, recipe: RecipeStep, candidate: Candidate, hardware: Hardware,
-    workload: WorkloadSpec, gpu: GPUSpec, factors: SpeedFactors, comm: Collectives,
-    rates: WorkRates, skip_sync: bool | None,
-) -> tuple[float, SpeedBreakdown]:  # fmt: skip
-    """Seconds of one step of ``candidate`` (as run), and their breakdown by cause: the
+def _step_time(inputs: SpeedInputs, s: _Set) -> tuple[float, SpeedBreakdown]:
+    """Seconds of one step of ``s.candidate`` (as run), and their breakdown by cause: the
     ``recipe``'s work at the ``rates``, the collectives ``comm`` times on the step's two-stream
     timeline, the optimizer and offload, FSDP's copies, float8's scale sync, and what compile
     and float8 saved."""
-    accumulate = workload.accumulate
+    gpu, factors, candidate, comm, rates, recipe, _ = s
+    profile, hardware = inputs.profile, inputs.hardware
+    accumulate = inputs.workload.accumulate
     selective = candidate.checkpointing is Checkpointing.SELECTIVE
     run = recipe.flops()  # the work the candidate runs (a copy of the profile under compile)
     seconds = _StepSeconds(profile, run, rates, comm, selective=selective)
     blocks = len(seconds.fwd)
     params = float(profile.total_params)
-    step, prefetch = _turns_of(profile, candidate, hardware, workload, blocks, skip_sync)
+    step, prefetch = _turns_of(inputs, candidate, blocks)
     compute_s, recompute_s = _busy_seconds(seconds, candidate, accumulate)
     exposed, contention_s = _exposed_and_contention(
         step, seconds, prefetch, factors, compute_s + recompute_s
     )
     offload_s, optimizer_s = _optimizer_and_offload(
-        candidate, hardware, gpu, factors, params=params, shard=comm.shard,
-        accumulate=accumulate, compute_s=compute_s + recompute_s,
+        candidate, hardware, gpu, factors,
+        ShardStep(params, comm.shard, accumulate, compute_s + recompute_s),
     )  # fmt: skip
     distributed_s = _distributed_seconds(step, comm, gpu, factors)
     scale_sync_s = recipe.scale_sync_s(
@@ -392,7 +395,7 @@ def _step_time(
     total += distributed_s + scale_sync_s
     # a step is no faster than its host issues it (predict/host_bound.py)
     host_bound_s = host_bound_seconds(
-        step, profile, run, candidate, hardware, op_s=factors.op_overhead_s,
+        HostStep(step, profile, run, candidate, hardware), op_s=factors.op_overhead_s,
         unit_scale=factors.unit_host_scale, device_s=total - offload_s, tail_s=optimizer_s,
         host_is_device=gpu.host_is_device, float8_layers=recipe.linears.count,
     )  # fmt: skip
@@ -464,29 +467,17 @@ def under_pressure(
 
 
 def turn_seconds(
-    profile: ModelProfile,
-    flops: FlopProfile,
-    candidate: Candidate,
-    hardware: Hardware,
-    workload: WorkloadSpec,
-    factors: SpeedFactors | None = None,
-    *,
-    gpu: GPUSpec | None = None,
-    tf32: bool = False,
-    linears: LinearShapes | None = None,
-    skip_sync: bool | None = None,
+    inputs: SpeedInputs, candidate: Candidate
 ) -> list[tuple[MicroBatch, PassSeconds, PassSeconds]]:
     """Each micro-batch of :func:`predict_speed`'s step with its forward's and backward's turns
     timed, one run of it: their elapsed seconds times each micro-batch's count add up to the
     step's compute, recompute, exposed communication and contention (the rest of the step,
     the optimizer and offload, FSDP's copies, float8's scale sync and the host-bound floor, is
-    timed whole in the breakdown). The same inputs as :func:`predict_speed`."""
-    s = _Set.up(profile, flops, candidate, hardware, factors, gpu, tf32, linears)
+    timed whole in the breakdown). The same inputs as :func:`speed_of`."""
+    s = _Set.up(inputs, candidate)
     selective = s.candidate.checkpointing is Checkpointing.SELECTIVE
-    seconds = _StepSeconds(profile, s.recipe.flops(), s.rates, s.comm, selective=selective)
-    step, prefetch = _turns_of(
-        profile, s.candidate, hardware, workload, len(seconds.fwd), skip_sync
-    )
+    seconds = _StepSeconds(inputs.profile, s.recipe.flops(), s.rates, s.comm, selective=selective)
+    step, prefetch = _turns_of(inputs, s.candidate, len(seconds.fwd))
     slowdown, overlap = s.factors.overlap_slowdown, s.factors.overlap
 
     def timed(turns: tuple[Turn, ...], prefetches: bool) -> PassSeconds:

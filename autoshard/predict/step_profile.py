@@ -20,6 +20,7 @@ from autoshard.predict.analytic import memory_events
 from autoshard.predict.calibrate import SpeedModel
 from autoshard.predict.factors import SpeedFactors
 from autoshard.predict.speed import PassSeconds, turn_seconds, under_pressure
+from autoshard.predict.speed_inputs import SpeedInputs
 from autoshard.predict.step_memory import MemoryEvent, peak_event
 from autoshard.predict.timeline import MicroBatch, Turn
 from autoshard.results import MemoryEstimate, StepTimeline, TimedEvent
@@ -105,10 +106,10 @@ def step_profile(
     candidate, accumulate = estimate.candidate, workload.accumulate
     factors = factors or speed.prior
     events = memory_events(profile, candidate, hardware, workload, activations=activations)
-    schedule = turn_seconds(
-        profile, speed.flops, candidate, hardware, workload, factors, gpu=speed.gpu,
-        linears=speed.linears,
-    )  # fmt: skip
+    inputs = SpeedInputs(
+        profile, speed.flops, hardware, workload, factors, gpu=speed.gpu, linears=speed.linears
+    )
+    schedule = turn_seconds(inputs, candidate)
     per_micro_batch, step = _events_per_micro_batch(events, accumulate)
     placed, end = _placed(per_micro_batch, _schedule_of(schedule, accumulate))
     predicted = speed.predict(candidate, factors)

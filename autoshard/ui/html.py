@@ -11,7 +11,9 @@ from autoshard.config import Candidate, Hardware
 from autoshard.errors import AutoshardError
 from autoshard.measure import spread_of
 from autoshard.results import Decision, MemoryEstimate, TrialResult
-from autoshard.ui.charts import Page, memory_chart, page_of, speed_chart, throughput_chart
+from autoshard.ui.charts import Page, page_of, throughput_chart
+from autoshard.ui.charts_memory import memory_chart
+from autoshard.ui.charts_speed import speed_chart
 from autoshard.ui.report import (
     MEASURED,
     error_text,

@@ -17,6 +17,7 @@ from autoshard.units import format_bytes, format_count, format_share
 
 CLASS_ROWS = 12
 ROWS = 20  # candidates `autoshard estimate` lists unless --all
+BREAKDOWNS = 3  # the candidates that fit whose memory breakdown print_estimates shows
 
 
 def _short(path: str) -> str:
@@ -199,13 +200,12 @@ def print_estimates(
     console: Console,
     *,
     order: RankOrder = RankOrder.SPEED,
-    detail: int = 3,
     limit: int | None = ROWS,
     recommendation: Decision | None = None,
     nothing_fits: str | None = None,
 ) -> None:
     """The first ``limit`` candidates in the order given, the breakdowns of the first
-    ``detail`` that fit, what the allowance is, and the decision with its reasons (what
+    :data:`BREAKDOWNS` that fit, what the allowance is, and the decision with its reasons (what
     ``print(autoshard.recommend(...))`` and ``rec.reasons`` say)."""
     chosen = recommendation.chosen.candidate if recommendation is not None else None
     console.print(
@@ -213,7 +213,7 @@ def print_estimates(
             estimates, hardware, order=order, limit=limit, width=console.width, chosen=chosen
         )
     )
-    for e in [e for e in estimates if e.fits][:detail]:
+    for e in [e for e in estimates if e.fits][:BREAKDOWNS]:
         how = f"{e.method}, peak at {e.peak_at}" if e.peak_at else e.method
         rows = [[term.replace("_", " "), format_bytes(value)]
                 for term, value in e.breakdown.model_dump().items()]  # fmt: skip

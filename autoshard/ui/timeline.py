@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Callable
+from typing import NamedTuple
 
 from rich.console import Console
 
@@ -79,12 +80,8 @@ def timeline_chart(rec: Decision) -> str:
     scale, unit = seconds_unit(timeline.step_time_s)
     x0, w, head, h = 70, 640, 56, 200
     bottom = head + h
-
-    def x(s: float) -> float:
-        return x0 + w * s / span
-
-    def y(b: float) -> float:
-        return bottom - h * b / top
+    frame = _Frame(x0, w, head, bottom, top, span, scale, unit)
+    x, y = frame.x, frame.y
 
     out = [
         f'<svg id="chart-timeline" xmlns="http://www.w3.org/2000/svg" width="{x0 + w + 160}" '
@@ -93,7 +90,7 @@ def timeline_chart(rec: Decision) -> str:
         "the allowance)</text>",
         f'<text x="{x0}" y="32" class="s dim">{_esc(timeline.candidate)}</text>',
     ]
-    out += _axes(x0, w, head, bottom, top, span, scale, unit, y)
+    out += _axes(frame)
     out += _micro_batch_marks(events, x, head, bottom)
     if shown_limit:
         out.append(
@@ -111,7 +108,7 @@ def timeline_chart(rec: Decision) -> str:
             f'width="{max(x(end) - x(start), 2):.1f}" height="8" fill="transparent">'
             f"<title>{_esc(names)}</title></rect>"
         )
-    out += _peak_mark(timeline, x, y, x0, w, bottom, scale, unit)
+    out += _peak_mark(timeline, frame)
     if not shown_limit:
         out.append(
             f'<text x="{x0}" y="{bottom + 78}" class="s dim">usable memory less the allowance, '
@@ -122,11 +119,31 @@ def timeline_chart(rec: Decision) -> str:
     return "\n".join(out)
 
 
-def _axes(
-    x0: float, w: float, head: float, bottom: float, top: float, span: float, scale: float,
-    unit: str, y: Scale,
-) -> list[str]:  # fmt: skip
+class _Frame(NamedTuple):
+    """The timeline's plot: its left ``x0``, width ``w``, ``head`` and ``bottom`` (y), the bytes
+    at its top and the seconds across it (``span``), and the time unit (``scale`` seconds to
+    it) its axis counts in."""
+
+    x0: float
+    w: float
+    head: float
+    bottom: float
+    top: float
+    span: float
+    scale: float
+    unit: str
+
+    def x(self, seconds: float) -> float:
+        return self.x0 + self.w * seconds / self.span
+
+    def y(self, live: float) -> float:
+        return self.bottom - (self.bottom - self.head) * live / self.top
+
+
+def _axes(frame: _Frame) -> list[str]:
     """The byte axis on the left, the time axis below."""
+    x0, w, _, bottom, top, span, scale, unit = frame
+    y = frame.y
     out = [f'<line x1="{x0}" x2="{x0 + w}" y1="{bottom}" y2="{bottom}" stroke="#666"/>']
     for tick in byte_ticks(top / 1.1):
         out.append(
@@ -168,13 +185,11 @@ def _micro_batch_marks(
     return out
 
 
-def _peak_mark(
-    timeline: StepTimeline, x: Scale, y: Scale, x0: float, w: float, bottom: float,
-    scale: float, unit: str,
-) -> list[str]:  # fmt: skip
+def _peak_mark(timeline: StepTimeline, frame: _Frame) -> list[str]:
     """A dot at the peak event and, below the axis, its name, time and breakdown."""
+    x0, bottom, scale, unit = frame.x0, frame.bottom, frame.scale, frame.unit
     peak = timeline.peak_event
-    px, py = x(peak.start_s), y(peak.live.total)
+    px, py = frame.x(peak.start_s), frame.y(peak.live.total)
     where = f"micro-batch {peak.micro_batch}, " if timeline.events[-1].micro_batch else ""
     line = (
         f"peak {format_bytes(peak.live.total)} at {peak.name} ({where}{peak.start_s * scale:.3g}"

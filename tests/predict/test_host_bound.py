@@ -22,6 +22,7 @@ from autoshard.predict.host_bound import (
     FLOAT8_GATHER_HOST_S,
     FLOAT8_LAYER_HOST_S,
     FSDP_UNIT_HOST_S,
+    HostStep,
     host_seconds,
     unit_host_seconds,
 )
@@ -75,7 +76,7 @@ def host(net, candidate: Candidate, hardware: Hardware = ONE, **kw: float) -> fl
         candidate, hardware, WorkloadSpec(), blocks=BLOCKS,
         params=float(profile.total_params), block_params=float(profile.block_params),
     )  # fmt: skip
-    return host_seconds(step, profile, flops, candidate, hardware, op_s=14e-6, **kw)
+    return host_seconds(HostStep(step, profile, flops, candidate, hardware), op_s=14e-6, **kw)
 
 
 def test_fsdps_hooks_cost_their_units_on_one_gpu_too() -> None:
@@ -152,8 +153,8 @@ def test_autocast_makes_each_kernel_dearer_and_compile_costs_a_step(net) -> None
         compiled, ONE, WorkloadSpec(), blocks=BLOCKS, params=float(profile.total_params),
         block_params=float(profile.block_params),
     )  # fmt: skip
-    slow = host_seconds(step, profile, flops, compiled, ONE, op_s=28e-6, unit_scale=0.0)
-    fast = host_seconds(step, profile, flops, compiled, ONE, op_s=14e-6, unit_scale=0.0)
+    slow = host_seconds(HostStep(step, profile, flops, compiled, ONE), op_s=28e-6, unit_scale=0.0)
+    fast = host_seconds(HostStep(step, profile, flops, compiled, ONE), op_s=14e-6, unit_scale=0.0)
     assert slow == pytest.approx(2 * fast)
 
 

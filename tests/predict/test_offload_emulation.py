@@ -222,6 +222,7 @@ def test_offload_copies_hide_behind_the_compute_but_a_no_shard_gradient_copy() -
     from autoshard.predict.factors import SpeedFactors
     from autoshard.predict.speed import (
         HOST_OPTIMIZER_THREADS,
+        ShardStep,
         _optimizer_and_offload,
         optimizer_bytes_per_param,
     )
@@ -236,9 +237,8 @@ def test_offload_copies_hide_behind_the_compute_but_a_no_shard_gradient_copy() -
         )
         hardware = Hardware(gpus_per_node=ranks, gpu_memory=80 * 2**30)
         seconds, optimizer = _optimizer_and_offload(
-            candidate, hardware, gpu, factors, params=params, shard=1, accumulate=1,
-            compute_s=compute_s,
-        )  # fmt: skip
+            candidate, hardware, gpu, factors, ShardStep(params, 1, 1, compute_s)
+        )
         assert optimizer == 0
         return seconds
 
@@ -255,7 +255,7 @@ def test_offload_copies_hide_behind_the_compute_but_a_no_shard_gradient_copy() -
     candidate = Candidate(sharding="FULL_SHARD", precision="32-true", cpu_offload=True)
     accumulated, _ = _optimizer_and_offload(
         candidate, Hardware(gpus_per_node=1, gpu_memory=80 * 2**30), gpu, factors,
-        params=params, shard=1, accumulate=4, compute_s=0.0,
+        ShardStep(params, shard=1, accumulate=4, compute_s=0.0),
     )  # fmt: skip
     assert accumulated == pytest.approx(host + (4 * 2 + 1) * copy)
     # FSDP2's copies: one after another, nothing hidden (one gather at one shard, one back)

@@ -13,7 +13,7 @@ from torch import nn
 from autoshard.analyze import analyze_model
 from autoshard.config import Candidate, Hardware, WorkloadSpec
 from autoshard.predict.flops import profile_flops
-from autoshard.predict.host_bound import _Kernels, host_seconds
+from autoshard.predict.host_bound import HostStep, _Kernels, host_seconds
 from autoshard.predict.timeline import Pass, step_timeline
 from autoshard.predict.work_seconds import WorkRates, piece_seconds
 
@@ -110,5 +110,5 @@ def test_the_host_issues_every_profiled_kernel_whatever_the_analysed_depth(
     analysed = profile.model_copy(update={"block_count": depth})
     kernels = sum(flops.block_forward_ops) + sum(flops.block_backward_ops)
     kernels += flops.other_forward_ops + flops.other_backward_ops
-    host = host_seconds(step, analysed, flops, candidate, one, op_s=1.0, unit_scale=0.0)
+    host = host_seconds(HostStep(step, analysed, flops, candidate, one), op_s=1.0, unit_scale=0.0)
     assert host == pytest.approx(kernels)

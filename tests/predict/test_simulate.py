@@ -91,7 +91,7 @@ def test_depth_extrapolation_matches_the_whole_simulation() -> None:
     c = Candidate(engine="fsdp2", wrap_classes=("gpt.Block",), precision="bf16-mixed")
     hw = Hardware(gpus_per_node=4, gpu_memory=80 * GIB)
     w = WorkloadSpec(seq_len=64)
-    whole = simulate_memory(target, c, hw, w, block_classes=("gpt.Block",), extrapolate=False)
+    whole = simulate_memory(target, c, hw, w)  # no block classes: the whole depth simulated
     fast = simulate_memory(target, c, hw, w, block_classes=("gpt.Block",))
     assert "extrapolated" not in whole.reason
     peak = whole.gpu_peak - whole.breakdown.allowance
@@ -207,7 +207,7 @@ def test_encoder_decoder_extrapolation_matches_the_whole_simulation(kind) -> Non
     hw = Hardware(gpus_per_node=2, gpu_memory=80 * GIB)
     w = WorkloadSpec(seq_len=32)
     classes = profile.block_classes
-    whole = simulate_memory(SEQ2SEQ, c, hw, w, block_classes=classes, extrapolate=False)
+    whole = simulate_memory(SEQ2SEQ, c, hw, w)  # no block classes: the whole depth simulated
     fast = simulate_memory(SEQ2SEQ, c, hw, w, block_classes=classes)
     peak = whole.gpu_peak - whole.breakdown.allowance
     assert abs((fast.gpu_peak - fast.breakdown.allowance) - peak) <= 0.01 * peak

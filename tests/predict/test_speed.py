@@ -898,6 +898,7 @@ def test_the_host_issues_every_kernel_of_the_step_recompute_included(net) -> Non
     from autoshard.predict.host_bound import (
         CHECKPOINT_HOST_S_PER_KERNEL,
         MEASURED_OP_S,
+        HostStep,
         host_seconds,
     )
     from autoshard.predict.timeline import step_timeline
@@ -911,7 +912,9 @@ def test_the_host_issues_every_kernel_of_the_step_recompute_included(net) -> Non
             params=float(profile.total_params), block_params=float(profile.block_params),
         )  # fmt: skip
         # FSDP's hooks at nothing: the kernels (and checkpointing's own Python)
-        return host_seconds(step, profile, flops, candidate, one, op_s=1e-3, unit_scale=0.0)
+        return host_seconds(
+            HostStep(step, profile, flops, candidate, one), op_s=1e-3, unit_scale=0.0
+        )
 
     plain = Candidate(wrap_classes=WRAP, precision="32-true")  # fp32: no autocast per kernel
     kernels = (
