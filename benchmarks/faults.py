@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import signal
 import subprocess
@@ -34,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
+
+from autoshard.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTS = f"{ROOT}/tests/targets/faults.py:build"
@@ -538,7 +539,7 @@ def _tune(out: Path, *args: str, env: dict[str, str] | None = None, trials: int 
           timeout: float = 120) -> subprocess.CompletedProcess[str]:  # fmt: skip
     return subprocess.run(
         tune_command(out, *QUICK, *args, trials=trials, timeout=timeout), cwd=ROOT,
-        capture_output=True, text=True, timeout=1200, env={**os.environ, **(env or {})},
+        capture_output=True, text=True, timeout=1200, env=child_env(**(env or {})),
     )  # fmt: skip
 
 
@@ -724,7 +725,7 @@ def planted_symlink(folder: Path) -> Row:
     victim.write_text("precious")
     done = subprocess.run(
         [sys.executable, "-c", PLANTED, str(shared), str(victim), str(marker)], cwd=ROOT,
-        capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(shared)},
+        capture_output=True, text=True, timeout=600, env=child_env(TMPDIR=str(shared)),
     )  # fmt: skip
     said = (shown(done.stdout) or [""])[-1]
     return Row(

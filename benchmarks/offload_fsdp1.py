@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from autoshard.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT}/examples/gpt.py:build"
@@ -49,8 +50,7 @@ def measure(model: str, ranks: int) -> list[dict]:
     largest rank's) and its estimate."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "points.json"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT)])}
-        env["OMP_NUM_THREADS"] = "1"
+        env = child_env(ROOT / "examples", ROOT, OMP_NUM_THREADS="1")
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
              "--standalone", __file__, "--worker", model, str(out)],

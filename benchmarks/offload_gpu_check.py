@@ -245,10 +245,10 @@ def trial(label: str) -> None:
 def run_all(dry_run: bool) -> int:
     """Every part in its own process group under its time box (the whole group, the trial's
     workers too, killed when it runs over); 0 when each finished in time."""
-    env = {**os.environ, **(DRY_RUN_ENV if dry_run else {})}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(ROOT / "examples"), *filter(None, [os.environ.get("PYTHONPATH")])]
-    )
+    sys.path[:0] = [str(ROOT)]  # run as a script on a machine where autoshard is not installed
+    from autoshard.child_env import child_env
+
+    env = child_env(ROOT, ROOT / "examples", **(DRY_RUN_ENV if dry_run else {}))
     failed = 0
     for part, seconds in BOXES:
         box = seconds * (DRY_RUN_BOX_SCALE if dry_run else 1)

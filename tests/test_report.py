@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from autoshard.child_env import child_env
 from autoshard.config import Hardware, Sharding
 from autoshard.errors import ResultError
 from autoshard.recommendation import Recommendation, load_result
@@ -702,7 +703,6 @@ def test_a_study_in_which_nothing_ran_writes_its_report(tmp_path: Path) -> None:
     """Every trial fails (the model raises in every rank's forward): ``tune`` ends with one line
     and exit code 1, and still writes report.json and report.html, which say the same line and
     list every trial with what kept it out; reading the folder back says it in one line."""
-    import os
     import sys
 
     from tests.conftest import ROOT, TARGETS
@@ -714,8 +714,9 @@ def test_a_study_in_which_nothing_ran_writes_its_report(tmp_path: Path) -> None:
         "--seq-len", "16", "--gpu-memory", "4GiB", "--precision", "32-true", "--trials", "3",
         "--warmup", "1", "--steps", "2", "--out", str(out),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        args, cwd=ROOT, env=child_env(ROOT), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 1, done.stderr[-2000:]
     line = done.stderr.strip().splitlines()[-1]
     assert "no configuration ran successfully" in line and "broken on purpose" in line

@@ -199,8 +199,8 @@ def test_tune_in_an_80x24_terminal_keeps_the_running_trial_and_the_best_on_scree
 
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "FORCE_COLOR")}
-    env.update(TERM="xterm-256color", PYTHONPATH=str(ROOT))
+    kept = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "FORCE_COLOR")}
+    env = child_env(ROOT, base=kept, TERM="xterm-256color")
     args = ["tune", *TINY, "--seq-len", "64", "--batch-size", "1,2", "--gpu-memory", "2GiB",
             "--no-compile", "--trials", "3", "--warmup", "1", "--steps", "3",
             "--out", str(tmp_path / "out")]  # fmt: skip

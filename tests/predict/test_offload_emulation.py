@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from autoshard.child_env import child_env
 from autoshard.config import Candidate, Hardware, WorkloadSpec
 from autoshard.engine import OffloadCopies, policy_of
 
@@ -96,8 +97,7 @@ def _copies_kept(target, candidate: Candidate) -> list[bool]:
 
 def _launch(tmp_path: Path, ranks: int, points: list[dict]) -> dict:
     result = tmp_path / f"offload{ranks}.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT)])}
-    env["OMP_NUM_THREADS"] = "1"
+    env = child_env(ROOT / "examples", ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
          "--standalone", __file__, str(result), json.dumps(points)],
