@@ -297,13 +297,12 @@ def serve_study(
     _check_nodes(options, tune_options, cli=True)
     out = Path(tune_options.out_dir)
     hardware = detect_hardware(options, trials=True)
+    nproc = tune_options.nproc or hardware.gpus_per_node
     WorkerGroup(
         to_target(model, kwargs=kwargs, out_dir=out),
+        tune_options.model_copy(update={"nproc": nproc}),
         log_dir=out / f"workers-node{tune_options.node_rank}",
-        nproc=tune_options.nproc or hardware.gpus_per_node,
         nnodes=options.nodes,
-        node_rank=tune_options.node_rank,
-        rdzv_endpoint=tune_options.rdzv_endpoint,
     ).serve()
 
 

@@ -12,8 +12,8 @@ import pytest
 
 from autoshard.config import Candidate, WorkloadSpec
 from autoshard.results import TrialResult, TrialStatus
-from autoshard.search import dominated_by
 from autoshard.study.causes import CAUSES, Cause, cause_of, classified
+from autoshard.study.dominance import dominated_by
 from autoshard.study.lessons import learn
 
 from .test_study import Runner, space, study

@@ -21,10 +21,11 @@ import pytest
 import torch.distributed as dist
 
 from autoshard.child_env import child_env
-from autoshard.config import Candidate, WorkloadSpec
+from autoshard.config import Candidate, TuneOptions, WorkloadSpec
 from autoshard.results import TrialResult, TrialStatus
 from autoshard.target.resolve import TargetSpec
-from autoshard.trials.group import WorkerGroup, crash_cause, last_error_line
+from autoshard.trials.crashlog import crash_cause, last_error_line
+from autoshard.trials.group import WorkerGroup
 from autoshard.trials.lifeline import alive, parent_death_preexec
 from autoshard.trials.protocol import (
     Launch,
@@ -262,8 +263,19 @@ while True:
 
 
 class StandInGroup(WorkerGroup):
-    def __init__(self, tmp_path: Path, *, delay: float = 0.0, mode: str = "ok", **kw) -> None:
-        super().__init__(TargetSpec(spec="m.py:build"), log_dir=tmp_path, nproc=2, **kw)
+    def __init__(
+        self,
+        tmp_path: Path,
+        *,
+        delay: float = 0.0,
+        mode: str = "ok",
+        trial_timeout: float = 300.0,
+        start_timeout: float = 180.0,
+    ) -> None:
+        options = TuneOptions(nproc=2, trial_timeout=trial_timeout)
+        super().__init__(
+            TargetSpec(spec="m.py:build"), options, log_dir=tmp_path, start_timeout=start_timeout
+        )
         self.delay, self.mode = delay, mode
 
     def command(self) -> list[str]:

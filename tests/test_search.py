@@ -20,8 +20,8 @@ from autoshard.predict.activations import profile_activations
 from autoshard.predict.analytic import estimate_all
 from autoshard.ranking import ranked, trial_contender
 from autoshard.results import Decision, TrialResult, TrialStatus
-from autoshard.search import dominated_by
 from autoshard.space import enumerate_candidates
+from autoshard.study.dominance import dominated_by
 from autoshard.ui.files import DATABASE_FILE
 
 from .conftest import EXAMPLES, ROOT

@@ -24,13 +24,13 @@ import pytest
 from autoshard.config import Candidate, Engine, Hardware, WorkloadSpec
 from autoshard.errors import StorageError, StudyLockedError, TrialsFailedError
 from autoshard.results import MemoryBreakdown, MemoryEstimate, TrialResult, TrialStatus
-from autoshard.search import dominated_by
 from autoshard.sharding import cpu_workers_cannot_run
 from autoshard.study import journal as journal_mod
+from autoshard.study.dominance import dominated_by
 from autoshard.study.journal import read_records
 from autoshard.study.lessons import learn
 from autoshard.study.lock import OutLock
-from autoshard.study.loop import run_trials
+from autoshard.study.loop import TrialHooks, run_trials
 from autoshard.study.settings import StudySettings
 from autoshard.study.storage import open_store
 from autoshard.target.resolve import TargetSpec
@@ -110,8 +110,10 @@ def study(out: Path, cands, runner, *, n_trials=4, sett=None, storage=None, noti
     said = notices if notices is not None else []
     with open_store(out, storage, notice=said.append) as store:
         store.open_study(sett or settings(), [c.label() for c in cands])
+        unfit = kw.pop("unfit", 0)
+        hooks = TrialHooks(**{k: kw.pop(k) for k in ("dominated", "cannot_run") if k in kw})
         results = run_trials(
-            store, estimates(cands, kw.pop("unfit", 0)), runner, n_trials=n_trials, **kw
+            store, estimates(cands, unfit), runner, n_trials=n_trials, hooks=hooks, **kw
         )
         return store.name, results
 
