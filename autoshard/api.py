@@ -257,7 +257,7 @@ def tune_with(
     """:func:`tune` with validated options (the command line's door, which adds only the
     printing): ``progress`` is the rich ``Console`` that shows the trials, or None."""
     from autoshard.search import run_study
-    from autoshard.study.storage import check_storage, prepare_out
+    from autoshard.study.database import check_storage, prepare_out
 
     _check_nodes(options, tune_options, cli=cli)
     out_dir = Path(tune_options.out_dir)

@@ -144,8 +144,9 @@ def study_settings(plan: Plan, opts: TuneOptions) -> StudySettings:
     return StudySettings.of(
         plan.request.target, plan.hardware, plan.workload, engine=request.engine,
         precisions=request.precision, micro_batch_sizes=sorted({c.micro_batch_size
-        for c in plan.candidates}), memory_cap=opts.memory_cap, model=plan.built.model,
-        batch=plan.built.batch,
+        for c in plan.candidates}), memory_cap=opts.memory_cap,
+    ).with_model(
+        plan.built.model, plan.built.batch,
         computation=plan.activations.at(Precision.FP32).forward_digest,
     )  # fmt: skip
 
@@ -169,7 +170,7 @@ def study_objective(plan: Plan) -> tuple[str, Callable[[TrialResult], float], st
     prediction for the planned GPU, as :func:`autoshard.decide.decide_from_trials` ranks them
     (a CPU's timing says nothing about a GPU's). Either less its noise where the candidate is
     at risk (near the memory limit, offloading to host memory not checked)."""
-    from autoshard.study.storage import measured_per_rank  # optuna: only when a study runs
+    from autoshard.study.knobs import measured_per_rank  # optuna: only when a study runs
 
     tokens = plan.workload.seq_len is not None
     unit = "tokens/s" if tokens else "samples/s"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from autoshard.config import Candidate, TuneOptions, WorkloadSpec
 from autoshard.results import TrialResult, TrialStatus
 from autoshard.target.resolve import TargetSpec
-from autoshard.trials import worker
+from autoshard.trials import accounting, worker
 from autoshard.trials.group import WorkerGroup, _Trial
 from autoshard.trials.isolation import LEFTOVER_FLOOR, freeze_process
 from autoshard.trials.protocol import TrialReply, TrialRequest
@@ -308,7 +308,7 @@ def test_on_cuda_a_trial_is_measured_from_its_own_baseline(monkeypatch) -> None:
     assert release(cuda) == 5 * MIB
     assert calls == ["collect", "synchronize", "cublas", "empty_cache", "allocated"]
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 105 * MIB)
-    assert worker._peak_allocated(cuda, 5 * MIB, 0) == 100 * MIB
+    assert accounting.peak_allocated(cuda, 5 * MIB, 0) == 100 * MIB
 
     def busy() -> None:  # a torch built without cuBLAS's workspaces, or one that refuses
         raise RuntimeError("no workspaces")

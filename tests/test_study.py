@@ -180,7 +180,7 @@ def test_a_changed_model_starts_a_new_study_and_says_so(tmp_path: Path) -> None:
         model = nn.Sequential(nn.Embedding(64, width), nn.Linear(width, 64))
         sizes, precisions = (1, 2), ("32-true", "bf16-mixed")
         return StudySettings.of(target, HARDWARE, WorkloadSpec(seq_len=8), precisions=precisions,
-                                micro_batch_sizes=sizes, model=model)  # fmt: skip
+                                micro_batch_sizes=sizes).with_model(model)  # fmt: skip
 
     assert of(16).model == model_fingerprint(nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 64)))
     cands = space(sizes=(1, 2))
@@ -709,7 +709,9 @@ def test_out_naming_a_file_is_one_line(tmp_path: Path) -> None:
 
 def test_the_study_modules_examples_run() -> None:
     import autoshard.slurm
+    import autoshard.study.database
     import autoshard.study.journal
+    import autoshard.study.knobs
     import autoshard.study.lessons
     import autoshard.study.lock
     import autoshard.study.settings
@@ -717,11 +719,12 @@ def test_the_study_modules_examples_run() -> None:
 
     for module in (
         autoshard.slurm,
+        autoshard.study.database,
         autoshard.study.journal,
+        autoshard.study.knobs,
         autoshard.study.lessons,
         autoshard.study.lock,
         autoshard.study.settings,
-        autoshard.study.storage,
     ):
         failures, tried = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert failures == 0 and tried > 0, module.__name__
