@@ -250,7 +250,7 @@ def tune_with(
     """:func:`tune` with validated options (the command line's door, which adds only the
     printing): ``progress`` is the rich ``Console`` that shows the trials, or None."""
     from autoshard.search import run_study
-    from autoshard.study.storage import check_storage, prepare_out
+    from autoshard.study.database import check_storage, prepare_out
 
     _check_nodes(options, tune_options, cli=cli)
     out_dir = Path(tune_options.out_dir)
@@ -290,13 +290,12 @@ def serve_study(
     _check_nodes(options, tune_options, cli=True)
     out = Path(tune_options.out_dir)
     hardware = detect_hardware(options, trials=True)
+    nproc = tune_options.nproc or hardware.gpus_per_node
     WorkerGroup(
         to_target(model, kwargs=kwargs, out_dir=out),
+        tune_options.model_copy(update={"nproc": nproc}),
         log_dir=out / f"workers-node{tune_options.node_rank}",
-        nproc=tune_options.nproc or hardware.gpus_per_node,
         nnodes=options.nodes,
-        node_rank=tune_options.node_rank,
-        rdzv_endpoint=tune_options.rdzv_endpoint,
     ).serve()
 
 

@@ -170,15 +170,17 @@ def hang_after_relaunch(folder: Path) -> Row:
         import json, sys, time
         from pathlib import Path
         from autoshard.config import Candidate, WorkloadSpec
+        from autoshard.options import TuneOptions
         from autoshard.target.resolve import TargetSpec
         from autoshard.trials.group import WorkerGroup
         c = Candidate(wrap_classes=("faults.Block",), precision="32-true")
         def t(**kw):
             return TargetSpec(spec={FAULTS!r}, kwargs=kw)
         w = WorkloadSpec(seq_len=16)
-        with WorkerGroup(t(), log_dir=Path(sys.argv[1]), nproc=2, trial_timeout={TIMEOUT}) as g:
-            a = g.run(c, w, warmup=1, steps=2, target=t(fault="exit", rank=1))
-            b = g.run(c, w, warmup=1, steps=2, target=t(fault="hang", rank=1))
+        o = TuneOptions(nproc=2, trial_timeout={TIMEOUT}, warmup=1, steps=2)
+        with WorkerGroup(t(), o, log_dir=Path(sys.argv[1])) as g:
+            a = g.run(c, w, target=t(fault="exit", rank=1))
+            b = g.run(c, w, target=t(fault="hang", rank=1))
             print(json.dumps([a.model_dump(mode="json"), b.model_dump(mode="json"), g.launches]))
         """
     )
@@ -206,11 +208,13 @@ IDLE_DRIVER = """
 import sys, time
 from pathlib import Path
 from autoshard.config import Candidate, WorkloadSpec
+from autoshard.options import TuneOptions
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.group import WorkerGroup
-group = WorkerGroup(TargetSpec(spec=sys.argv[1]), log_dir=Path(sys.argv[2]), nproc=2)
+options = TuneOptions(nproc=2, warmup=1, steps=1)
+group = WorkerGroup(TargetSpec(spec=sys.argv[1]), options, log_dir=Path(sys.argv[2]))
 result = group.run(Candidate(wrap_classes=("faults.Block",), precision="32-true"),
-                   WorkloadSpec(seq_len=16), warmup=1, steps=1)
+                   WorkloadSpec(seq_len=16))
 print(result.status.value, flush=True)
 time.sleep(3600)
 """

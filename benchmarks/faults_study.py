@@ -452,7 +452,7 @@ def case_postgres_faults(work: Path) -> list[Row]:
         return [Row("25.3", "PostgreSQL faults", None, None, None, "-", "skipped")]
     if binaries() is None:
         return [Row("25.3", "PostgreSQL faults", None, None, None, "-", "no server")]
-    from autoshard.study.storage import check_storage
+    from autoshard.study.database import check_storage
 
     rows = []
     with postgres_instance() as server:

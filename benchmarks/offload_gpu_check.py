@@ -188,6 +188,7 @@ def adam() -> None:
 def trial(label: str) -> None:
     from autoshard.analyze import analyze_target
     from autoshard.config import Engine, Hardware, Precision, WorkloadSpec
+    from autoshard.options import TuneOptions
     from autoshard.predict.activations import precisions_of, profile_activations
     from autoshard.predict.analytic import estimate_memory
     from autoshard.predict.attention_kernels import attention_device
@@ -230,7 +231,11 @@ def trial(label: str) -> None:
     speed = predict_speed(profile, flops, candidate, hardware, workload, gpu=gpu)
     start = time.time()
     with tempfile.TemporaryDirectory() as tmp, WorkerGroup(target, log_dir=Path(tmp)) as group:
-        result = group.run(candidate, workload, warmup=1, steps=2, max_steps=2, max_seconds=1.0)
+        result = group.run(
+            candidate,
+            workload,
+            options=TuneOptions(warmup=1, steps=2, max_steps=2, max_seconds=1.0),
+        )
     _record("trial", label=label, omp=os.environ.get("OMP_NUM_THREADS", "4 (group default)"),
             status=result.status.value, error=(result.error or "")[:300],
             step_s=result.step_time, step_times=result.step_times,

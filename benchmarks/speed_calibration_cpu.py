@@ -233,6 +233,7 @@ def calibrate_grid(
 
 def run_trials(target: Any, workload: Any, candidates: list[Any], steps: int) -> dict[str, Any]:
     """Every candidate in one worker group, in order; the load average around them."""
+    from autoshard.options import TuneOptions
     from autoshard.results import TrialStatus
     from autoshard.trials.group import WorkerGroup
 
@@ -240,10 +241,10 @@ def run_trials(target: Any, workload: Any, candidates: list[Any], steps: int) ->
     started = time.perf_counter()
     trials = []
     with tempfile.TemporaryDirectory() as tmp:
-        group = WorkerGroup(target, log_dir=Path(tmp), nproc=2, trial_timeout=300)
+        group = WorkerGroup(target, TuneOptions(nproc=2, trial_timeout=300), log_dir=Path(tmp))
         with group:
             for c in candidates:
-                r = group.run(c, workload, warmup=2, steps=steps)
+                r = group.run(c, workload, options=TuneOptions(warmup=2, steps=steps))
                 if r.status is not TrialStatus.OK or r.step_time is None:
                     raise SystemExit(f"{c.label()}: {r.status.value}: {r.error}")
                 spread = r.step_time_spread or 0.0

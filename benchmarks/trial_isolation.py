@@ -27,6 +27,7 @@ from pathlib import Path
 
 from autoshard import estimate
 from autoshard.config import Candidate, WorkloadSpec
+from autoshard.options import TuneOptions
 from autoshard.results import TrialResult
 from autoshard.sharding import cpu_workers_cannot_run
 from autoshard.target.resolve import TargetSpec
@@ -73,12 +74,18 @@ def run_all(
     notices: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         group = WorkerGroup(
-            target, log_dir=Path(tmp), trial_timeout=args.trial_timeout, on_notice=notices.append
+            target,
+            TuneOptions(trial_timeout=args.trial_timeout, on_notice=notices.append),
+            log_dir=Path(tmp),
         )
         try:
             for c in chosen:
                 workload = WorkloadSpec(seq_len=args.seq_len, micro_batch_size=c.micro_batch_size)
-                results.append(group.run(c, workload, warmup=1, steps=args.steps, max_steps=8))
+                results.append(
+                    group.run(
+                        c, workload, options=TuneOptions(warmup=1, steps=args.steps, max_steps=8)
+                    )
+                )
                 print(_row_text(results[-1], fresh), flush=True)
                 if fresh:
                     group.close()

@@ -28,6 +28,7 @@ def run_trials(
     """(candidate, its TrialResult, wall seconds with the group's start) for each candidate,
     in one group or each in a fresh one. The candidate's own micro-batch is the workload's;
     ``max_seconds`` caps a trial's timed steps (by default autoshard's budget)."""
+    from autoshard.options import TuneOptions
     from autoshard.trials.group import WorkerGroup
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -43,7 +44,9 @@ def run_trials(
                     if shared is None:
                         group.__enter__()
                     budget = {} if max_seconds is None else {"max_seconds": max_seconds}
-                    trial = group.run(candidate, w, warmup=warmup, steps=steps, **budget)
+                    trial = group.run(
+                        candidate, w, options=TuneOptions(warmup=warmup, steps=steps, **budget)
+                    )
                 finally:
                     if shared is None:
                         group.__exit__(None, None, None)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import autoshard
 from autoshard.config import Candidate, Precision, WorkloadSpec
+from autoshard.options import TuneOptions
 from autoshard.results import TrialStatus
 from autoshard.study.journal import read_records
 from autoshard.target.resolve import TargetSpec
@@ -69,10 +70,10 @@ def against_lightning_default(
         f"Lightning FSDPStrategy() ({chosen.precision.value})": (same_precision, []),
     }
     workload = WorkloadSpec(seq_len=seq)
-    with WorkerGroup(target, log_dir=log_dir, nproc=default_nproc()[0]) as group:
+    with WorkerGroup(target, TuneOptions(nproc=default_nproc()[0]), log_dir=log_dir) as group:
         for _ in range(rounds):  # alternate, so that drift hits every configuration alike
             for candidate, rates in runs.values():
-                result = group.run(candidate, workload, warmup=2, steps=5)
+                result = group.run(candidate, workload, options=TuneOptions(warmup=2, steps=5))
                 if result.status is TrialStatus.OK and result.tokens_per_s:
                     rates.append(result.tokens_per_s)
     return [(name, statistics.median(rates) if rates else 0.0) for name, (_, rates) in runs.items()]

@@ -12,7 +12,7 @@ import pytest
 
 from autoshard.errors import MissingDependencyError, ResultError
 from autoshard.recommendation import load_result
-from autoshard.study.storage import check_storage
+from autoshard.study.database import check_storage
 
 TINY = ["examples/gpt.py:build", "--arg", "size=tiny", "--gpu-memory", "1GiB", "--gpus", "2"]
 

@@ -19,6 +19,7 @@ from autoshard.cli import app
 from autoshard.config import Candidate, Engine, Precision, WorkloadSpec
 from autoshard.errors import ConfigError, HandoverNotice
 from autoshard.gpus import CATALOGUE
+from autoshard.options import TuneOptions
 from autoshard.results import TrialStatus
 from autoshard.sharding import cpu_workers_cannot_run, float8_linears
 
@@ -324,8 +325,8 @@ def test_a_compiled_trial_trains_on_two_gloo_processes(tmp_path: Path) -> None:
         precision="32-true", compile=True,
     )  # fmt: skip
     start = time.monotonic()
-    with WorkerGroup(target, log_dir=tmp_path, nproc=2, trial_timeout=240) as group:
-        result = group.run(c, WorkloadSpec(), warmup=1, steps=2, max_steps=2)
+    with WorkerGroup(target, TuneOptions(nproc=2, trial_timeout=240), log_dir=tmp_path) as group:
+        result = group.run(c, WorkloadSpec(), options=TuneOptions(warmup=1, steps=2, max_steps=2))
     assert result.status is TrialStatus.OK, result.error
     assert result.losses and all(torch.isfinite(torch.tensor(result.losses)))
     print(f"compiled trial: {time.monotonic() - start:.1f} s")

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import autoshard
-from autoshard.study.storage import KNOBS
+from autoshard.study.knobs import KNOBS
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = shutil.which("optuna-dashboard") or str(

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from autoshard.config import Candidate, WorkloadSpec
+from autoshard.options import TuneOptions
 from autoshard.results import TrialResult, TrialStatus
 from autoshard.study.journal import read_records
 from autoshard.target.resolve import TargetSpec
@@ -114,12 +115,24 @@ def test_a_hang_in_the_first_trial_of_a_group_is_reported_in_time(tmp_path, reap
 
 def test_a_hang_in_the_first_trial_after_a_crash_relaunch_is_reported_in_time(tmp_path) -> None:
     timeout = 8.0
-    with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=timeout) as group:
-        crashed = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=faulty(fault="exit", rank=1))
+    with WorkerGroup(
+        faulty(), TuneOptions(nproc=2, trial_timeout=timeout), log_dir=tmp_path
+    ) as group:
+        crashed = group.run(
+            BLOCK,
+            TOKENS,
+            target=faulty(fault="exit", rank=1),
+            options=TuneOptions(warmup=1, steps=2),
+        )
         assert crashed.status is TrialStatus.ERROR, crashed
         assert "rank 1 exited with code 3" in (crashed.error or "")
         started = time.monotonic()
-        hung = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=faulty(fault="hang", rank=1))
+        hung = group.run(
+            BLOCK,
+            TOKENS,
+            target=faulty(fault="hang", rank=1),
+            options=TuneOptions(warmup=1, steps=2),
+        )
         took = time.monotonic() - started
         assert group.launches == 2
         assert group.launch_seconds is not None
@@ -136,12 +149,14 @@ IDLE_DRIVER = """
 import sys, time
 from pathlib import Path
 from autoshard.config import Candidate, WorkloadSpec
+from autoshard.options import TuneOptions
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.group import WorkerGroup
 
-group = WorkerGroup(TargetSpec(spec=sys.argv[1]), log_dir=Path(sys.argv[2]), nproc=2)
+options = TuneOptions(nproc=2, warmup=1, steps=1)
+group = WorkerGroup(TargetSpec(spec=sys.argv[1]), options, log_dir=Path(sys.argv[2]))
 result = group.run(Candidate(wrap_classes=("faults.Block",), precision="32-true"),
-                   WorkloadSpec(seq_len=16), warmup=1, steps=1)
+                   WorkloadSpec(seq_len=16))
 print(result.status.value, flush=True)
 time.sleep(3600)  # idle: the workers wait for the next request
 """
@@ -185,25 +200,32 @@ def test_an_exception_on_one_rank_is_the_trials_error(tmp_path, rank: int) -> No
     the trial's error (and in the log), soon, not a hang until the timeout."""
     message = f"rank {rank} alone says no"
     target = faulty(fault="raise", rank=rank, step=2, message=message)
-    with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
-        failed = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=target)
+    with WorkerGroup(faulty(), TuneOptions(nproc=2, trial_timeout=120), log_dir=tmp_path) as group:
+        failed = group.run(BLOCK, TOKENS, target=target, options=TuneOptions(warmup=1, steps=2))
         assert group.log_path is not None
         log = group.log_path.read_text(errors="replace")
         assert failed.status is TrialStatus.ERROR and not failed.transient
         assert failed.error == f"rank {rank}: RuntimeError: {message}"
         assert failed.duration < group.agree_timeout + 20  # not the 120 s trial timeout
         assert message in log
-        after = group.run(BLOCK, TOKENS, warmup=1, steps=2)  # a fresh group takes over
+        after = group.run(
+            BLOCK, TOKENS, options=TuneOptions(warmup=1, steps=2)
+        )  # a fresh group takes over
         assert after.status is TrialStatus.OK, after.error
         assert group.launches == 2
 
 
 def test_an_exception_on_every_rank_keeps_the_group(tmp_path) -> None:
-    with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
-        failed = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=faulty(fault="raise"))
+    with WorkerGroup(faulty(), TuneOptions(nproc=2, trial_timeout=120), log_dir=tmp_path) as group:
+        failed = group.run(
+            BLOCK, TOKENS, target=faulty(fault="raise"), options=TuneOptions(warmup=1, steps=2)
+        )
         assert failed.status is TrialStatus.ERROR
         assert "RuntimeError: injected fault" in (failed.error or "")
-        assert group.run(BLOCK, TOKENS, warmup=1, steps=2).status is TrialStatus.OK
+        assert (
+            group.run(BLOCK, TOKENS, options=TuneOptions(warmup=1, steps=2)).status
+            is TrialStatus.OK
+        )
         assert group.launches == 1
 
 
@@ -213,9 +235,19 @@ def test_an_exception_on_every_rank_keeps_the_group(tmp_path) -> None:
 
 
 def test_a_rank_killed_by_a_signal_is_a_transient_error(tmp_path) -> None:
-    with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
-        killed = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=faulty(fault="kill", rank=1))
-        exited = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=faulty(fault="exit", rank=0))
+    with WorkerGroup(faulty(), TuneOptions(nproc=2, trial_timeout=120), log_dir=tmp_path) as group:
+        killed = group.run(
+            BLOCK,
+            TOKENS,
+            target=faulty(fault="kill", rank=1),
+            options=TuneOptions(warmup=1, steps=2),
+        )
+        exited = group.run(
+            BLOCK,
+            TOKENS,
+            target=faulty(fault="exit", rank=0),
+            options=TuneOptions(warmup=1, steps=2),
+        )
     assert killed.status is TrialStatus.ERROR and killed.transient
     assert "rank 1 was killed by SIGKILL" in (killed.error or "")
     assert exited.status is TrialStatus.ERROR and not exited.transient
@@ -263,9 +295,12 @@ def test_two_identical_trials_in_one_group_measure_the_same_memory(
     tmp_path, examples_gpt_tiny
 ) -> None:
     candidate = Candidate(wrap_classes=("gpt.Block",), precision="32-true")
-    with WorkerGroup(examples_gpt_tiny, log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
+    with WorkerGroup(
+        examples_gpt_tiny, TuneOptions(nproc=2, trial_timeout=120), log_dir=tmp_path
+    ) as group:
         first, second = (
-            group.run(candidate, WorkloadSpec(seq_len=64), warmup=1, steps=2) for _ in range(2)
+            group.run(candidate, WorkloadSpec(seq_len=64), options=TuneOptions(warmup=1, steps=2))
+            for _ in range(2)
         )
     assert first.status is second.status is TrialStatus.OK
     # A CPU trial's peak is the process's resident set, whose resolution is a couple of MiB
@@ -286,7 +321,7 @@ def test_two_identical_trials_in_one_group_measure_the_same_memory(
 
 def test_sigterm_to_the_launcher_or_a_worker_is_transient(tmp_path) -> None:
     """SIGTERM, as SIGKILL, is a crash from outside: retried once, never a permanent error."""
-    with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
+    with WorkerGroup(faulty(), TuneOptions(nproc=2, trial_timeout=120), log_dir=tmp_path) as group:
         results: list[TrialResult] = []
         for who in ("launcher", "worker"):
 
@@ -305,7 +340,9 @@ def test_sigterm_to_the_launcher_or_a_worker_is_transient(tmp_path) -> None:
             stopper = threading.Thread(target=stop)
             stopper.start()
             slow = faulty(fault="slow", seconds=60)
-            results.append(group.run(BLOCK, TOKENS, warmup=1, steps=2, target=slow))
+            results.append(
+                group.run(BLOCK, TOKENS, target=slow, options=TuneOptions(warmup=1, steps=2))
+            )
             stopper.join()
     launcher, worker = results
     assert launcher.transient and "torchrun was stopped by SIGTERM" in (launcher.error or "")
@@ -317,10 +354,15 @@ def test_a_models_exit_is_reported_with_its_own_reason(tmp_path) -> None:
     """argparse in the factory (the workers' own flags) and sys.exit on one rank: the trial's
     error is that rank's exit code, the frame that called it and argparse's message, not the
     other rank's broken connection (issue 25, cases 6 and 9)."""
-    with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
-        parsed = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=faulty(argv=True))
+    with WorkerGroup(faulty(), TuneOptions(nproc=2, trial_timeout=120), log_dir=tmp_path) as group:
+        parsed = group.run(
+            BLOCK, TOKENS, target=faulty(argv=True), options=TuneOptions(warmup=1, steps=2)
+        )
         exited = group.run(
-            BLOCK, TOKENS, warmup=1, steps=2, target=faulty(fault="sysexit", rank=1, step=2)
+            BLOCK,
+            TOKENS,
+            target=faulty(fault="sysexit", rank=1, step=2),
+            options=TuneOptions(warmup=1, steps=2),
         )
     assert parsed.status is TrialStatus.ERROR and not parsed.transient
     error = parsed.error or ""
@@ -334,8 +376,12 @@ def test_worker_output_is_capped_per_trial_keeping_head_and_tail(tmp_path) -> No
     """A model that prints 20 KB per forward pass: the trial's log keeps its first and last
     32 KiB with a marker between, and the driver reads the end of it (issue 25, case 5)."""
     cap = 64 * 1024
-    with WorkerGroup(faulty(), log_dir=tmp_path, nproc=2, trial_timeout=120, log_cap=cap) as group:
-        result = group.run(BLOCK, TOKENS, warmup=1, steps=2, target=faulty(spam=20_000))
+    with WorkerGroup(
+        faulty(), TuneOptions(nproc=2, trial_timeout=120, worker_log_cap=cap), log_dir=tmp_path
+    ) as group:
+        result = group.run(
+            BLOCK, TOKENS, target=faulty(spam=20_000), options=TuneOptions(warmup=1, steps=2)
+        )
         assert result.status is TrialStatus.OK, result.error
         assert group.log_path is not None
         tail = group.log_tail()

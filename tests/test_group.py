@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from autoshard.config import Candidate, WorkloadSpec
+from autoshard.options import TuneOptions
 from autoshard.results import TrialStatus
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.group import WorkerGroup
@@ -28,7 +29,7 @@ def test_group_survives_oom_crash_and_hang(tmp_path) -> None:
     ok = TargetSpec(spec=FAULTY)
     batch = WorkloadSpec()
     group = WorkerGroup(
-        ok, log_dir=tmp_path, nproc=2, trial_timeout=60, env={"OMP_NUM_THREADS": "1"}
+        ok, TuneOptions(nproc=2, trial_timeout=60), log_dir=tmp_path, env={"OMP_NUM_THREADS": "1"}
     )
     with group:
         first = group.run(candidate(), batch, target=_with_batch(ok))
@@ -82,14 +83,16 @@ SHARDINGS = [
 def test_every_strategy_trains_on_gloo(tmp_path, examples_gpt_tiny) -> None:
     """Each engine and sharding strategy runs forward, backward and optimizer steps for real,
     in one group, and the loss of the example GPT goes down."""
-    group = WorkerGroup(examples_gpt_tiny, log_dir=tmp_path, nproc=2, trial_timeout=120)
+    group = WorkerGroup(
+        examples_gpt_tiny, TuneOptions(nproc=2, trial_timeout=120), log_dir=tmp_path
+    )
     with group:
         for i, kw in enumerate(SHARDINGS):
             kw = {"precision": "32-true", **kw}
             if kw.get("checkpointing"):
                 kw["checkpoint_classes"] = ("gpt.Block",)
             c = Candidate(wrap_classes=("gpt.Block",), **kw)
-            r = group.run(c, WorkloadSpec(seq_len=32), warmup=2, steps=3)
+            r = group.run(c, WorkloadSpec(seq_len=32), options=TuneOptions(warmup=2, steps=3))
             assert r.status is TrialStatus.OK, (c.label(), r.error)
             # every warm-up and timed step is recorded; a fresh group's first trial warms up 2 more
             assert len(r.losses) == (4 if i == 0 else 2) + len(r.step_times)
@@ -107,14 +110,30 @@ def test_trial_times_steps_until_the_median_is_known(tmp_path, examples_gpt_tiny
     and the recorded spread is the one of the recorded step times."""
     from autoshard.measure import median_spread
 
-    group = WorkerGroup(examples_gpt_tiny, log_dir=tmp_path, nproc=2, trial_timeout=120)
+    group = WorkerGroup(
+        examples_gpt_tiny, TuneOptions(nproc=2, trial_timeout=120), log_dir=tmp_path
+    )
     c = Candidate(wrap_classes=("gpt.Block",), precision="32-true")
     workload = WorkloadSpec(seq_len=32)
     with group:
-        any_spread = group.run(c, workload, warmup=1, steps=3, target_spread=10.0)
-        budget = group.run(c, workload, warmup=1, steps=3, target_spread=0.0, max_steps=9)
-        seconds = group.run(c, workload, warmup=1, steps=3, target_spread=0.0, max_seconds=1e-6)
-        minimum = group.run(c, workload, warmup=1, steps=8, target_spread=10.0)
+        any_spread = group.run(
+            c, workload, options=TuneOptions.model_construct(warmup=1, steps=3, target_spread=10.0)
+        )
+        budget = group.run(
+            c,
+            workload,
+            options=TuneOptions.model_construct(warmup=1, steps=3, target_spread=0.0, max_steps=9),
+        )
+        seconds = group.run(
+            c,
+            workload,
+            options=TuneOptions.model_construct(
+                warmup=1, steps=3, target_spread=0.0, max_seconds=1e-6
+            ),
+        )
+        minimum = group.run(
+            c, workload, options=TuneOptions.model_construct(warmup=1, steps=8, target_spread=10.0)
+        )
     assert [len(r.step_times) for r in (any_spread, budget, seconds, minimum)] == [6, 9, 3, 8]
     for r in (any_spread, budget, seconds, minimum):
         assert r.status is TrialStatus.OK, r.error
@@ -130,18 +149,21 @@ def test_the_first_trial_of_each_shape_is_measured_as_its_repeat(
     new micro-batch 36 against 26.7. The first-tried candidate is the model's favourite, and
     measured peaks break ties where the trials run on the planned device, and stand against
     the estimate in the report."""
-    group = WorkerGroup(examples_gpt_tiny, log_dir=tmp_path, nproc=2, trial_timeout=120)
+    group = WorkerGroup(
+        examples_gpt_tiny, TuneOptions(nproc=2, trial_timeout=120), log_dir=tmp_path
+    )
     peaks: list[float] = []
     with group:
         for precision, mbs in (("bf16-mixed", 2), ("bf16-mixed", 2), ("bf16-mixed", 1)):
             c = Candidate(precision=precision, micro_batch_size=mbs)
-            r = group.run(c, WorkloadSpec(seq_len=128, micro_batch_size=mbs), warmup=1, steps=2)
+            r = group.run(
+                c,
+                WorkloadSpec(seq_len=128, micro_batch_size=mbs),
+                options=TuneOptions(warmup=1, steps=2),
+            )
             assert r.status is TrialStatus.OK, r.error
             peaks.append((r.max_allocated or 0) / 2**20)
-        again = group.run(
-            Candidate(precision="bf16-mixed", micro_batch_size=1),
-            WorkloadSpec(seq_len=128, micro_batch_size=1), warmup=1, steps=2,
-        )  # fmt: skip
+        again = group.run(Candidate(precision="bf16-mixed", micro_batch_size=1), WorkloadSpec(seq_len=128, micro_batch_size=1), options=TuneOptions(warmup=1, steps=2))  # fmt: skip
     first, repeat, new_shape = peaks
     assert abs(first - repeat) < 3, peaks
     assert abs(new_shape - (again.max_allocated or 0) / 2**20) < 3, (peaks, again.max_allocated)
@@ -150,10 +172,14 @@ def test_the_first_trial_of_each_shape_is_measured_as_its_repeat(
 def test_a_trial_runs_its_micro_batch_not_the_targets_batch_size(tmp_path) -> None:
     """A factory's batch of 2 samples, trials at micro-batch 1 and 4: each runs its own."""
     target = TargetSpec(spec=f"{EXAMPLES}/lightning_transformer.py:build")
-    with WorkerGroup(target, log_dir=tmp_path, nproc=2, trial_timeout=120) as group:
+    with WorkerGroup(target, TuneOptions(nproc=2, trial_timeout=120), log_dir=tmp_path) as group:
         for mbs in (1, 4):
             c = Candidate(precision="32-true", micro_batch_size=mbs)
-            r = group.run(c, WorkloadSpec(seq_len=32, micro_batch_size=mbs), warmup=1, steps=2)
+            r = group.run(
+                c,
+                WorkloadSpec(seq_len=32, micro_batch_size=mbs),
+                options=TuneOptions(warmup=1, steps=2),
+            )
             assert r.status is TrialStatus.OK, r.error
             assert r.samples_per_s and r.step_time
             assert r.samples_per_s * r.step_time == pytest.approx(2 * mbs)  # 2 ranks
@@ -162,7 +188,7 @@ def test_a_trial_runs_its_micro_batch_not_the_targets_batch_size(tmp_path) -> No
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_trial_reports_allocator_peaks(tmp_path, examples_gpt_tiny) -> None:
-    with WorkerGroup(examples_gpt_tiny, log_dir=tmp_path, trial_timeout=300) as group:
+    with WorkerGroup(examples_gpt_tiny, TuneOptions(trial_timeout=300), log_dir=tmp_path) as group:
         r = group.run(
             Candidate(wrap_classes=("gpt.Block",), precision="bf16-mixed"),
             WorkloadSpec(seq_len=128),

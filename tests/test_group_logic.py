@@ -1,6 +1,7 @@
-"""The worker group's logic, quickly: the typed protocol, the atomic writer, reading worker logs,
-the ranks' agreement on a trial's outcome, deadlines and Ctrl-C (with a stand-in worker that
-needs no torch), and process lifetimes. The real groups are in test_group.py and
+"""The worker group's logic, quickly: the typed protocol, the atomic writer, the ranks'
+agreement on a trial's outcome, deadlines and Ctrl-C (with a stand-in worker that needs no
+torch), and process lifetimes. Reading worker logs: tests/trials/test_crashlog.py; the ranks'
+reports combined: tests/trials/test_accounting.py. The real groups are in test_group.py and
 test_faults.py (slow)."""
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import torch.distributed as dist
 
 from autoshard.child_env import child_env
 from autoshard.config import Candidate, WorkloadSpec
+from autoshard.options import TuneOptions
 from autoshard.results import TrialResult, TrialStatus
 from autoshard.target.resolve import TargetSpec
-from autoshard.trials.group import WorkerGroup, crash_cause, last_error_line
+from autoshard.trials.accounting import summarize
+from autoshard.trials.group import WorkerGroup
 from autoshard.trials.lifeline import alive, parent_death_preexec
 from autoshard.trials.protocol import (
     Launch,
@@ -36,7 +39,7 @@ from autoshard.trials.protocol import (
     read_message,
     write_json_atomically,
 )
-from autoshard.trials.worker import agree, summarize
+from autoshard.trials.worker import agree
 
 # --------------------------------------------------------------------------------------------
 # The protocol
@@ -103,75 +106,6 @@ def test_the_atomic_writer_leaves_no_part_and_keeps_the_old_file_on_failure(tmp_
         write_json_atomically(path, {"not json": object()})
     assert read_message(path, Launch).driver_pid == 1  # the last good content, whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]  # no temporary left
-
-
-# --------------------------------------------------------------------------------------------
-# Reading a worker log
-# --------------------------------------------------------------------------------------------
-
-FUTURE_WARNING = """\
-/venv/torch/distributed/fsdp/_init_utils.py:430: FutureWarning: FSDP.state_dict_type() is being deprecated. Error-prone use.
-  _init_core_state(
-"""
-
-TORCHRUN_SUMMARY = """\
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
-============================================================
-autoshard.trials.worker FAILED
-------------------------------------------------------------
-Failures:
-[1]:
-  time      : 2026-11-23_13:16:51
-  host      : localhost
-  rank      : 0 (local_rank: 0)
-  exitcode  : -15 (pid: 17822)  (SIGTERM)
-  error_file: <N/A>
-  traceback : Signal 15 (SIGTERM) received by PID 17822
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-23_13:16:51
-  host      : localhost
-  rank      : 1 (local_rank: 1)
-  exitcode  : {code} (pid: 17823) {name}
-  error_file: <N/A>
-  traceback : {traceback}
-============================================================
-"""
-
-
-def _summary(code: int) -> str:
-    if code < 0:
-        name = signal.Signals(-code).name
-        return TORCHRUN_SUMMARY.format(
-            code=code, name=f"({name})", traceback=f"Signal {-code} ({name}) received by PID 1"
-        )
-    return TORCHRUN_SUMMARY.format(code=code, name="", traceback="To enable traceback see: x")
-
-
-def test_a_warning_is_never_the_error_line() -> None:
-    # A hang leaves nothing but warnings: no error line, not the warning's source line.
-    assert last_error_line(FUTURE_WARNING, fallback=False) == ""
-    assert last_error_line("started\n" + FUTURE_WARNING) == "started"
-    crash = "Traceback (most recent call last):\nValueError: n_layer must be positive\n"
-    assert last_error_line(crash + FUTURE_WARNING) == "ValueError: n_layer must be positive"
-    ranked = "[rank1]: torch.OutOfMemoryError: CUDA out of memory\n" + _summary(1)
-    assert last_error_line(ranked) == "[rank1]: torch.OutOfMemoryError: CUDA out of memory"
-
-
-def test_the_signal_line_of_torchrun_when_no_worker_raised() -> None:
-    assert last_error_line(FUTURE_WARNING + _summary(-9)).endswith(
-        "Signal 9 (SIGKILL) received by PID 1"
-    )
-    assert last_error_line(_summary(3), fallback=False) == ""
-
-
-def test_the_root_cause_is_the_first_failure_not_the_ranks_torchrun_stopped() -> None:
-    killed = crash_cause(_summary(-9))
-    assert (killed.rank, killed.exitcode, killed.signal) == (1, -9, 9)
-    exited = crash_cause(_summary(3))  # the SIGTERM of rank 0 is torchrun's, not the cause
-    assert (exited.rank, exited.exitcode, exited.signal) == (1, 3, None)
-    assert crash_cause("no summary at all").exitcode is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,8 +196,19 @@ while True:
 
 
 class StandInGroup(WorkerGroup):
-    def __init__(self, tmp_path: Path, *, delay: float = 0.0, mode: str = "ok", **kw) -> None:
-        super().__init__(TargetSpec(spec="m.py:build"), log_dir=tmp_path, nproc=2, **kw)
+    def __init__(
+        self,
+        tmp_path: Path,
+        *,
+        delay: float = 0.0,
+        mode: str = "ok",
+        trial_timeout: float = 300.0,
+        start_timeout: float = 180.0,
+    ) -> None:
+        options = TuneOptions(nproc=2, trial_timeout=trial_timeout)
+        super().__init__(
+            TargetSpec(spec="m.py:build"), options, log_dir=tmp_path, start_timeout=start_timeout
+        )
         self.delay, self.mode = delay, mode
 
     def command(self) -> list[str]:
@@ -432,55 +377,6 @@ def test_a_capped_log_keeps_each_trials_head_and_tail(tmp_path) -> None:
 # --------------------------------------------------------------------------------------------
 # A trial's result accounting (no process started): tokens, samples, status precedence
 # --------------------------------------------------------------------------------------------
-
-
-def test_an_oom_on_one_rank_is_the_trials_status_whatever_the_others_raised() -> None:
-    # rank 1 runs out of memory, rank 0 then raises (its collective broke): the trial is an OOM,
-    # which the OOM dominance rule and the failure lessons read; an error would hide it
-    request = _request()
-    oom = RankReport(rank=1, status="oom", error="OutOfMemoryError: CUDA", failed_at=10.0)
-    later = RankReport(rank=0, status="error", error="RuntimeError: gloo", failed_at=12.0)
-    earlier = later.model_copy(update={"failed_at": 5.0})
-    for reports in ([later, oom], [oom, later], [earlier, oom]):
-        reply = summarize(request, reports)
-        assert reply.status is TrialStatus.OOM, reports
-        assert reply.error == "rank 1: OutOfMemoryError: CUDA"
-    # two OOMs: the first is the cause
-    second = oom.model_copy(update={"rank": 0, "failed_at": 11.0, "error": "OOM later"})
-    assert summarize(request, [second, oom]).error == "rank 1: OutOfMemoryError: CUDA"
-    # one rank failing fails the trial, however well the others ran
-    fine = RankReport(rank=0, status="ok", step_times=(0.1,), samples=2, tokens=128)
-    assert summarize(request, [fine, oom]).status is TrialStatus.OOM
-    assert summarize(request, [fine, later.model_copy(update={"rank": 1})]).status is (
-        TrialStatus.ERROR
-    )
-
-
-def test_a_trials_tokens_are_its_samples_times_the_sequence_length() -> None:
-    """What a rank counts in a timed step (trials.worker.step_counts) and what the trial
-    reports from every rank's counts: tokens/s = samples/s x seq_len, at any micro-batch."""
-    import torch
-
-    from autoshard.trials.worker import step_counts
-
-    seq_len, world = 64, 2
-    for micro_batch, accumulate in ((1, 1), (4, 1), (4, 3)):
-        ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
-        samples, tokens = step_counts(ids, accumulate)
-        assert (samples, tokens) == (micro_batch * accumulate, micro_batch * accumulate * seq_len)
-        assert step_counts({"input_ids": ids, "labels": ids}, accumulate) == (samples, tokens)
-        reports = [
-            RankReport(
-                rank=r, status="ok", step_times=(0.2, 0.25, 0.3), samples=samples, tokens=tokens
-            )
-            for r in range(world)
-        ]
-        reply = summarize(_request(), reports)
-        assert reply.step_time == pytest.approx(0.25)
-        assert reply.samples_per_s == pytest.approx(world * micro_batch * accumulate / 0.25)
-        assert reply.tokens_per_s == pytest.approx(reply.samples_per_s * seq_len)
-    # not a token batch (images): samples only
-    assert step_counts(torch.randn(3, 3, 8, 8), 2) == (6, None)
 
 
 def test_the_trials_result_keeps_the_first_failures_traceback_and_rank_0s_counts() -> None:

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from autoshard.config import Candidate, WorkloadSpec
+from autoshard.options import TuneOptions
 from autoshard.results import TrialResult, TrialStatus
 from autoshard.target.resolve import TargetSpec
-from autoshard.trials import worker
-from autoshard.trials.group import WorkerGroup
+from autoshard.trials import accounting, worker
+from autoshard.trials.group import WorkerGroup, _Trial
 from autoshard.trials.isolation import LEFTOVER_FLOOR, freeze_process
 from autoshard.trials.protocol import TrialReply, TrialRequest
 
@@ -26,7 +27,7 @@ LINEAR = "torch.nn.modules.linear.Linear"
 KEEPER = "tests.targets.isolation:build"
 FSDP1 = Candidate(wrap_classes=(LINEAR,), precision="32-true", sharding="NO_SHARD")
 FSDP2 = Candidate(engine="fsdp2", wrap_classes=(LINEAR,), precision="32-true")
-SHORT = {"warmup": 1, "steps": 1, "max_steps": 2}  # nothing here is timed
+SHORT = {"options": TuneOptions(warmup=1, steps=1, max_steps=2)}  # nothing here is timed
 
 
 def _target(trial: int, **kwargs: object) -> TargetSpec:
@@ -119,7 +120,7 @@ def test_the_group_is_restarted_when_a_trial_left_memory(tmp_path) -> None:
     leaves more than the margin above it (4 MiB, or 1% of its peak) restarts the group before
     the next trial, with a line naming the trial, the rank and the bytes; one that starts
     above it is contaminated."""
-    group = WorkerGroup(_target(0), log_dir=tmp_path, nproc=2)
+    group = WorkerGroup(_target(0), TuneOptions(nproc=2), log_dir=tmp_path)
     c = FSDP1
     assert group._check_levels(c, 0, _reply(0, (1 * MIB, 2 * MIB), (1 * MIB, 5 * MIB))) is False
     assert group._restart_why is None  # 3 MiB above: within the floor
@@ -140,10 +141,7 @@ def test_a_restart_stops_one_node_and_kills_several(tmp_path, nnodes, ended_by) 
     """On one node the group is stopped (its workers exit and free their memory before the
     next launch); across nodes it is killed: the other nodes take a clean stop for the end of
     the study, and relaunch to join the next group only after a kill."""
-    group = WorkerGroup(
-        _target(0), log_dir=tmp_path, nproc=1, nnodes=nnodes, node_rank=0,
-        rdzv_endpoint="127.0.0.1:29500", on_notice=lambda line: None,
-    )  # fmt: skip
+    group = WorkerGroup(_target(0), TuneOptions(nproc=1, node_rank=0, rdzv_endpoint="127.0.0.1:29500", on_notice=lambda line: None), log_dir=tmp_path, nnodes=nnodes)  # fmt: skip
     ended: list[str] = []
     group.close = lambda: ended.append("close")  # type: ignore[method-assign]
     group.kill = lambda: ended.append("kill")  # type: ignore[method-assign]
@@ -162,10 +160,10 @@ class _FakeLaunches:
         group._run = self.run  # type: ignore[method-assign]
         group.close = group.kill = self.end  # type: ignore[method-assign]
 
-    def run(self, candidate: Candidate, *args: object) -> TrialResult:
+    def run(self, trial: _Trial) -> TrialResult:
         self.group.last_index, self.place = self.place, self.place + 1
         status = "oom" if self.group.last_index in self.oom_at else "ok"
-        return TrialResult(candidate=candidate, status=status)
+        return TrialResult(candidate=trial.candidate, status=status)
 
     def end(self) -> None:
         self.place, self.launches = 0, self.launches + 1
@@ -184,7 +182,7 @@ def test_an_oom_predicted_to_fit_is_retried_once_in_a_fresh_group(
     tmp_path, oom_at, retry, runs, status, retried, launches
 ) -> None:
     lines: list[str] = []
-    group = WorkerGroup(_target(0), log_dir=tmp_path, nproc=2, on_notice=lines.append)
+    group = WorkerGroup(_target(0), TuneOptions(nproc=2, on_notice=lines.append), log_dir=tmp_path)
     fake = _FakeLaunches(group, oom_at)
     last = [group.run(FSDP1, WorkloadSpec(), retry_oom=retry) for _ in range(runs)][-1]
     assert (last.status.value, last.oom_retry, fake.launches) == (status, retried, launches)
@@ -197,7 +195,7 @@ def test_a_contaminated_oom_or_error_teaches_nothing() -> None:
     """Dominance skips the larger micro-batches of a configuration that ran out of memory,
     and lessons those of one that raised: never on the word of a trial that started with an
     earlier trial's memory."""
-    from autoshard.search import dominated_by
+    from autoshard.study.dominance import dominated_by
     from autoshard.study.lessons import learn
 
     small, large = (FSDP1.model_copy(update={"micro_batch_size": m}) for m in (1, 2))
@@ -311,7 +309,7 @@ def test_on_cuda_a_trial_is_measured_from_its_own_baseline(monkeypatch) -> None:
     assert release(cuda) == 5 * MIB
     assert calls == ["collect", "synchronize", "cublas", "empty_cache", "allocated"]
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 105 * MIB)
-    assert worker._peak_allocated(cuda, 5 * MIB, 0) == 100 * MIB
+    assert accounting.peak_allocated(cuda, 5 * MIB, 0) == 100 * MIB
 
     def busy() -> None:  # a torch built without cuBLAS's workspaces, or one that refuses
         raise RuntimeError("no workspaces")
@@ -330,7 +328,9 @@ def test_a_worker_group_runs_each_trial_from_its_first_level(tmp_path) -> None:
     lines: list[str] = []
     workload = WorkloadSpec()
     group = WorkerGroup(
-        _target(0), log_dir=tmp_path, nproc=2, trial_timeout=120, on_notice=lines.append
+        _target(0),
+        TuneOptions(nproc=2, trial_timeout=120, on_notice=lines.append),
+        log_dir=tmp_path,
     )
     with group:
         clean = group.run(FSDP1, workload, target=_target(1), **SHORT)
@@ -365,13 +365,17 @@ def test_cuda_trials_in_one_group_read_a_fresh_groups_peaks(tmp_path, examples_g
     workload = WorkloadSpec(seq_len=128)
     lines: list[str] = []
     one = WorkerGroup(
-        examples_gpt_tiny, log_dir=tmp_path / "one", trial_timeout=300, on_notice=lines.append
+        examples_gpt_tiny,
+        TuneOptions(trial_timeout=300, on_notice=lines.append),
+        log_dir=tmp_path / "one",
     )
     with one as group:
         shared = [group.run(x, workload, **SHORT) for x in (c, checkpointed, c)]
     # isolation itself, not the defence: no trial left memory, so no restart was needed
     assert lines == [] and one.launches == 1, lines
-    with WorkerGroup(examples_gpt_tiny, log_dir=tmp_path / "fresh", trial_timeout=300) as group:
+    with WorkerGroup(
+        examples_gpt_tiny, TuneOptions(trial_timeout=300), log_dir=tmp_path / "fresh"
+    ) as group:
         alone = group.run(checkpointed, workload, **SHORT)
     for r in (*shared, alone):
         assert r.status is TrialStatus.OK and r.device == "cuda", r.error

@@ -13,6 +13,7 @@ from autoshard.analyze import analyze_model, analyze_target
 from autoshard.config import Candidate, Hardware, Precision, WorkloadSpec
 from autoshard.engine import gradient_params, skips_gradient_sync
 from autoshard.loop import optimizer_step
+from autoshard.options import TuneOptions
 from autoshard.predict.accumulation import accumulated_gradient_bytes
 from autoshard.predict.activations import profile_activations
 from autoshard.predict.analytic import estimate_memory, needs_simulation, peak_moments
@@ -369,9 +370,13 @@ def test_a_lightning_order_trial_measures_the_gradients_kept_through_forward(tmp
     # freed heap block stays resident: the CPU trial's resident-set peak then lags the tensors.
     # A fixed threshold maps every tensor of 64 KiB and more on its own and unmaps it when freed.
     env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-    with WorkerGroup(target, log_dir=tmp_path, nproc=2, trial_timeout=300, env=env) as group:
+    with WorkerGroup(
+        target, TuneOptions(nproc=2, trial_timeout=300), log_dir=tmp_path, env=env
+    ) as group:
         for loop in ("plain", "lightning", "plain", "lightning"):
-            r = group.run(c, WorkloadSpec(seq_len=128, loop=loop), warmup=2, steps=3)
+            r = group.run(
+                c, WorkloadSpec(seq_len=128, loop=loop), options=TuneOptions(warmup=2, steps=3)
+            )
             assert r.status is TrialStatus.OK, r.error
             peaks.setdefault(loop, []).append(r.max_allocated)
     gradients = 4 * profile.total_params  # unsharded fp32 gradients
@@ -386,10 +391,14 @@ def test_a_lora_model_trains_in_a_real_two_process_trial(tmp_path, lora) -> None
     from autoshard.trials.group import WorkerGroup
 
     target, profile, _ = lora
-    with WorkerGroup(target, log_dir=tmp_path, nproc=2, trial_timeout=300) as group:
+    with WorkerGroup(target, TuneOptions(nproc=2, trial_timeout=300), log_dir=tmp_path) as group:
         for engine in ("fsdp1", "fsdp2"):
             c = Candidate(engine=engine, wrap_classes=profile.wrap_policy, precision="32-true")
-            r = group.run(c, WorkloadSpec(loop="lightning", accumulate=2), warmup=2, steps=3)
+            r = group.run(
+                c,
+                WorkloadSpec(loop="lightning", accumulate=2),
+                options=TuneOptions(warmup=2, steps=3),
+            )
             assert r.status is TrialStatus.OK, (engine, r.error)
             assert r.losses[-1] < r.losses[0], (engine, r.losses)
 

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from autoshard.config import Candidate, Sharding, WorkloadSpec
+from autoshard.options import TuneOptions
 from autoshard.results import TrialStatus
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.group import WorkerGroup, free_port
@@ -18,11 +19,15 @@ pytestmark = pytest.mark.slow
 
 def test_two_nodes_on_loopback(tmp_path, examples_gpt_tiny) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
-    common = dict(nproc=2, nnodes=2, rdzv_endpoint=endpoint, trial_timeout=120)
-    node1 = WorkerGroup(examples_gpt_tiny, log_dir=tmp_path / "node1", node_rank=1, **common)
+    common = dict(nproc=2, rdzv_endpoint=endpoint, trial_timeout=120)
+    node1 = WorkerGroup(
+        examples_gpt_tiny, TuneOptions(node_rank=1, **common), log_dir=tmp_path / "node1", nnodes=2
+    )
     server = threading.Thread(target=node1.serve, daemon=True)
     server.start()
-    with WorkerGroup(examples_gpt_tiny, log_dir=tmp_path / "node0", node_rank=0, **common) as node0:
+    with WorkerGroup(
+        examples_gpt_tiny, TuneOptions(node_rank=0, **common), log_dir=tmp_path / "node0", nnodes=2
+    ) as node0:
         hybrid = Candidate(
             wrap_classes=("gpt.Block",), precision="32-true",
             sharding="HYBRID_SHARD", hybrid_mesh=(2, 2),
@@ -44,13 +49,15 @@ NODE0_DRIVER = """
 import sys, time
 from pathlib import Path
 from autoshard.config import Candidate, WorkloadSpec
+from autoshard.options import TuneOptions
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.group import WorkerGroup
 
-group = WorkerGroup(TargetSpec(spec=sys.argv[1], kwargs={"size": "tiny"}), log_dir=Path(sys.argv[2]),
-                    nproc=2, nnodes=2, node_rank=0, rdzv_endpoint=sys.argv[3], start_timeout=20)
+options = TuneOptions(nproc=2, node_rank=0, rdzv_endpoint=sys.argv[3], warmup=1, steps=1)
+group = WorkerGroup(TargetSpec(spec=sys.argv[1], kwargs={"size": "tiny"}), options,
+                    log_dir=Path(sys.argv[2]), nnodes=2, start_timeout=20)
 result = group.run(Candidate(wrap_classes=("gpt.Block",), precision="32-true"),
-                   WorkloadSpec(seq_len=32), warmup=1, steps=1)
+                   WorkloadSpec(seq_len=32))
 print(result.status.value, flush=True)
 time.sleep(3600)  # idle
 """
@@ -62,11 +69,7 @@ def test_a_node_stops_serving_when_node_0s_driver_is_killed(tmp_path) -> None:
     from .conftest import EXAMPLES, ROOT
 
     endpoint = f"127.0.0.1:{free_port()}"
-    node1 = WorkerGroup(
-        TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny"}),
-        log_dir=tmp_path / "node1", nproc=2, nnodes=2, node_rank=1, rdzv_endpoint=endpoint,
-        start_timeout=20,
-    )  # fmt: skip
+    node1 = WorkerGroup(TargetSpec(spec=f"{EXAMPLES}/gpt.py:build", kwargs={"size": "tiny"}), TuneOptions(nproc=2, node_rank=1, rdzv_endpoint=endpoint), log_dir=tmp_path / "node1", nnodes=2, start_timeout=20)  # fmt: skip
     ended: list[BaseException | None] = []
 
     def serve() -> None:

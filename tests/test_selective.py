@@ -295,7 +295,7 @@ def test_outputs_that_cannot_express_it_say_so_and_checkpoint_whole_blocks(
 def test_dominance_orders_selective_between_none_and_all_but_not_against_every_k() -> None:
     """A measured run with less recompute makes one with more pointless: selective recomputes
     more than none and less than all, and neither more nor less than one block in k."""
-    from autoshard.search import dominated_by
+    from autoshard.study.dominance import dominated_by
     from tests.test_emit import candidate, trial
 
     def ran(c: Candidate) -> Any:

@@ -24,13 +24,13 @@ import pytest
 from autoshard.config import Candidate, Engine, Hardware, WorkloadSpec
 from autoshard.errors import StorageError, StudyLockedError, TrialsFailedError
 from autoshard.results import MemoryBreakdown, MemoryEstimate, TrialResult, TrialStatus
-from autoshard.search import dominated_by
 from autoshard.sharding import cpu_workers_cannot_run
 from autoshard.study import journal as journal_mod
+from autoshard.study.dominance import dominated_by
 from autoshard.study.journal import read_records
 from autoshard.study.lessons import learn
 from autoshard.study.lock import OutLock
-from autoshard.study.loop import run_trials
+from autoshard.study.loop import TrialHooks, run_trials
 from autoshard.study.settings import StudySettings
 from autoshard.study.storage import open_store
 from autoshard.target.resolve import TargetSpec
@@ -110,8 +110,10 @@ def study(out: Path, cands, runner, *, n_trials=4, sett=None, storage=None, noti
     said = notices if notices is not None else []
     with open_store(out, storage, notice=said.append) as store:
         store.open_study(sett or settings(), [c.label() for c in cands])
+        unfit = kw.pop("unfit", 0)
+        hooks = TrialHooks(**{k: kw.pop(k) for k in ("dominated", "cannot_run") if k in kw})
         results = run_trials(
-            store, estimates(cands, kw.pop("unfit", 0)), runner, n_trials=n_trials, **kw
+            store, estimates(cands, unfit), runner, n_trials=n_trials, hooks=hooks, **kw
         )
         return store.name, results
 
@@ -178,7 +180,7 @@ def test_a_changed_model_starts_a_new_study_and_says_so(tmp_path: Path) -> None:
         model = nn.Sequential(nn.Embedding(64, width), nn.Linear(width, 64))
         sizes, precisions = (1, 2), ("32-true", "bf16-mixed")
         return StudySettings.of(target, HARDWARE, WorkloadSpec(seq_len=8), precisions=precisions,
-                                micro_batch_sizes=sizes, model=model)  # fmt: skip
+                                micro_batch_sizes=sizes).with_model(model)  # fmt: skip
 
     assert of(16).model == model_fingerprint(nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 64)))
     cands = space(sizes=(1, 2))
@@ -707,7 +709,9 @@ def test_out_naming_a_file_is_one_line(tmp_path: Path) -> None:
 
 def test_the_study_modules_examples_run() -> None:
     import autoshard.slurm
+    import autoshard.study.database
     import autoshard.study.journal
+    import autoshard.study.knobs
     import autoshard.study.lessons
     import autoshard.study.lock
     import autoshard.study.settings
@@ -715,11 +719,12 @@ def test_the_study_modules_examples_run() -> None:
 
     for module in (
         autoshard.slurm,
+        autoshard.study.database,
         autoshard.study.journal,
+        autoshard.study.knobs,
         autoshard.study.lessons,
         autoshard.study.lock,
         autoshard.study.settings,
-        autoshard.study.storage,
     ):
         failures, tried = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert failures == 0 and tried > 0, module.__name__

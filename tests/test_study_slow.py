@@ -219,7 +219,7 @@ def test_a_driver_stopped_while_it_holds_the_claim_does_not_wedge_the_study(
 
 
 def recs_url(url: str) -> str:
-    from autoshard.study.storage import check_storage
+    from autoshard.study.database import check_storage
 
     return check_storage(url)
 

@@ -10,7 +10,7 @@ the cause decides two things (:data:`CAUSES`):
   (:meth:`autoshard.study.view.StudyView.settled`).
 - *counts against the configuration*: what the study learns from the failure about other
   candidates (:mod:`autoshard.study.lessons` rules out those that share the failing setting;
-  :func:`autoshard.search.dominated_by` skips a larger micro-batch of one that ran out of
+  :func:`autoshard.study.dominance.dominated_by` skips a larger micro-batch of one that ran out of
   memory). Only the model's own failures count; a transient one never does, and a diverged loss
   neither (the model's training step, not the configuration, is usually why).
 

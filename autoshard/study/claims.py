@@ -34,13 +34,20 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy
 from sqlalchemy.engine import make_url
 
 from autoshard.errors import StorageError
+from autoshard.study.lock import pid_alive
 from autoshard.study.view import ClaimLost
+
+if TYPE_CHECKING:  # optuna is imported where a study runs
+    import optuna
+    from optuna.storages import RDBStorage
+
+OWNER_ATTR = "autoshard_driver"  # a running trial's driver: host, PID, output folder, token
 
 try:
     import fcntl
@@ -332,3 +339,53 @@ def _first_line(exc: BaseException) -> str:
     inner = getattr(inner, "orig", None) or inner
     lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
     return lines[0][:200] if lines else type(inner).__name__
+
+
+def fail_stale(storage: RDBStorage, study: optuna.Study, study_id: int, me: dict[str, Any]) -> None:
+    """Fail the RUNNING trials of drivers that are gone (``me``: this driver's owner record):
+    on this machine, a driver with this output folder (whose lock this one holds) or whose
+    process has ended; elsewhere, one whose heartbeat stopped for the grace period (optuna's
+    fail_stale_trials)."""
+    import warnings
+
+    import optuna
+    from optuna.trial import TrialState
+
+    for t in storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
+        owner = t.user_attrs.get(OWNER_ATTR)
+        if not isinstance(owner, dict):
+            gone = True  # not claimed by autoshard's loop: nobody tends it
+        elif owner.get("token") == me["token"]:
+            gone = False
+        elif owner.get("host") == me["host"]:
+            gone = owner.get("out") == me["out"] or not pid_alive(int(owner.get("pid", 0)))
+        else:
+            gone = False
+        if gone:
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+class Heartbeat:
+    """Records optuna's heartbeat of the running trial every ``every`` seconds."""
+
+    def __init__(self, storage: RDBStorage, trial_id: int, *, every: float) -> None:
+        self.every = every
+        self.stop = threading.Event()
+        self.thread = threading.Thread(
+            target=self._beat, args=(storage, trial_id), daemon=True, name="autoshard-heartbeat"
+        )
+        self.thread.start()
+
+    def _beat(self, storage: RDBStorage, trial_id: int) -> None:
+        while not self.stop.wait(self.every):
+            # A missed beat is not an error: the claim's grace period is several beats long.
+            with contextlib.suppress(Exception):
+                storage.record_heartbeat(trial_id)
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=self.every)

@@ -1,11 +1,11 @@
 """What failed trials teach about the candidates not tried yet.
 
 Running out of memory is the estimator's and dominance's business
-(:func:`autoshard.search.dominated_by`: a larger micro-batch of a configuration that ran out of
-memory would too). This module reads the other failures that count against a configuration,
-errors and timeouts (:func:`autoshard.study.causes.counts_against`: a failure from outside the
-model, retried, a trial that started with an earlier trial's memory, and a diverged loss, the
-model's step, teach nothing):
+(:func:`autoshard.study.dominance.dominated_by`: a larger micro-batch of a configuration that
+ran out of memory would too). This module reads the other failures that count against a
+configuration, errors and timeouts (:func:`autoshard.study.causes.counts_against`: a failure
+from outside the model, retried, a trial that started with an earlier trial's memory, and a
+diverged loss, the model's step, teach nothing):
 
 1. A failure rules out the same configuration at a larger micro-batch (a model that raises or
    hangs at micro-batch 4 does so at 8).

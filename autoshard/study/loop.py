@@ -9,7 +9,7 @@ Each turn, under the storage's claim lock (:meth:`autoshard.study.storage.StudyS
    can avoid an error;
 3. the next candidate is chosen: a transient crash's one retry first; then, while fewer than
    ``n_trials`` have been launched, the fastest-expected candidate that is neither settled,
-   running, ruled out nor dominated (:func:`autoshard.search.dominated_by`) — or, while
+   running, ruled out nor dominated (:func:`autoshard.study.dominance.dominated_by`) — or, while
    nothing has run fine, the one with the fewest of the settings the failures suspect;
 4. it is claimed (a RUNNING trial), and run once the lock is released.
 When nothing is left to claim while other drivers still run trials, the loop waits for them, so
@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Protocol
 
 from autoshard.config import Candidate, ProgressEvent
@@ -55,42 +56,38 @@ class Store(Protocol):
     def abandon(self, ticket: Ticket) -> None: ...
 
 
+@dataclass(frozen=True)
+class TrialHooks:
+    """What the study adds to the loop's order (each optional): ``dominated`` says which
+    measured trial makes a candidate pointless; ``reorder``, the order to try the rest in after
+    the trials so far; ``cannot_run``, why the workers cannot run a candidate (recorded as
+    skipped with that reason, never launched); ``factors_of``, the calibrated factors a
+    candidate's estimate (``reorder``'s) was predicted with, recorded with its trial beside that
+    estimate (None: the uncalibrated model's)."""
+
+    dominated: Dominated | None = None
+    reorder: Reorder | None = None
+    cannot_run: Callable[[Candidate], str | None] | None = None
+    factors_of: FactorsOf | None = None
+
+
 def run_trials(
     store: Store,
     ranked: Sequence[MemoryEstimate],
     run: Callable[[Candidate], TrialResult],
     *,
     n_trials: int,
-    dominated: Dominated | None = None,
+    hooks: TrialHooks = TrialHooks(),
     emit: Emit | None = None,
     wait_s: float = WAIT_S,
-    reorder: Reorder | None = None,
-    cannot_run: Callable[[Candidate], str | None] | None = None,
-    factors_of: FactorsOf | None = None,
 ) -> list[TrialResult]:
     """Run the study (see the module docstring); returns the result that settles each
-    candidate, every driver's, in the order the storage recorded them. ``cannot_run`` says why
-    the workers cannot run a candidate (recorded as skipped with that reason, never launched);
-    ``factors_of``, the calibrated factors a candidate's estimate (``reorder``'s) was predicted
-    with, recorded with its trial beside that estimate (None: the uncalibrated model's)."""
-    tell = emit or (lambda kind, scored: None)
-    by_label = {e.candidate.label(): e for e in ranked}
-    candidates = [e.candidate for e in ranked]
-    seen: set[tuple[str, str]] = set()
-
-    def announce(view: StudyView, kind: ProgressEvent) -> None:
-        for result in view.settled().values():
-            if identity(result) not in seen:
-                seen.add(identity(result))
-                tell(kind, _scored(result, by_label))
-
+    candidate, every driver's, in the order the storage recorded them."""
+    loop = _Loop(store, ranked, n_trials, hooks, emit or (lambda kind, scored: None))
     first = True
     while True:
         try:
-            choice, ticket, done = _turn(
-                store, ranked, by_label, candidates, first, announce, n_trials, dominated,
-                reorder, cannot_run, factors_of,
-            )  # fmt: skip
+            choice, ticket, done = loop.turn(first)
         except ClaimLost:
             continue  # stopped while it held the claim, which another driver took: look again
         first = False
@@ -99,62 +96,75 @@ def run_trials(
         if choice is None or ticket is None:
             time.sleep(wait_s)
             continue
-        tell(ProgressEvent.START, Scored(candidate=choice.candidate, estimate=choice))
+        loop.tell(ProgressEvent.START, Scored(candidate=choice.candidate, estimate=choice))
         try:
             result = run(choice.candidate)
         except BaseException:
             store.abandon(ticket)
             raise
         store.finish(ticket, result)
-        seen.add(identity(result))
-        tell(ProgressEvent.DONE, _scored(result, by_label))
+        loop.seen.add(identity(result))
+        loop.tell(ProgressEvent.DONE, _scored(result, loop.by_label))
     return list(store.view().settled().values())
 
 
-def _turn(
-    store: Store,
-    ranked: Sequence[MemoryEstimate],
-    by_label: dict[str, MemoryEstimate],
-    candidates: Sequence[Candidate],
-    first: bool,
-    announce: Callable[[StudyView, ProgressEvent], None],
-    n_trials: int,
-    dominated: Dominated | None,
-    reorder: Reorder | None,
-    cannot_run: Callable[[Candidate], str | None] | None,
-    factors_of: FactorsOf | None,
-) -> tuple[MemoryEstimate | None, Ticket | None, bool]:
-    """One turn under the claim lock: (the candidate claimed, its ticket, whether the study is
-    over)."""
-    with store.turn() as view:
-        if first:
-            _record_pruned(store, ranked, view)
-            _record_unrunnable(store, ranked, view, cannot_run)
-            announce(view, ProgressEvent.RESUMED)
-        else:
-            announce(view, ProgressEvent.DONE)  # other drivers' trials
-        settled = view.settled()
-        untried = {
-            label
-            for label, e in by_label.items()
-            if e.fits and label not in view.attempts and label not in view.running
-        }
-        lessons = learn(candidates, list(settled.values()), untried)
-        for label, why in lessons.ruled_out.items():
-            skipped = TrialResult(
-                candidate=by_label[label].candidate, status=TrialStatus.SKIPPED, error=why
-            )
-            store.record(skipped, by_label[label].model_dump_json())
-            view.add(skipped)
-        announce(view, ProgressEvent.DONE)
-        # The order to try the rest in, after what was measured (a calibrated speed model).
-        order = reorder(ranked, list(settled.values())) if reorder else ranked
-        choice = _pick(view, order, candidates, lessons, n_trials, dominated)
-        if choice is not None:
-            factors = factors_of(choice.candidate) if factors_of else None
-            label, estimate = choice.candidate.label(), choice.model_dump_json()
-            return choice, store.start(label, estimate, factors), False
-        return None, None, not view.running
+class _Loop:
+    """One driver's loop state: the candidates in the planned order, and the results it has
+    announced (each once, whichever driver ran it)."""
+
+    def __init__(
+        self,
+        store: Store,
+        ranked: Sequence[MemoryEstimate],
+        n_trials: int,
+        hooks: TrialHooks,
+        tell: Emit,
+    ) -> None:
+        self.store, self.ranked, self.n_trials, self.hooks = store, ranked, n_trials, hooks
+        self.tell = tell
+        self.by_label = {e.candidate.label(): e for e in ranked}
+        self.candidates = [e.candidate for e in ranked]
+        self.seen: set[tuple[str, str]] = set()
+
+    def announce(self, view: StudyView, kind: ProgressEvent) -> None:
+        for result in view.settled().values():
+            if identity(result) not in self.seen:
+                self.seen.add(identity(result))
+                self.tell(kind, _scored(result, self.by_label))
+
+    def turn(self, first: bool) -> tuple[MemoryEstimate | None, Ticket | None, bool]:
+        """One turn under the claim lock: (the candidate claimed, its ticket, whether the study
+        is over)."""
+        store, ranked, by_label, hooks = self.store, self.ranked, self.by_label, self.hooks
+        with store.turn() as view:
+            if first:
+                _record_pruned(store, ranked, view)
+                _record_unrunnable(store, ranked, view, hooks.cannot_run)
+                self.announce(view, ProgressEvent.RESUMED)
+            else:
+                self.announce(view, ProgressEvent.DONE)  # other drivers' trials
+            settled = view.settled()
+            untried = {
+                label
+                for label, e in by_label.items()
+                if e.fits and label not in view.attempts and label not in view.running
+            }
+            lessons = learn(self.candidates, list(settled.values()), untried)
+            for label, why in lessons.ruled_out.items():
+                skipped = TrialResult(
+                    candidate=by_label[label].candidate, status=TrialStatus.SKIPPED, error=why
+                )
+                store.record(skipped, by_label[label].model_dump_json())
+                view.add(skipped)
+            self.announce(view, ProgressEvent.DONE)
+            # The order to try the rest in, after what was measured (a calibrated speed model).
+            order = hooks.reorder(ranked, list(settled.values())) if hooks.reorder else ranked
+            choice = _pick(view, order, self.candidates, lessons, self.n_trials, hooks.dominated)
+            if choice is not None:
+                factors = hooks.factors_of(choice.candidate) if hooks.factors_of else None
+                label, estimate = choice.candidate.label(), choice.model_dump_json()
+                return choice, store.start(label, estimate, factors), False
+            return None, None, not view.running
 
 
 def _pick(

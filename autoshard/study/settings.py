@@ -78,11 +78,9 @@ class StudySettings(Frozen):
         precisions: Iterable[Precision | str] | None = None,
         micro_batch_sizes: Iterable[int] | None = None,
         memory_cap: int | None = None,
-        model: nn.Module | None = None,
-        batch: Any = None,
-        computation: str = "",
     ) -> StudySettings:
-        """Settings in canonical form: the order of precisions or batch sizes does not matter."""
+        """Settings in canonical form: the order of precisions or batch sizes does not matter.
+        The model's own identity is added by :meth:`with_model`."""
         from autoshard.space import default_precisions
 
         chosen = tuple(Precision(p) for p in precisions or ()) or default_precisions(hardware)
@@ -95,10 +93,20 @@ class StudySettings(Frozen):
             precisions=tuple(sorted(set(chosen), key=lambda p: p.value)),
             micro_batch_sizes=tuple(sorted(set(sizes))),
             memory_cap=memory_cap,
-            model=model_fingerprint(model) if model is not None else "",
-            params=sum(p.numel() for p in model.parameters()) if model is not None else 0,
-            batch=batch_shapes(batch),
-            computation=computation,
+        )
+
+    def with_model(
+        self, model: nn.Module | None, batch: Any = None, computation: str = ""
+    ) -> StudySettings:
+        """These settings for ``model`` (its structure and parameter count), its example
+        ``batch`` (shapes and dtypes) and its forward's ``computation`` digest."""
+        return self.model_copy(
+            update={
+                "model": model_fingerprint(model) if model is not None else "",
+                "params": sum(p.numel() for p in model.parameters()) if model is not None else 0,
+                "batch": batch_shapes(batch),
+                "computation": computation,
+            }
         )
 
     def name(self, candidates: Sequence[str] = ()) -> str:

@@ -37,14 +37,12 @@ reset.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import socket
-import threading
-import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -55,28 +53,42 @@ from optuna.distributions import CategoricalDistribution
 from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 from pydantic import ValidationError
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import make_url
 
 from autoshard.config import Candidate
-from autoshard.errors import MissingDependencyError, StorageError
+from autoshard.errors import StorageError
 from autoshard.results import Decision, TrialResult, TrialStatus
-from autoshard.study.claims import ClaimLock, Reconnecting
+from autoshard.study.claims import OWNER_ATTR, ClaimLock, Heartbeat, Reconnecting, fail_stale
+from autoshard.study.database import (
+    DB_NAME,
+    check_storage,
+    corrupt,
+    db_errors,
+    default_storage,
+    first_line,
+    move_aside,
+    prepare_out,
+)
 from autoshard.study.journal import JOURNAL_NAME, Journal
-from autoshard.study.lock import OutLock, pid_alive
+from autoshard.study.knobs import (
+    dashboard_note,
+    knob_distributions,
+    knobs_of,
+    measured_per_rank,
+    not_launched_summary,
+    recommended,
+)
+from autoshard.study.lock import OutLock
 from autoshard.study.settings import StudySettings
 from autoshard.study.view import StudyView, Ticket, identity
-from autoshard.ui.files import DATABASE_FILE
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
 
-DB_NAME = DATABASE_FILE
 PARAM = "candidate"  # the one parameter of studies written before the knobs (still read)
 LABEL_ATTR = "candidate"  # the candidate's label, a user attribute of each trial
-KNOBS = ("engine", "sharding", "wrap", "checkpointing", "offload", "precision", "micro_batch",
-         "reshard", "compile", "float8")  # fmt: skip
 OBJECTIVE_ATTR = "objective"
 RECOMMENDED_ATTR = "recommended"
 RESULT_ATTR = "autoshard_result"
@@ -84,7 +96,6 @@ ESTIMATE_ATTR = "estimate"
 # The calibrated speed factors the estimate was predicted with (null: the uncalibrated model's);
 # absent on trials of an older autoshard and on trials restored from the journal.
 FACTORS_ATTR = "autoshard_factors"
-OWNER_ATTR = "autoshard_driver"
 # A candidate never launched (predicted not to fit, skipped) is no optuna trial: optuna-dashboard
 # would show it as a pruned one. Its result is a system attribute of the study, one per label
 # (not shown, read with the trials); the user attribute NOT_LAUNCHED_ATTR counts them by reason.
@@ -93,146 +104,11 @@ NOT_LAUNCHED_ATTR = "not_launched"
 SETTINGS_ATTR = "autoshard_settings"
 HEARTBEAT_S = 5
 GRACE_S = 30  # a driver silent this long is taken for gone
-SHARED_BACKENDS = ("sqlite", "postgresql", "mysql")
-# A database driver whose import name is not what pip installs (`pip install MySQLdb` finds
-# nothing): import name -> (the package, how to install it).
-DRIVER_PACKAGES = {
-    "MySQLdb": (
-        "mysqlclient (import name MySQLdb)",
-        "`pip install mysqlclient` (it builds against the MySQL client library), or `pip install "
-        "pymysql` and write the URL as mysql+pymysql://user@host/dbname",
-    ),
-}
-_EXAMPLE_URLS = "sqlite:///runs/study.db or postgresql://user@host/dbname"
-
-
-def default_storage(out_dir: Path | str) -> str:
-    return f"sqlite:///{(Path(out_dir) / DB_NAME).resolve()}"
-
-
-def check_storage(url: str) -> str:
-    """The URL optuna will open, its driver filled in (``postgresql://`` uses psycopg 3 when
-    psycopg2 is not installed), or one line saying what is wrong with it. Cheap: call it before
-    anything slow.
-
-    >>> from autoshard.errors import StorageError
-    >>> check_storage("postgresql://me@db/x").split("@")[0]  # with autoshard[postgres] installed
-    'postgresql://me'
-    >>> try:
-    ...     check_storage("notaurl")
-    ... except StorageError as error:
-    ...     print(str(error)[:45])
-    --storage 'notaurl': not a database URL; give
-    """
-    try:
-        u = make_url(url)
-    except (sqlalchemy.exc.ArgumentError, ValueError):
-        raise StorageError(
-            f"--storage {url!r}: not a database URL; give e.g. {_EXAMPLE_URLS}"
-        ) from None
-    shown = f"--storage {u.render_as_string(hide_password=True)}"
-    backend = u.get_backend_name()
-    if backend == "sqlite":
-        _check_sqlite_path(u, shown)
-    elif (
-        backend == "postgresql"
-        and u.get_driver_name() == "psycopg2"
-        and not _importable("psycopg2")
-        and _importable("psycopg")
-    ):
-        # SQLAlchemy < 2.1 takes psycopg2 for postgresql://; autoshard[postgres] installs
-        # psycopg 3 (binary wheels everywhere), which SQLAlchemy names postgresql+psycopg.
-        u = u.set(drivername="postgresql+psycopg")
-    try:
-        u.get_dialect().import_dbapi()
-    except sqlalchemy.exc.NoSuchModuleError:
-        raise StorageError(
-            f"{shown}: unknown database kind {u.drivername!r}; give e.g. {_EXAMPLE_URLS}"
-        ) from None
-    except ImportError as exc:
-        extra = "postgres" if backend == "postgresql" else None
-        package = "psycopg" if extra else (exc.name or u.get_driver_name())
-        feature = f"{shown.split('://')[0]}://"
-        if package in DRIVER_PACKAGES:
-            package, install = DRIVER_PACKAGES[package]
-            raise MissingDependencyError(package, feature, install=install) from None
-        raise MissingDependencyError(package, feature, extra=extra) from None
-    if backend not in SHARED_BACKENDS:
-        raise StorageError(
-            f"{shown}: autoshard keeps studies in SQLite, PostgreSQL or MySQL; give e.g. "
-            f"{_EXAMPLE_URLS}"
-        )
-    return u.render_as_string(hide_password=False)
-
-
-def _check_sqlite_path(u: URL, shown: str) -> None:
-    db = u.database
-    if not db or db == ":memory:" or db.startswith("file::memory:"):
-        raise StorageError(
-            f"{shown}: an in-memory database keeps nothing between runs; give a file, e.g. "
-            "sqlite:///runs/study.db, or leave --storage out to keep the study in --out"
-        )
-    path = Path(db)
-    if path.is_dir():
-        raise StorageError(f"{shown}: {path} is a folder; give a file in it, e.g. {path}/study.db")
-    if not path.parent.is_dir():
-        raise StorageError(
-            f"{shown}: the folder {path.parent} does not exist; create it, or leave --storage "
-            "out to keep the study in --out"
-        )
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def prepare_out(out_dir: Path | str) -> Path:
-    """Create the output folder, or say in one line why it cannot be used."""
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise StorageError(
-            f"--out {out}: a file is in the way (a folder is needed); remove it or give "
-            "another --out"
-        ) from None
-    except OSError as exc:
-        raise StorageError(
-            f"--out {out}: cannot create it ({exc.strerror or exc}); choose a writable folder "
-            "with --out"
-        ) from None
-    if not out.is_dir():
-        raise StorageError(f"--out {out}: not a folder; give a folder with --out")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
 # The store
 # ---------------------------------------------------------------------------------------------
-
-
-class _Heartbeat:
-    """Records optuna's heartbeat of the running trial every HEARTBEAT_S seconds."""
-
-    def __init__(self, storage: RDBStorage, trial_id: int) -> None:
-        self.stop = threading.Event()
-        self.thread = threading.Thread(
-            target=self._beat, args=(storage, trial_id), daemon=True, name="autoshard-heartbeat"
-        )
-        self.thread.start()
-
-    def _beat(self, storage: RDBStorage, trial_id: int) -> None:
-        while not self.stop.wait(HEARTBEAT_S):
-            # A missed beat is not an error: the claim's grace period is several beats long.
-            with contextlib.suppress(Exception):
-                storage.record_heartbeat(trial_id)
-
-    def end(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=HEARTBEAT_S)
 
 
 def open_store(
@@ -263,9 +139,9 @@ def open_store(
         claims = ClaimLock(url, notice)
         # Not tried again: a server that cannot be reached at the start is a wrong URL or a
         # server that is down, said at once; reconnecting is for a study under way.
-        with _db_errors(shown), claims:
+        with db_errors(shown), claims:
             rdb = _open_rdb(url, shown, notice)
-        return StudyStore(out, url, shown, lock, journal, claims, rdb, notice)
+        return StudyStore(out, Database(url, shown, rdb), lock, journal, claims, notice)
     except BaseException:
         if claims is not None:
             claims.close()
@@ -298,31 +174,25 @@ def _open_rdb(url: str, shown: str, notice: Callable[[str], None]) -> RDBStorage
                     grace_period=GRACE_S,
                 )
         except sqlalchemy.exc.DatabaseError as exc:
-            if db is None or attempt == 2 or not _corrupt(exc):
+            if db is None or attempt == 2 or not corrupt(exc):
                 raise
-            aside = _move_aside(db)
+            aside = move_aside(db)
             notice(
-                f"{db} is not a readable study database ({_first_line(exc)}): moved it to "
+                f"{db} is not a readable study database ({first_line(exc)}): moved it to "
                 f"{aside.name}; the study is rebuilt from {JOURNAL_NAME}"
             )
         except RuntimeError as exc:  # optuna: the schema needs `optuna storage upgrade`
-            raise StorageError(f"{shown}: {_first_line(exc)}") from None
+            raise StorageError(f"{shown}: {first_line(exc)}") from None
     raise AssertionError("unreachable")
 
 
-def _corrupt(exc: BaseException) -> bool:
-    text = str(getattr(exc, "orig", exc)).lower()
-    return "not a database" in text or "malformed" in text or "file is encrypted" in text
+@dataclass(frozen=True)
+class Database:
+    """An opened optuna storage: its URL, the URL as messages show it, the storage."""
 
-
-def _move_aside(db: Path) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside = db.with_name(f"{db.name}.corrupt-{stamp}")
-    db.rename(aside)
-    for suffix in ("-journal", "-wal", "-shm"):
-        with contextlib.suppress(FileNotFoundError):
-            db.with_name(db.name + suffix).rename(aside.with_name(aside.name + suffix))
-    return aside
+    url: str
+    shown: str
+    storage: RDBStorage
 
 
 class StudyStore:
@@ -337,18 +207,17 @@ class StudyStore:
     def __init__(
         self,
         out: Path,
-        url: str,
-        shown: str,
+        database: Database,
         lock: OutLock,
         journal: Journal,
         claims: ClaimLock,
-        storage: RDBStorage,
         notice: Callable[[str], None],
     ) -> None:
-        self.out, self.url, self.shown = out, url, shown
-        self.lock, self.journal, self.claims, self.storage = lock, journal, claims, storage
+        self.out, self.url, self.shown = out, database.url, database.shown
+        self.lock, self.journal, self.claims = lock, journal, claims
+        self.storage = database.storage
         self.notice = notice
-        self.again = Reconnecting(shown, claims.backend, notice)
+        self.again = Reconnecting(self.shown, claims.backend, notice)
         self.name = ""
         self.study: optuna.Study | None = None
         self.study_id = -1
@@ -358,7 +227,7 @@ class StudyStore:
         self.objective: Callable[[TrialResult], float] = measured_per_rank
         self.host = socket.gethostname()
         self.token = uuid.uuid4().hex
-        self._beat: _Heartbeat | None = None
+        self._beat: Heartbeat | None = None
         self._running: Ticket | None = None
         # this run's start: the transient failures of earlier runs are tried again (StudyView)
         self.opened_at = datetime.now(timezone.utc)
@@ -403,7 +272,7 @@ class StudyStore:
         if objective is not None:
             self.objective = objective
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        with _db_errors(self.shown):
+        with db_errors(self.shown):
             existed, changed, missing = self.again(
                 lambda: self._open_study(settings, metric, objective_note)
             )
@@ -502,7 +371,7 @@ class StudyStore:
     @contextlib.contextmanager
     def turn(self) -> Iterator[StudyView]:
         """The claim lock held: stale trials failed, then every driver's trials as they are."""
-        with _db_errors(self.shown):
+        with db_errors(self.shown):
             view = self.again(self._enter_turn)
         try:
             yield view
@@ -519,13 +388,13 @@ class StudyStore:
             raise
 
     def view(self) -> StudyView:
-        with _db_errors(self.shown):
+        with db_errors(self.shown):
             return self.again(self._read)
 
     def record(self, result: TrialResult, estimate: str | None = None) -> None:
         """A result that ran no trial (pruned, skipped): to the journal, then the storage."""
         self.journal.append(self.name, result)
-        with _db_errors(self.shown):
+        with db_errors(self.shown):
             self.again(lambda: self._add_finished(result, estimate))
 
     def start(
@@ -554,9 +423,9 @@ class StudyStore:
             self.storage.record_heartbeat(trial_id)
             return trial_id
 
-        with _db_errors(self.shown):
+        with db_errors(self.shown):
             trial_id = self.again(create)
-        self._beat = _Heartbeat(self.storage, trial_id)
+        self._beat = Heartbeat(self.storage, trial_id, every=HEARTBEAT_S)
         self._running = Ticket(trial_id, label, estimate, factors)
         return self._running
 
@@ -565,7 +434,7 @@ class StudyStore:
         self._stop_beat()
         self._running = None
         self.journal.append(self.name, result)
-        with _db_errors(self.shown):
+        with db_errors(self.shown):
             self.again(lambda: self._store_finished(ticket, result))
 
     def _store_finished(self, ticket: Ticket, result: TrialResult) -> None:
@@ -623,28 +492,8 @@ class StudyStore:
         return view
 
     def _fail_stale(self) -> None:
-        """Fail the RUNNING trials of drivers that are gone: on this machine, a driver with
-        this output folder (whose lock this one holds) or whose process has ended; elsewhere,
-        one whose heartbeat stopped for the grace period (optuna's fail_stale_trials)."""
         assert self.study is not None
-        for t in self.storage.get_all_trials(
-            self.study_id, deepcopy=False, states=(TrialState.RUNNING,)
-        ):
-            owner = t.user_attrs.get(OWNER_ATTR)
-            if not isinstance(owner, dict):
-                gone = True  # not claimed by autoshard's loop: nobody tends it
-            elif owner.get("token") == self.token:
-                gone = False
-            elif owner.get("host") == self.host:
-                gone = owner.get("out") == str(self.out) or not pid_alive(int(owner.get("pid", 0)))
-            else:
-                gone = False
-            if gone:
-                with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
-                    self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(self.study)
+        fail_stale(self.storage, self.study, self.study_id, self._owner())
 
     def _attrs(
         self, result: TrialResult, estimate: str | None, tried: Ticket | None = None
@@ -692,7 +541,7 @@ class StudyStore:
         for the uncalibrated model); None where its record has neither (a trial of an older
         autoshard, or one restored from the journal)."""
         wanted = {identity(r) for r in results if r.status.launched}
-        with _db_errors(self.shown):
+        with db_errors(self.shown):
             trials = self.again(lambda: self.storage.get_all_trials(self.study_id, deepcopy=False))
         out: dict[str, tuple[str, dict[str, float] | None] | None] = {}
         for t in trials:
@@ -725,7 +574,7 @@ class StudyStore:
         reasons, and why it may differ from optuna's best trial."""
         assert self.study is not None
         label = rec.chosen.candidate.label()
-        with _db_errors(self.shown):
+        with db_errors(self.shown):
             number = next(
                 (
                     t.number
@@ -735,142 +584,6 @@ class StudyStore:
                 ),
                 None,
             )
-            self.study.set_user_attr(
-                RECOMMENDED_ATTR,
-                {
-                    "trial": number,
-                    "candidate": label,
-                    "basis": rec.basis,
-                    "reasons": list(rec.reasons[:3]),
-                    "best_trial": "the objective is the decision's: the recommended trial is "
-                    "optuna's best (a rate within the noise of a faster one near the memory "
-                    "limit, or offloading to host memory not checked, scores that one's rate "
-                    "less its noise)",
-                },
-            )
+            self.study.set_user_attr(RECOMMENDED_ATTR, recommended(rec, number))
             self.study.set_user_attr(NOT_LAUNCHED_ATTR, not_launched_summary(self._read()))
-            _dashboard_note(self.study, number, label, rec)
-
-
-def _dashboard_note(study: optuna.Study, number: int | None, label: str, rec: Decision) -> None:
-    """The study's note in optuna-dashboard (when it is installed): the recommended trial and
-    why, at the top of the study's page."""
-    try:
-        from optuna_dashboard import save_note
-    except ImportError:
-        return
-    reasons = "\n".join(f"- {r}" for r in rec.reasons[:6])
-    save_note(
-        study,
-        f"## autoshard recommends trial {number}: {label}\n\n(by {rec.basis}; the study's "
-        f"user attribute `recommended` has it)\n\n{reasons}\n",
-    )
-
-
-def not_launched_summary(view: StudyView) -> dict[str, Any]:
-    """How many candidates were never launched, by what kept them out and why (one line per
-    reason): what the dashboard shows instead of a pruned trial for each."""
-    from autoshard.ui.report import NEVER_LAUNCHED, grouped_reasons
-
-    out: dict[str, Any] = {}
-    kept_out = [r for r in view.settled().values() if not r.status.launched]
-    for status, word in NEVER_LAUNCHED.items():
-        mine = [r for r in kept_out if r.status is status]
-        if mine:
-            out[word] = {
-                "count": len(mine),
-                "reasons": grouped_reasons(r.error or "" for r in mine),
-            }
-    return out
-
-
-def _throughput(result: TrialResult) -> float:
-    return float(result.tokens_per_s or result.samples_per_s or 0.0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Errors
-# ---------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _db_errors(shown: str) -> Iterator[None]:
-    """A database error as one line: where, what the database said, what to do."""
-    try:
-        yield
-    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
-        raise StorageError(db_problem(shown, exc)) from None
-
-
-def db_problem(shown: str, exc: BaseException) -> str:
-    cause: BaseException = exc
-    while isinstance(cause, optuna.exceptions.StorageInternalError) and cause.__cause__:
-        cause = cause.__cause__
-    first = _first_line(cause)
-    low = first.lower()
-    if "readonly" in low or "read-only" in low:
-        advice = "make it writable, or choose another --out (or --storage)"
-    elif "disk is full" in low or "no space" in low or "disk full" in low:
-        advice = "free some space, then run the same command again to resume"
-    elif "unable to open" in low:
-        advice = "check that its folder exists and is writable"
-    elif "connect" in low or "connection" in low or "password" in low:
-        advice = "check that the database server runs and the URL (host, port, user, database)"
-    elif "not a database" in low or "malformed" in low:
-        advice = "move it away; autoshard rebuilds the study from trials.jsonl"
-    else:
-        advice = "run with --debug for the whole error"
-    return f"{shown}: {first}; {advice}"
-
-
-def _first_line(exc: BaseException) -> str:
-    inner = getattr(exc, "orig", None) or exc
-    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
-    return lines[0][:300] if lines else type(inner).__name__
-
-
-# ---------------------------------------------------------------------------------------------
-# The study's parameters and objective
-# ---------------------------------------------------------------------------------------------
-
-
-def knobs_of(candidate: Candidate) -> dict[str, Any]:
-    """The candidate as optuna parameters, one per knob (see the module docstring).
-
-    >>> from autoshard import Candidate
-    >>> knobs_of(Candidate(wrap_classes=("gpt.Block",), checkpointing="every_k",
-    ...                    checkpoint_every=2, checkpoint_classes=("gpt.Block",)))["checkpointing"]
-    'every_2'
-    """
-    c = candidate
-    mesh = f" {c.hybrid_mesh[0]}x{c.hybrid_mesh[1]}" if c.hybrid_mesh else ""
-    wrap = ", ".join(c.wrap_classes) or (
-        f"size>={c.min_num_params}" if c.min_num_params else "none"
-    )
-    checkpointing = c.checkpointing.value
-    if checkpointing == "every_k":
-        checkpointing = f"every_{c.checkpoint_every}"
-    return {
-        "engine": c.engine.value, "sharding": c.sharding.value + mesh, "wrap": wrap,
-        "checkpointing": checkpointing, "offload": c.cpu_offload,
-        "precision": c.precision.value, "micro_batch": c.micro_batch_size,
-        "reshard": c.reshard.value, "compile": c.compile, "float8": c.float8,
-    }  # fmt: skip
-
-
-def knob_distributions(candidates: Sequence[Candidate]) -> dict[str, CategoricalDistribution]:
-    """One categorical distribution per knob over the values the study's candidates take (the
-    same candidates give the same choices: a resumed study's parameters stay compatible)."""
-    values: dict[str, set[Any]] = {k: set() for k in KNOBS}
-    for c in candidates:
-        for k, v in knobs_of(c).items():
-            values[k].add(v)
-    return {
-        k: CategoricalDistribution(sorted(v, key=lambda x: (str(type(x)), x)))
-        for k, v in values.items()
-    }
-
-
-def measured_per_rank(result: TrialResult) -> float:
-    """The default objective: the trial's measured tokens/s (else samples/s) of one rank."""
-    return _throughput(result) / max(result.world_size, 1)
+            dashboard_note(self.study, number, label, rec)

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import signal
 import socket
 import subprocess
 import sys
@@ -42,26 +40,27 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from pydantic import ValidationError
 
 from autoshard.child_env import child_env
-from autoshard.config import (
-    DEFAULT_MAX_SECONDS,
-    DEFAULT_MAX_STEPS,
-    DEFAULT_TARGET_SPREAD,
-    Candidate,
-    WorkloadSpec,
-)
+from autoshard.config import Candidate, WorkloadSpec
 from autoshard.errors import AutoshardError, ConfigError, TrialNotice
+from autoshard.options import TuneOptions
 from autoshard.results import TrialResult, TrialStatus
 from autoshard.target.resolve import TargetSpec
+from autoshard.trials.crashlog import (
+    LAUNCHER_SIGNAL,
+    crash_cause,
+    last_error_line,
+    signal_name,
+)
 from autoshard.trials.isolation import leftover_margin, worst_excess
 from autoshard.trials.lifeline import kill_tree, parent_death_preexec
-from autoshard.trials.logcap import DEFAULT_LOG_CAP, CappedLog, pump, read_tail
+from autoshard.trials.logcap import CappedLog, pump, read_tail
 from autoshard.trials.protocol import (
     Launch,
     RankReport,
@@ -104,34 +103,48 @@ def default_nproc() -> tuple[int, str]:
     return 2, "cpu"
 
 
+@dataclass(frozen=True)
+class _Trial:
+    """One trial's request as :meth:`WorkerGroup.run` was given it (a retry sends it again)."""
+
+    candidate: Candidate
+    workload: WorkloadSpec
+    memory_cap: int | None
+    target: TargetSpec | None
+    options: TuneOptions
+
+
 class WorkerGroup:
     """A persistent group of trial workers. Use as a context manager."""
 
     def __init__(
         self,
         target: TargetSpec,
+        options: TuneOptions | None = None,
         *,
         log_dir: Path,
-        nproc: int | None = None,
         nnodes: int = 1,
-        node_rank: int = 0,
-        rdzv_endpoint: str | None = None,
-        trial_timeout: float = 300.0,
         start_timeout: float = 180.0,
         agree_timeout: float = 10.0,
         env: dict[str, str] | None = None,
-        log_cap: int = DEFAULT_LOG_CAP,
-        on_notice: Callable[[str], None] | None = None,
     ) -> None:
+        """A group for ``target``'s trials on ``nnodes`` nodes, its files in ``log_dir``. The
+        trial settings come from ``options`` (:class:`autoshard.config.TuneOptions`): the
+        processes per node (``nproc``; default: every visible GPU, or 2 CPU processes), this
+        node's rank and the rendezvous endpoint of several nodes, the trial timeout, each
+        trial's warm-up, steps and timing budget, the log cap per trial and ``on_notice`` (one
+        line each: a restart for a trial's leftover, an OOM retried; default: a warning)."""
+        self.options = opts = options or TuneOptions()
         self.target = target
         self.log_dir = Path(log_dir)
+        nproc = opts.nproc
         self.nproc, self.device = (nproc, default_nproc()[1]) if nproc else default_nproc()
-        self.nnodes, self.node_rank = nnodes, node_rank
-        self.rdzv_endpoint = rdzv_endpoint
-        self.trial_timeout, self.start_timeout = trial_timeout, start_timeout
+        self.nnodes, self.node_rank = nnodes, opts.node_rank
+        self.rdzv_endpoint = opts.rdzv_endpoint
+        self.trial_timeout, self.start_timeout = opts.trial_timeout, start_timeout
         self.agree_timeout = agree_timeout
         self.env = env or {}
-        self.log_cap = log_cap
+        self.log_cap = opts.worker_log_cap
         self._rendezvous: LoopbackStore | None = None  # a single node's store (made at launch)
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: CappedLog | None = None
@@ -144,8 +157,7 @@ class WorkerGroup:
         self._launched_at = 0.0
         self._n = 0
         self._busy = False
-        # one line each: a restart for a trial's leftover, an OOM retried (default: a warning)
-        self.on_notice = on_notice or _warn
+        self.on_notice = opts.on_notice or _warn
         self._clean: tuple[int, ...] = ()  # per rank, what the launch's first trial started from
         self._restart_why: str | None = None  # the last trial left memory: restart before next
         self.last_index = 0  # the last trial's place in its launch (0: a fresh group's first)
@@ -348,21 +360,18 @@ class WorkerGroup:
         candidate: Candidate,
         workload: WorkloadSpec,
         *,
-        warmup: int = 2,
-        steps: int = 3,
         memory_cap: int | None = None,
         target: TargetSpec | None = None,
-        target_spread: float = DEFAULT_TARGET_SPREAD,
-        max_steps: int = DEFAULT_MAX_STEPS,
-        max_seconds: float = DEFAULT_MAX_SECONDS,
         retry_oom: bool = False,
+        options: TuneOptions | None = None,
     ) -> TrialResult:
         """Run one trial; a failure of any kind comes back as a TrialResult, never raised.
         (Ctrl-C and other exceptions of the driver itself kill the group and go on.)
 
-        At least ``steps`` steps are timed, then more until the median step time is known to
-        within ``target_spread`` (relative, 95% confidence) or ``max_steps`` / ``max_seconds``
-        of timed steps are spent (:func:`autoshard.measure.enough_steps`).
+        ``options`` (default: the group's) give the trial's warm-up and timing: at least
+        ``steps`` steps are timed, then more until the median step time is known to within
+        ``target_spread`` (relative, 95% confidence) or ``max_steps`` / ``max_seconds`` of timed
+        steps are spent (:func:`autoshard.measure.enough_steps`).
 
         Isolation: a trial starts from what the group's first trial started from. When the
         last trial left more allocated than :func:`~autoshard.trials.isolation.leftover_margin`
@@ -370,10 +379,9 @@ class WorkerGroup:
         still starts above it is ``contaminated``. ``retry_oom`` (the candidate is predicted to
         fit): an OOM in a group that ran other trials first is tried once more in a fresh
         group, said in one line, and the retry's result returned (``oom_retry``)."""
-        budget = {"target_spread": target_spread, "max_steps": max_steps,
-                  "max_seconds": max_seconds}  # fmt: skip
+        trial = _Trial(candidate, workload, memory_cap, target, options or self.options)
         try:
-            result = self._run(candidate, workload, warmup, steps, memory_cap, target, budget)
+            result = self._run(trial)
             if retry_oom and result.status is TrialStatus.OOM and self.last_index > 0:
                 self.on_notice(
                     f"{candidate.label()} ran out of memory in a worker group that had run "
@@ -381,23 +389,15 @@ class WorkerGroup:
                     "whose result is the one recorded"
                 )
                 self._end_for_restart()
-                again = self._run(candidate, workload, warmup, steps, memory_cap, target, budget)
+                again = self._run(trial)
                 result = again.model_copy(update={"oom_retry": True})
             return result
         except BaseException:
             self.kill()
             raise
 
-    def _run(
-        self,
-        candidate: Candidate,
-        workload: WorkloadSpec,
-        warmup: int,
-        steps: int,
-        memory_cap: int | None,
-        target: TargetSpec | None,
-        budget: dict[str, float],
-    ) -> TrialResult:
+    def _run(self, trial: _Trial) -> TrialResult:
+        candidate, opts = trial.candidate, trial.options
         self._restart_if_left()
         if not self.alive():
             self.start()
@@ -414,15 +414,17 @@ class WorkerGroup:
         request = TrialRequest(
             n=n,
             candidate=candidate,
-            target=target or self.target,
-            workload=workload,
+            target=trial.target or self.target,
+            workload=trial.workload,
             # The first trial of a fresh group also warms up the communicator's connections and
             # thread pools: measured here, its steps ran up to 1.5x slower with the same
             # warm-up, so it gets two more.
-            warmup=warmup + (2 if n == 0 else 0),
-            steps=steps,
-            memory_cap=memory_cap,
-            **budget,
+            warmup=opts.warmup + (2 if n == 0 else 0),
+            steps=opts.steps,
+            memory_cap=trial.memory_cap,
+            target_spread=opts.target_spread,
+            max_steps=opts.max_steps,
+            max_seconds=opts.max_seconds,
         )
         self._busy = True
         started = time.monotonic()
@@ -553,13 +555,13 @@ class WorkerGroup:
         who = f"rank {cause.rank}" if cause.rank is not None else "a worker"
         if cause.signal is not None:
             # killed from outside (the OOM killer, a node's trouble): trying again may work
-            why, transient = f"{who} was killed by {_signal_name(cause.signal)}", True
+            why, transient = f"{who} was killed by {signal_name(cause.signal)}", True
         elif cause.exitcode is not None:
             why = f"{why}: {who} exited with code {cause.exitcode}"
         elif returncode is not None and returncode < 0:  # the launcher itself was killed
-            why, transient = f"torchrun was killed by {_signal_name(-returncode)}", True
-        elif stopped := _LAUNCHER_SIGNAL.search(tail):  # torchrun stopped by SIGTERM, SIGINT...
-            why = f"torchrun was stopped by {_signal_name(int(stopped.group(1)))}"
+            why, transient = f"torchrun was killed by {signal_name(-returncode)}", True
+        elif stopped := LAUNCHER_SIGNAL.search(tail):  # torchrun stopped by SIGTERM, SIGINT...
+            why = f"torchrun was stopped by {signal_name(int(stopped.group(1)))}"
             return self._failed(candidate, TrialStatus.ERROR, started, why, "", True)
         detail = last_error_line(tail, fallback=cause.exitcode is None)
         return self._failed(candidate, TrialStatus.ERROR, started, why, detail, transient)
@@ -583,89 +585,3 @@ class WorkerGroup:
             transient=transient,
             duration=time.monotonic() - started,
         )
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading a worker log
-# ---------------------------------------------------------------------------------------------
-
-# "/path/x.py:12: FutureWarning: ..." (and the indented source line Python prints after it)
-_WARNING = re.compile(r"\b[A-Z]\w*Warning\b:")
-# an exception line: "ValueError: boom", "torch.OutOfMemoryError: ...", "[rank1]: KeyError: 'x'"
-_EXCEPTION = re.compile(
-    r"^(\[rank\d+\]:\s*)?([A-Za-z_][\w.]*)?(Error|Exception|Exit|Interrupt)(:|$)"
-)
-_TORCHRUN_WRAPPER = "ChildFailedError"
-_SIGNAL = re.compile(r"Signal (\d+) \((SIG\w+)\) received")
-_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
-_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.MULTILINE)
-# torchrun's own death by a signal it handles (SIGTERM, SIGINT, SIGHUP): it stops its workers
-_LAUNCHER_SIGNAL = re.compile(r"SignalException: Process \d+ got signal: (\d+)")
-# What a rank says when another one died: never the cause of a failure, only its echo.
-_ECHO = re.compile(
-    r"connection closed by peer|connection reset by peer|broken pipe|remote process exited|"
-    r"NCCL communicator was aborted",
-    re.IGNORECASE,
-)
-
-
-class CrashCause:
-    """What torchrun's summary says about the first rank that failed."""
-
-    def __init__(self, rank: int | None, exitcode: int | None, signal: int | None) -> None:
-        self.rank, self.exitcode, self.signal = rank, exitcode, signal
-
-    def __repr__(self) -> str:
-        return f"CrashCause(rank={self.rank}, exitcode={self.exitcode}, signal={self.signal})"
-
-
-def crash_cause(log: str) -> CrashCause:
-    """The rank, exit code and signal of torchrun's "Root Cause (first observed failure)"."""
-    root = log.rsplit("Root Cause", 1)[1] if "Root Cause" in log else log
-    rank = _ROOT_RANK.search(root)
-    codes = _EXITCODE.findall(root)
-    exitcode = int(codes[0] if "Root Cause" in log else codes[-1]) if codes else None
-    found = _SIGNAL.search(root)
-    sig = int(found.group(1)) if found else (-exitcode if exitcode and exitcode < 0 else None)
-    return CrashCause(int(rank.group(1)) if rank else None, exitcode, sig)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return f"{signal.Signals(number).name} (signal {number})"
-    except ValueError:
-        return f"signal {number}"
-
-
-def _without_warnings(log: str) -> list[str]:
-    """The log's lines, without Python's warnings (a warning line and the indented source line
-    printed after it), which are no error however alarming their text."""
-    kept: list[str] = []
-    skip_source = False
-    for raw in log.splitlines():
-        if _WARNING.search(raw):
-            skip_source = True
-            continue
-        if skip_source and raw.startswith((" ", "\t")):
-            skip_source = False  # the warning's source line
-            continue
-        skip_source = False
-        if raw.strip():
-            kept.append(raw.strip())
-    return kept
-
-
-def last_error_line(log: str, *, fallback: bool = True) -> str:
-    """The most telling line of a worker log: the last exception a worker raised; else, with
-    ``fallback``, the signal or exit code torchrun reports, else the last line that is not a
-    warning; else ""."""
-    lines = [line for line in _without_warnings(log) if len(line) < 500]
-    for line in reversed(lines):
-        if _EXCEPTION.match(line) and _TORCHRUN_WRAPPER not in line and not _ECHO.search(line):
-            return line
-    if not fallback:
-        return ""
-    for line in reversed(lines):
-        if _SIGNAL.search(line) or _EXITCODE.search(line):
-            return line
-    return lines[-1][:300] if lines else ""

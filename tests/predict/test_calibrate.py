@@ -300,7 +300,7 @@ def test_the_study_recalibrates_on_its_own_device_only(gpt_tiny, monkeypatch) ->
     monkeypatch.setattr(hardware_module, "measured_cpu", lambda ranks=1: CATALOGUE["cpu-gloo"])
     from autoshard import Hardware, WorkloadSpec
     from autoshard.predict.calibrate import SpeedModel
-    from autoshard.search import reorder_remaining
+    from autoshard.study.driver import reorder_remaining
 
     profile, built = gpt_tiny
     workload = WorkloadSpec(seq_len=128)

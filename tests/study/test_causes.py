@@ -12,8 +12,8 @@ import pytest
 
 from autoshard.config import Candidate, WorkloadSpec
 from autoshard.results import TrialResult, TrialStatus
-from autoshard.search import dominated_by
 from autoshard.study.causes import CAUSES, Cause, cause_of, classified
+from autoshard.study.dominance import dominated_by
 from autoshard.study.lessons import learn
 
 from ..test_study import Runner, space, study
@@ -206,8 +206,8 @@ def test_a_factory_that_hangs_in_the_driver_is_said_in_one_line(monkeypatch) -> 
 def test_a_non_finite_loss_on_any_rank_is_a_diverged_trial() -> None:
     from autoshard.results import TrialStatus
     from autoshard.target.resolve import TargetSpec
+    from autoshard.trials.accounting import summarize
     from autoshard.trials.protocol import RankReport, TrialReply, TrialRequest
-    from autoshard.trials.worker import summarize
 
     request = TrialRequest(n=0, candidate=Candidate(), target=TargetSpec(spec="m.py:build"),
                            workload=WorkloadSpec(seq_len=8))  # fmt: skip
