@@ -136,7 +136,7 @@ pack
 if [ "$dry" = 1 ]; then
   TUNE=(--arg size=tiny --seq-len 64 --batch-size 1,2 --trials 2 --gpu-memory 2GiB
         --trial-timeout 120 --max-seconds 1)
-  GPU_TESTS=(tests/test_group.py)
+  GPU_TESTS=(tests/trials/test_group.py)
   GRID=(--size tiny --seq-len 64 --max 1 --steps 2 --warmup 1 --max-seconds 1)
   ACC=(--device cpu --only "gpt-tiny fsdp2 FULL_SHARD 32-true mbs1 reshard=keep_root")
   CF8=(--size tiny --seq-len 64 --mbs 1 --variants eager --cpu --steps 2 --warmup 1

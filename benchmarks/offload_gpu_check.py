@@ -13,7 +13,7 @@ a CPU's and prove only that the code runs). ``all`` runs each part in its own pr
 time box (:data:`BOXES`, the most valuable first) and records a part that runs over as
 ``"status": "timeout"``, so one hang costs its box, not the lease.
 
-- ``rule``: every row of tests/test_attention_kernels.py's RULE built as CUDA tensors and given
+- ``rule``: every row of tests/predict/test_attention_kernels.py's RULE built as CUDA tensors and given
   to ``torch._fused_sdp_choice`` (the backend torch's dispatch picks), beside
   :func:`autoshard.predict.attention_kernels.cuda_kernel`.
 - ``saved``: what one examples/gpt.py 1B block (2,048 tokens) saves for backward on the GPU
@@ -74,7 +74,7 @@ def _record(part: str, **fields: Any) -> None:
 
 
 def rule() -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "predict"))
     from test_attention_kernels import RULE
 
     from autoshard.predict.attention_kernels import cuda_kernel

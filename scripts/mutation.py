@@ -36,10 +36,10 @@ MODULES: dict[str, list[str]] = {
     "target/step": ["tests/target/test_resolve.py"],
     "trials/worker": ["tests/test_group_logic.py"],
     "trials/protocol": ["tests/test_group_logic.py"],
-    "trials/isolation": ["tests/test_isolation.py"],
+    "trials/isolation": ["tests/trials/test_isolation.py"],
     "study/lessons": ["tests/test_study.py"],
     "study/causes": ["tests/study/test_causes.py"],
-    "study/journal": ["tests/test_journal.py", "tests/test_study.py"],
+    "study/journal": ["tests/study/test_journal.py", "tests/test_study.py"],
     "emit": [
         "tests/test_emit.py",
         "tests/test_handover.py",

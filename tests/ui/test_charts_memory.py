@@ -8,7 +8,7 @@ import pytest
 
 from autoshard.ui.html import render_html
 from autoshard.units import parse_size
-from tests.test_report import NS, all_trials, chart, make_rec
+from tests.ui.test_report import NS, all_trials, chart, make_rec
 
 
 def test_memory_chart_has_a_byte_axis_and_keeps_the_allowance_from_crowding_out_the_rest() -> None:

@@ -11,7 +11,7 @@ from rich.console import Console
 from autoshard.config import Hardware
 from autoshard.ui.html import render_html
 from autoshard.ui.report import print_summary
-from tests.test_report import NS, GiB, all_trials, chart, make_rec, with_speeds
+from tests.ui.test_report import NS, GiB, all_trials, chart, make_rec, with_speeds
 
 
 def test_speed_chart_puts_predicted_against_measured() -> None:

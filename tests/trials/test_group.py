@@ -13,7 +13,7 @@ from autoshard.results import TrialStatus
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.group import WorkerGroup
 
-from .conftest import EXAMPLES, TARGETS
+from ..conftest import EXAMPLES, TARGETS
 
 pytestmark = pytest.mark.slow
 
