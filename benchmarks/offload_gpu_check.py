@@ -13,8 +13,8 @@ a CPU's and prove only that the code runs). ``all`` runs each part in its own pr
 time box (:data:`BOXES`, the most valuable first) and records a part that runs over as
 ``"status": "timeout"``, so one hang costs its box, not the lease.
 
-- ``rule``: every row of tests/predict/test_attention_kernels.py's RULE built as CUDA tensors and given
-  to ``torch._fused_sdp_choice`` (the backend torch's dispatch picks), beside
+- ``rule``: every row of tests/predict/test_attention_kernels.py's RULE built as CUDA tensors and
+  given to ``torch._fused_sdp_choice`` (the backend torch's dispatch picks), beside
   :func:`autoshard.predict.attention_kernels.cuda_kernel`.
 - ``saved``: what one examples/gpt.py 1B block (2,048 tokens) saves for backward on the GPU
   (the storages autograd saves, as the profile counts them; and the allocator's bytes held
