@@ -440,6 +440,12 @@ class TrialResult(Frozen):
         "allocator; on CPU the live tensors): its worker's own, the same for every trial of a "
         "clean group. Its peaks are counted above it.",
     )
+    raised_on: int | None = Field(
+        None,
+        description="An error trial: how many of its ranks raised the error (None: not known, "
+        "a record of an older autoshard). Only an error every rank raised is the model's own "
+        "and counts against the configuration (autoshard.study.causes).",
+    )
     contaminated: bool = Field(
         False,
         description="The trial started with an earlier trial's memory still allocated (its "

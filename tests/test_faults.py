@@ -206,6 +206,7 @@ def test_an_exception_on_one_rank_is_the_trials_error(tmp_path, rank: int) -> No
         log = group.log_path.read_text(errors="replace")
         assert failed.status is TrialStatus.ERROR and not failed.transient
         assert failed.error == f"rank {rank}: RuntimeError: {message}"
+        assert failed.raised_on == 1  # one rank's: it counts against nothing (study/causes)
         assert failed.duration < group.agree_timeout + 20  # not the 120 s trial timeout
         assert message in log
         after = group.run(
@@ -222,6 +223,7 @@ def test_an_exception_on_every_rank_keeps_the_group(tmp_path) -> None:
         )
         assert failed.status is TrialStatus.ERROR
         assert "RuntimeError: injected fault" in (failed.error or "")
+        assert failed.raised_on == 2  # every rank's: the model's own
         assert (
             group.run(BLOCK, TOKENS, options=TuneOptions(warmup=1, steps=2)).status
             is TrialStatus.OK

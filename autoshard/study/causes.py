@@ -11,7 +11,8 @@ the cause decides two things (:data:`CAUSES`):
 - *counts against the configuration*: what the study learns from the failure about other
   candidates (:mod:`autoshard.study.lessons` rules out those that share the failing setting;
   :func:`autoshard.study.dominance.dominated_by` skips a larger micro-batch of one that ran out of
-  memory). Only the model's own failures count; a transient one never does, and a diverged loss
+  memory). Only the model's own failures count (an error counts when every rank raised it:
+  ``TrialResult.raised_on``); a transient one never does, and a diverged loss
   neither (the model's training step, not the configuration, is usually why).
 
 A new kind of failure is one row of :data:`CAUSES` and one rule of :func:`cause_of`.
@@ -37,6 +38,7 @@ class Cause(str, Enum):
     LAUNCH = "launch"  # the worker group did not start: no model code ran (a setting, a port)
     DISK = "disk"  # no space left, a quota, a read-only file system
     LEFTOVER = "leftover"  # it started with an earlier trial's memory (TrialResult.contaminated)
+    ONE_RANK = "one rank"  # an error only some ranks raised: their data or node, not the model's
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,12 @@ CAUSES: dict[Cause, CauseTraits] = {
     ),
     Cause.DISK: CauseTraits(
         True, False, "free space on the disk, then run the same command again: they are retried"
+    ),
+    Cause.ONE_RANK: CauseTraits(
+        True,
+        False,
+        f"an error some ranks raised and others did not ({_LOGS}): the data a rank read or its "
+        "node, not the configuration; run the same command again: these candidates are retried",
     ),
     Cause.LEFTOVER: CauseTraits(
         True,
@@ -116,6 +124,8 @@ def cause_of(result: TrialResult) -> Cause | None:
         return Cause.OOM
     if status is TrialStatus.TIMEOUT:
         return Cause.HANG
+    if result.raised_on is not None and result.raised_on < result.world_size:
+        return Cause.ONE_RANK
     return Cause.MODEL
 
 

@@ -138,11 +138,15 @@ def summarize(request: TrialRequest, per_rank: list[RankReport]) -> TrialReply:
         if failed:
             # the first to fail is the cause; the others may have failed because of it
             first = min(failed, key=lambda r: (r.failed_at or 0.0, r.rank))
+            # the model's own error is deterministic: every rank raises it (one rank alone, the
+            # others failing on the broken collective, is that rank's data or node)
+            same = sum(1 for r in failed if r.error == first.error)
             return TrialReply(
                 n=request.n,
                 status=status,
                 world_size=world,
                 error=f"rank {first.rank}: {first.error}",
+                raised_on=same if status is TrialStatus.ERROR else None,
                 traceback=first.traceback,
                 **levels,
             )

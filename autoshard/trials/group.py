@@ -466,6 +466,7 @@ class WorkerGroup:
             peak_reserved=reply.peak_reserved,
             losses=reply.losses,
             error=reply.error,
+            raised_on=reply.raised_on,
             duration=time.monotonic() - started,
             baseline_bytes=reply.baseline_bytes,
             contaminated=self._check_levels(candidate, n, reply),
@@ -547,9 +548,12 @@ class WorkerGroup:
         if failures:
             # a rank failed alone and ended the group: its error is the trial's
             first = min(failures, key=lambda r: (r.failed_at or 0.0, r.rank))
-            return self._failed(
+            failed = self._failed(
                 candidate, first.status, started, f"rank {first.rank}", first.error or ""
             )
+            same = sum(1 for r in failures if r.error == first.error)  # study/causes reads it
+            raised_on = same if first.status is TrialStatus.ERROR else None
+            return failed.model_copy(update={"raised_on": raised_on})
         tail = self.log_tail()
         cause = crash_cause(tail)
         who = f"rank {cause.rank}" if cause.rank is not None else "a worker"

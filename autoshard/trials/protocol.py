@@ -166,6 +166,9 @@ class TrialReply(Frozen):
     peak_reserved: tuple[int, ...] = ()
     losses: tuple[float, ...] = Field((), description="Rank 0's loss at every step.")
     error: str | None = Field(None, description="'rank R: Type: message' of a failed trial.")
+    raised_on: int | None = Field(
+        None, description="How many ranks raised the first failing rank's error (an error trial)."
+    )
     traceback: str | None = None
     baseline_bytes: tuple[int, ...] = Field(
         (), description="Per rank, bytes allocated when the trial started."

@@ -79,6 +79,14 @@ def test_the_table_says_what_counts_against_a_configuration() -> None:
     }  # fmt: skip
     for cause, result in cases.items():
         assert cause_of(result) is cause, (cause, result.error)
+    # an error only one of two ranks raised is that rank's (its data, its node): retried,
+    # teaching nothing; one both raised is the model's; a record without the count (older) too
+    alone = failed(c, "rank 1: ValueError: bad row 7").model_copy(update={"raised_on": 1})
+    both = alone.model_copy(update={"raised_on": 2})
+    assert cause_of(alone) is Cause.ONE_RANK and CAUSES[Cause.ONE_RANK].transient
+    assert cause_of(both) is Cause.MODEL
+    untried = [Candidate(micro_batch_size=2)]
+    assert learn([c, *untried], [alone], [u.label() for u in untried]).ruled_out == {}
     # a record that says a signal killed a rank, without the flag (an older autoshard's)
     unflagged = failed(c, "torchrun was stopped by SIGTERM (signal 15)")
     assert cause_of(unflagged) is Cause.SIGNAL
@@ -88,6 +96,7 @@ def test_the_table_says_what_counts_against_a_configuration() -> None:
         Cause.LAUNCH,
         Cause.DISK,
         Cause.LEFTOVER,
+        Cause.ONE_RANK,
     }
     # a contaminated OOM dominates nothing and teaches no lesson
     assert dominated_by(Candidate(micro_batch_size=2), [cases[Cause.LEFTOVER]]) is None

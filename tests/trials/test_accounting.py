@@ -69,3 +69,20 @@ def test_a_trials_tokens_are_its_samples_times_the_sequence_length() -> None:
         assert reply.tokens_per_s == pytest.approx(reply.samples_per_s * seq_len)
     # not a token batch (images): samples only
     assert step_counts(torch.randn(3, 3, 8, 8), 2) == (6, None)
+
+
+def test_an_error_says_how_many_ranks_raised_it() -> None:
+    """The model's own error is deterministic: every rank raises it. One rank's error, the
+    others failing on the broken collective, is counted as raised by one (study/causes reads
+    it: only an error every rank raised counts against the configuration)."""
+    request = _request()
+    own = [RankReport(rank=r, status="error", error="ValueError: bad shape", failed_at=1.0 + r)
+           for r in range(2)]  # fmt: skip
+    assert summarize(request, own).raised_on == 2
+    alone = RankReport(rank=1, status="error", error="ValueError: bad row 7", failed_at=1.0)
+    broken = RankReport(rank=0, status="error", error="RuntimeError: Connection closed by peer",
+                        failed_at=2.0)  # fmt: skip
+    reply = summarize(request, [broken, alone])
+    assert reply.error == "rank 1: ValueError: bad row 7" and reply.raised_on == 1
+    oom = RankReport(rank=0, status="oom", error="OutOfMemoryError: CUDA", failed_at=1.0)
+    assert summarize(request, [oom, alone]).raised_on is None  # an OOM is no model error
