@@ -275,6 +275,9 @@ def run_all(dry_run: bool) -> int:
 
 def main(argv: list[str]) -> int:
     global SIZE, SEQ, UNIT
+    if {"-h", "--help"} & set(argv):
+        print(f"usage: python benchmarks/offload_gpu_check.py PART [--dry-run]\n{__doc__}")
+        return 0
     dry_run = "--dry-run" in argv
     if dry_run:  # tiny shapes unless the caller chose others
         SIZE = os.environ.get("CHECK_SIZE", DRY_RUN_ENV["CHECK_SIZE"])

@@ -217,8 +217,10 @@ def split_lines(data: dict[str, Any]) -> list[str]:
 
 
 if __name__ == "__main__":
+    import argparse
     import sys
 
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     sys.path.insert(0, str(ROOT))
     data = json.loads(DATA.read_text())
     rows = evaluate(data)
