@@ -615,41 +615,41 @@ def disk_full_then_rerun(folder: Path) -> Row:
     )
 
 
-@case("--trial-timeout 1e30", "a time past what the OS takes")
-def huge_timeout(folder: Path) -> Row:
-    return _one_line(tune_command(folder / "out", timeout=1e30)[4:], "give 1000000 or less")
-
-
-@case("--accumulate 99999999999", "an absurd accumulation")
-def huge_accumulate(folder: Path) -> Row:
-    args = tune_command(folder / "out", "--accumulate", "99999999999")[4:]
-    return _one_line(args, "--accumulate 99999999999: give 4096 or less")
-
-
-@case("--accumulate 1000000", "an accumulation that grew to 6.5 GB")
-def large_accumulate(folder: Path) -> Row:
-    args = tune_command(folder / "out", "--accumulate", "1000000")[4:]
-    return _one_line(args, "--accumulate 1000000: give 4096 or less")
-
-
-@case("estimate --simulate 99999", "more simulations than candidates")
-def many_simulations(folder: Path) -> Row:
-    args = [FAULTS, "--seq-len", "16", "--gpus", "2", "--gpu-memory", "4GiB", "--simulate",
-            "99999"]  # fmt: skip
-    return _one_line(args, "fitting candidates can be simulated", command="estimate")
-
-
-@case("export of a report with schema 999", "a report of another schema, a number")
-def schema_999(folder: Path) -> Row:
+def _report_of_schema_999(folder: Path) -> list[str]:
     report = folder / "report.json"
     report.write_text(json.dumps({"schema": 999, "recommendation": {}, "trials": []}))
-    return _one_line([str(report)], "is not one this autoshard reads", command="export")
+    return [str(report)]
 
 
-@case("--storage mysql://... without its driver", "the package pip installs")
-def mysql_driver(folder: Path) -> Row:
-    args = tune_command(folder / "out", "--storage", "mysql://u:pw@127.0.0.1/x")[4:]
-    return _one_line(args, "pip install mysqlclient")
+def _tune_args(*args: str, timeout: float = TIMEOUT) -> Callable[[Path], list[str]]:
+    return lambda folder: tune_command(folder / "out", *args, timeout=timeout)[4:]
+
+
+# Bad input refused in one line: (case, summary, command, its arguments in a folder, the line's
+# words). Each row: exit 1, one "error:" line saying that, no traceback.
+ONE_LINE_CASES: list[tuple[str, str, str, Callable[[Path], list[str]], str]] = [
+    ("--trial-timeout 1e30", "a time past what the OS takes", "tune",
+     _tune_args(timeout=1e30), "give 1000000 or less"),
+    ("--accumulate 99999999999", "an absurd accumulation", "tune",
+     _tune_args("--accumulate", "99999999999"), "--accumulate 99999999999: give 4096 or less"),
+    ("--accumulate 1000000", "an accumulation that grew to 6.5 GB", "tune",
+     _tune_args("--accumulate", "1000000"), "--accumulate 1000000: give 4096 or less"),
+    ("estimate --simulate 99999", "more simulations than candidates", "estimate",
+     lambda _: [FAULTS, "--seq-len", "16", "--gpus", "2", "--gpu-memory", "4GiB", "--simulate",
+                "99999"], "fitting candidates can be simulated"),
+    ("export of a report with schema 999", "a report of another schema, a number", "export",
+     _report_of_schema_999, "is not one this autoshard reads"),
+    ("--storage mysql://... without its driver", "the package pip installs", "tune",
+     _tune_args("--storage", "mysql://u:pw@127.0.0.1/x"), "pip install mysqlclient"),
+]  # fmt: skip
+for _name, _summary, _command, _args, _expect in ONE_LINE_CASES:
+    CASES.append(
+        Case(
+            _name,
+            _summary,
+            lambda folder, c=_command, a=_args, e=_expect: _one_line(a(folder), e, c),
+        )
+    )
 
 
 @case("--storage postgresql://user:PASSWORD@...", "a real PostgreSQL; every file under --out")

@@ -17,17 +17,15 @@ the ``--write`` run recorded are compared: a format added later is new, not move
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import itertools
-import json
 import re
 import sys
-import time
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from golden import run_golden  # benchmarks/, the script's own folder
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -170,34 +168,19 @@ def collect() -> dict[str, str]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--write", type=Path)
-    group.add_argument("--check", type=Path)
-    args = parser.parse_args()
-    start = time.perf_counter()
-    got = collect()
-    text = json.dumps(got, sort_keys=True, indent=0)
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    decisions = len({k.rsplit("|", 1)[0] for k in got})
-    print(f"{len(got)} outputs of {decisions} decisions in {time.perf_counter() - start:.1f} s, "
-          f"{digest}")  # fmt: skip
-    if args.write:
-        args.write.write_text(text)
-        return
-    want = {
-        k: re.sub(r" at 0x[0-9a-f]+", "", v) for k, v in json.loads(args.check.read_text()).items()
-    }
-    moved = sorted(k for k in want if want[k] != got.get(k))
-    for key in moved[:10]:
-        print("MOVED", key[:200])
-        print("  before:", want[key][:600].replace("\n", "\n          "))
-        print("  after: ", str(got.get(key))[:600].replace("\n", "\n          "))
-    new = len(got.keys() - want.keys())
-    print(f"{len(moved)} of {len(want)} outputs moved; {new} outputs new")
-    sys.exit(1 if moved else 0)
+def _show_moved(key: str, before: str, after: str | None) -> None:
+    print("MOVED", key[:200])
+    print("  before:", before[:600].replace("\n", "\n          "))
+    print("  after: ", str(after)[:600].replace("\n", "\n          "))
+
+
+def _outputs_of(got: dict[str, str]) -> str:
+    decisions = len({key.rsplit("|", 1)[0] for key in got})
+    return f"{len(got)} outputs of {decisions} decisions"
 
 
 if __name__ == "__main__":
-    main()
+    run_golden(
+        __doc__, collect, what=_outputs_of, show_moved=_show_moved,
+        baseline=lambda text: re.sub(r" at 0x[0-9a-f]+", "", text),
+    )  # fmt: skip

@@ -15,13 +15,10 @@ parameters, one computing its loss in forward (a Hugging Face model given labels
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
-import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from golden import run_golden  # benchmarks/, the script's own folder
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
@@ -121,37 +118,21 @@ def collect() -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--write", type=Path)
-    group.add_argument("--check", type=Path)
-    args = parser.parse_args()
-    start = time.perf_counter()
-    got = collect()
-    text = json.dumps(got, sort_keys=True, indent=0)
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    print(f"{len(got)} candidate x workload rows in {time.perf_counter() - start:.1f} s, {digest}")
-    if args.write:
-        args.write.write_text(text)
-        return
-    want = json.loads(args.check.read_text())
-    got = json.loads(text)  # as written: a tuple (interval_s) reads back as a list
-    moved = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
-    for key in moved[:10]:
-        a, b = want.get(key, {}), got.get(key, {})
-        print("MOVED", key[:160])
-        for part in ("moments", "speed"):
-            av, bv = a.get(part, {}), b.get(part, {})
-            for name in sorted(av.keys() | bv.keys()):
-                if av.get(name) != bv.get(name):
-                    print(f"   {part} {name}: {av.get(name)} -> {bv.get(name)}")
-        for part in ("host", "peak_at", "gpu_peak"):
-            if a.get(part) != b.get(part):
-                print(f"   {part}: {a.get(part)} -> {b.get(part)}")
-    print(f"{len(moved)} of {len(want)} rows moved")
-    sys.exit(1 if moved else 0)
+def _show_moved(key: str, before: dict[str, Any], after: dict[str, Any] | None) -> None:
+    after = after or {}
+    print("MOVED", key[:160])
+    for part in ("moments", "speed"):
+        was, now = before.get(part, {}), after.get(part, {})
+        for name in sorted(was.keys() | now.keys()):
+            if was.get(name) != now.get(name):
+                print(f"   {part} {name}: {was.get(name)} -> {now.get(name)}")
+    for part in ("host", "peak_at", "gpu_peak"):
+        if before.get(part) != after.get(part):
+            print(f"   {part}: {before.get(part)} -> {after.get(part)}")
 
 
 if __name__ == "__main__":
-    main()
+    run_golden(
+        __doc__, collect, what=lambda got: f"{len(got)} candidate x workload rows",
+        show_moved=_show_moved,
+    )  # fmt: skip

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
-from autoshard.analyze import analyze_model
 from autoshard.config import Candidate, Engine, Hardware, WorkloadSpec
 from autoshard.gpus import CATALOGUE
 from autoshard.predict import host_bound
 from autoshard.predict.factors import DEFAULT_FACTORS, GPU_HOST_SCALE, default_factors
-from autoshard.predict.flops import profile_flops
 from autoshard.predict.host_bound import (
     CHECKPOINT_HOST_S_PER_KERNEL,
     COMPILED_STEP_HOST_S,
@@ -28,42 +25,17 @@ from autoshard.predict.host_bound import (
 )
 from autoshard.predict.timeline import step_timeline
 from autoshard.predict.work_seconds import AUTOCAST_HOST_RATIO, op_host_seconds
+from tests.predict.linear_chain import WRAP, Chain, profiled
 
 D, BLOCKS = 32, 4
-WRAP = ("tests.predict.test_host_bound.Block",)
 ONE = Hardware(gpus_per_node=1, gpu_memory=80 * 2**30)
 TWO = Hardware(gpus_per_node=2, gpu_memory=80 * 2**30)
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(D, D, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.fc(x))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D, D, bias=False)
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return x
 
 
 @pytest.fixture(scope="module")
 def net():
     with torch.device("meta"):
-        model = Net()
-    profile = analyze_model(model)
-    flops = profile_flops(model, profile, WorkloadSpec(), batch=torch.randn(2, D))
-    return profile, flops
+        return profiled(Chain(D, BLOCKS))
 
 
 def with_(candidate: Candidate, **fields: object) -> Candidate:

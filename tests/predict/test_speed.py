@@ -35,44 +35,18 @@ from autoshard.predict.speed import (
 from autoshard.predict.work_seconds import AUTOCAST_HOST_RATIO
 from autoshard.results import MemoryBreakdown, MemoryEstimate, SpeedEstimate
 from autoshard.space import rank_candidates
+from tests.predict.linear_chain import WRAP, Block, Chain, profiled
 
 D = 64  # width of every Linear
 BLOCKS = 4
 INTRA, INTER = 100e9, 25e9  # bytes/s: one GPU's link in a node, one node's network
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(D, D, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.fc(x))
-
-
-class Net(nn.Module):
-    """4 blocks of one D x D Linear between an input and an output Linear (the root unit)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D, D, bias=False)
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.head = nn.Linear(D, D, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 @pytest.fixture(scope="module")
 def net():
     with torch.device("meta"):
-        model = Net()
-    profile = analyze_model(model)
+        profile, flops = profiled(Chain(D, BLOCKS, head=True))
     assert profile.block_count == BLOCKS and profile.block_params == D * D
-    flops = profile_flops(model, profile, WorkloadSpec(), batch=torch.randn(2, D))
     return profile, flops
 
 
@@ -107,7 +81,6 @@ EXACT = SpeedFactors(
 )
 ONE_NODE = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30)
 TWO_NODES = Hardware(gpus_per_node=4, nodes=2, gpu_memory=80 * 2**30)
-WRAP = ("tests.predict.test_speed.Block",)
 
 
 def comm_seconds(net, candidate: Candidate, hardware: Hardware, **workload: int) -> float:
@@ -570,7 +543,7 @@ def test_a_forward_that_cannot_run_on_fake_tensors_falls_back_to_six_n_t() -> No
     class Opaque(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+            self.blocks = nn.ModuleList(Block(D) for _ in range(BLOCKS))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x.tolist()  # data-dependent: fails on fake tensors
@@ -778,7 +751,7 @@ def test_the_plan_warns_when_its_first_candidate_is_at_the_memory_limit() -> Non
     from autoshard.plan import memory_pressure_note
 
     with torch.device("meta"):
-        model = Net()
+        model = Chain(D, BLOCKS, head=True)
     with _warnings.catch_warnings():
         _warnings.simplefilter("ignore")
         first = autoshard.estimate(model, batch=torch.randn(2, D), gpus=8, gpu_memory="80GiB")[0]

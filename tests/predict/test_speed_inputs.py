@@ -7,14 +7,12 @@ import dataclasses
 
 import pytest
 import torch
-from torch import nn
 
-from autoshard.analyze import analyze_model
 from autoshard.config import Candidate, Hardware, WorkloadSpec
 from autoshard.gpus import CATALOGUE
-from autoshard.predict.flops import profile_flops
 from autoshard.predict.speed import predict_speed, speed_of, turn_seconds
 from autoshard.predict.speed_inputs import SpeedInputs
+from tests.predict.linear_chain import Chain, profiled
 
 D = 32
 TWO = Hardware(gpus_per_node=2, gpu_memory=80 * 2**30)
@@ -22,33 +20,11 @@ TWO = Hardware(gpus_per_node=2, gpu_memory=80 * 2**30)
 GPU = CATALOGUE["h100-sxm"].model_copy(update={"tf32_flops": 2 * CATALOGUE["h100-sxm"].fp32_flops})
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(D, D, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.fc(x))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 @pytest.fixture(scope="module")
 def inputs() -> SpeedInputs:
-    with torch.device("meta"):
-        model = Net()
-    profile = analyze_model(model)
     workload = WorkloadSpec(accumulate=2)
-    flops = profile_flops(model, profile, workload, batch=torch.randn(2, D))
+    with torch.device("meta"):
+        profile, flops = profiled(Chain(D, 3, inp=False), workload)
     return SpeedInputs(profile, flops, TWO, workload, gpu=GPU)
 
 

@@ -164,9 +164,12 @@ def test_predictions_on_the_oldest_torch_match_this_ones() -> None:
         assert old[size]["flops"]["measured"], old[size]["flops"]["note"]
         for name, step in new[size]["steps"].items():
             assert old[size]["steps"][name] == pytest.approx(step, rel=0.01), (size, name)
-        # compile and float8 change the step on both (not eager's, as on 2.11 before)
+        # compile and float8 change the step on both (not eager's, as on 2.11 before); at 1B
+        # compile is faster; the tiny one is host-bound, where a compiled step's own host cost
+        # (host_bound.COMPILED_STEP_HOST_S) can outweigh what its fusion saves
         steps = old[size]["steps"]
-        assert steps["compile"] < steps["eager"] and steps["float8"] != steps["eager"], size
+        assert steps["compile"] != steps["eager"] and steps["float8"] != steps["eager"], size
+        assert size != "1b" or steps["compile"] < steps["eager"], size
 
 
 def test_pyprojects_torch_range_is_the_range_ci_tests() -> None:
