@@ -203,9 +203,6 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "study/storage.py": f"tests in test_study.py, test_dashboard.py, test_bounds.py ({_WAVE2})",
     "target/step.py": "tests in target/test_resolve.py, target/test_data.py (the batch a target's "
     "step is given)",
-    "trials/lifeline.py": f"tests in test_group_logic.py ({_WAVE2})",
-    "trials/protocol.py": f"tests in test_group_logic.py, test_isolation.py ({_WAVE2})",
-    "trials/worker.py": f"tests in test_group_logic.py, test_handover.py ({_WAVE2})",
     "ui/charts.py": f"tests in test_report.py ({_WAVE2}: ui/ is restructured now)",
     "ui/files.py": f"tests in test_report.py, emit/test_formats.py ({_WAVE2})",
     "ui/html.py": f"tests in test_report.py ({_WAVE2}: ui/ is restructured now)",

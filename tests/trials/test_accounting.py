@@ -10,6 +10,7 @@ from autoshard.results import TrialStatus
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.accounting import summarize
 from autoshard.trials.protocol import RankReport, TrialRequest
+from tests.trials.test_worker import _report
 
 
 def _request(n: int = 0) -> TrialRequest:
@@ -86,3 +87,19 @@ def test_an_error_says_how_many_ranks_raised_it() -> None:
     assert reply.error == "rank 1: ValueError: bad row 7" and reply.raised_on == 1
     oom = RankReport(rank=0, status="oom", error="OutOfMemoryError: CUDA", failed_at=1.0)
     assert summarize(request, [oom, alone]).raised_on is None  # an OOM is no model error
+
+
+def test_the_first_failure_is_the_trials_error_whichever_rank() -> None:
+    request = TrialRequest(n=0, candidate=Candidate(), target=TargetSpec(spec="m:b"),
+                           workload=WorkloadSpec())  # fmt: skip
+    reply = summarize(request, [_report(0, ok=False, at=20.0), _report(1, ok=False, at=10.0)])
+    assert reply.status is TrialStatus.ERROR and reply.error == "rank 1: E1"
+    ok = summarize(
+        request,
+        [
+            RankReport(rank=0, status="ok", step_times=(0.1, 0.3), samples=2, allocated=5),
+            RankReport(rank=1, status="ok", step_times=(0.2, 0.1), samples=2, allocated=7),
+        ],
+    )
+    assert ok.step_times == (0.2, 0.3) and ok.peak_allocated == (5, 7)
+    assert ok.samples_per_s == pytest.approx(4 / 0.25)

@@ -59,3 +59,26 @@ def test_a_section_ends_with_its_tail_cut_to_half_the_cap(tmp_path: Path) -> Non
     log.close()
     text = (tmp_path / "log").read_bytes()
     assert text == data[:200] + marker(650, 400) + data[-200:] + b"next trial\n"
+
+
+def test_a_capped_log_keeps_each_trials_head_and_tail(tmp_path) -> None:
+    from autoshard.trials.logcap import CappedLog, marker, read_tail
+
+    path, cap = tmp_path / "group.log", 1000
+    log = CappedLog(path, cap)
+    first = b"".join(f"{n:05d}\n".encode() for n in range(2000))  # 12,000 bytes
+    for at in range(0, len(first), 77):
+        log.write(first[at : at + 77])
+    log.new_section()
+    log.write(b"second trial\n")
+    log.close()
+    text = path.read_bytes()
+    head, _, rest = text.partition(b"\n[autoshard: ")
+    assert head == first[:500]  # the first half of the cap
+    kept_tail = rest.split(b"(--worker-log-cap)]\n", 1)[1].removesuffix(b"second trial\n")
+    assert first.endswith(kept_tail) and len(kept_tail) >= 500
+    left_out = len(first) - 500 - len(kept_tail)
+    assert marker(left_out, cap) in text  # says exactly how much is missing
+    assert text.endswith(b"second trial\n")  # the next trial's output is kept from its start
+    assert len(text) < 500 + 2 * cap
+    assert read_tail(path, 13) == b"second trial\n"
