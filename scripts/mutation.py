@@ -33,7 +33,7 @@ MODULES: dict[str, list[str]] = {
     "sharding": ["tests/test_sharding.py", "tests/test_sharding_applied.py", "tests/test_emit.py"],
     "analyze": ["tests/test_analyze.py"],
     "plan": ["tests/test_plan.py", "tests/test_parity.py", "tests/target/test_resolve.py"],
-    "target/step": ["tests/target/test_resolve.py"],
+    "target/step": ["tests/target/test_step.py"],
     "trials/worker": ["tests/trials/test_worker.py", "tests/trials/test_accounting.py"],
     "trials/protocol": ["tests/trials/test_protocol.py"],
     "trials/isolation": ["tests/trials/test_isolation.py"],
