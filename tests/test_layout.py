@@ -201,7 +201,6 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "study/loop.py": f"tests in test_study.py ({_WAVE2})",
     "study/settings.py": f"tests in test_study.py, predict/test_forward_digest.py ({_WAVE2})",
     "study/storage.py": f"tests in test_study.py, test_dashboard.py, test_bounds.py ({_WAVE2})",
-    "step is given)",
     "ui/charts.py": f"tests in test_report.py ({_WAVE2}: ui/ is restructured now)",
     "ui/files.py": f"tests in test_report.py, emit/test_formats.py ({_WAVE2})",
     "ui/html.py": f"tests in test_report.py ({_WAVE2}: ui/ is restructured now)",
