@@ -193,7 +193,6 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "test_selective.py",
     "predict/step_memory.py": "tests in predict/test_timeline.py (the step's memory events)",
     "predict/work_seconds.py": f"tests in predict/test_per_block.py, test_speed.py ({_WAVE2})",
-    "ranking.py": f"tests in test_search.py, test_decide.py ({_WAVE2})",
     "recommendation.py": f"tests in test_report.py, test_emit.py, test_bounds.py ({_WAVE2})",
     "results.py": f"the data model, used by every test; its schema in test_report.py ({_WAVE2})",
     "study/claims.py": f"tests in test_study_slow.py ({_WAVE2})",
