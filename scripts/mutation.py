@@ -37,9 +37,9 @@ MODULES: dict[str, list[str]] = {
     "trials/worker": ["tests/trials/test_worker.py", "tests/trials/test_accounting.py"],
     "trials/protocol": ["tests/trials/test_protocol.py"],
     "trials/isolation": ["tests/trials/test_isolation.py"],
-    "study/lessons": ["tests/test_study.py"],
+    "study/lessons": ["tests/study/test_lessons.py"],
     "study/causes": ["tests/study/test_causes.py"],
-    "study/journal": ["tests/study/test_journal.py", "tests/test_study.py"],
+    "study/journal": ["tests/study/test_journal.py", "tests/study/test_storage.py"],
     "emit": [
         "tests/test_emit.py",
         "tests/test_handover.py",
