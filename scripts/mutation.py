@@ -50,7 +50,7 @@ MODULES: dict[str, list[str]] = {
     "predict/speed": ["tests/predict/test_speed.py", "tests/predict/test_calibrate.py"],
     "predict/host_bound": ["tests/predict/test_host_bound.py"],
     "predict/analytic": ["tests/predict/test_analytic.py", "tests/test_estimate.py"],
-    "predict/step_memory": ["tests/predict/test_timeline.py", "tests/predict/test_analytic.py"],
+    "predict/step_memory": ["tests/predict/test_step_memory.py", "tests/predict/test_analytic.py"],
     "predict/timeline": ["tests/predict/test_timeline.py"],
     "child_env": ["tests/test_child_env.py"],
     "predict/attention_kernels": ["tests/predict/test_attention_kernels.py"],

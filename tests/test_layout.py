@@ -191,7 +191,6 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "predict/least_squares.py": "calibrate's fit: predict/test_calibrate.py",
     "predict/step_bytes.py": "tests in predict/test_timeline.py, predict/test_backward_peak.py, "
     "test_selective.py",
-    "predict/step_memory.py": "tests in predict/test_timeline.py (the step's memory events)",
     "predict/work_seconds.py": f"tests in predict/test_per_block.py, test_speed.py ({_WAVE2})",
     "results.py": f"the data model, used by every test; its schema in test_report.py ({_WAVE2})",
     "study/claims.py": f"tests in test_study_slow.py ({_WAVE2})",
