@@ -177,7 +177,6 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "test_estimate.py, test_bounds.py, test_terminal.py, test_handover.py, test_faults.py",
     "emit/prose.py": "the outputs' sentences, tested in what they are part of: emit/test_text.py, "
     "test_emit.py, test_sharding_traits.py",
-    "predict/accumulation.py": f"tests in test_loop.py and predict/test_timeline.py ({_WAVE2})",
     "predict/backward_events.py": "tests in predict/test_timeline.py, predict/test_backward_peak.py"
     " (the backward's moments, seen through the step's memory events)",
     "predict/depth.py": "tests in predict/test_simulate.py (block_lists, truncate_blocks, the "
@@ -186,7 +185,6 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "predict/fake_world.py": "the simulation's fake process group: predict/test_simulate.py",
     "predict/flop_counting.py": "predict/test_torch_range.py (the counts on the oldest torch)",
     "predict/flops.py": f"tests in predict/test_fakes.py, predict/test_speed.py ({_WAVE2})",
-    "predict/forward_events.py": f"tests in test_loop.py ({_WAVE2})",
     "predict/hardware.py": f"tests in predict/test_speed.py, predict/test_calibrate.py ({_WAVE2})",
     "predict/least_squares.py": "calibrate's fit: predict/test_calibrate.py",
     "predict/step_bytes.py": "tests in predict/test_timeline.py, predict/test_backward_peak.py, "

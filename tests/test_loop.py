@@ -11,14 +11,11 @@ from torch import nn
 
 from autoshard.analyze import analyze_model, analyze_target
 from autoshard.config import Candidate, Hardware, Precision, WorkloadSpec
-from autoshard.engine import gradient_params, skips_gradient_sync
+from autoshard.engine import gradient_params
 from autoshard.loop import optimizer_step
 from autoshard.options import TuneOptions
-from autoshard.predict.accumulation import accumulated_gradient_bytes
 from autoshard.predict.activations import profile_activations
 from autoshard.predict.analytic import estimate_memory, needs_simulation, peak_moments
-from autoshard.predict.forward_events import forward_end
-from autoshard.predict.step_bytes import fsdp2_head_gradient, step_bytes
 from autoshard.target.resolve import TargetSpec
 
 from .conftest import EXAMPLES
@@ -214,41 +211,6 @@ def test_simulate_on_the_command_line_runs_with_frozen_parameters(cli) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny() -> tuple:
-    profile, built = analyze_target(gpt())
-    acts = profile_activations(
-        built.model, profile, WorkloadSpec(seq_len=64), precisions=tuple(Precision)
-    )
-    return profile, acts
-
-
-def moments_of(tiny, candidate: Candidate, **workload: object) -> dict:
-    profile, acts = tiny
-    moments, _ = peak_moments(profile, candidate, GLOO2, WorkloadSpec(seq_len=64, **workload), acts)
-    return moments
-
-
-def test_lightning_adds_the_last_steps_gradients_to_the_forward(tiny) -> None:
-    profile, _ = tiny
-    c = Candidate(wrap_classes=profile.wrap_policy, sharding="SHARD_GRAD_OP", precision="32-true")
-    plain = moments_of(tiny, c, loop="plain")
-    lightning = moments_of(tiny, c, loop="lightning")
-    grads = profile.total_params * 4 // 2  # fp32, sharded over 2
-    forward = forward_end(step_bytes(profile, c, GLOO2, WorkloadSpec(seq_len=64), tiny[1]))
-    assert lightning["forward end, last step's gradients"].gradients == grads
-    assert (
-        lightning["forward end, last step's gradients"].total
-        == forward["forward end"].total + grads
-    )
-    assert all("last step" not in name for name in plain)
-    # SHARD_GRAD_OP holds every unit gathered at the end of forward: the peak moves there
-    assert max(m.total for m in lightning.values()) > max(m.total for m in plain.values())
-    # FSDP1 (use_orig_params=True) frees its flat gradients only at the root's pre-backward
-    # hook: the loss is computed beside them too (measured: 6% low without this moment)
-    assert lightning["loss, last step's gradients"].total == plain["loss"].total + grads
-
-
 def test_fsdp1_shard_grad_op_with_frozen_parameters_is_simulated() -> None:
     """FSDP1 SHARD_GRAD_OP with a frozen parameter was refused on fake tensors: use_orig_params
     =False cannot mix frozen and trainable parameters in a flat parameter, and True asserted in
@@ -268,57 +230,6 @@ def test_fsdp1_shard_grad_op_with_frozen_parameters_is_simulated() -> None:
         peaks[loop] = simulated.gpu_peak - simulated.breakdown.allowance
     # Lightning's order keeps the last step's flat gradients through the next forward and loss
     assert peaks["lightning"] > peaks["plain"]
-
-
-@pytest.mark.parametrize(
-    ("engine", "loop", "kept_per_param"),
-    [
-        ("fsdp1", "lightning", 2),  # the Trainer's no_sync: unsharded, in the compute dtype
-        ("fsdp1", "plain", 2),
-        ("fsdp2", "plain", 4),  # set_requires_gradient_sync(False): upcast to the fp32 reduce
-        ("fsdp2", "lightning", 0),  # ModelParallelStrategy syncs every micro-batch
-    ],
-)
-def test_accumulation_keeps_unsharded_gradients_when_the_sync_is_skipped(
-    tiny, engine, loop, kept_per_param
-) -> None:
-    profile, _ = tiny
-    c = Candidate(engine=engine, wrap_classes=profile.wrap_policy, precision="bf16-mixed")
-    workload = WorkloadSpec(seq_len=64, loop=loop, accumulate=4)
-    assert skips_gradient_sync(c, workload) == bool(kept_per_param)
-    one = moments_of(tiny, c, loop=loop, accumulate=1)
-    four = moments_of(tiny, c, loop=loop, accumulate=4)
-    if kept_per_param:
-        kept = accumulated_gradient_bytes(profile, c, GLOO2)
-        assert kept == kept_per_param * profile.total_params
-        # the later micro-batches' loss: the first's, with every unit's unsharded gradient
-        assert four["accumulating loss"].total - one["loss"].total == kept
-    else:
-        # the sharded gradients stay allocated through the later micro-batches' backward
-        sharded = one["optimizer step"].gradients
-        # beside the head's gradient, which waits unsharded in the root (FSDP2)
-        head = fsdp2_head_gradient(profile, c)
-        assert head == profile.vocab_size * profile.hidden_size * 2
-        assert four["accumulating top block backward"].gradients == sharded + head
-        assert one["top block backward"].gradients == head
-    assert max(m.total for m in four.values()) > max(m.total for m in one.values())
-
-
-@pytest.mark.parametrize(
-    ("engine", "sharding", "loop"),
-    [("fsdp1", "FULL_SHARD", "plain"), ("fsdp2", "FULL_SHARD", "lightning")],
-)
-def test_analytic_accumulation_agrees_with_the_simulation(tiny, engine, sharding, loop) -> None:
-    from autoshard.predict.simulate import simulate_memory
-
-    profile, acts = tiny
-    c = Candidate(engine=engine, sharding=sharding, wrap_classes=profile.wrap_policy)
-    workload = WorkloadSpec(seq_len=64, loop=loop, accumulate=4)
-    analytic = estimate_memory(profile, c, GLOO2, workload, activations=acts)
-    simulated = simulate_memory(gpt(), c, GLOO2, workload)
-    one = simulate_memory(gpt(), c, GLOO2, workload.model_copy(update={"accumulate": 1}))
-    assert simulated.gpu_peak > one.gpu_peak  # accumulation costs memory
-    assert analytic.gpu_peak == pytest.approx(simulated.gpu_peak, rel=0.05)
 
 
 # ---------------------------------------------------------------------------------------------
