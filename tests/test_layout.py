@@ -181,14 +181,12 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     " (the backward's moments, seen through the step's memory events)",
     "predict/depth.py": "tests in predict/test_simulate.py (block_lists, truncate_blocks, the "
     "extrapolated depth against a full simulation)",
-    "predict/factors.py": f"tests in predict/test_speed.py, predict/test_host_bound.py ({_WAVE2})",
     "predict/fake_world.py": "the simulation's fake process group: predict/test_simulate.py",
     "predict/flop_counting.py": "predict/test_torch_range.py (the counts on the oldest torch)",
     "predict/flops.py": f"tests in predict/test_fakes.py, predict/test_speed.py ({_WAVE2})",
     "predict/least_squares.py": "calibrate's fit: predict/test_calibrate.py",
     "predict/step_bytes.py": "tests in predict/test_timeline.py, predict/test_backward_peak.py, "
     "test_selective.py",
-    "predict/work_seconds.py": f"tests in predict/test_per_block.py, test_speed.py ({_WAVE2})",
     "results.py": f"the data model, used by every test; its schema in test_report.py ({_WAVE2})",
     "study/claims.py": f"tests in test_study_slow.py ({_WAVE2})",
     "ui/charts.py": f"tests in test_report.py ({_WAVE2}: ui/ is restructured now)",

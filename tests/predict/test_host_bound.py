@@ -1,7 +1,7 @@
 """The host-bound floor's terms (autoshard.predict.host_bound), each against its constant by
 hand, each zero where it must be: FSDP's hooks on one GPU, checkpointing's and selective
-checkpointing's Python, float8's layers and all-gather hooks, autocast's dispatch, a compiled
-step's fixed cost, and the GPU host's scale."""
+checkpointing's Python, float8's layers and all-gather hooks, autocast's dispatch, and a
+compiled step's fixed cost. The GPU host's scale: tests/predict/test_factors.py."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import pytest
 import torch
 
 from autoshard.config import Candidate, Engine, Hardware, WorkloadSpec
-from autoshard.gpus import CATALOGUE
 from autoshard.predict import host_bound
-from autoshard.predict.factors import DEFAULT_FACTORS, GPU_HOST_SCALE, default_factors
 from autoshard.predict.host_bound import (
     CHECKPOINT_HOST_S_PER_KERNEL,
     COMPILED_STEP_HOST_S,
@@ -128,13 +126,6 @@ def test_autocast_makes_each_kernel_dearer_and_compile_costs_a_step(net) -> None
     slow = host_seconds(HostStep(step, profile, flops, compiled, ONE), op_s=28e-6, unit_scale=0.0)
     fast = host_seconds(HostStep(step, profile, flops, compiled, ONE), op_s=14e-6, unit_scale=0.0)
     assert slow == pytest.approx(2 * fast)
-
-
-def test_a_gpu_hosts_factors_are_the_measured_ones_scaled_cpu_processes_their_own() -> None:
-    h200 = default_factors(CATALOGUE["h200"])
-    assert h200.op_overhead_s == pytest.approx(DEFAULT_FACTORS.op_overhead_s * GPU_HOST_SCALE)
-    assert h200.unit_host_scale == pytest.approx(GPU_HOST_SCALE)
-    assert h200.compute_efficiency == CATALOGUE["h200"].step_efficiency
 
 
 def test_the_module_documents_why_it_binds_on_one_gpu() -> None:

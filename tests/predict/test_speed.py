@@ -768,21 +768,6 @@ def test_offload_optimizer_of_few_ranks_is_bound_by_its_threads(net) -> None:
     assert speed.breakdown.offload_s == pytest.approx(3 * shard * 4 / 10e9 + shard * 80 / 20e9)
 
 
-def test_each_gpu_generation_gets_its_own_step_efficiency() -> None:
-    # A100s reach a larger share of their achievable rate than Hoppers (the fitting set's
-    # published HFU): the uncalibrated factors differ in that one number.
-    a100, h100 = CATALOGUE["a100-80gb-sxm"], CATALOGUE["h100-sxm"]
-    assert (a100.step_efficiency, h100.step_efficiency, CATALOGUE["h200"].step_efficiency) == (
-        0.75, 0.6, 0.6,
-    )  # fmt: skip
-    assert default_factors(a100).compute_efficiency == 0.75
-    assert default_factors(h100).compute_efficiency == 0.6
-    assert default_factors(h100).model_copy(update={"compute_efficiency": 0.75}) == (
-        default_factors(a100)
-    )
-    assert default_factors(CATALOGUE["l4"]).compute_efficiency == 0.7  # none published
-
-
 # --------------------------------------------------------------------------------------------
 # The host-bound floor (autoshard.predict.host_bound)
 # --------------------------------------------------------------------------------------------
