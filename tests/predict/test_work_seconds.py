@@ -1,6 +1,7 @@
 """Each analysed block's share of what the FLOP profile counted per block: one rule
-(``work_seconds.per_analysed_block``, autoshard/predict/work_seconds.py) gives a block its seconds (``piece_seconds``) and the
-kernels its host issues (``host_bound``), whether or not the profile ran the analysed blocks."""
+(``work_seconds.per_analysed_block``, autoshard/predict/work_seconds.py) gives a block its
+seconds (``piece_seconds``) and the kernels its host issues (``host_bound``), whether or not the
+profile ran the analysed blocks."""
 
 from __future__ import annotations
 
