@@ -190,8 +190,6 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "results.py": f"the data model, used by every test; its schema in test_report.py ({_WAVE2})",
     "study/claims.py": f"tests in test_study_slow.py ({_WAVE2})",
     "ui/charts.py": f"tests in test_report.py ({_WAVE2}: ui/ is restructured now)",
-    "ui/files.py": f"tests in test_report.py, emit/test_formats.py ({_WAVE2})",
-    "ui/html.py": f"tests in test_report.py ({_WAVE2}: ui/ is restructured now)",
     "ui/tables.py": f"tests in test_report.py, test_terminal.py ({_WAVE2})",
     "ui/timeline.py": f"tests in test_report.py ({_WAVE2}: ui/ is restructured now)",
 }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
@@ -23,7 +22,7 @@ from autoshard.recommendation import Recommendation, load_result
 from autoshard.results import Decision, Scored, SpeedEstimate, TrialResult, TrialStatus
 from autoshard.ui.files import write_report
 from autoshard.ui.html import render_html
-from autoshard.ui.report import SCHEMA, listed_rows, print_summary, report_data
+from autoshard.ui.report import listed_rows, print_summary, report_data
 from tests.test_emit import (  # noqa: F401  (gpt_importable: a fixture)
     GiB,
     all_trials,
@@ -33,8 +32,6 @@ from tests.test_emit import (  # noqa: F401  (gpt_importable: a fixture)
     make_rec,
     trial,
 )
-
-FILES = {"report.json", "report.html", "lightning.yaml", "accelerate.yaml"}
 
 
 def test_summary_says_what_won_why_and_what_was_ruled_out() -> None:
@@ -173,20 +170,6 @@ def test_the_terminal_says_a_repeated_reason_once() -> None:
     assert "(oom): CUDA out of memory" in table and "usable GPU memory" not in table
 
 
-def test_write_report_and_load_it_back(tmp_path: Path) -> None:
-    rec = make_rec()
-    trials = all_trials(rec)
-    written = write_report(rec, tmp_path, trials)
-    assert set(written) == FILES and all(p.stat().st_size > 0 for p in written.values())
-    data = json.loads((tmp_path / "report.json").read_text())
-    assert data["schema"] == SCHEMA
-    assert data["summary"]["label"] == rec.chosen.candidate.label()
-    assert len(data["trials"]) == len(trials) == 5
-    for source in (tmp_path, tmp_path / "report.json"):
-        back, back_trials = load_result(source)
-        assert back == rec and back_trials == trials
-
-
 def test_load_tune_output_folder(tmp_path: Path) -> None:
     """What `tune` writes: recommendation.json and trials.jsonl."""
     rec = make_rec()
@@ -247,38 +230,6 @@ def test_folder_without_results(tmp_path: Path) -> None:
         load_result(tmp_path)
 
 
-def test_html_is_self_contained_with_wellformed_charts() -> None:
-    rec = make_rec()
-    page = render_html(rec, all_trials(rec))
-    assert "<script" not in page and "<link" not in page and "src=" not in page
-    assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", page)
-    svgs = re.findall(r"<svg.*?</svg>", page, flags=re.S)
-    charts = {ET.fromstring(svg).get("id"): ET.fromstring(svg) for svg in svgs}
-    assert set(charts) == {"chart-memory", "chart-speed", "chart-throughput"}
-    ns = "{http://www.w3.org/2000/svg}"
-    # memory: one stacked segment per non-zero term of every estimate, and a tick per measurement
-    segments = [r for r in charts["chart-memory"].iter(f"{ns}rect") if r.get("data-kind")]
-    expected = sum(
-        sum(1 for v in s.estimate.breakdown.model_dump().values() if v > 0)
-        for s in (rec.chosen, *rec.runners_up, *rec.ruled_out)
-        if s.estimate
-    )
-    assert len(segments) == expected
-    ticks = [
-        ln for ln in charts["chart-memory"].iter(f"{ns}line") if ln.find(f"{ns}title") is not None
-    ]
-    assert len(ticks) == sum(1 for t in all_trials(rec) if t.status is TrialStatus.OK)
-    # throughput: one point per successful trial, the chosen one marked; each outcome drawn has
-    # its legend entry with its own mark
-    throughput = charts["chart-throughput"]
-    points = [c for c in throughput.iter(f"{ns}circle") if c.get("data-outcome") == "measured"]
-    assert len(points) == 4 and sum(p.get("r") == "8" for p in points) == 1
-    legend = {t.get("data-legend") for t in throughput.iter(f"{ns}text") if t.get("data-legend")}
-    assert legend == {"measured", "failed"}
-    marks = {m.get("data-mark") for m in throughput.iter() if m.get("data-mark")}
-    assert marks == {"measured", "failed"}
-
-
 NS = "{http://www.w3.org/2000/svg}"
 
 
@@ -311,31 +262,6 @@ def with_speeds(
             "ruled_out": tuple(map(predicted, rec.ruled_out)),
         }
     )
-
-
-def test_every_trial_is_listed_even_if_the_recommendation_keeps_only_some() -> None:
-    """Six successful trials, a recommendation that carries four runners-up (as older ones
-    did): the table and the memory chart list all six."""
-    rec = make_rec()
-    extra = [trial(candidate(micro_batch_size=m), 0.3 + 0.01 * m) for m in (3, 5)]
-    trials = [*all_trials(rec), *extra]
-    page = render_html(rec, trials)
-    table = re.search(r'<table id="configurations">.*?</table>', page, flags=re.S).group(0)
-    for t in trials:
-        assert t.candidate.label() in table
-    marks = [
-        ln
-        for ln in chart(page, "chart-memory").iter(f"{NS}line")
-        if ln.find(f"{NS}title") is not None
-    ]
-    assert len(marks) == sum(1 for t in trials if t.max_allocated) == 6
-
-
-def test_yaml_left_out_when_it_cannot_express_the_choice(tmp_path: Path) -> None:
-    from autoshard.config import BackwardPrefetch
-
-    rec = make_rec(candidate(backward_prefetch=BackwardPrefetch.BACKWARD_POST))
-    assert set(write_report(rec, tmp_path)) == FILES - {"lightning.yaml"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,58 +507,6 @@ def read_png(path: Path) -> np.ndarray:
             row = np.frombuffer(bytes(row_l), np.uint8)
         out[y] = prev = row
     return out.reshape(height, width, bpp)[..., :3]
-
-
-def test_notebook_views_of_estimates() -> None:
-    """A notebook shows an estimate as one line or a small table, and a list of them with the
-    recommended row marked."""
-    from autoshard.ui.html import estimates_html
-
-    rec = make_rec()
-    estimates = [s.estimate for _, s in listed_rows(rec) if s.estimate is not None]
-    first = estimates[0]
-    text = repr(first)
-    assert "\n" not in text and len(text) < 160 and first.candidate.label() in text
-    page = first._repr_html_()
-    assert "activations" in page and first.candidate.label() in page
-    listing = estimates_html(estimates, rec.hardware, chosen=rec.chosen.candidate)
-    rows = listing.split("<tr")[2:]
-    marked = [r for r in rows if 'class="recommended"' in r]
-    assert len(marked) == 1 and rec.chosen.candidate.label() + " \u2190 recommended" in marked[0]
-
-
-def test_a_full_disk_while_writing_the_reports_leaves_the_last_whole_ones(tmp_path: Path) -> None:
-    """Issue 25, case 9: reports are written atomically; a disk that fills while they are
-    written again leaves the previous ones whole (export keeps working), and no stray file."""
-    import os
-    import subprocess
-
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = os.geteuid() == 0 and (
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(disk)], capture_output=True
-        ).returncode
-        == 0
-    )
-    if not mounted:
-        pytest.skip("cannot mount a small tmpfs here")
-    try:
-        rec, trials = make_rec(), all_trials(make_rec())
-        write_report(rec, disk, trials)
-        before = (disk / "report.json").read_bytes()
-        fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
-        with contextlib.suppress(OSError):
-            while True:
-                os.write(fd, os.urandom(4096))
-        os.close(fd)
-        with pytest.raises(OSError):
-            write_report(rec, disk, trials)
-        assert (disk / "report.json").read_bytes() == before
-        assert load_result(disk / "report.json")[0] == rec
-        assert sorted(p.name for p in disk.iterdir() if p.name.startswith(".")) == []
-    finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)
 
 
 @pytest.fixture(scope="module")
