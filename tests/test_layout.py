@@ -183,7 +183,6 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "extrapolated depth against a full simulation)",
     "predict/fake_world.py": "the simulation's fake process group: predict/test_simulate.py",
     "predict/flop_counting.py": "predict/test_torch_range.py (the counts on the oldest torch)",
-    "predict/flops.py": f"tests in predict/test_fakes.py, predict/test_speed.py ({_WAVE2})",
     "predict/step_bytes.py": "tests in predict/test_timeline.py, predict/test_backward_peak.py, "
     "test_selective.py",
     "results.py": f"the data model, used by every test; its schema in test_report.py ({_WAVE2})",
