@@ -189,7 +189,6 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "study/claims.py": f"tests in test_study_slow.py ({_WAVE2})",
     "ui/charts.py": f"tests in test_report.py ({_WAVE2}: ui/ is restructured now)",
     "ui/tables.py": f"tests in test_report.py, test_terminal.py ({_WAVE2})",
-    "ui/timeline.py": f"tests in test_report.py ({_WAVE2}: ui/ is restructured now)",
 }
 
 
