@@ -9,8 +9,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "autoshard"
 TESTS = Path(__file__).resolve().parent
 MAX_MODULE_LINES = 500
@@ -177,15 +175,13 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "test_estimate.py, test_bounds.py, test_terminal.py, test_handover.py, test_faults.py",
     "emit/prose.py": "the outputs' sentences, tested in what they are part of: emit/test_text.py, "
     "test_emit.py, test_sharding_traits.py",
-    "predict/backward_events.py": "tests in predict/test_timeline.py, predict/test_backward_peak.py"
-    " (the backward's moments, seen through the step's memory events)",
     "predict/depth.py": "tests in predict/test_simulate.py (block_lists, truncate_blocks, the "
     "extrapolated depth against a full simulation)",
     "predict/fake_world.py": "the simulation's fake process group: predict/test_simulate.py",
     "predict/flop_counting.py": "predict/test_torch_range.py (the counts on the oldest torch)",
-    "predict/step_bytes.py": "tests in predict/test_timeline.py, predict/test_backward_peak.py, "
+    "predict/step_bytes.py": "tests in predict/test_step_memory.py, predict/test_backward_peak.py, "
     "test_selective.py",
-    "results.py": f"the data model, used by every test; its schema in test_report.py ({_WAVE2})",
+    "results.py": f"the data model, used by every test; its schema in ui/test_files.py ({_WAVE2})",
     "study/claims.py": f"tests in test_study_slow.py ({_WAVE2})",
     "ui/charts.py": f"tests in test_report.py ({_WAVE2}: ui/ is restructured now)",
     "ui/tables.py": f"tests in test_report.py, test_terminal.py ({_WAVE2})",
@@ -234,9 +230,6 @@ def test_every_mirror_exception_names_a_module_without_its_own_file() -> None:
     assert not needless, f"exceptions of modules that have their test file now: {needless}"
 
 
-# Not met yet (issue 35 stays open on it): 81 of 110 modules after the wave-2 merge; the rest are
-# tested inside theme files (test_study, test_group_logic, predict/test_speed, ...) still to split.
-@pytest.mark.xfail(strict=True, reason="81 of 110 modules mirrored; theme files still to split")
 def test_most_modules_have_a_test_file_of_their_own() -> None:
     modules = package_modules()
     have = [m for m in modules if (TESTS / mirrored(m)).is_file()]
