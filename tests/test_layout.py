@@ -184,7 +184,6 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "results.py": f"the data model, used by every test; its schema in ui/test_files.py ({_WAVE2})",
     "study/claims.py": f"tests in test_study_slow.py ({_WAVE2})",
     "ui/charts.py": f"tests in test_report.py ({_WAVE2}: ui/ is restructured now)",
-    "ui/tables.py": f"tests in test_report.py, test_terminal.py ({_WAVE2})",
 }
 
 
