@@ -179,8 +179,6 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "extrapolated depth against a full simulation)",
     "predict/fake_world.py": "the simulation's fake process group: predict/test_simulate.py",
     "predict/flop_counting.py": "predict/test_torch_range.py (the counts on the oldest torch)",
-    "predict/step_bytes.py": "tests in predict/test_step_memory.py, predict/test_backward_peak.py, "
-    "test_selective.py",
     "results.py": f"the data model, used by every test; its schema in ui/test_files.py ({_WAVE2})",
     "study/claims.py": f"tests in test_study_slow.py ({_WAVE2})",
     "ui/charts.py": f"tests in test_report.py ({_WAVE2}: ui/ is restructured now)",
