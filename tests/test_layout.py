@@ -179,7 +179,6 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "extrapolated depth against a full simulation)",
     "predict/fake_world.py": "the simulation's fake process group: predict/test_simulate.py",
     "predict/flop_counting.py": "predict/test_torch_range.py (the counts on the oldest torch)",
-    "results.py": f"the data model, used by every test; its schema in ui/test_files.py ({_WAVE2})",
     "study/claims.py": f"tests in test_study_slow.py ({_WAVE2})",
 }
 
