@@ -501,31 +501,6 @@ def test_exports_name_the_autoshard_version_that_chose() -> None:
 # (mutation survivors of autoshard.emit, scripts/mutation.sh emit)
 
 
-def test_each_fsdp2_reshard_policy_is_described_word_for_word() -> None:
-    from autoshard.config import Reshard
-    from autoshard.emit.prose import describe_reshard
-
-    def said(**update: Any) -> str:
-        return describe_reshard(candidate(engine=Engine.FSDP2, **update))
-
-    assert said(reshard=Reshard.ALL) == (
-        "reshard policy all: every unit reshards after forward (reshard_after_forward=True, root "
-        "included)"
-    )
-    assert said(reshard=Reshard.KEEP_ROOT) == (
-        "reshard policy keep_root: the root stays gathered after forward (reshard_after_forward="
-        "False on the root, True on the blocks: fully_shard's default)"
-    )
-    assert said(reshard=Reshard.KEEP_ROOT_AND_LAST) == (
-        "reshard policy keep_root_and_last: the root and the last block stay gathered after "
-        "forward (reshard_after_forward=False on them, True on the other blocks: torchtitan's)"
-    )
-    assert said(sharding=Sharding.SHARD_GRAD_OP) == (
-        "nothing reshards after forward (SHARD_GRAD_OP: reshard_after_forward=False)"
-    )
-    assert describe_reshard(candidate()) == ""
-
-
 def test_accelerate_notes_name_accelerate_and_cli_yaml_refuses_a_size_policy() -> None:
     from autoshard.emit.text import accelerate_config, lightning_cli_config
 

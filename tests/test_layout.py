@@ -173,8 +173,6 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "__main__.py": "two lines that call cli.main: tests/test_imports.py runs `python -m autoshard`",
     "cli.py": "the command line is tested end to end, per command and behaviour: test_plan.py, "
     "test_estimate.py, test_bounds.py, test_terminal.py, test_handover.py, test_faults.py",
-    "emit/prose.py": "the outputs' sentences, tested in what they are part of: emit/test_text.py, "
-    "test_emit.py, test_sharding_traits.py",
     "predict/depth.py": "tests in predict/test_simulate.py (block_lists, truncate_blocks, the "
     "extrapolated depth against a full simulation)",
     "predict/fake_world.py": "the simulation's fake process group: predict/test_simulate.py",
