@@ -24,8 +24,9 @@ CUDA_LIBS=(nvidia-cublas==13.1.1.3 nvidia-cuda-cupti==13.0.85 nvidia-cuda-nvrtc=
   nvidia-nvjitlink==13.4.92 nvidia-nvshmem-cu13==3.4.5 nvidia-nvtx==13.0.85)
 # On 2.11: the step-time and FLOP profiles with compile and float8, the memory tracker and the
 # simulation against the analytic estimate, the estimate's command line.
-TESTS=(tests/predict/test_torch_range.py tests/predict/test_analytic.py
-  tests/predict/test_tracking.py tests/test_compile_float8.py tests/predict/test_recipe.py)
+TESTS=(tests/predict/test_torch_range.py tests/predict/test_flop_counting.py
+  tests/predict/test_analytic.py tests/predict/test_tracking.py tests/test_compile_float8.py
+  tests/predict/test_recipe.py)
 
 case "${1:-}" in
   install)

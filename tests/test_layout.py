@@ -176,7 +176,6 @@ MIRROR_EXCEPTIONS: dict[str, str] = {
     "predict/depth.py": "tests in predict/test_simulate.py (block_lists, truncate_blocks, the "
     "extrapolated depth against a full simulation)",
     "predict/fake_world.py": "the simulation's fake process group: predict/test_simulate.py",
-    "predict/flop_counting.py": "predict/test_torch_range.py (the counts on the oldest torch)",
     "study/claims.py": f"tests in test_study_slow.py ({_WAVE2})",
 }
 

@@ -3,9 +3,9 @@
 The GPU machines run torch 2.11 (../shared/gpu-runs/2026-11-28-h200): there every float8
 prediction raised ("zip() argument 2 is longer than argument 1", recipe.py) and compile was
 predicted equal to eager, because 2.11's FLOP formulas refuse grouped-query attention and the
-whole FLOP profile fell back to 6 x parameters x tokens, which counts no traffic. Here: 2.11's
-formula stood in on this torch, the fallback profile predicted without raising, and, where
-an interpreter with the oldest torch is given (``AUTOSHARD_OLD_TORCH_PYTHON``, scripts/
+whole FLOP profile fell back to 6 x parameters x tokens, which counts no traffic. Here: the
+fallback profile predicted without raising (2.11's formula standing in on this torch:
+tests/predict/test_flop_counting.py), and, where an interpreter with the oldest torch is given (``AUTOSHARD_OLD_TORCH_PYTHON``, scripts/
 torch_tier.sh sets it up; CI runs it), the same predictions on both torches within 1%."""
 
 from __future__ import annotations
@@ -21,53 +21,11 @@ import torch
 
 from autoshard.child_env import child_env
 from autoshard.config import Candidate, Engine, Hardware, WorkloadSpec
-from autoshard.predict import flop_counting
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD_TORCH = os.environ.get("AUTOSHARD_OLD_TORCH_PYTHON", "")
 # CI's torch tier sets this: there a missing interpreter is a failure, not a skip
 REQUIRED = os.environ.get("AUTOSHARD_REQUIRE_OLD_TORCH") == "1"
-
-
-def _equal_heads(formula: Any) -> Any:
-    """torch 2.11's SDPA formula: this torch's, refusing shapes whose heads differ."""
-
-    def counted(*shapes: Any) -> int:
-        if len({shape[1] for shape in shapes}) != 1:
-            raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
-        return int(formula(*shapes))
-
-    return counted
-
-
-def _gqa_profile() -> Any:
-    from autoshard import analyze_model
-    from autoshard.predict.flops import profile_flops
-    from examples.gpt import GPT
-
-    with torch.device("meta"):
-        model = GPT(n_layer=2, n_head=8, n_kv_head=2, d_model=256, ffn_hidden=512,
-                    vocab_size=512, mlp="swiglu", max_seq_len=128)  # fmt: skip
-    return profile_flops(model, analyze_model(model), WorkloadSpec(seq_len=128))
-
-
-def test_grouped_query_attention_is_counted_where_the_formula_wants_equal_heads(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    this_torch = _gqa_profile()
-    assert this_torch.measured
-    for name in ("sdpa_flop_count", "sdpa_backward_flop_count"):
-        monkeypatch.setattr(flop_counting, name, _equal_heads(getattr(flop_counting, name)))
-    strict = _gqa_profile()
-    assert strict.measured, strict.note
-    assert strict == this_torch  # FLOPs, traffic (what compile and float8 act on), all
-
-
-def test_query_heads_repeat_grouped_key_value_heads_only() -> None:
-    q = (2, 8, 128, 32)
-    assert flop_counting._query_heads(q, (2, 2, 128, 32)) == (2, 8, 128, 32)
-    assert flop_counting._query_heads(q, (2, 8, 128, 32)) == (2, 8, 128, 32)
-    assert flop_counting._query_heads(q, (2, 3, 128, 32)) == (2, 3, 128, 32)  # not a group
 
 
 def _speed(flops: Any, profile: Any, **fields: Any) -> float:
