@@ -5,8 +5,9 @@ prediction raised ("zip() argument 2 is longer than argument 1", recipe.py) and 
 predicted equal to eager, because 2.11's FLOP formulas refuse grouped-query attention and the
 whole FLOP profile fell back to 6 x parameters x tokens, which counts no traffic. Here: the
 fallback profile predicted without raising (2.11's formula standing in on this torch:
-tests/predict/test_flop_counting.py), and, where an interpreter with the oldest torch is given (``AUTOSHARD_OLD_TORCH_PYTHON``, scripts/
-torch_tier.sh sets it up; CI runs it), the same predictions on both torches within 1%."""
+tests/predict/test_flop_counting.py), and, where an interpreter with the oldest torch is
+given (``AUTOSHARD_OLD_TORCH_PYTHON``, scripts/torch_tier.sh sets it up; CI runs it), the same
+predictions on both torches within 1%."""
 
 from __future__ import annotations
 
