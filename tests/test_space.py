@@ -220,4 +220,4 @@ def test_a_predicted_tie_is_within_five_percent_of_the_fastest() -> None:
     assert PREDICTED_TIE == 0.05
     assert predicted_tie(95.0, 100.0)  # exactly 5% slower: still a tie
     assert not predicted_tie(94.9, 100.0)
-    # what a tie decides is the decision's rule: tests/test_decide.py
+    # what a tie decides is the decision's rule: tests/test_ranking.py

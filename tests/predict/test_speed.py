@@ -521,7 +521,7 @@ def _predicted(mbs: int, samples_per_s: float, headroom: int, fits: bool = True)
 
 def test_predictions_within_the_models_resolution_are_a_tie_that_goes_to_headroom() -> None:
     # 7B on 8 x H100: mbs 2 predicted 4% faster than mbs 1 but at the edge of memory (a tie
-    # gives way to headroom only there: tests/test_decide.py)
+    # gives way to headroom only there: tests/test_ranking.py)
     edge, roomy, slow, big = (
         _predicted(2, 100.0, headroom=1),
         _predicted(1, 96.0, headroom=30),
