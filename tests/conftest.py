@@ -1,8 +1,16 @@
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
+
+# pytest-xdist's workers are started with COLUMNS=80 and LINES=24 (execnet sets them), which the
+# command line reads as the width of a pipe: a test would then see other wrapping than in a
+# serial run. Gone before autoshard.cli makes its consoles, below.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
 
 import pytest
 from typer.testing import CliRunner
