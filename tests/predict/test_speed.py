@@ -9,6 +9,7 @@ over its link: the volumes of each strategy, computed by hand below from the mod
 from __future__ import annotations
 
 import doctest
+import math
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from autoshard.predict.speed import (
     HOST_OPTIMIZER_THREADS,
     SpeedFactors,
     default_factors,
+    host_optimizer_threads,
     predict_speed,
     under_pressure,
 )
@@ -662,9 +664,13 @@ def test_offload_on_two_ranks_regathers_too(net) -> None:
     two = ONE_NODE.model_copy(update={"gpus_per_node": 2})
     shard = P / 2
     # the node's 2 ranks step their shards in host memory, each at most its threads' bandwidth
+    # (the trials' 4 threads a rank)
     threads = HOST_OPTIMIZER_THREADS * EXACT.host_thread_bandwidth
     optimizer = shard * 80 / min(50e9 / 2, threads)
-    speed = predict_speed(profile, flops, offload, two, WorkloadSpec(), EXACT, gpu=GPU)
+    speed = predict_speed(
+        profile, flops, offload, two, WorkloadSpec(), EXACT, gpu=GPU,
+        host_threads=HOST_OPTIMIZER_THREADS,
+    )  # fmt: skip
     assert speed.breakdown.offload_s == pytest.approx(3 * shard * 4 / 10e9 + optimizer, rel=1e-9)
 
 
@@ -781,10 +787,64 @@ def test_offload_optimizer_of_few_ranks_is_bound_by_its_threads(net) -> None:
     offload = Candidate(wrap_classes=WRAP, cpu_offload=True, engine="fsdp2")
     two = Hardware(gpus_per_node=2, gpu_memory=80 * 2**30)
     factors = EXACT.model_copy(update={"host_thread_bandwidth": 5e9})
-    speed = predict_speed(profile, flops, offload, two, WorkloadSpec(), factors, gpu=GPU)
+    speed = predict_speed(
+        profile, flops, offload, two, WorkloadSpec(), factors, gpu=GPU,
+        host_threads=HOST_OPTIMIZER_THREADS,
+    )  # fmt: skip
     shard = P / 2
     assert HOST_OPTIMIZER_THREADS == 4
     assert speed.breakdown.offload_s == pytest.approx(3 * shard * 4 / 10e9 + shard * 80 / 20e9)
+
+
+def test_host_optimizer_threads_are_the_runs(net) -> None:
+    # The threads of each rank's host optimizer step are the user's run's, not the trials' 4:
+    # the node's cores over its ranks where they are known (Lightning's launchers), else
+    # torchrun's 1 a rank where a node has several, and for one rank a node torch's default
+    # (every core: only the node's memory bandwidth binds).
+    def node(gpus: int, cores: int | None = None) -> Hardware:
+        return Hardware(gpus_per_node=gpus, gpu_memory=80 * 2**30, host_cores=cores)
+
+    assert host_optimizer_threads(node(8)) == 1
+    assert host_optimizer_threads(node(8, cores=64)) == 8
+    assert host_optimizer_threads(node(8, cores=4)) == 1  # at least one a rank
+    assert host_optimizer_threads(node(1)) == math.inf
+    assert host_optimizer_threads(node(1, cores=16)) == 16
+    # and the offload term steps each rank's shard at those threads: 2 ranks a node streaming
+    # 50 GB/s, 5 GB/s a thread
+    profile, flops = net
+    offload = Candidate(wrap_classes=WRAP, cpu_offload=True, engine="fsdp2")
+    factors = EXACT.model_copy(update={"host_thread_bandwidth": 5e9})
+    shard = P / 2
+    copies = 3 * shard * 4 / 10e9
+    for cores, rate in ((None, 5e9), (4, 10e9), (64, 25e9)):  # 1 thread, 2, 32 (node-bound)
+        speed = predict_speed(
+            profile, flops, offload, node(2, cores), WorkloadSpec(), factors, gpu=GPU
+        )
+        assert speed.breakdown.offload_s == pytest.approx(copies + shard * 80 / rate), cores
+    # the trials' own threads, given
+    trial = predict_speed(
+        profile, flops, offload, node(2, 64), WorkloadSpec(), factors, gpu=GPU,
+        host_threads=HOST_OPTIMIZER_THREADS,
+    )  # fmt: skip
+    assert trial.breakdown.offload_s == pytest.approx(copies + shard * 80 / 20e9)
+
+
+def test_host_cores_given_or_this_machines() -> None:
+    # the cores per node come from the options, or from this machine when planning for it (its
+    # CPU processes here); planning for GPUs elsewhere leaves them unknown
+    import os
+    import warnings
+
+    from autoshard.detect import detect_hardware
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        here = detect_hardware(gpu="cpu-gloo", gpus=2, trials=True)
+        given = detect_hardware(gpus=8, gpu="h100-sxm", host_cores=96)
+        elsewhere = detect_hardware(gpus=8, gpu="h100-sxm")
+    assert here.host_cores == os.cpu_count()
+    assert (given.host_cores, elsewhere.host_cores) == (96, None)
+    assert host_optimizer_threads(given) == 12
 
 
 def test_each_gpu_generation_gets_its_own_step_efficiency() -> None:
