@@ -1020,3 +1020,37 @@ def test_fp32_on_hopper_reaches_its_own_share_tf32_and_16_bit_do_not(net) -> Non
     assert plain.flop_s == pytest.approx(
         a100.fp32_flops * a100.matmul_fraction * default_factors(a100).compute_efficiency
     )
+
+
+def test_calibration_compares_trials_as_they_ran_their_host_threads(net, monkeypatch) -> None:
+    # A trial steps its host optimizer on the worker group's threads (OMP_NUM_THREADS, else
+    # 4); the run planned for on its own (here 64 cores over 2 ranks). A trial measured exactly
+    # as predicted for the trial leaves nothing to calibrate: the untried candidates keep the
+    # run's uncalibrated prediction. Compared against the run's prediction instead, the fit
+    # would take the threads' difference for a slower host.
+    from autoshard.predict.calibrate import reorder_untried, trial_host_threads
+    from autoshard.results import TrialResult, TrialStatus
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert trial_host_threads() == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert trial_host_threads() == HOST_OPTIMIZER_THREADS
+    profile, flops = net
+    node = Hardware(gpus_per_node=2, gpu_memory=80 * 2**30, host_cores=64)
+    prior = EXACT.model_copy(update={"host_thread_bandwidth": 5e9})
+    model = SpeedModel(profile, flops, node, WorkloadSpec(), GPU, prior)
+    tried = Candidate(wrap_classes=WRAP, cpu_offload=True, engine="fsdp2")
+    untried = tried.model_copy(update={"micro_batch_size": 2})
+    ran = model.predict_trial(tried, prior).step_time_s
+    assert ran > 1.1 * model.predict(tried, prior).step_time_s  # 20 GB/s against 25
+    trial = TrialResult(candidate=tried, status=TrialStatus.OK, step_time=ran)
+    estimate = MemoryEstimate(
+        candidate=untried, method="analytic", gpu_peak=1, breakdown=MemoryBreakdown(),
+        fits=True, headroom=1,
+    )  # fmt: skip
+    again, _ = reorder_untried(
+        [estimate], [trial], model.predict, prior, as_tried=model.predict_trial
+    )
+    assert again[0].speed is not None
+    expected = model.predict(untried, prior).step_time_s
+    assert again[0].speed.step_time_s == pytest.approx(expected, rel=1e-6)
