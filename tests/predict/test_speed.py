@@ -891,9 +891,10 @@ def test_a_short_step_of_many_blocks_waits_on_its_host_and_a_long_one_does_not()
     # for 0.2 TFLOP, so most of the step is the host issuing it
     short = _decoder_speed(64, 1024, 35, 1, 2, "a100-40gb-sxm", precision="32-true")
     assert short.breakdown.host_bound_s > 0.5 * short.step_time_s
-    # a Llama 3 8B shape at 8,192 tokens on 8 H100: the GPU's kernels outlast the host's
+    # a Llama 3 8B shape at 8,192 tokens on 8 H100: the GPU's kernels outlast the host's, by
+    # so far that their overlap (host_bound.overlapped) leaves next to nothing to wait
     long = _decoder_speed(32, 4096, 8192, 1, 8, "h100-sxm", precision="bf16-mixed")
-    assert long.breakdown.host_bound_s == 0.0
+    assert long.breakdown.host_bound_s < 1e-3 * long.step_time_s
     assert long.step_time_s > 1.0
 
 
