@@ -495,6 +495,13 @@ class Hardware(Frozen):
     host_memory: int | None = Field(
         None, description="Host memory per node in bytes (None: not checked)."
     )
+    host_cores: int | None = Field(
+        None,
+        ge=1,
+        description="CPU cores per node, shared by its ranks' host work (CPU offload's optimizer "
+        "step runs on cores / ranks threads each); None: not known, the threads torchrun gives "
+        "(autoshard.predict.speed.host_optimizer_threads).",
+    )
     margin: float = Field(
         0.05,
         ge=0,

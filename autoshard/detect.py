@@ -76,6 +76,9 @@ def detect_hardware(
     host_memory = opts.host_memory
     if host_memory is None and plans_this_machine(opts, visible, gpu_id):
         host_memory = machine_memory()  # what CPU offload can use here
+    host_cores = opts.host_cores
+    if host_cores is None and plans_this_machine(opts, visible, gpu_id):
+        host_cores = os.cpu_count()  # the cores a launcher divides over this node's ranks
     if not visible:
         warnings.warn(
             f"no GPU visible: planning for {opts.nodes} x {gpus} GPUs of {format_bytes(memory)}"
@@ -91,6 +94,7 @@ def detect_hardware(
         nodes=opts.nodes,
         gpu_memory=memory,
         host_memory=host_memory,
+        host_cores=host_cores,
         bf16_supported=torch.cuda.is_bf16_supported() if visible else True,
         gpu=gpu_id,
         intra_node_bandwidth=opts.intra_node_bandwidth,

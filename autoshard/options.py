@@ -105,6 +105,13 @@ class PlanOptions(Frozen):
     host_memory: int | None = Field(
         None, gt=0, description="Host memory per node, e.g. 1TiB, checked for CPU offload."
     )
+    host_cores: int | None = Field(
+        None,
+        ge=1,
+        description="CPU cores per node, for CPU offload's host optimizer step: each rank gets "
+        "cores / ranks per node threads, as Lightning's launchers give (default: this machine's "
+        "when planning for it, else torchrun's 1 thread a rank where a node has several).",
+    )
     intra_node_bandwidth: IntraNodeBandwidth = None
     inter_node_bandwidth: InterNodeBandwidth = None
     seq_len: int | None = Field(

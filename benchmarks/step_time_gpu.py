@@ -79,7 +79,7 @@ def predict(run: dict[str, Any], row: dict[str, Any], data: dict[str, Any], cach
     factors for the catalogue's GPU, slowed near the usable memory as the planner does."""
     from autoshard.config import Candidate, Hardware, WorkloadSpec
     from autoshard.predict.analytic import estimate_memory
-    from autoshard.predict.speed import predict_speed, under_pressure
+    from autoshard.predict.speed import HOST_OPTIMIZER_THREADS, predict_speed, under_pressure
 
     profile, flops, acts, linears = _profiles(run["model"]["size"], run["seq_len"], cache)
     candidate = Candidate.model_validate(row["candidate"])
@@ -92,7 +92,11 @@ def predict(run: dict[str, Any], row: dict[str, Any], data: dict[str, Any], cach
         seq_len=run["seq_len"], micro_batch_size=candidate.micro_batch_size,
         accumulate=run["accumulate"],
     )  # fmt: skip
-    speed = predict_speed(profile, flops, candidate, hardware, workload, linears=linears)
+    # autoshard's trials: each rank's host optimizer on the worker group's OMP_NUM_THREADS=4
+    speed = predict_speed(
+        profile, flops, candidate, hardware, workload, linears=linears,
+        host_threads=HOST_OPTIMIZER_THREADS,
+    )  # fmt: skip
     memory = estimate_memory(profile, candidate, hardware, workload, activations=acts)
     return under_pressure(speed, memory.gpu_peak, hardware.usable_gpu_memory), memory
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic
@@ -67,6 +68,7 @@ from autoshard.predict.least_squares import (
 )
 from autoshard.predict.recipe import LinearShapes, linear_shapes
 from autoshard.predict.speed import (
+    HOST_OPTIMIZER_THREADS,
     SpeedFactors,
     default_factors,
     predict_speed,
@@ -301,6 +303,14 @@ def order_by_speed(estimates: Sequence[MemoryEstimate]) -> list[MemoryEstimate]:
     return rank_candidates(estimates, RankOrder.SPEED)
 
 
+def trial_host_threads() -> int:
+    """Each trial rank's host threads: the caller's ``OMP_NUM_THREADS``, which the worker group
+    passes on, else the group's own setting on GPUs (``HOST_OPTIMIZER_THREADS``,
+    autoshard/trials/group.py)."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else HOST_OPTIMIZER_THREADS
+
+
 @dataclass(frozen=True)
 class SpeedModel:
     """The step-time model bound to one study: the model's profile and FLOPs, the hardware and
@@ -341,9 +351,18 @@ class SpeedModel:
         return cls(profile, flops, hardware, workload, gpu, default_factors(gpu), note, linears)
 
     def predict(self, candidate: Candidate, factors: SpeedFactors) -> SpeedEstimate:
+        """The run planned for (its host optimizer's threads: ``host_optimizer_threads``)."""
         return predict_speed(
             self.profile, self.flops, candidate, self.hardware, self.workload, factors,
             gpu=self.gpu, linears=self.linears,
+        )  # fmt: skip
+
+    def predict_trial(self, candidate: Candidate, factors: SpeedFactors) -> SpeedEstimate:
+        """``candidate`` as autoshard's trials run it: each rank's host optimizer step on the
+        worker group's threads (:func:`trial_host_threads`), what calibration compares with."""
+        return predict_speed(
+            self.profile, self.flops, candidate, self.hardware, self.workload, factors,
+            gpu=self.gpu, linears=self.linears, host_threads=trial_host_threads(),
         )  # fmt: skip
 
     def attach(self, estimates: Sequence[MemoryEstimate]) -> list[MemoryEstimate]:
@@ -356,17 +375,21 @@ def reorder_untried(
     trials: Sequence[TrialResult],
     predict: Predict[F],
     prior: F,
+    as_tried: Predict[F] | None = None,
 ) -> tuple[list[MemoryEstimate], Calibration[F]]:
     """Calibrate the model on the measured ``trials`` and re-rank the ``untried`` candidates
     with it: their speed estimates are replaced by the calibrated model's (``calibrated=True``
-    once at least one trial was fitted), fastest predicted first.
+    once at least one trial was fitted), fastest predicted first. ``as_tried`` predicts a
+    candidate as the trials ran it (:meth:`SpeedModel.predict_trial`: the worker group's host
+    threads), what the fit compares with the measurements; ``predict`` (the run planned for)
+    re-ranks the untried.
 
     Call it after each successful trial, with every trial so far: the fit starts from the
     prior each time, so the order never depends on the order the trials ran in. Trials of
     several precisions (or compile/float8 settings) refit each group's factors where they
     differ (:func:`fit_grouped`).
     """
-    calibration = fit_grouped(points_of(trials), predict, prior)
+    calibration = fit_grouped(points_of(trials), as_tried or predict, prior)
     fitted = bool(calibration.fitted or calibration.groups)
     measured = {group_of(p.candidate) for p in calibration.points}
 

@@ -89,10 +89,21 @@ FLOAT8_FORWARD_SHARE = 1 / 3
 FLOAT8_GATHER_HOST_S = 0.4e-3
 # What a compiled step costs its host beyond its kernels, FSDP's hooks and the recipes above:
 # no measurement separates its parts (dynamo's guards, AOTAutograd's runtime wrappers and
-# Inductor's launchers on every call run on a GPU only). Fitted on the fitting set's three
-# compiled rows of autoshard's H200 measurements (benchmarks/step_time_gpu.py; results/
-# measured_constants.md); the five held-out compiled rows check it.
-COMPILED_STEP_HOST_S = 8e-3
+# Inductor's launchers on every call run on a GPU only). Fitted with GPU_HOST_SCALE and
+# HOST_DEVICE_NORM on the fitting set of autoshard's H200 measurements (benchmarks/
+# step_time_gpu.py; results/measured_constants.md); the held-out compiled rows check it.
+COMPILED_STEP_HOST_S = 9e-3
+# How the host's issuing and the GPU's work of a step overlap: the GPU runs each kernel once it
+# is issued and the one before it is done, so the two overlap fully (the step the longer of
+# the two) only when a queue of issued kernels is always waiting; a step is a stream of long
+# matrix products (the GPU behind) and short element-wise kernels, FSDP's hooks and
+# checkpointing's Python (the host behind), so where the two totals are close each waits on
+# the other in turn and the step is longer than either. Between the longer (perfect overlap)
+# and the sum (none): their p-norm, (host^p + gpu^p)^(1/p), the longer of the two where one is
+# far ahead (a 3x longer GPU: +1%), 2^(1/p) of either where they are equal. p fitted with
+# GPU_HOST_SCALE and COMPILED_STEP_HOST_S on the fitting set of autoshard's H200 measurements
+# (measured_constants.md, "Host costs of a step on one rank").
+HOST_DEVICE_NORM = 3.0
 
 
 def unit_host_seconds(candidate: Candidate, hardware: Hardware) -> float:
@@ -217,8 +228,9 @@ def host_bound_seconds(
     float8_layers: float = 0.0,
 ) -> float:
     """Seconds the ``issued`` step waits on its host beyond ``device_s``, the GPU's seconds of
-    it: what the host's issuing (:func:`host_seconds`) and then ``tail_s`` (the GPU's optimizer
-    step) take longer than the GPU's work. 0 where the host is the device (CPU processes: their
+    it: what the host's issuing (:func:`host_seconds`) beside the GPU's work before ``tail_s``
+    (:func:`overlapped`), then ``tail_s`` (the GPU's optimizer step), take longer than the GPU's
+    work. 0 where the host is the device (CPU processes: their
     host work is in every piece already).
 
     The optimizer's kernels are issued last, once backward has returned, so a host-bound GPU
@@ -246,4 +258,18 @@ def host_bound_seconds(
     if host_is_device:
         return 0.0
     host = host_seconds(issued, op_s=op_s, unit_scale=unit_scale, float8_layers=float8_layers)
-    return max(0.0, host + tail_s - device_s)
+    return max(0.0, overlapped(host, device_s - tail_s) + tail_s - device_s)
+
+
+def overlapped(host_s: float, gpu_s: float) -> float:
+    """Seconds of ``host_s`` of issuing and ``gpu_s`` of GPU work that run beside each other:
+    their :data:`HOST_DEVICE_NORM`-norm, between the longer and the sum.
+
+    >>> overlapped(1.0, 0.0), round(overlapped(1.0, 1.0), 3), round(overlapped(0.2, 1.0), 4)
+    (1.0, 1.26, 1.0027)
+    """
+    gpu_s = max(0.0, gpu_s)
+    if not host_s or not gpu_s:
+        return max(host_s, gpu_s)
+    p = HOST_DEVICE_NORM
+    return float((host_s**p + gpu_s**p) ** (1 / p))

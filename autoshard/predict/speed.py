@@ -33,6 +33,7 @@ The factors (:class:`SpeedFactors`) say how much of each peak is reached; trials
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -169,21 +170,36 @@ def _distributed_seconds(
     return 2 * copied / (gpu.hbm_bandwidth * factors.memory_efficiency)  # read and write
 
 
-# The host threads of each rank's CPU optimizer step: what trials run with on GPUs
-# (autoshard/trials/group.py sets OMP_NUM_THREADS=4 unless the caller did); torchrun gives each of
-# several processes 1, Lightning's launchers the cores over the processes.
+# The host threads of each rank's CPU optimizer step in autoshard's GPU trials: the worker group
+# sets OMP_NUM_THREADS=4 for every rank unless the caller set it (autoshard/trials/group.py),
+# whatever the ranks per node. What the trials' own predictions are made with
+# (``SpeedInputs.host_threads``); a user's run has its own (:func:`host_optimizer_threads`).
 HOST_OPTIMIZER_THREADS = 4
+
+
+def host_optimizer_threads(hardware: Hardware) -> float:
+    """Threads of each rank's host optimizer step (CPU offload) in the run planned for: the
+    node's ``host_cores`` over its ranks where the cores are known (at least 1: Lightning's
+    launchers set ``max(1, cpus // processes)``, lightning.fabric.utilities.distributed.
+    _suggested_max_num_threads, unless OMP_NUM_THREADS is set); not known, what torchrun gives:
+    1 a rank where a node runs several (torch/distributed/run.py: ``if "OMP_NUM_THREADS" not in
+    os.environ and nproc_per_node > 1``: 1), and for one rank a node torch's default, every
+    core (no thread bound: the node's memory bandwidth binds, ``math.inf``)."""
+    if hardware.host_cores is not None:
+        return float(max(1, hardware.host_cores // hardware.gpus_per_node))
+    return 1.0 if hardware.gpus_per_node > 1 else math.inf
 
 
 class ShardStep(NamedTuple):
     """What one step's optimizer and offload move and hide behind: the model's ``params``,
-    sharded over ``shard`` ranks, ``accumulate`` micro-batches, and ``compute_s`` busy seconds
-    of compute and recompute."""
+    sharded over ``shard`` ranks, ``accumulate`` micro-batches, ``compute_s`` busy seconds
+    of compute and recompute, and the ``threads`` of each rank's host optimizer step."""
 
     params: float
     shard: int
     accumulate: int
     compute_s: float
+    threads: float = HOST_OPTIMIZER_THREADS
 
 
 def _optimizer_and_offload(
@@ -194,8 +210,8 @@ def _optimizer_and_offload(
     of the gradient shard back that the ``compute_s`` does not hide (the engine's rules:
     :meth:`~autoshard.engine.EnginePolicy.offload_transfers`), and each rank's optimizer
     stepping its shard in host memory after the backward, all ranks of a node at once, each on
-    :data:`HOST_OPTIMIZER_THREADS` threads."""
-    params, shard, accumulate, compute_s = step
+    the step's ``threads`` (:func:`host_optimizer_threads`)."""
+    params, shard, accumulate, compute_s, host_threads = step
     stored, _ = element_bytes(candidate.precision)
     shard_params = params / max(shard, 1)
     step_bytes = shard_params * optimizer_bytes_per_param(candidate)
@@ -215,7 +231,7 @@ def _optimizer_and_offload(
     else:
         # each rank's share of the node's memory bandwidth, at most what its threads stream
         share = factors.host_memory_bandwidth / hardware.gpus_per_node
-        threads = HOST_OPTIMIZER_THREADS * factors.host_thread_bandwidth
+        threads = host_threads * factors.host_thread_bandwidth
         offload_s += step_bytes / min(share, threads)
     return offload_s, 0.0
 
@@ -382,7 +398,12 @@ def _step_time(inputs: SpeedInputs, s: _Set) -> tuple[float, SpeedBreakdown]:
     )
     offload_s, optimizer_s = _optimizer_and_offload(
         candidate, hardware, gpu, factors,
-        ShardStep(params, comm.shard, accumulate, compute_s + recompute_s),
+        ShardStep(
+            params, comm.shard, accumulate, compute_s + recompute_s,
+            host_optimizer_threads(hardware)
+            if inputs.host_threads is None
+            else float(inputs.host_threads),
+        ),
     )  # fmt: skip
     distributed_s = _distributed_seconds(step, comm, gpu, factors)
     scale_sync_s = recipe.scale_sync_s(

@@ -27,6 +27,7 @@ class SpeedOptions(TypedDict, total=False):
     tf32: bool
     skip_sync: bool | None
     linears: LinearShapes | None
+    host_threads: int | None
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,11 @@ class SpeedInputs:
     them: ``factors`` (the defaults for the GPU when None), ``gpu`` (the resolved catalogue
     entry; :func:`~autoshard.predict.hardware.speed_for`'s when None), ``tf32`` (fp32 matrix
     products on tensor cores), ``skip_sync`` (whether the micro-batches before the last skip the
-    gradient sync; None: as ``workload.loop`` does) and ``linears`` (the layers float8
-    converts, :func:`~autoshard.predict.recipe.linear_shapes`).
+    gradient sync; None: as ``workload.loop`` does), ``linears`` (the layers float8
+    converts, :func:`~autoshard.predict.recipe.linear_shapes`) and ``host_threads`` (each rank's
+    threads for CPU offload's host optimizer step; None: the run's,
+    :func:`~autoshard.predict.speed.host_optimizer_threads`; autoshard's GPU trials run
+    :data:`~autoshard.predict.speed.HOST_OPTIMIZER_THREADS`).
 
     >>> from autoshard import Hardware, WorkloadSpec
     >>> from autoshard.results import ModelProfile
@@ -57,3 +61,4 @@ class SpeedInputs:
     tf32: bool = False
     skip_sync: bool | None = None
     linears: LinearShapes | None = None
+    host_threads: int | None = None

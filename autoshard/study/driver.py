@@ -118,5 +118,7 @@ def reorder_remaining(
         return list(queue), None
     if not any(r.status is TrialStatus.OK for r in done):
         return study_order(queue, done), None
-    order, calibration = reorder_untried(queue, done, plan.speed.predict, plan.speed.prior)
+    order, calibration = reorder_untried(
+        queue, done, plan.speed.predict, plan.speed.prior, as_tried=plan.speed.predict_trial
+    )
     return study_order(order, done), calibration

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from autoshard.config import Candidate, Hardware, RankOrder
 from autoshard.predict.analytic import ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES
-from autoshard.results import Decision, MemoryEstimate, ModelProfile
+from autoshard.results import Decision, MemoryEstimate, ModelProfile, SpeedEstimate
 from autoshard.space import tie_rule_words
 from autoshard.ui.fit import Column, fitted_table
 from autoshard.units import format_bytes, format_count, format_share
@@ -180,18 +180,36 @@ def estimates_table(
             s = e.speed
             row += [
                 f"{s.tokens_per_s_per_gpu:,.0f}" if s and s.tokens_per_s_per_gpu else "",
-                format_share(s.mfu) if s and s.mfu is not None else "",
+                mfu_cell(s) if s else "",
             ]
         rows.append(row)
+    capped = any(e.speed is not None and e.speed.mfu_capped for e in shown)
+    cap = f"; {CAP_MARK.strip()}: {CAP_WORDS}" if capped else ""
     return fitted_table(
         columns,
         rows,
         width,
         title=title,
         title_justify="left",
-        caption=f"fitting candidates first, {by}; the rest by how far they overshoot{more}",
+        caption=f"fitting candidates first, {by}; the rest by how far they overshoot{more}{cap}",
         caption_justify="left",
     )
+
+
+# A prediction held at the best published MFU of its model size and GPU generation
+# (autoshard.predict.ceilings): the model predicted it faster than any published run reached.
+CAP_MARK = " cap"
+CAP_WORDS = (
+    "held at the best published MFU for this model size and GPU generation (predicted faster "
+    "than any published run)"
+)
+
+
+def mfu_cell(speed: SpeedEstimate) -> str:
+    """A candidate's MFU as the table shows it, marked where it was capped."""
+    if speed.mfu is None:
+        return ""
+    return format_share(speed.mfu) + (CAP_MARK if speed.mfu_capped else "")
 
 
 def print_estimates(

@@ -130,3 +130,31 @@ def test_autocast_makes_each_kernel_dearer_and_compile_costs_a_step(net) -> None
 
 def test_the_module_documents_why_it_binds_on_one_gpu() -> None:
     assert "108-206 ms" in (host_bound.__doc__ or "")
+
+
+def test_host_and_gpu_overlap_fully_only_where_one_is_far_ahead(net) -> None:
+    # their HOST_DEVICE_NORM-norm: the longer where one is far ahead, 2^(1/p) of either where
+    # they are equal, never more than the sum; nothing where the host is the device
+    from autoshard.predict.host_bound import HOST_DEVICE_NORM, host_bound_seconds, overlapped
+
+    p = HOST_DEVICE_NORM
+    assert overlapped(0.0, 0.5) == 0.5 and overlapped(0.5, 0.0) == 0.5
+    assert overlapped(1.0, 1.0) == pytest.approx(2 ** (1 / p)) and 1 < 2 ** (1 / p) < 2
+    assert overlapped(0.1, 1.0) == pytest.approx(1.0, rel=1e-3)  # 10x ahead: the longer
+    assert overlapped(0.6, 0.8) < 1.4
+    # the step waits on its host by what the overlap adds to the GPU's work before its tail
+    profile, flops = net
+    candidate = Candidate(engine="fsdp2", wrap_classes=WRAP)
+    step = step_timeline(
+        candidate, ONE, WorkloadSpec(), blocks=BLOCKS,
+        params=float(profile.total_params), block_params=float(profile.block_params),
+    )  # fmt: skip
+    issued = HostStep(step, profile, flops, candidate, ONE)
+    issuing = host_seconds(issued, op_s=14e-6)
+    kw = {"op_s": 14e-6, "tail_s": 0.01, "host_is_device": False}
+    waits = host_bound_seconds(issued, device_s=issuing + 0.01, **kw)  # GPU work = the host's
+    assert waits == pytest.approx((2 ** (1 / p) - 1) * issuing)
+    far = 10 * issuing  # the GPU 10x ahead: next to nothing
+    assert 0 < host_bound_seconds(issued, device_s=far, **kw) < 1e-3 * far
+    cpu = {**kw, "host_is_device": True}
+    assert host_bound_seconds(issued, device_s=issuing, **cpu) == 0.0

@@ -99,7 +99,9 @@ def test_depth_extrapolation_matches_the_whole_simulation() -> None:
 
 
 ENCODER, DECODER = "transformer.encoder.layers", "transformer.decoder.layers"
-SEQ2SEQ = TargetSpec(spec=f"{EXAMPLES}/lightning_transformer.py:build", kwargs={"nlayers": 10, "vocab_size": 512})
+SEQ2SEQ = TargetSpec(
+    spec=f"{EXAMPLES}/lightning_transformer.py:build", kwargs={"nlayers": 10, "vocab_size": 512}
+)
 
 
 def test_every_stack_of_an_encoder_decoder_is_a_block_list() -> None:

@@ -9,6 +9,7 @@ over its link: the volumes of each strategy, computed by hand below from the mod
 from __future__ import annotations
 
 import doctest
+import math
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from autoshard.predict.speed import (
     HOST_OPTIMIZER_THREADS,
     SpeedFactors,
     default_factors,
+    host_optimizer_threads,
     predict_speed,
     under_pressure,
 )
@@ -571,9 +573,13 @@ def test_offload_on_two_ranks_regathers_too(net) -> None:
     two = ONE_NODE.model_copy(update={"gpus_per_node": 2})
     shard = P / 2
     # the node's 2 ranks step their shards in host memory, each at most its threads' bandwidth
+    # (the trials' 4 threads a rank)
     threads = HOST_OPTIMIZER_THREADS * EXACT.host_thread_bandwidth
     optimizer = shard * 80 / min(50e9 / 2, threads)
-    speed = predict_speed(profile, flops, offload, two, WorkloadSpec(), EXACT, gpu=GPU)
+    speed = predict_speed(
+        profile, flops, offload, two, WorkloadSpec(), EXACT, gpu=GPU,
+        host_threads=HOST_OPTIMIZER_THREADS,
+    )  # fmt: skip
     assert speed.breakdown.offload_s == pytest.approx(3 * shard * 4 / 10e9 + optimizer, rel=1e-9)
 
 
@@ -690,10 +696,64 @@ def test_offload_optimizer_of_few_ranks_is_bound_by_its_threads(net) -> None:
     offload = Candidate(wrap_classes=WRAP, cpu_offload=True, engine="fsdp2")
     two = Hardware(gpus_per_node=2, gpu_memory=80 * 2**30)
     factors = EXACT.model_copy(update={"host_thread_bandwidth": 5e9})
-    speed = predict_speed(profile, flops, offload, two, WorkloadSpec(), factors, gpu=GPU)
+    speed = predict_speed(
+        profile, flops, offload, two, WorkloadSpec(), factors, gpu=GPU,
+        host_threads=HOST_OPTIMIZER_THREADS,
+    )  # fmt: skip
     shard = P / 2
     assert HOST_OPTIMIZER_THREADS == 4
     assert speed.breakdown.offload_s == pytest.approx(3 * shard * 4 / 10e9 + shard * 80 / 20e9)
+
+
+def test_host_optimizer_threads_are_the_runs(net) -> None:
+    # The threads of each rank's host optimizer step are the user's run's, not the trials' 4:
+    # the node's cores over its ranks where they are known (Lightning's launchers), else
+    # torchrun's 1 a rank where a node has several, and for one rank a node torch's default
+    # (every core: only the node's memory bandwidth binds).
+    def node(gpus: int, cores: int | None = None) -> Hardware:
+        return Hardware(gpus_per_node=gpus, gpu_memory=80 * 2**30, host_cores=cores)
+
+    assert host_optimizer_threads(node(8)) == 1
+    assert host_optimizer_threads(node(8, cores=64)) == 8
+    assert host_optimizer_threads(node(8, cores=4)) == 1  # at least one a rank
+    assert host_optimizer_threads(node(1)) == math.inf
+    assert host_optimizer_threads(node(1, cores=16)) == 16
+    # and the offload term steps each rank's shard at those threads: 2 ranks a node streaming
+    # 50 GB/s, 5 GB/s a thread
+    profile, flops = net
+    offload = Candidate(wrap_classes=WRAP, cpu_offload=True, engine="fsdp2")
+    factors = EXACT.model_copy(update={"host_thread_bandwidth": 5e9})
+    shard = P / 2
+    copies = 3 * shard * 4 / 10e9
+    for cores, rate in ((None, 5e9), (4, 10e9), (64, 25e9)):  # 1 thread, 2, 32 (node-bound)
+        speed = predict_speed(
+            profile, flops, offload, node(2, cores), WorkloadSpec(), factors, gpu=GPU
+        )
+        assert speed.breakdown.offload_s == pytest.approx(copies + shard * 80 / rate), cores
+    # the trials' own threads, given
+    trial = predict_speed(
+        profile, flops, offload, node(2, 64), WorkloadSpec(), factors, gpu=GPU,
+        host_threads=HOST_OPTIMIZER_THREADS,
+    )  # fmt: skip
+    assert trial.breakdown.offload_s == pytest.approx(copies + shard * 80 / 20e9)
+
+
+def test_host_cores_given_or_this_machines() -> None:
+    # the cores per node come from the options, or from this machine when planning for it (its
+    # CPU processes here); planning for GPUs elsewhere leaves them unknown
+    import os
+    import warnings
+
+    from autoshard.detect import detect_hardware
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        here = detect_hardware(gpu="cpu-gloo", gpus=2, trials=True)
+        given = detect_hardware(gpus=8, gpu="h100-sxm", host_cores=96)
+        elsewhere = detect_hardware(gpus=8, gpu="h100-sxm")
+    assert here.host_cores == os.cpu_count()
+    assert (given.host_cores, elsewhere.host_cores) == (96, None)
+    assert host_optimizer_threads(given) == 12
 
 
 # --------------------------------------------------------------------------------------------
@@ -725,9 +785,10 @@ def test_a_short_step_of_many_blocks_waits_on_its_host_and_a_long_one_does_not()
     # for 0.2 TFLOP, so most of the step is the host issuing it
     short = _decoder_speed(64, 1024, 35, 1, 2, "a100-40gb-sxm", precision="32-true")
     assert short.breakdown.host_bound_s > 0.5 * short.step_time_s
-    # a Llama 3 8B shape at 8,192 tokens on 8 H100: the GPU's kernels outlast the host's
+    # a Llama 3 8B shape at 8,192 tokens on 8 H100: the GPU's kernels outlast the host's, by
+    # so far that their overlap (host_bound.overlapped) leaves next to nothing to wait
     long = _decoder_speed(32, 4096, 8192, 1, 8, "h100-sxm", precision="bf16-mixed")
-    assert long.breakdown.host_bound_s == 0.0
+    assert long.breakdown.host_bound_s < 1e-3 * long.step_time_s
     assert long.step_time_s > 1.0
 
 
@@ -854,3 +915,37 @@ def test_fp32_on_hopper_reaches_its_own_share_tf32_and_16_bit_do_not(net) -> Non
     assert plain.flop_s == pytest.approx(
         a100.fp32_flops * a100.matmul_fraction * default_factors(a100).compute_efficiency
     )
+
+
+def test_calibration_compares_trials_as_they_ran_their_host_threads(net, monkeypatch) -> None:
+    # A trial steps its host optimizer on the worker group's threads (OMP_NUM_THREADS, else
+    # 4); the run planned for on its own (here 64 cores over 2 ranks). A trial measured exactly
+    # as predicted for the trial leaves nothing to calibrate: the untried candidates keep the
+    # run's uncalibrated prediction. Compared against the run's prediction instead, the fit
+    # would take the threads' difference for a slower host.
+    from autoshard.predict.calibrate import reorder_untried, trial_host_threads
+    from autoshard.results import TrialResult, TrialStatus
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert trial_host_threads() == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert trial_host_threads() == HOST_OPTIMIZER_THREADS
+    profile, flops = net
+    node = Hardware(gpus_per_node=2, gpu_memory=80 * 2**30, host_cores=64)
+    prior = EXACT.model_copy(update={"host_thread_bandwidth": 5e9})
+    model = SpeedModel(profile, flops, node, WorkloadSpec(), GPU, prior)
+    tried = Candidate(wrap_classes=WRAP, cpu_offload=True, engine="fsdp2")
+    untried = tried.model_copy(update={"micro_batch_size": 2})
+    ran = model.predict_trial(tried, prior).step_time_s
+    assert ran > 1.1 * model.predict(tried, prior).step_time_s  # 20 GB/s against 25
+    trial = TrialResult(candidate=tried, status=TrialStatus.OK, step_time=ran)
+    estimate = MemoryEstimate(
+        candidate=untried, method="analytic", gpu_peak=1, breakdown=MemoryBreakdown(),
+        fits=True, headroom=1,
+    )  # fmt: skip
+    again, _ = reorder_untried(
+        [estimate], [trial], model.predict, prior, as_tried=model.predict_trial
+    )
+    assert again[0].speed is not None
+    expected = model.predict(untried, prior).step_time_s
+    assert again[0].speed.step_time_s == pytest.approx(expected, rel=1e-6)
