@@ -14,7 +14,11 @@ if [ "${AUTOSHARD_TORCH_TIER:-1}" != 0 ]; then
   (nice -n 10 bash scripts/torch_tier.sh install > "$tier_log" 2>&1) &
   tier=$!
 fi
-python -m pytest --durations=15 "$@"
+# Two test processes (pytest-xdist): CI has 2 cores, and the multi-process tests spend much of
+# their time waiting (launches, rendezvous, timeouts). AUTOSHARD_TEST_WORKERS=0 runs them in one.
+workers=${AUTOSHARD_TEST_WORKERS:-2}
+if [ "$workers" = 0 ]; then parallel=(); else parallel=(-n "$workers" --dist worksteal); fi
+python -m pytest "${parallel[@]}" --durations=15 "$@"
 ruff check .
 ruff format --check .
 mypy
