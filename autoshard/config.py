@@ -204,7 +204,7 @@ class OptimizerTraits:
     # momentum: its buffer); a factoring optimizer keeps one per tensor it does not factor
     states: int
     # passes over tensors of the parameter's dtype per element of one step: (one fused kernel,
-    # a kernel per operation); speed.optimizer_bytes_per_param turns them into bytes
+    # a kernel per operation); optimizer_step.optimizer_bytes_per_param turns them into bytes
     passes: tuple[int, int]
     # the arguments the trials pass besides the parameters, lr and the implementation
     options: dict[str, object] = dataclasses.field(default_factory=dict)
@@ -500,7 +500,7 @@ class Hardware(Frozen):
         ge=1,
         description="CPU cores per node, shared by its ranks' host work (CPU offload's optimizer "
         "step runs on cores / ranks threads each); None: not known, the threads torchrun gives "
-        "(autoshard.predict.speed.host_optimizer_threads).",
+        "(autoshard.predict.optimizer_step.host_optimizer_threads).",
     )
     margin: float = Field(
         0.05,

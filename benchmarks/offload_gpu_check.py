@@ -22,7 +22,7 @@ time box (:data:`BOXES`, the most valuable first) and records a part that runs o
   taken for a CUDA GPU and for CPU workers.
 - ``adam``: torch.optim.AdamW(foreach=True) stepping host tensors the size of five 1B-GPT FSDP
   units (304M fp32 parameters) at 1, 2, 4, 8 and 16 threads: seconds per step and the bytes/s
-  of its 20 passes (speed.optimizer_bytes_per_param).
+  of its 20 passes (optimizer_step.optimizer_bytes_per_param).
 - ``trial``: the candidate of that label (examples/gpt.py size=1b, 2,048 tokens, micro-batch 1;
   by default the shared run's offload row, :data:`OFFLOAD_ROW`, measured 13.64 GiB allocated,
   19.50 reserved) run as autoshard's trials run it, in a fresh worker group (OMP_NUM_THREADS from

@@ -79,7 +79,8 @@ def predict(run: dict[str, Any], row: dict[str, Any], data: dict[str, Any], cach
     factors for the catalogue's GPU, slowed near the usable memory as the planner does."""
     from autoshard.config import Candidate, Hardware, WorkloadSpec
     from autoshard.predict.analytic import estimate_memory
-    from autoshard.predict.speed import HOST_OPTIMIZER_THREADS, predict_speed, under_pressure
+    from autoshard.predict.optimizer_step import HOST_OPTIMIZER_THREADS
+    from autoshard.predict.speed import predict_speed, under_pressure
 
     profile, flops, acts, linears = _profiles(run["model"]["size"], run["seq_len"], cache)
     candidate = Candidate.model_validate(row["candidate"])

@@ -49,6 +49,10 @@ MODULES: dict[str, list[str]] = {
         "tests/emit/test_prose.py",
     ],
     "predict/speed": ["tests/predict/test_speed.py", "tests/predict/test_calibrate.py"],
+    "predict/optimizer_step": [
+        "tests/predict/test_optimizer_step.py",
+        "tests/predict/test_speed.py",
+    ],
     "predict/host_bound": ["tests/predict/test_host_bound.py"],
     "predict/analytic": ["tests/predict/test_analytic.py", "tests/test_estimate.py"],
     "predict/step_memory": ["tests/predict/test_step_memory.py", "tests/predict/test_analytic.py"],

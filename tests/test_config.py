@@ -25,7 +25,7 @@ from autoshard.config import (
     WorkloadSpec,
 )
 from autoshard.engine import optimizer_bytes
-from autoshard.predict.speed import optimizer_bytes_per_param
+from autoshard.predict.optimizer_step import optimizer_bytes_per_param
 from autoshard.sharding import make_optimizer
 from tests import gloo_peaks
 

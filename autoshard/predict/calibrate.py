@@ -66,9 +66,9 @@ from autoshard.predict.least_squares import (
     solve,
     with_factors,
 )
+from autoshard.predict.optimizer_step import HOST_OPTIMIZER_THREADS
 from autoshard.predict.recipe import LinearShapes, linear_shapes
 from autoshard.predict.speed import (
-    HOST_OPTIMIZER_THREADS,
     SpeedFactors,
     default_factors,
     predict_speed,

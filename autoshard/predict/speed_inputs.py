@@ -39,8 +39,8 @@ class SpeedInputs:
     gradient sync; None: as ``workload.loop`` does), ``linears`` (the layers float8
     converts, :func:`~autoshard.predict.recipe.linear_shapes`) and ``host_threads`` (each rank's
     threads for CPU offload's host optimizer step; None: the run's,
-    :func:`~autoshard.predict.speed.host_optimizer_threads`; autoshard's GPU trials run
-    :data:`~autoshard.predict.speed.HOST_OPTIMIZER_THREADS`).
+    :func:`~autoshard.predict.optimizer_step.host_optimizer_threads`; autoshard's GPU trials run
+    :data:`~autoshard.predict.optimizer_step.HOST_OPTIMIZER_THREADS`).
 
     >>> from autoshard import Hardware, WorkloadSpec
     >>> from autoshard.results import ModelProfile

@@ -26,11 +26,10 @@ from autoshard.predict import speed as speed_module
 from autoshard.predict.calibrate import SpeedModel
 from autoshard.predict.flops import FlopProfile, profile_flops
 from autoshard.predict.hardware import dense_flops, speed_for
+from autoshard.predict.optimizer_step import HOST_OPTIMIZER_THREADS, host_optimizer_threads
 from autoshard.predict.speed import (
-    HOST_OPTIMIZER_THREADS,
     SpeedFactors,
     default_factors,
-    host_optimizer_threads,
     predict_speed,
     under_pressure,
 )
@@ -736,24 +735,6 @@ def test_host_optimizer_threads_are_the_runs(net) -> None:
         host_threads=HOST_OPTIMIZER_THREADS,
     )  # fmt: skip
     assert trial.breakdown.offload_s == pytest.approx(copies + shard * 80 / 20e9)
-
-
-def test_host_cores_given_or_this_machines() -> None:
-    # the cores per node come from the options, or from this machine when planning for it (its
-    # CPU processes here); planning for GPUs elsewhere leaves them unknown
-    import os
-    import warnings
-
-    from autoshard.detect import detect_hardware
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        here = detect_hardware(gpu="cpu-gloo", gpus=2, trials=True)
-        given = detect_hardware(gpus=8, gpu="h100-sxm", host_cores=96)
-        elsewhere = detect_hardware(gpus=8, gpu="h100-sxm")
-    assert here.host_cores == os.cpu_count()
-    assert (given.host_cores, elsewhere.host_cores) == (96, None)
-    assert host_optimizer_threads(given) == 12
 
 
 # --------------------------------------------------------------------------------------------
