@@ -10,17 +10,8 @@ from autoshard.results import TrialStatus
 from autoshard.target.resolve import TargetSpec
 from autoshard.trials.accounting import summarize
 from autoshard.trials.protocol import RankReport, TrialRequest
+from tests.trials.test_protocol import _request
 from tests.trials.test_worker import _report
-
-
-def _request(n: int = 0) -> TrialRequest:
-    return TrialRequest(
-        n=n,
-        candidate=Candidate(precision="32-true", micro_batch_size=2),
-        target=TargetSpec(spec="m.py:build", kwargs={"size": "tiny"}),
-        workload=WorkloadSpec(seq_len=64),
-        memory_cap=2**30,
-    )
 
 
 def test_an_oom_on_one_rank_is_the_trials_status_whatever_the_others_raised() -> None:
